@@ -1,0 +1,213 @@
+"""Declaring derivations on model classes: `gs.derive` and `gs.graphsafe`.
+
+`gs.derive` only marks a method. `gs.graphsafe` discovers the marks when the class is
+created, validates them all at once and registers them; on a class with a loading method
+it also wraps that method so that derived buffers follow every load.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar, overload
+
+from graphsafe.errors import RegistrationError
+from graphsafe.registry import Registry, default_registry
+from graphsafe.spec import Derivation
+
+__all__ = ["derive", "graphsafe"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=type)
+
+_MARK = "__graphsafe_derive__"
+_WRAPPED = "__graphsafe_load__"
+
+
+class _Mark(NamedTuple):
+    outputs: tuple[str, ...]
+    inputs: tuple[str, ...]
+    when: Callable[[Any], bool] | None
+
+
+def derive(
+    outputs: str | Sequence[str],
+    *,
+    inputs: Sequence[str],
+    when: Callable[[Any], bool] | None = None,
+) -> Callable[[F], F]:
+    """Mark a method of a module class as a derivation.
+
+    The method is called as `method(self, *inputs, out=None)`. Nothing is registered
+    until the class is decorated with `gs.graphsafe`.
+
+    Args:
+        outputs: The buffer name, or a tuple of names for several buffers.
+        inputs: Dotted paths relative to the module: parameters, buffers, plain tensor
+            attributes, or outputs of other derivations.
+        when: Optional `when(module) -> bool`; where false the module owns no buffer and
+            the attributes stay `None`.
+
+    Returns:
+        A decorator that marks the method and returns it unchanged.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Layer(nn.Module):
+        ...     @derive("w_sum", inputs=["w"])
+        ...     def _w_sum(self, w, *, out=None):
+        ...         return torch.sum(w, dim=0, out=out)
+    """
+    names = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+    if isinstance(inputs, str):
+        raise RegistrationError(
+            "gs.derive takes a list of input paths",
+            derivation=f"outputs {names}",
+            expected=f"inputs=[{inputs!r}]",
+            got=f"inputs={inputs!r}",
+            fix="wrap the path in a list",
+        )
+    mark = _Mark(names, tuple(inputs), when)
+
+    def decorate(fn: F) -> F:
+        if isinstance(fn, (staticmethod, classmethod)):
+            raise RegistrationError(
+                "gs.derive marks plain methods",
+                derivation=f"outputs {names}",
+                expected="def method(self, *inputs, out=None)",
+                got=type(fn).__name__,
+                fix="drop @staticmethod/@classmethod; the module is passed as `self`",
+            )
+        setattr(fn, _MARK, mark)
+        return fn
+
+    return decorate
+
+
+def _wrap_loader(fn: Callable[..., Any], registry: Registry) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Imported here: the runtime imports this module's marks.
+        from graphsafe.runtime import runtime
+
+        return runtime(self, registry).run_load(fn, self, args, kwargs)
+
+    setattr(load, _WRAPPED, True)
+    return load
+
+
+@overload
+def graphsafe(cls: C, /) -> C: ...
+
+
+@overload
+def graphsafe(
+    *, load: str = "load_weights", registry: Registry | None = None
+) -> Callable[[C], C]: ...
+
+
+def graphsafe(
+    cls: C | None = None,
+    /,
+    *,
+    load: str = "load_weights",
+    registry: Registry | None = None,
+) -> C | Callable[[C], C]:
+    """Class decorator: register the class's derivations and wrap its loading method.
+
+    Usable bare (`@gs.graphsafe`) or with arguments (`@gs.graphsafe(load="load")`).
+    Derivations marked with `gs.derive` in the class body are validated and registered.
+    If the class has the loading method (defined or inherited), calls to it are wrapped:
+    the first call materializes the derived buffers of the instance's whole module tree,
+    and every later call refreshes, in place, those whose inputs it wrote.
+
+    Args:
+        cls: The class (when used bare).
+        load: Name of the loading method to wrap.
+        registry: Where to register; `gs.default_registry` by default.
+
+    Returns:
+        The same class, with derivations registered and the loader wrapped.
+
+    Raises:
+        RegistrationError: If a derivation is invalid, or `load` was given explicitly and
+            the class has no such method.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> @graphsafe
+        ... class Layer(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = nn.Parameter(torch.ones(2, 3))
+        ...     @derive("w_sum", inputs=["w"])
+        ...     def _w_sum(self, w, *, out=None):
+        ...         return torch.sum(w, dim=0, out=out)
+        ...     def load_weights(self, weights):
+        ...         for name, t in weights:
+        ...             self.get_parameter(name).data.copy_(t)
+        >>> layer = Layer()
+        >>> layer.load_weights([("w", torch.full((2, 3), 2.0))])
+        >>> layer.w_sum
+        tensor([4., 4., 4.])
+    """
+    explicit_load = load != "load_weights"
+    reg = registry if registry is not None else default_registry
+
+    def apply(klass: C) -> C:
+        for attr_name, attr in list(vars(klass).items()):
+            target = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+            mark = getattr(target, _MARK, None)
+            if not isinstance(mark, _Mark):
+                continue
+            if target is not attr:
+                raise RegistrationError(
+                    "gs.derive marks plain methods",
+                    module_class=klass.__name__,
+                    derivation=f"{klass.__name__}.{attr_name}",
+                    expected="def method(self, *inputs, out=None)",
+                    got=type(attr).__name__,
+                    fix="drop @staticmethod/@classmethod; the module is passed as `self`",
+                )
+            reg.register(
+                klass,
+                Derivation(
+                    outputs=mark.outputs,
+                    inputs=mark.inputs,
+                    fn=attr,
+                    when=mark.when,
+                    method=attr_name,
+                    name=f"{klass.__name__}.{attr_name}",
+                ),
+            )
+        loader = getattr(klass, load, None)
+        if loader is None:
+            if explicit_load:
+                raise RegistrationError(
+                    f"{klass.__name__} has no loading method {load!r}",
+                    module_class=klass.__name__,
+                    expected=f"a method {klass.__name__}.{load}(...)",
+                    got="no such attribute",
+                    fix="pass the name of the method that writes the weights as `load=`",
+                )
+        elif not getattr(loader, _WRAPPED, False):
+            setattr(klass, load, _wrap_loader(loader, reg))
+        return klass
+
+    if cls is not None:
+        return apply(cls)
+    return apply
+
+
+def is_marked(fn: object) -> bool:
+    """Whether `fn` carries a `gs.derive` mark.
+
+    Args:
+        fn: Any object.
+
+    Returns:
+        True for methods marked with `gs.derive`.
+    """
+    return isinstance(getattr(fn, _MARK, None), _Mark)

@@ -89,9 +89,9 @@ class _Bound:
     """A derivation bound to one module instance, with everything a refresh needs."""
 
     __slots__ = (
-        "accepts_out", "buffers", "container", "deps", "downstream", "fn", "geometry",
+        "accepts_out", "buffers", "container", "deps", "downstream", "fast", "fn", "geometry",
         "in_refs", "index", "inputs", "leaf_inputs", "module_class", "module_path",
-        "module_ref", "nbytes", "out_paths", "outputs", "spec",
+        "module_ref", "nbytes", "out_arg", "out_paths", "outputs", "spec",
     )
 
     def __init__(self, spec: Derivation, module: nn.Module, module_path: str) -> None:
@@ -113,6 +113,16 @@ class _Bound:
         self.buffers: list[torch.Tensor] | None = None
         self.geometry: list[tuple[int, torch.Size, tuple[int, ...]]] = []
         self.nbytes = 0
+        self.out_arg: Any = None
+        self.fast = False
+
+    def set_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Record the buffers and precompute what the hot path needs."""
+        self.buffers = buffers
+        self.geometry = [(t.data_ptr(), t.shape, t.stride()) for t in buffers]
+        self.nbytes = sum(t.nbytes for t in buffers)
+        self.out_arg = buffers[0] if len(buffers) == 1 else tuple(buffers)
+        self.fast = self.accepts_out and len(buffers) == 1
 
     @property
     def path(self) -> str:
@@ -176,6 +186,8 @@ class Runtime:
         self._watch: dict[int, list[_Input]] | None = None
         self._depth = 0
         self._update: WriteTracker | None = None
+        self.last_report: RefreshReport | None = None
+        """The report of the last refresh, including those run by loads."""
 
     # -- binding -------------------------------------------------------------------
 
@@ -559,43 +571,77 @@ class Runtime:
         raw: list[RawEntry] = []
         failed: set[int] = set()
         first_error: BaseException | None = None
-        purity = self._purity_watch() if self.strict else None
+        # Storages of every model tensor, for the purity check (once per run, not per
+        # derivation: walking the model is O(model)).
+        pending = self.strict or any(bound[i].buffers is None for i in plan)
+        watch = self._purity_watch() if pending else None
+        clock = time.perf_counter
         with torch.no_grad():
             for i in plan:
                 b = bound[i]
-                if b.deps & failed:
+                if failed and not b.deps.isdisjoint(failed):
                     failed.add(i)
                     continue
-                t0 = time.perf_counter()
+                t0 = clock()
                 try:
                     if b.buffers is None:
-                        self._materialize(b)
-                        action, taken, held = _MATERIALIZED, _SLOW, True
+                        assert watch is not None
+                        self._materialize(b, watch)
+                        raw.append((i, _MATERIALIZED, _SLOW, clock() - t0, True))
+                    elif watch is None and b.fast:
+                        self._refresh_fast(b)
+                        raw.append((i, _REFRESHED, _FAST, clock() - t0, True))
                     else:
-                        taken, held = self._refresh_one(b, purity)
-                        action = _REFRESHED
+                        taken = self._refresh_checked(b, watch if self.strict else None)
+                        raw.append((i, _REFRESHED, taken, clock() - t0, True))
                 except Exception as exc:
                     failed.add(i)
-                    raw.append((i, _FAILED, _NONE, time.perf_counter() - t0, False))
+                    raw.append((i, _FAILED, _NONE, clock() - t0, self._geometry_held(b)))
                     if first_error is None:
                         first_error = exc
-                    continue
-                raw.append((i, action, taken, time.perf_counter() - t0, held))
+        stale = self._stale
         for i in plan:
             if i in failed:
-                self._stale.update(bound[i].downstream)
+                stale.update(bound[i].downstream)
             else:
-                self._stale.discard(i)
+                stale.discard(i)
         if first_error is not None:
             raise first_error
-        return RefreshReport.from_raw(self._identities, raw, time.perf_counter() - start)
+        report = RefreshReport.from_raw(self._identities, raw, clock() - start)
+        self.last_report = report
+        return report
 
     def _inputs_of(self, b: _Bound) -> list[torch.Tensor]:
         return [c[k] for c, k in b.in_refs]
 
-    def _refresh_one(
-        self, b: _Bound, purity: dict[int, str] | None
-    ) -> tuple[int, bool]:
+    def _refresh_fast(self, b: _Bound) -> None:
+        """The hot path: one output, `out=`, nothing to check but the geometry."""
+        buf: torch.Tensor = b.out_arg
+        if b.container.get(b.outputs[0]) is not buf:
+            self._refresh_checked(b, None)  # replaced, e.g. by model.to(): adopt or refuse
+            return None
+        try:
+            ret = b.fn(b.module_ref(), *[c[k] for c, k in b.in_refs], out=buf)
+        except Exception:
+            self._restore_geometry(b, raise_drift=False)
+            raise
+        ptr, shape, _ = b.geometry[0]
+        if buf.data_ptr() != ptr or buf.shape != shape:
+            self._restore_geometry(b, raise_drift=True)
+        if ret is not buf:
+            # Computed apart after all: validate, then copy in (the slow path).
+            buf.copy_(self._check_results(b, ret)[0])
+            b.fast = False
+        return None
+
+    def _geometry_held(self, b: _Bound) -> bool:
+        return all(
+            buf.data_ptr() == ptr and buf.shape == shape
+            for buf, (ptr, shape, _) in zip(b.buffers or (), b.geometry)
+        )
+
+    def _refresh_checked(self, b: _Bound, purity: dict[int, str] | None) -> int:
+        """Every other case: several outputs, no `out=`, strict purity, moved buffers."""
         module = b.module_ref()
         buffers = b.buffers
         assert module is not None and buffers is not None
@@ -610,7 +656,7 @@ class Runtime:
                 {k: p for k, p in purity.items() if k not in own}, self._impure(b, purity)
             )
         if b.accepts_out:
-            out = buffers[0] if len(buffers) == 1 else tuple(buffers)
+            out = b.out_arg
             try:
                 with guard:
                     ret = b.fn(module, *args, out=out)
@@ -619,11 +665,11 @@ class Runtime:
                 raise
             self._restore_geometry(b, raise_drift=True)
             if ret is out or (
-                isinstance(ret, tuple)
+                isinstance(ret, (tuple, list))
                 and len(ret) == len(buffers)
                 and all(r is o for r, o in zip(ret, buffers))
             ):
-                return _FAST, True
+                return _FAST
         else:
             with guard:
                 ret = b.fn(module, *args)
@@ -632,7 +678,7 @@ class Runtime:
             buffers[0].copy_(results[0])
         else:
             torch._foreach_copy_(buffers, results)
-        return _SLOW, True
+        return _SLOW
 
     def _check_results(self, b: _Bound, ret: Any) -> list[torch.Tensor]:
         """Validate a result computed apart against the buffers, before any write."""
@@ -700,13 +746,13 @@ class Runtime:
         locked = _pin_storage(new)
         b.container[name] = locked
         assert b.buffers is not None
-        b.buffers[j] = locked
-        b.geometry[j] = (locked.data_ptr(), locked.shape, locked.stride())
+        buffers = list(b.buffers)
+        buffers[j] = locked
+        b.set_buffers(buffers)
 
-    def _materialize(self, b: _Bound) -> None:
+    def _materialize(self, b: _Bound, watch: dict[int, str]) -> None:
         module = b.module_ref()
         assert module is not None
-        watch = self._purity_watch()
         with WriteTracker(watch, self._impure(b, watch)):
             ret = b.fn(module, *self._inputs_of(b))
         results = _as_results(b, ret)
@@ -729,9 +775,8 @@ class Runtime:
                 t = _pin_storage(t)
                 module.register_buffer(name, t, persistent=False)
             buffers.append(t)
-        b.buffers = buffers
-        b.geometry = [(t.data_ptr(), t.shape, t.stride()) for t in buffers]
-        b.nbytes = sum(t.nbytes for t in buffers)
+            watch.setdefault(storage_key(t), _join(b.module_path, name))
+        b.set_buffers(buffers)
         self._identities[b.index] = (b.path, b.spec.name, b.out_paths, b.nbytes)
 
     def _purity_watch(self) -> dict[int, str]:

@@ -50,7 +50,7 @@ def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
     return found
 
 
-class WriteTracker(TorchDispatchMode):
+class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Notes writes into watched storages; optionally refuses them.
 
     Args:
@@ -72,7 +72,7 @@ class WriteTracker(TorchDispatchMode):
         watched: Mapping[int, object],
         on_write: Callable[[int, str], None] | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.watched = watched
         self.on_write = on_write
         self.written: set[int] = set()

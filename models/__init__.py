@@ -1,0 +1,1 @@
+"""Reference models that use graphsafe the way a user would."""

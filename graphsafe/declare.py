@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import Any, NamedTuple, TypeVar, cast, overload
 
 from graphsafe.errors import RegistrationError
 from graphsafe.registry import Registry, default_registry
 from graphsafe.spec import Derivation
 
-__all__ = ["derive", "graphsafe"]
+__all__ = ["class_registries", "derive", "graphsafe", "is_marked"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
 
 _MARK = "__graphsafe_derive__"
 _WRAPPED = "__graphsafe_load__"
+# Set in a decorated class's own __dict__: the registry it declared into, and the
+# decorator's arguments, which its subclasses inherit.
+_APPLIED = "__graphsafe_applied__"
 
 
 class _Mark(NamedTuple):
@@ -157,6 +160,18 @@ def graphsafe(
     reg = registry if registry is not None else default_registry
 
     def apply(klass: C) -> C:
+        _apply(klass, load, reg, explicit_load)
+        return klass
+
+    if cls is not None:
+        return apply(cls)
+    return apply
+
+
+def _apply(klass: type, load: str, reg: Registry, explicit_load: bool) -> None:
+    """Register `klass`'s marked methods, wrap its loader, and do the same for every
+    subclass when it is created (a subclass behaves like its decorated base)."""
+    if _APPLIED not in vars(klass):
         for attr_name, attr in list(vars(klass).items()):
             target = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
             mark = getattr(target, _MARK, None)
@@ -182,23 +197,51 @@ def graphsafe(
                     name=f"{klass.__name__}.{attr_name}",
                 ),
             )
-        loader = getattr(klass, load, None)
-        if loader is None:
-            if explicit_load:
-                raise RegistrationError(
-                    f"{klass.__name__} has no loading method {load!r}",
-                    module_class=klass.__name__,
-                    expected=f"a method {klass.__name__}.{load}(...)",
-                    got="no such attribute",
-                    fix="pass the name of the method that writes the weights as `load=`",
-                )
-        elif not getattr(loader, _WRAPPED, False):
-            setattr(klass, load, _wrap_loader(loader, reg))
-        return klass
+        type.__setattr__(klass, _APPLIED, (load, reg))
+        _hook_subclasses(klass)
+    loader = getattr(klass, load, None)
+    if loader is None:
+        if explicit_load:
+            raise RegistrationError(
+                f"{klass.__name__} has no loading method {load!r}",
+                module_class=klass.__name__,
+                expected=f"a method {klass.__name__}.{load}(...)",
+                got="no such attribute",
+                fix="pass the name of the method that writes the weights as `load=`",
+            )
+    elif not getattr(loader, _WRAPPED, False):
+        setattr(klass, load, _wrap_loader(loader, reg))
 
-    if cls is not None:
-        return apply(cls)
-    return apply
+
+def _hook_subclasses(klass: type) -> None:
+    own = vars(klass).get("__init_subclass__")
+
+    def __init_subclass__(sub: type, /, **kwargs: Any) -> None:
+        if own is not None:
+            own.__get__(None, sub)(**kwargs)
+        else:
+            super(cast(Any, klass), sub).__init_subclass__(**kwargs)
+        load, reg = getattr(sub, _APPLIED)
+        _apply(sub, load, reg, explicit_load=False)
+
+    type.__setattr__(klass, "__init_subclass__", classmethod(__init_subclass__))
+
+
+def class_registries(cls: type) -> list[Registry]:
+    """The registries that `gs.graphsafe(registry=...)` named on `cls` and its bases.
+
+    Args:
+        cls: A module class.
+
+    Returns:
+        The registries, most derived class first, without repeats.
+    """
+    found: list[Registry] = []
+    for klass in cls.__mro__:
+        applied = vars(klass).get(_APPLIED)
+        if applied is not None and applied[1] not in found:
+            found.append(applied[1])
+    return found
 
 
 def is_marked(fn: object) -> bool:

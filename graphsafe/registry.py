@@ -68,11 +68,13 @@ def check_signature(fn: Callable[..., Any], derivation: Derivation, cls: type) -
     for p in sig.parameters.values():
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             if p.name == "out" and positional >= 1 + len(derivation.inputs):
+                if p.default is p.empty:
+                    required_kw.append(p.name)
                 continue
             positional += 1
         elif p.kind is p.VAR_POSITIONAL:
             var_positional = True
-        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name != "out":
+        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
             required_kw.append(p.name)
     want = 1 + len(derivation.inputs)
     if (positional < want and not var_positional) or positional > want or required_kw:
@@ -84,7 +86,7 @@ def check_signature(fn: Callable[..., Any], derivation: Derivation, cls: type) -
             expected=f"fn({params}, *, out=None)",
             got=f"fn{sig}",
             fix="take the module, then one positional parameter per input in the order of "
-            "`inputs`, and optionally a keyword `out`",
+            "`inputs`, and optionally `out=None` (materialization calls it without `out`)",
         )
 
 

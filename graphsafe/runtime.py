@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.dlpack import from_dlpack
 
-from graphsafe.declare import is_marked
+from graphsafe.binding import Bound, Input, bind, describe, join, model_tensors, pin_storage
+from graphsafe.declare import class_registries
 from graphsafe.errors import (
     DerivationDriftError,
     GraphSafetyError,
@@ -30,7 +30,7 @@ from graphsafe.errors import (
     StaleError,
     StorageMovedError,
 )
-from graphsafe.registry import Registry, accepts_out, check_signature, default_registry
+from graphsafe.registry import Registry, default_registry
 from graphsafe.spec import Derivation, DerivationInfo, RawEntry, RawIdentity, RefreshReport
 from graphsafe.tracking import WriteTracker, storage_key
 
@@ -38,110 +38,6 @@ __all__ = ["Runtime", "runtime", "weight_update"]
 
 _MATERIALIZED, _REFRESHED, _FAILED = 0, 1, 3
 _FAST, _SLOW, _NONE = 0, 1, 2
-
-
-def _meta(t: torch.Tensor) -> str:
-    return (
-        f"shape {tuple(t.shape)}, stride {t.stride()}, dtype {t.dtype}, device {t.device}, "
-        f"storage 0x{t.data_ptr():x}"
-    )
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _pin_storage(t: torch.Tensor) -> torch.Tensor:
-    """An alias of `t` whose storage cannot be resized.
-
-    torch resizes an `out=` tensor of the wrong shape, reallocating its memory when it
-    grows; on a non-resizable storage that raises instead, so the buffer never moves.
-    """
-    try:
-        return from_dlpack(t)
-    except Exception:  # dtypes DLPack cannot express: drift is still detected afterwards
-        return t
-
-
-class _Input:
-    """A leaf tensor (parameter, buffer or plain attribute) read by derivations."""
-
-    __slots__ = ("consumers", "container", "key", "path", "ptr", "tensor")
-
-    def __init__(self, path: str, container: dict[str, Any], key: str) -> None:
-        self.path = path
-        self.container = container
-        self.key = key
-        self.tensor: torch.Tensor | None = container.get(key)
-        self.ptr = self.tensor.data_ptr() if self.tensor is not None else 0
-        self.consumers: list[int] = []
-
-    def moved(self) -> bool:
-        t = self.container.get(self.key)
-        return t is not self.tensor or t is None or t.data_ptr() != self.ptr
-
-    def accept(self) -> None:
-        self.tensor = self.container.get(self.key)
-        self.ptr = self.tensor.data_ptr() if self.tensor is not None else 0
-
-
-class _Bound:
-    """A derivation bound to one module instance, with everything a refresh needs."""
-
-    __slots__ = (
-        "accepts_out", "buffers", "container", "deps", "downstream", "fast", "fn", "geometry",
-        "in_refs", "index", "inputs", "leaf_inputs", "module_class", "module_path",
-        "module_ref", "nbytes", "out_arg", "out_paths", "outputs", "spec",
-    )
-
-    def __init__(self, spec: Derivation, module: nn.Module, module_path: str) -> None:
-        self.spec = spec
-        self.module_ref = weakref.ref(module)
-        self.module_path = module_path
-        self.module_class = type(module).__name__
-        self.fn = _resolve_fn(spec, module)
-        self.accepts_out = accepts_out(self.fn)
-        self.outputs = spec.outputs
-        self.out_paths = tuple(_join(module_path, o) for o in spec.outputs)
-        self.inputs = tuple(_join(module_path, i) for i in spec.inputs)
-        self.container: dict[str, Any] = module._buffers
-        self.in_refs: list[tuple[dict[str, Any], str]] = []
-        self.leaf_inputs: list[_Input] = []
-        self.deps: set[int] = set()
-        self.index = -1
-        self.downstream: tuple[int, ...] = ()
-        self.buffers: list[torch.Tensor] | None = None
-        self.geometry: list[tuple[int, torch.Size, tuple[int, ...]]] = []
-        self.nbytes = 0
-        self.out_arg: Any = None
-        self.fast = False
-
-    def set_buffers(self, buffers: list[torch.Tensor]) -> None:
-        """Record the buffers and precompute what the hot path needs."""
-        self.buffers = buffers
-        self.geometry = [(t.data_ptr(), t.shape, t.stride()) for t in buffers]
-        self.nbytes = sum(t.nbytes for t in buffers)
-        self.out_arg = buffers[0] if len(buffers) == 1 else tuple(buffers)
-        self.fast = self.accepts_out and len(buffers) == 1
-
-    @property
-    def path(self) -> str:
-        return self.out_paths[0]
-
-    def error(self, cls: type[GraphSafetyError], summary: str, **kw: Any) -> GraphSafetyError:
-        kw.setdefault("path", self.path)
-        return cls(summary, module_class=self.module_class, derivation=self.spec.name, **kw)
-
-
-def _resolve_fn(spec: Derivation, module: nn.Module) -> Callable[..., Any]:
-    """The function to call: a subclass's plain override of a declared method wins."""
-    if spec.method is None:
-        return spec.fn
-    override = getattr(type(module), spec.method, None)
-    if override is None or override is spec.fn or is_marked(override):
-        return spec.fn
-    check_signature(override, spec, type(module))
-    return override  # type: ignore[no-any-return]
 
 
 class Runtime:
@@ -152,7 +48,8 @@ class Runtime:
 
     Args:
         model: The root module.
-        registry: Where the derivations are declared.
+        registry: Where the derivations are declared, besides `gs.default_registry` and
+            the registries named by `gs.graphsafe(registry=...)` on the model's classes.
         strict: Check purity on every refresh, not only at materialization.
 
     Example:
@@ -173,17 +70,20 @@ class Runtime:
         self, model: nn.Module, registry: Registry | None = None, *, strict: bool = False
     ) -> None:
         self._model_ref = weakref.ref(model)
-        self.registry = registry if registry is not None else default_registry
+        self.registries: list[Registry] = [default_registry]
+        if registry is not None and registry is not default_registry:
+            self.registries.append(registry)
         self.strict = strict
         self.pinned = False
         self._lock = threading.RLock()
-        self._bound: list[_Bound] | None = None
-        self._inputs: list[_Input] = []
+        self._bound: list[Bound] | None = None
+        self._inputs: list[Input] = []
         self._by_path: dict[str, list[int]] = {}
         self._identities: list[RawIdentity] = []
         self._stale: set[int] = set()
         self._failed_update: str | None = None
-        self._watch: dict[int, list[_Input]] | None = None
+        self._watch: dict[int, list[Input]] | None = None
+        self._reallocated: set[int] = set()
         self._depth = 0
         self._update: WriteTracker | None = None
         self.last_report: RefreshReport | None = None
@@ -196,84 +96,76 @@ class Runtime:
         """The root module (raises if it was garbage-collected)."""
         model = self._model_ref()
         if model is None:
-            raise GraphSafetyError("the model of this runtime no longer exists")
+            raise GraphSafetyError(
+                "the model of this runtime no longer exists",
+                expected="a model that is still referenced",
+                got="the model was garbage-collected",
+                fix="keep a reference to the model while using its runtime, e.g. "
+                "`model = M(); gs.runtime(model)` rather than `gs.runtime(M())`",
+            )
         return model
 
-    def _ensure_bound(self) -> list[_Bound]:
+    def _ensure_bound(self) -> list[Bound]:
         if self._bound is None:
-            self._bound = self._bind()
+            binding = bind(self.model, self._derivations_for, self._own)
+            self._bound = binding.bound
+            self._inputs = binding.inputs
+            self._by_path = binding.by_path
+            self._identities = [(b.path, b.spec.name, b.out_paths, 0) for b in binding.bound]
+            self._stale = {b.index for b in binding.bound}
+            self._watch = None
         return self._bound
 
-    def _bind(self) -> list[_Bound]:
-        model = self.model
-        bound: list[_Bound] = []
-        produced: dict[tuple[int, str], _Bound] = {}
-        absent: dict[tuple[int, str], Derivation] = {}
-        for mpath, module in model.named_modules(remove_duplicate=True):
-            _OWNERS[module] = self
-            for spec in self.registry.derivations_for(type(module)):
-                if spec.when is not None and not spec.when(module):
-                    for name in spec.outputs:
-                        absent[(id(module), name)] = spec
-                        if name not in module._buffers and name not in module.__dict__:
-                            module.register_buffer(name, None, persistent=False)
-                    continue
-                b = _Bound(spec, module, mpath)
-                for name in spec.outputs:
-                    _check_output_free(b, module, name)
-                    produced[(id(module), name)] = b
-                bound.append(b)
-        inputs: dict[tuple[int, str], _Input] = {}
-        for b in bound:
-            module = b.module_ref()
-            assert module is not None
-            for rel, full in zip(b.spec.inputs, b.inputs):
-                owner, name = _walk(b, module, rel)
-                producer = produced.get((id(owner), name))
-                if producer is not None:
-                    b.deps.add(id(producer))
-                    b.in_refs.append((owner._buffers, name))
-                    continue
-                if (id(owner), name) in absent:
-                    raise b.error(
-                        RegistrationError,
-                        f"input {rel!r} is a derived buffer this module does not own",
-                        path=full,
-                        expected=f"{full} materialized by {absent[(id(owner), name)].name}",
-                        got="its `when` is false for this module, so it stays None",
-                        fix="make the `when` conditions of the two derivations agree",
-                    )
-                container = _container_of(b, owner, name, full)
-                key = (id(container), name)
-                inp = inputs.get(key)
-                if inp is None:
-                    inp = inputs[key] = _Input(full, container, name)
-                b.in_refs.append((container, name))
-                b.leaf_inputs.append(inp)
-        ordered = _toposort(bound)
-        for i, b in enumerate(ordered):
-            b.index = i
-        by_id = {id(b): b for b in ordered}
-        for b in ordered:
-            b.deps = {by_id[d].index for d in b.deps}
-        for b in reversed(ordered):
-            reach = {b.index}
-            for other in ordered[b.index + 1 :]:
-                if other.deps & reach:
-                    reach.add(other.index)
-            b.downstream = tuple(sorted(reach))
-        self._inputs = list(inputs.values())
-        self._by_path = {}
-        for b in ordered:
-            for inp in b.leaf_inputs:
-                if b.index not in inp.consumers:
-                    inp.consumers.append(b.index)
-            for p in b.inputs:
-                self._by_path.setdefault(p, []).append(b.index)
-        self._identities = [(b.path, b.spec.name, b.out_paths, 0) for b in ordered]
-        self._stale = {b.index for b in ordered}
-        self._watch = None
-        return ordered
+    def _own(self, module: nn.Module) -> None:
+        _OWNERS[module] = self
+
+    def _derivations_for(self, cls: type) -> list[Derivation]:
+        registries = list(self.registries)
+        for reg in class_registries(cls):
+            if reg not in registries:
+                registries.append(reg)
+        found: list[Derivation] = []
+        taken: dict[str, Derivation] = {}
+        for reg in registries:
+            for d in reg.derivations_for(cls):
+                for name in d.outputs:
+                    if name in taken and taken[name] is not d:
+                        raise RegistrationError(
+                            f"two registries declare output {name!r} on {cls.__name__}",
+                            module_class=cls.__name__,
+                            derivation=d.name,
+                            expected=f"one derivation producing {name!r}",
+                            got=f"{taken[name].name!r} and {d.name!r}",
+                            fix="register the derivation in one registry only",
+                        )
+                    taken[name] = d
+                if d not in found:
+                    found.append(d)
+        return found
+
+    def add_registry(self, registry: Registry) -> None:
+        """Also bind the derivations of `registry` (rebinding if already bound).
+
+        Args:
+            registry: A registry to consult from now on.
+
+        Raises:
+            StorageMovedError: If the runtime is pinned; rebinding would allocate buffers
+                that captured graphs do not know.
+        """
+        with self._lock:
+            if registry in self.registries:
+                return
+            if self.pinned:
+                raise StorageMovedError(
+                    "cannot add a registry to a pinned runtime",
+                    module_class=type(self.model).__name__,
+                    expected="registries added before graphs are captured",
+                    got="runtime pinned by a capture",
+                    fix="pass the registry at the first gs.runtime(model, registry) call",
+                )
+            self.registries.append(registry)
+            self._bound = None  # rebound on next use; existing buffers keep their storage
 
     # -- public API ------------------------------------------------------------------
 
@@ -311,6 +203,9 @@ class Runtime:
                 if inp.moved():
                     for i in inp.consumers:
                         indices.update(bound[i].downstream)
+            for b in bound:
+                if b.buffers is not None and b.buffers_moved():
+                    indices.update(b.downstream)
             return tuple(p for i in sorted(indices) for p in bound[i].out_paths)
 
     @property
@@ -327,9 +222,12 @@ class Runtime:
         """
         stale = self.stale
         if stale:
+            first = next(b for b in self._ensure_bound() if stale[0] in b.out_paths)
             raise StaleError(
                 f"{len(stale)} derived buffer(s) do not match their inputs",
                 paths=stale,
+                module_class=first.module_class,
+                derivation=first.spec.name,
                 path=", ".join(stale[:8]) + (" ..." if len(stale) > 8 else ""),
                 expected="every derived buffer refreshed from the current weights",
                 got="stale: " + ", ".join(stale[:8]),
@@ -364,10 +262,8 @@ class Runtime:
             bound = self._ensure_bound()
             dirty = self._scan_moved()
             if changed is None:
-                plan: Sequence[int] = range(len(bound))
-                report = self._run(plan)
-                self._failed_update = None
-                return report
+                # A failed update stays flagged: a refresh cannot repair half-loaded weights.
+                return self._run(range(len(bound)))
             for path in changed:
                 consumers = self._by_path.get(path)
                 if consumers is None:
@@ -510,9 +406,9 @@ class Runtime:
                 dirty.update(inp.consumers)
         return dirty
 
-    def _watch_map(self) -> dict[int, list[_Input]]:
+    def _watch_map(self) -> dict[int, list[Input]]:
         if self._watch is None:
-            watch: dict[int, list[_Input]] = {}
+            watch: dict[int, list[Input]] = {}
             for inp in self._inputs:
                 if inp.tensor is not None:
                     key = storage_key(inp.tensor)
@@ -522,22 +418,32 @@ class Runtime:
         return self._watch
 
     def _scan_moved(self) -> set[int]:
-        """Indices of derivations whose inputs were rebound; accepts the new tensors.
+        """Derivations whose inputs or buffers were rebound since the last refresh.
 
-        After `pin()` a rebinding raises `StorageMovedError` instead.
+        Before `pin()` the new tensors are accepted (and the derivations must be
+        recomputed); after it, a rebinding raises `StorageMovedError` and marks them stale.
         """
+        bound = self._ensure_bound()
+        moved_inputs = [inp for inp in self._inputs if inp.moved()]
+        moved_buffers = [
+            (b, j) for b in bound if b.buffers is not None for j in b.buffers_moved()
+        ]
         dirty: set[int] = set()
-        moved = [inp for inp in self._inputs if inp.moved()]
-        if not moved:
+        if not moved_inputs and not moved_buffers:
             return dirty
         if self.pinned:
-            for inp in moved:
+            for inp in moved_inputs:
                 for i in inp.consumers:
-                    self._stale.update(self._ensure_bound()[i].downstream)
-            raise _moved_error(moved, self._ensure_bound())
-        for inp in moved:
+                    self._stale.update(bound[i].downstream)
+            for b, _ in moved_buffers:
+                self._stale.update(b.downstream)
+            raise _moved_error(moved_inputs, moved_buffers, bound)
+        for inp in moved_inputs:
             inp.accept()
             dirty.update(inp.consumers)
+        for b, j in moved_buffers:
+            self._adopt_moved_buffer(b, j)
+            dirty.add(b.index)
         self._watch = None
         return dirty
 
@@ -576,6 +482,7 @@ class Runtime:
         pending = self.strict or any(bound[i].buffers is None for i in plan)
         watch = self._purity_watch() if pending else None
         clock = time.perf_counter
+        realloc = self._reallocated  # adopted by _scan_moved: these buffers moved
         with torch.no_grad():
             for i in plan:
                 b = bound[i]
@@ -589,16 +496,18 @@ class Runtime:
                         self._materialize(b, watch)
                         raw.append((i, _MATERIALIZED, _SLOW, clock() - t0, True))
                     elif watch is None and b.fast:
-                        self._refresh_fast(b)
-                        raw.append((i, _REFRESHED, _FAST, clock() - t0, True))
+                        taken = self._refresh_fast(b)
+                        held = not realloc or i not in realloc
+                        raw.append((i, _REFRESHED, taken, clock() - t0, held))
                     else:
                         taken = self._refresh_checked(b, watch if self.strict else None)
-                        raw.append((i, _REFRESHED, taken, clock() - t0, True))
+                        raw.append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
                 except Exception as exc:
                     failed.add(i)
                     raw.append((i, _FAILED, _NONE, clock() - t0, self._geometry_held(b)))
                     if first_error is None:
                         first_error = exc
+        self._reallocated.clear()
         stale = self._stale
         for i in plan:
             if i in failed:
@@ -611,43 +520,43 @@ class Runtime:
         self.last_report = report
         return report
 
-    def _inputs_of(self, b: _Bound) -> list[torch.Tensor]:
+    def _inputs_of(self, b: Bound) -> list[torch.Tensor]:
         return [c[k] for c, k in b.in_refs]
 
-    def _refresh_fast(self, b: _Bound) -> None:
+    def _refresh_fast(self, b: Bound) -> int:
         """The hot path: one output, `out=`, nothing to check but the geometry."""
         buf: torch.Tensor = b.out_arg
         if b.container.get(b.outputs[0]) is not buf:
-            self._refresh_checked(b, None)  # replaced, e.g. by model.to(): adopt or refuse
-            return None
+            return self._refresh_checked(b, None)  # replaced, e.g. by model.to()
         try:
             ret = b.fn(b.module_ref(), *[c[k] for c, k in b.in_refs], out=buf)
-        except Exception:
-            self._restore_geometry(b, raise_drift=False)
+        except Exception as exc:
+            self._refuse_resized(b, exc)
             raise
         ptr, shape, _ = b.geometry[0]
         if buf.data_ptr() != ptr or buf.shape != shape:
-            self._restore_geometry(b, raise_drift=True)
-        if ret is not buf:
-            # Computed apart after all: validate, then copy in (the slow path).
-            buf.copy_(self._check_results(b, ret)[0])
-            b.fast = False
-        return None
+            self._refuse_resized(b, None)
+        if ret is buf:
+            return _FAST
+        # Computed apart after all: validate, then copy in.
+        buf.copy_(self._check_results(b, ret)[0])
+        b.fast = False
+        return _SLOW
 
-    def _geometry_held(self, b: _Bound) -> bool:
+    def _geometry_held(self, b: Bound) -> bool:
         return all(
             buf.data_ptr() == ptr and buf.shape == shape
             for buf, (ptr, shape, _) in zip(b.buffers or (), b.geometry)
         )
 
-    def _refresh_checked(self, b: _Bound, purity: dict[int, str] | None) -> int:
+    def _refresh_checked(self, b: Bound, purity: dict[int, str] | None) -> int:
         """Every other case: several outputs, no `out=`, strict purity, moved buffers."""
         module = b.module_ref()
-        buffers = b.buffers
-        assert module is not None and buffers is not None
+        assert module is not None and b.buffers is not None
         for j, name in enumerate(b.outputs):
-            if b.container.get(name) is not buffers[j]:
+            if b.container.get(name) is not b.buffers[j]:
                 self._adopt_moved_buffer(b, j)
+        buffers = b.buffers  # read after adopting: adopting replaces the list
         args = self._inputs_of(b)
         guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if purity is not None:
@@ -660,10 +569,10 @@ class Runtime:
             try:
                 with guard:
                     ret = b.fn(module, *args, out=out)
-            except Exception:
-                self._restore_geometry(b, raise_drift=False)
+            except Exception as exc:
+                self._refuse_resized(b, exc)
                 raise
-            self._restore_geometry(b, raise_drift=True)
+            self._refuse_resized(b, None)
             if ret is out or (
                 isinstance(ret, (tuple, list))
                 and len(ret) == len(buffers)
@@ -680,7 +589,7 @@ class Runtime:
             torch._foreach_copy_(buffers, results)
         return _SLOW
 
-    def _check_results(self, b: _Bound, ret: Any) -> list[torch.Tensor]:
+    def _check_results(self, b: Bound, ret: Any) -> list[torch.Tensor]:
         """Validate a result computed apart against the buffers, before any write."""
         results = _as_results(b, ret)
         for j, (r, buf) in enumerate(zip(results, b.buffers or ())):
@@ -704,8 +613,14 @@ class Runtime:
                 )
         return results
 
-    def _restore_geometry(self, b: _Bound, *, raise_drift: bool) -> None:
-        """Undo torch's resize of an `out=` buffer of the wrong shape."""
+    def _refuse_resized(self, b: Bound, cause: BaseException | None) -> None:
+        """Undo torch's resize of an `out=` buffer of the wrong shape, and refuse it.
+
+        torch resizes an `out=` tensor whose shape does not fit the result (and raises
+        on our non-resizable storage when it would grow). The buffer's geometry is put
+        back on its own storage and `DerivationDriftError` is raised; the caller marks it
+        stale, since the bytes may be partly written.
+        """
         for j, buf in enumerate(b.buffers or ()):
             ptr, shape, stride = b.geometry[j]
             if buf.data_ptr() == ptr and buf.shape == shape and buf.stride() == stride:
@@ -714,20 +629,18 @@ class Runtime:
             moved = buf.data_ptr() != ptr
             if not moved:
                 buf.set_(buf.untyped_storage(), buf.storage_offset(), shape, stride)
-            if not raise_drift and not moved:
-                continue
             raise b.error(
                 DerivationDriftError,
-                f"{b.spec.name} wrote a result of the wrong shape into its buffer "
-                + ("(torch reallocated it)" if moved else "(its geometry was restored)"),
+                f"{b.spec.name} computed a result of the wrong shape for its buffer "
+                + ("(torch reallocated the buffer)" if moved else "(the write was refused)"),
                 path=b.out_paths[j],
                 expected=f"shape {tuple(shape)}, stride {stride}, storage 0x{ptr:x}",
-                got=got,
+                got=got + (f" ({type(cause).__name__}: {cause})" if cause is not None else ""),
                 fix="make the derivation produce the buffer's shape; check that the loader "
                 "wrote inputs of the original shapes",
-            )
+            ) from cause
 
-    def _adopt_moved_buffer(self, b: _Bound, j: int) -> None:
+    def _adopt_moved_buffer(self, b: Bound, j: int) -> None:
         """A derived buffer was replaced (e.g. `model.to()`): adopt it unless pinned."""
         name = b.outputs[j]
         new = b.container.get(name)
@@ -738,19 +651,20 @@ class Runtime:
                 f"derived buffer {b.out_paths[j]!r} was rebound after pin()",
                 path=b.out_paths[j],
                 drifts=(b.out_paths[j],),
-                expected=_meta(old) if old is not None else "the materialized buffer",
-                got=_meta(new) if isinstance(new, torch.Tensor) else repr(new),
+                expected=describe(old) if old is not None else "the materialized buffer",
+                got=describe(new) if isinstance(new, torch.Tensor) else repr(new),
                 fix="never assign derived buffers: graphsafe writes them in place; to move "
                 "the model, unpin(), move it, refresh() and re-capture",
             )
-        locked = _pin_storage(new)
+        locked = pin_storage(new)
         b.container[name] = locked
         assert b.buffers is not None
         buffers = list(b.buffers)
         buffers[j] = locked
-        b.set_buffers(buffers)
+        self._record(b, buffers)
+        self._reallocated.add(b.index)
 
-    def _materialize(self, b: _Bound, watch: dict[int, str]) -> None:
+    def _materialize(self, b: Bound, watch: dict[int, str]) -> None:
         module = b.module_ref()
         assert module is not None
         with WriteTracker(watch, self._impure(b, watch)):
@@ -772,22 +686,27 @@ class Runtime:
                 existing.copy_(t)  # a previous runtime's buffer: keep its storage
                 t = existing
             else:
-                t = _pin_storage(t)
+                t = pin_storage(t)
+                if module.__dict__.get(name, 0) is None:
+                    del module.__dict__[name]  # a `self.x = None` placeholder from __init__
                 module.register_buffer(name, t, persistent=False)
             buffers.append(t)
-            watch.setdefault(storage_key(t), _join(b.module_path, name))
+            watch.setdefault(storage_key(t), join(b.module_path, name))
+        self._record(b, buffers)
+
+    def _record(self, b: Bound, buffers: list[torch.Tensor]) -> None:
         b.set_buffers(buffers)
         self._identities[b.index] = (b.path, b.spec.name, b.out_paths, b.nbytes)
 
     def _purity_watch(self) -> dict[int, str]:
         watch: dict[int, str] = {}
-        for path, t in _model_tensors(self.model):
+        for path, t in model_tensors(self.model):
             key = storage_key(t)
             if key:
                 watch.setdefault(key, path)
         return watch
 
-    def _impure(self, b: _Bound, watch: dict[int, str]) -> Callable[[int, str], None]:
+    def _impure(self, b: Bound, watch: dict[int, str]) -> Callable[[int, str], None]:
         def refuse(key: int, op: str) -> None:
             raise b.error(
                 ImpureDerivationError,
@@ -802,7 +721,7 @@ class Runtime:
         return refuse
 
 
-def _as_results(b: _Bound, ret: Any) -> list[torch.Tensor]:
+def _as_results(b: Bound, ret: Any) -> list[torch.Tensor]:
     results = list(ret) if isinstance(ret, (tuple, list)) else [ret]
     if len(results) != len(b.outputs) or not all(
         isinstance(r, torch.Tensor) for r in results
@@ -818,128 +737,30 @@ def _as_results(b: _Bound, ret: Any) -> list[torch.Tensor]:
     return results
 
 
-def _moved_error(moved: Sequence[_Input], bound: Sequence[_Bound]) -> StorageMovedError:
-    inp = moved[0]
-    b = bound[inp.consumers[0]]
-    t = inp.container.get(inp.key)
-    return StorageMovedError(
-        f"{len(moved)} pinned input(s) were rebound to new storage: "
-        + ", ".join(i.path for i in moved),
-        drifts=tuple(i.path for i in moved),
-        module_class=b.module_class,
-        path=inp.path,
-        derivation=b.spec.name,
-        expected=f"storage 0x{inp.ptr:x} (pinned)",
-        got=_meta(t) if isinstance(t, torch.Tensor) else repr(t),
-        fix="write new weights into the existing tensors (`param.data.copy_(w)`) instead "
-        "of rebinding them (`param.data = w`, attribute assignment, `set_`); or unpin(), "
-        "refresh() and re-capture the graphs",
-    )
-
-
-def _check_output_free(b: _Bound, module: nn.Module, name: str) -> None:
-    kind = None
-    if name in module._parameters:
-        kind = "a parameter"
-    elif name in module._modules:
-        kind = "a submodule"
-    elif name in module._buffers and name not in module._non_persistent_buffers_set:
-        kind = "a persistent buffer"
-    elif module.__dict__.get(name) is not None:
-        kind = "an attribute"
-    if kind is not None:
-        raise b.error(
-            RegistrationError,
-            f"output {name!r} collides with {kind} of the same name",
-            path=_join(b.module_path, name),
-            expected=f"a free name for the derived buffer {name!r}",
-            got=f"{kind} {_join(b.module_path, name)!r} already exists",
-            fix="rename the output or the existing attribute",
-        )
-
-
-def _walk(b: _Bound, module: nn.Module, rel: str) -> tuple[nn.Module, str]:
-    parts = rel.split(".")
-    owner = module
-    for depth, part in enumerate(parts[:-1]):
-        child = owner._modules.get(part)
-        if child is None:
-            raise b.error(
-                RegistrationError,
-                f"unknown input path {rel!r}",
-                path=_join(b.module_path, rel),
-                expected=f"a submodule {'.'.join(parts[: depth + 1])!r} of "
-                f"{type(module).__name__}",
-                got="submodules: " + (", ".join(owner._modules) or "none"),
-                fix="inputs are dotted paths relative to the module that owns the derivation",
-            )
-        owner = child
-    return owner, parts[-1]
-
-
-def _container_of(b: _Bound, owner: nn.Module, name: str, full: str) -> dict[str, Any]:
-    for container in (owner._parameters, owner._buffers):
-        if name in container:
-            if container[name] is None:
-                break
-            return container
+def _moved_error(
+    inputs: Sequence[Input], buffers: Sequence[tuple[Bound, int]], bound: Sequence[Bound]
+) -> StorageMovedError:
+    paths = [i.path for i in inputs] + [b.out_paths[j] for b, j in buffers]
+    if inputs:
+        inp = inputs[0]
+        b = bound[inp.consumers[0]]
+        path, now, expected = inp.path, inp.container.get(inp.key), f"storage 0x{inp.ptr:x}"
     else:
-        if isinstance(owner.__dict__.get(name), torch.Tensor):
-            return owner.__dict__
-    known = [*owner._parameters, *owner._buffers] + [
-        k for k, v in owner.__dict__.items() if isinstance(v, torch.Tensor)
-    ]
-    raise b.error(
-        RegistrationError,
-        f"unknown input path {full!r}",
-        path=full,
-        expected=f"a parameter, buffer or tensor attribute {name!r} of {type(owner).__name__}",
-        got=("tensors there: " + ", ".join(known)) if known else "no tensors there",
-        fix="check the spelling of `inputs`, or create the tensor in __init__",
+        b, j = buffers[0]
+        path, now = b.out_paths[j], b.container.get(b.outputs[j])
+        expected = f"storage 0x{b.geometry[j][0]:x}, shape {tuple(b.geometry[j][1])}"
+    return StorageMovedError(
+        f"{len(paths)} pinned tensor(s) were rebound to new storage: " + ", ".join(paths),
+        drifts=tuple(paths),
+        module_class=b.module_class,
+        path=path,
+        derivation=b.spec.name,
+        expected=expected + " (pinned)",
+        got=describe(now) if isinstance(now, torch.Tensor) else repr(now),
+        fix="write new weights into the existing tensors (`param.data.copy_(w)`) instead "
+        "of rebinding them (`param.data = w`, attribute assignment, `set_`); never assign "
+        "derived buffers; or unpin(), refresh() and re-capture the graphs",
     )
-
-
-def _toposort(bound: list[_Bound]) -> list[_Bound]:
-    by_id = {id(b): b for b in bound}
-    indeg = {id(b): len(b.deps) for b in bound}
-    users: dict[int, list[_Bound]] = {id(b): [] for b in bound}
-    for b in bound:
-        for d in b.deps:
-            users[d].append(b)
-    ready = [b for b in bound if indeg[id(b)] == 0]
-    order: list[_Bound] = []
-    while ready:
-        b = ready.pop(0)
-        order.append(b)
-        for u in users[id(b)]:
-            indeg[id(u)] -= 1
-            if indeg[id(u)] == 0:
-                ready.append(u)
-    if len(order) != len(bound):
-        left = [b for b in bound if indeg[id(b)] > 0]
-        names = " -> ".join(f"{x.spec.name} ({x.path})" for x in left)
-        raise left[0].error(
-            RegistrationError,
-            "derivations depend on each other in a cycle",
-            expected="an acyclic graph of derivations",
-            got=names,
-            fix="break the cycle: no derivation may read, directly or not, its own outputs",
-        )
-    del by_id
-    return order
-
-
-def _model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for mpath, module in model.named_modules(remove_duplicate=False):
-        for name, t in module._parameters.items():
-            if t is not None:
-                yield _join(mpath, name), t
-        for name, t in module._buffers.items():
-            if t is not None:
-                yield _join(mpath, name), t
-        for name, t in module.__dict__.items():
-            if isinstance(t, torch.Tensor):
-                yield _join(mpath, name), t
 
 
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
@@ -973,6 +794,8 @@ def runtime(
         if rt is None:
             rt = Runtime(model, registry)
             _RUNTIMES[model] = rt
+    if registry is not None:
+        rt.add_registry(registry)
     if strict is not None:
         rt.strict = strict
     return rt

@@ -1,0 +1,357 @@
+"""Binding: derivations attached to the module instances of one model.
+
+`bind` resolves, once, everything a refresh needs: where each input lives (the dict and
+key to read it from), which derivations depend on which, the topological order and
+everything downstream of each derivation. The runtime's hot loop then does no attribute
+walking, no signature inspection and no path resolution.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.dlpack import from_dlpack
+
+from graphsafe.declare import is_marked
+from graphsafe.errors import GraphSafetyError, RegistrationError
+from graphsafe.registry import accepts_out, check_signature
+from graphsafe.spec import Derivation
+
+__all__ = ["Binding", "Bound", "Input", "bind", "describe", "join", "model_tensors", "pin_storage"]
+
+
+def describe(t: torch.Tensor) -> str:
+    return (
+        f"shape {tuple(t.shape)}, stride {t.stride()}, dtype {t.dtype}, device {t.device}, "
+        f"storage 0x{t.data_ptr():x}"
+    )
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def pin_storage(t: torch.Tensor) -> torch.Tensor:
+    """An alias of `t` whose storage cannot be resized.
+
+    torch resizes an `out=` tensor of the wrong shape, reallocating its memory when it
+    grows; on a non-resizable storage that raises instead, so the buffer never moves.
+    """
+    try:
+        return from_dlpack(t)
+    except Exception:  # dtypes DLPack cannot express: drift is still detected afterwards
+        return t
+
+
+class Input:
+    """A leaf tensor (parameter, buffer or plain attribute) read by derivations.
+
+    It is read through the dict it lives in (`module._parameters`, `module._buffers` or
+    `module.__dict__`), so that rebinding the attribute is seen.
+    """
+
+    __slots__ = ("consumers", "container", "key", "path", "ptr", "tensor")
+
+    def __init__(self, path: str, container: dict[str, Any], key: str) -> None:
+        self.path = path
+        self.container = container
+        self.key = key
+        self.tensor: torch.Tensor | None = container.get(key)
+        self.ptr = self.tensor.data_ptr() if self.tensor is not None else 0
+        self.consumers: list[int] = []
+
+    def moved(self) -> bool:
+        t = self.container.get(self.key)
+        return t is not self.tensor or t is None or t.data_ptr() != self.ptr
+
+    def accept(self) -> None:
+        self.tensor = self.container.get(self.key)
+        self.ptr = self.tensor.data_ptr() if self.tensor is not None else 0
+
+
+class Bound:
+    """A derivation bound to one module instance, with everything a refresh needs.
+
+    The module is held weakly: the runtime must not keep the model alive.
+    """
+
+    __slots__ = (
+        "accepts_out", "buffers", "container", "deps", "downstream", "fast", "fn", "geometry",
+        "in_refs", "index", "inputs", "leaf_inputs", "module_class", "module_path",
+        "module_ref", "nbytes", "out_arg", "out_paths", "outputs", "spec",
+    )
+
+    def __init__(self, spec: Derivation, module: nn.Module, module_path: str) -> None:
+        self.spec = spec
+        self.module_ref = weakref.ref(module)
+        self.module_path = module_path
+        self.module_class = type(module).__name__
+        self.fn = _resolve_fn(spec, module)
+        self.accepts_out = accepts_out(self.fn)
+        self.outputs = spec.outputs
+        self.out_paths = tuple(join(module_path, o) for o in spec.outputs)
+        self.inputs = tuple(join(module_path, i) for i in spec.inputs)
+        self.container: dict[str, Any] = module._buffers
+        self.in_refs: list[tuple[dict[str, Any], str]] = []
+        self.leaf_inputs: list[Input] = []
+        self.deps: set[int] = set()
+        self.index = -1
+        self.downstream: tuple[int, ...] = ()
+        self.buffers: list[torch.Tensor] | None = None
+        self.geometry: list[tuple[int, torch.Size, tuple[int, ...]]] = []
+        self.nbytes = 0
+        self.out_arg: Any = None
+        self.fast = False
+
+    def set_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Record the buffers and precompute what the hot path needs."""
+        self.buffers = buffers
+        self.geometry = [(t.data_ptr(), t.shape, t.stride()) for t in buffers]
+        self.nbytes = sum(t.nbytes for t in buffers)
+        self.out_arg = buffers[0] if len(buffers) == 1 else tuple(buffers)
+        self.fast = self.accepts_out and len(buffers) == 1
+
+    def buffers_moved(self) -> list[int]:
+        """Indices of outputs whose buffer was rebound or moved since it was recorded."""
+        moved = []
+        for j, buf in enumerate(self.buffers or ()):
+            ptr, shape, _ = self.geometry[j]
+            current = self.container.get(self.outputs[j])
+            if current is not buf or buf.data_ptr() != ptr or buf.shape != shape:
+                moved.append(j)
+        return moved
+
+    @property
+    def path(self) -> str:
+        """Dotted path of the first output: the derivation's address in reports."""
+        return self.out_paths[0]
+
+    def error(self, cls: type[GraphSafetyError], summary: str, **kw: Any) -> GraphSafetyError:
+        kw.setdefault("path", self.path)
+        return cls(summary, module_class=self.module_class, derivation=self.spec.name, **kw)
+
+
+def _resolve_fn(spec: Derivation, module: nn.Module) -> Callable[..., Any]:
+    """The function to call: a subclass's plain override of a declared method wins."""
+    if spec.method is None:
+        return spec.fn
+    override = getattr(type(module), spec.method, None)
+    if override is None or override is spec.fn or is_marked(override):
+        return spec.fn
+    check_signature(override, spec, type(module))
+    return override  # type: ignore[no-any-return]
+
+
+
+
+class Binding(NamedTuple):
+    """The result of `bind`."""
+
+    bound: list[Bound]
+    """Bound derivations in topological order (`bound[i].index == i`)."""
+    inputs: list[Input]
+    """Leaf tensors read by derivations."""
+    by_path: dict[str, list[int]]
+    """Indices of the derivations reading each input path."""
+
+
+def bind(
+    model: nn.Module,
+    derivations_for: Callable[[type], Sequence[Derivation]],
+    on_module: Callable[[nn.Module], None],
+) -> Binding:
+    """Bind every derivation declared for the classes of `model`'s tree to its instance.
+
+    Resolves input paths, checks output names, orders the derivations topologically and
+    precomputes what each refresh needs.
+
+    Args:
+        model: The root module.
+        derivations_for: The derivations of a module class.
+        on_module: Called with every module of the tree.
+
+    Returns:
+        The bound derivations in dependency order, their leaf inputs, and the
+        derivations reading each input path.
+
+    Raises:
+        RegistrationError: Unknown input path, colliding output name, or a cycle.
+    """
+    bound: list[Bound] = []
+    produced: dict[tuple[int, str], Bound] = {}
+    absent: dict[tuple[int, str], Derivation] = {}
+    for mpath, module in model.named_modules(remove_duplicate=True):
+        on_module(module)
+        for spec in derivations_for(type(module)):
+            if spec.when is not None and not spec.when(module):
+                for name in spec.outputs:
+                    absent[(id(module), name)] = spec
+                    if name not in module._buffers and name not in module.__dict__:
+                        module.register_buffer(name, None, persistent=False)
+                continue
+            b = Bound(spec, module, mpath)
+            for name in spec.outputs:
+                _check_output_free(b, module, name)
+                produced[(id(module), name)] = b
+            bound.append(b)
+    inputs: dict[tuple[int, str], Input] = {}
+    for b in bound:
+        module = b.module_ref()
+        assert module is not None
+        for rel, full in zip(b.spec.inputs, b.inputs):
+            owner, name = _walk(b, module, rel)
+            producer = produced.get((id(owner), name))
+            if producer is not None:
+                b.deps.add(id(producer))
+                b.in_refs.append((owner._buffers, name))
+                continue
+            if (id(owner), name) in absent:
+                raise b.error(
+                    RegistrationError,
+                    f"input {rel!r} is a derived buffer this module does not own",
+                    path=full,
+                    expected=f"{full} materialized by {absent[(id(owner), name)].name}",
+                    got="its `when` is false for this module, so it stays None",
+                    fix="make the `when` conditions of the two derivations agree",
+                )
+            container = _container_of(b, owner, name, full)
+            key = (id(container), name)
+            inp = inputs.get(key)
+            if inp is None:
+                inp = inputs[key] = Input(full, container, name)
+            b.in_refs.append((container, name))
+            b.leaf_inputs.append(inp)
+    ordered = _toposort(bound)
+    for i, b in enumerate(ordered):
+        b.index = i
+    by_id = {id(b): b for b in ordered}
+    for b in ordered:
+        b.deps = {by_id[d].index for d in b.deps}
+    users: list[list[int]] = [[] for _ in ordered]
+    for b in ordered:
+        for d in b.deps:
+            users[d].append(b.index)
+    reach: list[set[int]] = [set() for _ in ordered]
+    for b in reversed(ordered):  # users come later in topological order
+        reach[b.index].add(b.index)
+        for u in users[b.index]:
+            reach[b.index] |= reach[u]
+        b.downstream = tuple(sorted(reach[b.index]))
+    by_path: dict[str, list[int]] = {}
+    for b in ordered:
+        for inp in b.leaf_inputs:
+            if b.index not in inp.consumers:
+                inp.consumers.append(b.index)
+        for p in b.inputs:
+            by_path.setdefault(p, []).append(b.index)
+    return Binding(ordered, list(inputs.values()), by_path)
+
+
+
+def _check_output_free(b: Bound, module: nn.Module, name: str) -> None:
+    kind = None
+    if name in module._parameters:
+        kind = "a parameter"
+    elif name in module._modules:
+        kind = "a submodule"
+    elif name in module._buffers and name not in module._non_persistent_buffers_set:
+        kind = "a persistent buffer"
+    elif module.__dict__.get(name) is not None:
+        kind = "an attribute"
+    if kind is not None:
+        raise b.error(
+            RegistrationError,
+            f"output {name!r} collides with {kind} of the same name",
+            path=join(b.module_path, name),
+            expected=f"a free name for the derived buffer {name!r}",
+            got=f"{kind} {join(b.module_path, name)!r} already exists",
+            fix="rename the output or the existing attribute",
+        )
+
+
+def _walk(b: Bound, module: nn.Module, rel: str) -> tuple[nn.Module, str]:
+    parts = rel.split(".")
+    owner = module
+    for depth, part in enumerate(parts[:-1]):
+        child = owner._modules.get(part)
+        if child is None:
+            raise b.error(
+                RegistrationError,
+                f"unknown input path {rel!r}",
+                path=join(b.module_path, rel),
+                expected=f"a submodule {'.'.join(parts[: depth + 1])!r} of "
+                f"{type(module).__name__}",
+                got="submodules: " + (", ".join(owner._modules) or "none"),
+                fix="inputs are dotted paths relative to the module that owns the derivation",
+            )
+        owner = child
+    return owner, parts[-1]
+
+
+def _container_of(b: Bound, owner: nn.Module, name: str, full: str) -> dict[str, Any]:
+    for container in (owner._parameters, owner._buffers):
+        if name in container:
+            if container[name] is None:
+                break
+            return container
+    else:
+        if isinstance(owner.__dict__.get(name), torch.Tensor):
+            return owner.__dict__
+    known = [*owner._parameters, *owner._buffers] + [
+        k for k, v in owner.__dict__.items() if isinstance(v, torch.Tensor)
+    ]
+    raise b.error(
+        RegistrationError,
+        f"unknown input path {full!r}",
+        path=full,
+        expected=f"a parameter, buffer or tensor attribute {name!r} of {type(owner).__name__}",
+        got=("tensors there: " + ", ".join(known)) if known else "no tensors there",
+        fix="check the spelling of `inputs`, or create the tensor in __init__",
+    )
+
+
+def _toposort(bound: list[Bound]) -> list[Bound]:
+    by_id = {id(b): b for b in bound}
+    indeg = {id(b): len(b.deps) for b in bound}
+    users: dict[int, list[Bound]] = {id(b): [] for b in bound}
+    for b in bound:
+        for d in b.deps:
+            users[d].append(b)
+    ready = [b for b in bound if indeg[id(b)] == 0]
+    order: list[Bound] = []
+    while ready:
+        b = ready.pop(0)
+        order.append(b)
+        for u in users[id(b)]:
+            indeg[id(u)] -= 1
+            if indeg[id(u)] == 0:
+                ready.append(u)
+    if len(order) != len(bound):
+        left = [b for b in bound if indeg[id(b)] > 0]
+        names = " -> ".join(f"{x.spec.name} ({x.path})" for x in left)
+        raise left[0].error(
+            RegistrationError,
+            "derivations depend on each other in a cycle",
+            expected="an acyclic graph of derivations",
+            got=names,
+            fix="break the cycle: no derivation may read, directly or not, its own outputs",
+        )
+    del by_id
+    return order
+
+
+def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for mpath, module in model.named_modules(remove_duplicate=False):
+        for name, t in module._parameters.items():
+            if t is not None:
+                yield join(mpath, name), t
+        for name, t in module._buffers.items():
+            if t is not None:
+                yield join(mpath, name), t
+        for name, t in module.__dict__.items():
+            if isinstance(t, torch.Tensor):
+                yield join(mpath, name), t

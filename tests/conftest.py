@@ -1,0 +1,26 @@
+"""Test configuration: hypothesis profiles.
+
+`ci` (the default) keeps the property tests to a few seconds; `long` runs many more
+examples. Choose with the environment variable HYPOTHESIS_PROFILE, e.g.
+`HYPOTHESIS_PROFILE=long python -m pytest tests/test_properties.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "long",
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -10,6 +10,9 @@ from graphsafe.errors import RegistrationError
 from graphsafe.errors import StaleError
 from graphsafe.errors import StorageMovedError
 from graphsafe.errors import WeightLoadError
+from graphsafe.graph import Graph
+from graphsafe.ledger import Drift
+from graphsafe.ledger import Ledger
 from graphsafe.registry import Registry
 from graphsafe.registry import default_registry
 from graphsafe.runtime import Runtime
@@ -26,8 +29,11 @@ __all__ = [
     "DerivationDriftError",
     "DerivationInfo",
     "DerivationReport",
+    "Drift",
+    "Graph",
     "GraphSafetyError",
     "ImpureDerivationError",
+    "Ledger",
     "RefreshReport",
     "RegistrationError",
     "Registry",

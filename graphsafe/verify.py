@@ -10,7 +10,9 @@ catching it.
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -138,7 +140,19 @@ def load_target(spec: str) -> VerifyTarget:
     """
     if ":" in spec:
         module, _, attr = spec.partition(":")
-        return getattr(import_module(module), attr)  # type: ignore[no-any-return]
+        try:
+            if os.getcwd() not in sys.path:
+                # Like `python -m`: a target module in the working directory is found.
+                sys.path.insert(0, os.getcwd())
+            return getattr(import_module(module), attr)  # type: ignore[no-any-return]
+        except (ImportError, AttributeError) as exc:
+            raise GraphSafetyError(
+                f"cannot load verify target {spec!r}",
+                expected="module:attribute naming an importable object",
+                got=f"{type(exc).__name__}: {exc}",
+                fix="install the module or put its folder on PYTHONPATH, and check the "
+                "attribute name",
+            ) from exc
     found = {ep.name: ep for ep in entry_points(group="graphsafe.targets")}
     if spec not in found:
         raise GraphSafetyError(

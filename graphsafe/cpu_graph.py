@@ -1,0 +1,675 @@
+"""The CPU graph backend: a recorder that replays aten ops the way a CUDA graph does.
+
+During capture the callable runs eagerly under a `TorchDispatchMode` that records every
+aten op. Replay reruns the recorded ops, with a CUDA graph's semantics:
+
+- A tensor that was not produced inside the capture (parameter, buffer, plain attribute,
+  static input, `param.data` alias, constant) is bound to the *storage* it had at
+  capture time, through an alias tensor the graph holds. Rebinding the original object
+  afterwards (`param.data = new`, `t.set_(other)`, `m.x = new`, `register_buffer` again, a
+  list item replaced) is not seen: replay reads the old memory, as a CUDA graph reads
+  the old address. Writes into that memory (`copy_`, `mul_`, `x[...] = v`) are seen.
+- A tensor produced inside the capture is recomputed into a slot on every replay. Those
+  the caller still holds when capture ends (outputs) are static: each replay writes the
+  new values into their memory, so they keep their identity and data pointer.
+- Python control flow and Python scalars are frozen at capture. Reading a tensor's value
+  into Python (`.item()`, `bool(t)`, `.tolist()`) raises `CaptureError`, as do ops whose
+  output shape depends on tensor values (`nonzero`, boolean-mask indexing): a CUDA graph
+  can capture neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import keyword
+import linecache
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, cast
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from graphsafe.errors import CaptureError
+
+__all__ = ["CPUBackend", "CompiledGraph"]
+
+aten = torch.ops.aten
+
+# Ops that read a tensor's value into Python. `bool(t)`, `int(t)` and `float(t)` reach
+# the dispatcher as `_local_scalar_dense` too.
+_VALUE_READ_OPS: dict[Any, str] = {
+    aten._local_scalar_dense.default: "`.item()`, `bool(t)`, `int(t)` or `float(t)`",
+    aten.equal.default: "`torch.equal`",
+    aten.is_nonzero.default: "`bool(t)`",
+}
+
+# Tensor methods that read values without going through the dispatcher.
+_VALUE_READ_METHODS: dict[Any, str] = {
+    torch.Tensor.tolist: "`.tolist()`",
+    torch.Tensor.numpy: "`.numpy()`",
+    torch.Tensor.__array__: "`numpy.asarray(t)`",
+    torch.Tensor.item: "`.item()`",
+    torch.Tensor.__bool__: "`bool(t)` (an `if` on a tensor)",
+    torch.Tensor.__int__: "`int(t)`",
+    torch.Tensor.__float__: "`float(t)`",
+    torch.Tensor.__index__: "using a tensor as a Python index",
+    torch.Tensor.__complex__: "`complex(t)`",
+    # Printing reads values with dispatch modes disabled, so catch it here.
+    torch.Tensor.__repr__: "printing a tensor (`repr(t)`, `str(t)`)",
+    torch.Tensor.__format__: "formatting a tensor (`f\"{t}\"`)",
+}
+
+_VALUE_READ_FIX = (
+    "keep values on the device: use tensor ops (`torch.where`, masking) instead of "
+    "Python branches on tensor values, and read results after `replay()`"
+)
+
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+_GRAPH_IDS = itertools.count()
+
+
+class _Ref:
+    """Placeholder in a recorded argument: the tensor at `env[index]`."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Known(NamedTuple):
+    """What the recorder knows about a tensor object it has seen."""
+
+    pos: int  # index into the env
+    external: bool
+    # For an external tensor, (data_ptr, shape, stride, dtype) when it was aliased: a
+    # change means code outside the dispatcher rebound it (`x.data = y`) mid-capture.
+    sig: tuple[int, torch.Size, tuple[int, ...], torch.dtype] | None
+
+
+class _Recorded(NamedTuple):
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outs: int | tuple[tuple[int, int], ...] | None
+    # Kept even when its results are unused: it writes an argument, draws random
+    # numbers, or is not a plain aten op (a custom op may act through other channels).
+    effectful: bool
+
+
+# aten ops that act without writing an argument: asserts, stream bookkeeping, printing.
+_SIDE_EFFECT_MARKS = ("assert", "record", "print", "constrain", "profiler")
+
+
+def _effectful(func: Any, written: tuple[tuple[int, str], ...]) -> bool:
+    if written or torch.Tag.nondeterministic_seeded in func.tags:
+        return True
+    if getattr(func, "namespace", None) != "aten":
+        return True
+    name = func._schema.name
+    return any(mark in name for mark in _SIDE_EFFECT_MARKS)
+
+
+def _sig(t: torch.Tensor) -> tuple[int, torch.Size, tuple[int, ...], torch.dtype]:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def _layout(sig: tuple[int, torch.Size, tuple[int, ...], torch.dtype]) -> str:
+    ptr, shape, stride, dtype = sig
+    return f"data_ptr 0x{ptr:x}, shape {tuple(shape)}, stride {stride}, {dtype}"
+
+
+def _storage_alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor bound to `t`'s storage, offset, shape and stride, not to `t`.
+
+    Rebinding `t` later leaves the alias on the old memory, which it keeps alive.
+    """
+    if t.layout is not torch.strided:
+        # No storage to bind (sparse and the like): hold the object itself.
+        return t
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    # The lazy negation and conjugation bits live on the tensor, not in its memory.
+    if t.is_neg():
+        alias = torch._neg_view(alias)
+    if t.is_conj():
+        alias = alias.conj()
+    return alias
+
+
+def _written(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument the op writes, from its schema."""
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _dynamic_shape_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Why an op's output shape depends on tensor values, or "" when it does not."""
+    if torch.Tag.dynamic_output_shape not in func.tags:
+        return ""
+    if func is aten.index.Tensor:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices):
+            return "boolean-mask indexing (`x[mask]`)"
+        return ""
+    if func is aten.repeat_interleave.Tensor:
+        return "" if kwargs.get("output_size") is not None else f"`{func}` without output_size"
+    if func is aten.one_hot.default:
+        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        return "" if classes != -1 else "`one_hot` without num_classes"
+    return f"`{func}`"
+
+
+class _ValueReadGuard(TorchFunctionMode):
+    """Refuses the Tensor methods that read values without reaching the dispatcher."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        what = _VALUE_READ_METHODS.get(func)
+        if what is not None:
+            raise CaptureError(
+                f"{what} reads a tensor's value into Python during capture",
+                expected="tensor ops only; a graph replays device work, not Python",
+                got=what,
+                fix=_VALUE_READ_FIX,
+            )
+        return func(*args, **(kwargs or {}))
+
+
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch stubs
+    """Runs every aten op eagerly and records it against env indices."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch stubs
+        # Weak: a tensor the body dropped must not look like an output, and its id may
+        # be reused by a new tensor.
+        self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._known_get = cast(Callable[[torch.Tensor], "_Known | None"], self.known.get)
+        self._known_items = cast(
+            Callable[[], Iterator[tuple[torch.Tensor, _Known]]], self.known.items
+        )
+        self.env: list[torch.Tensor | None] = []
+        self.ops: list[_Recorded] = []
+        self.inference = torch.is_inference_mode_enabled()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        self._refuse(func, args, kwargs)
+        # Templates are taken before the op runs: an in-place op reads the tensors
+        # its arguments were bound to beforehand.
+        args_t = tuple(self._template(a) for a in args)
+        kwargs_t = {k: self._template(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        written = _written(func)
+        if written:
+            self._check_external_writes(func, written, args, kwargs)
+        effectful = _effectful(func, written)
+        self.ops.append(_Recorded(func, args_t, kwargs_t, self._bind(out), effectful))
+        return out
+
+    def _refuse(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        what = _VALUE_READ_OPS.get(func)
+        if what is not None:
+            raise CaptureError(
+                f"{what} reads a tensor's value into Python during capture",
+                expected="tensor ops only; a graph replays device work, not Python",
+                got=f"{func}",
+                fix=_VALUE_READ_FIX,
+            )
+        reason = _dynamic_shape_reason(func, args, kwargs)
+        if reason:
+            raise CaptureError(
+                f"{reason} gives an output whose shape depends on tensor values",
+                expected="output shapes fixed at capture",
+                got=reason,
+                fix="use fixed-shape ops (`torch.where`, multiplying by the mask, "
+                "`repeat_interleave(..., output_size=n)`) or move the op out of the graph",
+            )
+
+    def _ref(self, t: torch.Tensor) -> int:
+        known = self._known_get(t)
+        if known is not None and (not known.external or known.sig == _sig(t)):
+            return known.pos
+        # First sight, or an external tensor rebound mid-capture by code the dispatcher
+        # does not see (`x.data = y`): from here on ops read its current memory, just as
+        # kernels captured from here on would read the new address.
+        index = len(self.env)
+        self.env.append(_storage_alias(t))
+        self.known[t] = _Known(index, True, _sig(t))
+        return index
+
+    def _template(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return _Ref(self._ref(value))
+        if isinstance(value, (list, tuple)):
+            items = [self._template(v) for v in value]
+            if all(a is b for a, b in zip(items, value, strict=True)):
+                return value
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    def _bind_one(self, t: torch.Tensor) -> int | None:
+        if t in self.known:
+            return None  # an in-place or out= op returned a tensor already bound
+        index = len(self.env)
+        self.env.append(None)
+        self.known[t] = _Known(index, False, None)
+        return index
+
+    def _bind(self, out: Any) -> int | tuple[tuple[int, int], ...] | None:
+        if isinstance(out, torch.Tensor):
+            return self._bind_one(out)
+        if isinstance(out, (list, tuple)):
+            pairs = []
+            for j, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    k = self._bind_one(o)
+                    if k is not None:
+                        pairs.append((j, k))
+            return tuple(pairs) or None
+        return None
+
+    def _check_external_writes(
+        self,
+        func: Any,
+        written: tuple[tuple[int, str], ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Refuse ops that change an external tensor's storage or layout (`set_`,
+        `resize_`, `t_`): replaying them on the alias would compound every replay."""
+        for index, name in written:
+            arg = args[index] if index < len(args) else kwargs.get(name)
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                known = self._known_get(t)
+                if known is None or not known.external or known.sig is None:
+                    continue
+                now = _sig(t)
+                if known.sig == now:
+                    continue
+                raise CaptureError(
+                    f"`{func}` changes the storage or layout of a tensor created outside "
+                    "the capture",
+                    expected=_layout(known.sig),
+                    got=_layout(now),
+                    fix="resize or rebind it before capture; inside a graph only write "
+                    "values into it (`copy_`)",
+                )
+
+    def compile(self) -> CompiledGraph:
+        """Turn the recording into a replay program. Call after the capture body ended,
+        while the caller still holds its outputs."""
+        statics = [
+            (k.pos, t) for t, k in list(self._known_items()) if not k.external
+        ]
+        static_aliases = _static_aliases(statics)
+        live = {k for k, _ in static_aliases}
+        kept: list[_Recorded] = []
+        for op in reversed(self.ops):
+            produced = _out_indices(op.outs)
+            if op.effectful or any(k in live for k in produced):
+                kept.append(op)
+                live.update(_ref_indices((op.args, op.kwargs)))
+        kept.reverse()
+
+        # Free each slot after its last reader, as eager code drops intermediates;
+        # static slots live to the end, where they are copied out.
+        last_use: dict[int, int] = {}
+        for n, op in enumerate(kept):
+            for k in _ref_indices((op.args, op.kwargs)):
+                last_use[k] = n
+            for k in _out_indices(op.outs):
+                last_use.setdefault(k, n)
+        externals = {i for i, t in enumerate(self.env) if t is not None}
+        keep = externals | {k for k, _ in static_aliases}
+        frees: list[list[int]] = [[] for _ in kept]
+        for k, n in last_use.items():
+            if k not in keep:
+                frees[n].append(k)
+
+        externals_used = [(i, t) for i, t in enumerate(self.env) if t is not None and i in live]
+        return CompiledGraph(
+            _generate(kept, frees, externals_used, static_aliases), len(kept), self.inference
+        )
+
+
+def _ref_indices(template: Any) -> Iterator[int]:
+    if isinstance(template, _Ref):
+        yield template.index
+    elif isinstance(template, (list, tuple)):
+        for item in template:
+            yield from _ref_indices(item)
+    elif isinstance(template, dict):
+        for item in template.values():
+            yield from _ref_indices(item)
+
+
+def _out_indices(outs: int | tuple[tuple[int, int], ...] | None) -> tuple[int, ...]:
+    if outs is None:
+        return ()
+    if isinstance(outs, int):
+        return (outs,)
+    return tuple(k for _, k in outs)
+
+
+def _static_aliases(
+    statics: list[tuple[int, torch.Tensor]],
+) -> tuple[tuple[int, torch.Tensor], ...]:
+    """Storage aliases to copy each replay's results into, one per static output.
+
+    Aliases, not the caller's objects: like a CUDA graph, replay writes the memory the
+    outputs had at capture, whatever the caller rebinds them to later. Where one static
+    tensor covers its whole storage, views of it (a base kept alive by a view, `h` and
+    `h.view(-1)`) need no copy of their own.
+    """
+    by_storage: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for k, t in statics:
+        if t.layout is not torch.strided:
+            by_storage.setdefault(-1 - k, []).append((k, t))
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr() if storage.nbytes() else -1 - k
+        by_storage.setdefault(key, []).append((k, t))
+    chosen: list[tuple[int, torch.Tensor]] = []
+    for group in by_storage.values():
+        cover = next((kt for kt in group if _covers_storage(kt[1])), None)
+        for k, t in [cover] if cover is not None else group:
+            chosen.append((k, _storage_alias(t)))
+    chosen.sort(key=lambda kt: kt[0])
+    return tuple(chosen)
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    return (
+        t.layout is torch.strided
+        and t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+        and not t.is_neg()
+        and not t.is_conj()
+    )
+
+
+class _Source:
+    """Builds the replay function's source; values it cannot spell go in its namespace."""
+
+    def __init__(self) -> None:
+        self.namespace: dict[str, Any] = {}
+        self.lines: list[str] = []
+
+    def name(self, prefix: str, value: Any) -> str:
+        name = f"{prefix}{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def expr(self, template: Any) -> str:
+        if isinstance(template, _Ref):
+            return f"v{template.index}"
+        if template is None or type(template) in (bool, int):
+            return repr(template)
+        if isinstance(template, (list, tuple)) and any(True for _ in _ref_indices(template)):
+            items = ", ".join(self.expr(t) for t in template)
+            if isinstance(template, list):
+                return f"[{items}]"
+            return f"({items},)" if len(template) == 1 else f"({items})"
+        # Constants (floats, dtypes, lists without tensors) are passed as the same object
+        # on every replay, as they were at capture.
+        return self.name("c", template)
+
+    def call(self, op: _Recorded) -> str:
+        fn = self.name("f", getattr(op.func, "_op", op.func))
+        args = [self.expr(a) for a in op.args]
+        for key, value in op.kwargs.items():
+            if key.isidentifier() and not keyword.iskeyword(key):
+                args.append(f"{key}={self.expr(value)}")
+            else:
+                args.append(f"**{{{key!r}: {self.expr(value)}}}")
+        return f"{fn}({', '.join(args)})"
+
+
+def _generate(
+    ops: list[_Recorded],
+    frees: list[list[int]],
+    externals: list[tuple[int, torch.Tensor]],
+    statics: tuple[tuple[int, torch.Tensor], ...],
+) -> Callable[[], None]:
+    """Compile the program into one Python function, one line per op.
+
+    Each env entry is a local variable `v<index>`, so replay pays only for the op
+    calls: no per-op template patching or pytree work.
+    """
+    src = _Source()
+    body = src.lines
+    for i, alias in externals:
+        body.append(f"v{i} = {src.name('x', alias)}  # bound at capture: {_describe(alias)}")
+    for op, free in zip(ops, frees, strict=True):
+        call = src.call(op)
+        if op.outs is None:
+            body.append(f"{call}  # {op.func}")
+        elif isinstance(op.outs, int):
+            body.append(f"v{op.outs} = {call}  # {op.func}")
+        else:
+            body.append(f"r = {call}  # {op.func}")
+            body.extend(f"v{k} = r[{j}]" for j, k in op.outs)
+            body.append("del r")
+        if free:
+            # Drop intermediates after their last use, as eager code does.
+            body.append("del " + ", ".join(f"v{k}" for k in sorted(free)))
+    for k, alias in statics:
+        s = src.name("s", alias)
+        # A static output that views external memory was written in place already.
+        body.append(f"if v{k}.data_ptr() != {s}.data_ptr(): {s}.copy_(v{k})")
+    text = "def replay():\n" + "".join(f"    {line}\n" for line in body or ["pass"])
+    filename = f"<graphsafe cpu graph {next(_GRAPH_IDS)}>"
+    # Registered so that tracebacks and `inspect` show the generated lines.
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    exec(compile(text, filename, "exec"), src.namespace)
+    replay: Callable[[], None] = src.namespace["replay"]
+    weakref.finalize(replay, linecache.cache.pop, filename, None)
+    return replay
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+class CompiledGraph:
+    """A recorded capture, ready to replay. Built by `CPUBackend.capture`.
+
+    Args:
+        fn: The generated replay function (see `code`).
+        num_ops: How many ops it runs.
+        inference: Whether capture ran under `torch.inference_mode()`; replay then does
+            too, since its aliases and outputs are inference tensors.
+    """
+
+    __slots__ = ("_fn", "_inference", "_num_ops")
+
+    def __init__(self, fn: Callable[[], None], num_ops: int, inference: bool) -> None:
+        self._fn = fn
+        self._num_ops = num_ops
+        self._inference = inference
+
+    @property
+    def num_ops(self) -> int:
+        """Number of ops each replay runs (after dropping ops whose results are unused).
+
+        Returns:
+            The op count.
+
+        Example:
+            >>> import torch
+            >>> g = CPUBackend()
+            >>> with g.capture():
+            ...     y = torch.ones(2) * 3
+            >>> g.compiled.num_ops  # ones, mul
+            2
+        """
+        return self._num_ops
+
+    @property
+    def code(self) -> str:
+        """The generated replay function's source, one line per aten op.
+
+        Tensors bound at capture are `v<n> = x<n>` lines, static outputs are copied into
+        at the end; tracebacks from a failing replay point into these lines.
+
+        Returns:
+            Python source.
+
+        Example:
+            >>> import torch
+            >>> g = CPUBackend()
+            >>> with g.capture():
+            ...     y = torch.ones(2) * 3
+            >>> "# aten.mul.Tensor" in g.compiled.code
+            True
+        """
+        return inspect.getsource(self._fn)
+
+    def replay(self) -> None:
+        """Rerun the recorded ops and write the results into the static outputs.
+
+        Example:
+            >>> import torch
+            >>> g = CPUBackend()
+            >>> with g.capture():
+            ...     y = torch.ones(2) * 3
+            >>> g.compiled.replay()
+        """
+        with torch.inference_mode() if self._inference else torch.no_grad():
+            self._fn()
+
+
+class CPUBackend:
+    """Captures a callable by recording its aten ops; replays them with CUDA graph
+    semantics (see the module docstring).
+
+    Use it through `graphsafe.graph.Graph(backend="cpu")`; it can also be used alone.
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(2)
+        >>> x = torch.ones(2)
+        >>> g = CPUBackend()
+        >>> with g.capture():
+        ...     y = w * x
+        >>> _ = x.copy_(torch.tensor([2.0, 3.0]))
+        >>> g.replay()
+        >>> y
+        tensor([2., 3.])
+    """
+
+    __slots__ = ("_compiled", "_state")
+
+    def __init__(self) -> None:
+        self._compiled: CompiledGraph | None = None
+        self._state = "new"
+
+    def warmup(self, fn: Callable[[], object], iters: int) -> None:
+        """Run `fn` eagerly `iters` times before capture.
+
+        Args:
+            fn: Zero-argument callable.
+            iters: How many times to run it.
+
+        Example:
+            >>> CPUBackend().warmup(lambda: None, 3)
+        """
+        for _ in range(iters):
+            fn()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Record every aten op the body runs.
+
+        The body runs eagerly, so its results are available at once; the outputs it
+        leaves bound are the graph's static outputs.
+
+        Yields:
+            None.
+
+        Raises:
+            CaptureError: The backend already captured, or the body read a tensor's
+                value into Python or ran an op whose output shape depends on values.
+
+        Example:
+            >>> import torch
+            >>> g = CPUBackend()
+            >>> with g.capture():
+            ...     y = torch.ones(2) + 1
+        """
+        if self._state != "new":
+            raise CaptureError(
+                "this graph was already captured",
+                expected="one capture per graph",
+                got=f"a second capture (state: {self._state})",
+                fix="create a new Graph for each capture",
+            )
+        self._state = "capturing"
+        recorder = _Recorder()
+        try:
+            with _ValueReadGuard(), recorder:
+                yield
+            self._compiled = recorder.compile()
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "captured"
+
+    def replay(self) -> None:
+        """Replay the captured ops.
+
+        Raises:
+            CaptureError: Nothing was captured, or the capture failed.
+
+        Example:
+            >>> import torch
+            >>> g = CPUBackend()
+            >>> with g.capture():
+            ...     y = torch.zeros(1) + 1
+            >>> g.replay()
+        """
+        if self._compiled is None:
+            raise CaptureError(
+                "replay() before a successful capture",
+                expected="a captured graph",
+                got=f"state {self._state}",
+                fix="capture first: `with g.capture(): out = model(static_x)`",
+            )
+        self._compiled.replay()
+
+    @property
+    def compiled(self) -> CompiledGraph | None:
+        """The compiled program, once captured.
+
+        Returns:
+            The program, or None before a successful capture.
+
+        Example:
+            >>> CPUBackend().compiled is None
+            True
+        """
+        return self._compiled

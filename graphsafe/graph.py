@@ -1,0 +1,282 @@
+"""`Graph`: capture once, replay many times, on CUDA or on the CPU, optionally guarded.
+
+Shaped like `torch.cuda.CUDAGraph` with `torch.cuda.graph`::
+
+    g = Graph(guard=model)
+    with g.capture(warmup=lambda: model(static_x)):
+        out = model(static_x)
+    static_x.copy_(new_x)
+    g.replay()  # out now holds model(new_x)
+
+The CPU backend (`graphsafe.cpu_graph`) replays with a CUDA graph's semantics, so a
+refit bug that would corrupt a CUDA graph shows up, reproducibly, without a GPU.
+
+With `guard=model`, capture pins the model (`runtime(model).pin()`) and takes a
+`Ledger` snapshot before the body runs; every replay first checks that no tensor moved
+(`StorageMovedError`) and that no derived buffer is stale (`StaleError`), and raises
+instead of replaying stale memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from itertools import chain
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from graphsafe.cpu_graph import CPUBackend
+from graphsafe.errors import CaptureError
+from graphsafe.ledger import Ledger
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as PoolHandle
+
+    from graphsafe.cuda_graph import CUDABackend
+    from graphsafe.runtime import Runtime
+
+__all__ = ["BackendName", "Graph"]
+
+BackendName = Literal["auto", "cuda", "cpu"]
+
+_NEW, _CAPTURING, _CAPTURED, _FAILED = "new", "capturing", "captured", "failed"
+
+
+def _choose(backend: str, guard: nn.Module | None) -> Literal["cuda", "cpu"]:
+    if backend == "cuda":
+        return "cuda"
+    if backend == "cpu":
+        return "cpu"
+    if backend != "auto":
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu', not {backend!r}")
+    if guard is not None:
+        tensors = chain(guard.parameters(), guard.buffers())
+        return "cuda" if any(t.device.type == "cuda" for t in tensors) else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Graph:
+    """A captured graph: CUDA where there is one, or the CPU recorder.
+
+    Args:
+        backend: `"cuda"` for a real `torch.cuda.CUDAGraph`, `"cpu"` for the CPU
+            recorder, `"auto"` to pick: with a guard, `"cuda"` when any parameter or
+            buffer of the guarded model is on a CUDA device, else `"cpu"`; without a
+            guard, `"cuda"` exactly when `torch.cuda.is_available()`.
+        guard: A model to guard. Capture pins it and snapshots its tensors before the
+            body runs; each replay checks them first.
+        pool: CUDA memory pool to capture into (`other.pool()` or
+            `torch.cuda.graph_pool_handle()`). The CPU backend has none.
+
+    Raises:
+        ValueError: Unknown backend, or a pool given to the CPU backend.
+        CaptureError: `backend="cuda"` where CUDA is not available.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Linear(3, 2)
+        >>> x = torch.randn(4, 3)
+        >>> g = Graph(backend="cpu")
+        >>> with torch.no_grad(), g.capture():
+        ...     out = model(x)
+        >>> _ = x.copy_(torch.randn(4, 3))
+        >>> g.replay()
+        >>> torch.equal(out, model(x).detach())
+        True
+    """
+
+    __slots__ = ("_backend", "_guard", "_impl", "_ledger", "_runtime", "_state")
+
+    def __init__(
+        self,
+        backend: BackendName = "auto",
+        guard: nn.Module | None = None,
+        pool: PoolHandle | None = None,
+    ) -> None:
+        self._backend = _choose(backend, guard)
+        self._impl: CPUBackend | CUDABackend
+        if self._backend == "cuda":
+            from graphsafe.cuda_graph import CUDABackend  # only where CUDA is wanted
+
+            self._impl = CUDABackend(pool=pool)
+        else:
+            if pool is not None:
+                raise ValueError(
+                    "pool is a CUDA graph memory pool; the cpu backend has none "
+                    "(pass pool=None, or Graph(pool=g.pool()) where g.pool() is None)"
+                )
+            self._impl = CPUBackend()
+        self._guard = guard
+        self._ledger: Ledger | None = None
+        self._runtime: Runtime | None = None
+        self._state = _NEW
+
+    @property
+    def backend(self) -> Literal["cuda", "cpu"]:
+        """The backend in use.
+
+        Returns:
+            `"cuda"` or `"cpu"`.
+
+        Example:
+            >>> Graph(backend="cpu").backend
+            'cpu'
+        """
+        return self._backend
+
+    @property
+    def guard(self) -> nn.Module | None:
+        """The guarded model, if any.
+
+        Returns:
+            The model passed as `guard`, or None.
+
+        Example:
+            >>> Graph(backend="cpu").guard is None
+            True
+        """
+        return self._guard
+
+    @property
+    def ledger(self) -> Ledger | None:
+        """The snapshot the guard checks before each replay.
+
+        Returns:
+            The ledger taken at capture, or None without a guard or before capture.
+
+        Example:
+            >>> Graph(backend="cpu").ledger is None
+            True
+        """
+        return self._ledger
+
+    @property
+    def captured(self) -> bool:
+        """Whether a capture succeeded, so that `replay()` can run.
+
+        Returns:
+            True after a successful capture.
+
+        Example:
+            >>> Graph(backend="cpu").captured
+            False
+        """
+        return self._state == _CAPTURED
+
+    def pool(self) -> PoolHandle | None:
+        """The memory pool, for graphs that should share it: `Graph(pool=g.pool())`.
+
+        Returns:
+            The CUDA pool handle (valid once capture began), or None on the CPU backend.
+
+        Raises:
+            CaptureError: CUDA backend, before capture.
+
+        Example:
+            >>> Graph(backend="cpu").pool() is None
+            True
+        """
+        if isinstance(self._impl, CPUBackend):
+            return None
+        return self._impl.pool()
+
+    @contextlib.contextmanager
+    def capture(
+        self, warmup: Callable[[], object] | None = None, *, warmup_iters: int = 3
+    ) -> Iterator[None]:
+        """Capture the body as the graph.
+
+        In order: `warmup` runs `warmup_iters` times (on a side stream for CUDA, eagerly
+        on the CPU); with a guard, the model is pinned and snapshot; then the body is
+        captured. On CUDA the body's outputs hold values only after the first
+        `replay()`; on the CPU the body also runs eagerly.
+
+        Args:
+            warmup: Optional zero-argument callable run before capture, usually the body
+                itself, so lazy initialisation happens outside the graph.
+            warmup_iters: How many times to run `warmup`.
+
+        Yields:
+            None.
+
+        Raises:
+            CaptureError: The graph was already captured (or a capture failed), or the
+                body cannot be captured (it reads a tensor's value into Python).
+            StaleError: With a guard, when pinning finds derived buffers stale.
+
+        Example:
+            >>> import torch
+            >>> x = torch.ones(2)
+            >>> g = Graph(backend="cpu")
+            >>> with g.capture(warmup=lambda: x * 2):
+            ...     y = x * 2
+        """
+        if self._state != _NEW:
+            raise CaptureError(
+                "this graph was already captured"
+                if self._state == _CAPTURED
+                else f"this graph cannot capture again (state: {self._state})",
+                expected="one capture per Graph",
+                got=f"a second capture (state: {self._state})",
+                fix="create a new Graph for each capture",
+            )
+        if warmup is not None:
+            self._impl.warmup(warmup, warmup_iters)
+        if self._guard is not None:
+            # Only guarded graphs need the runtime; importing it here keeps this module
+            # free of an import-time dependency on it (and of a cycle, should it ever
+            # use graphs).
+            from graphsafe.runtime import runtime
+
+            # Both before the body: the ledger must record the storage the graph reads.
+            rt = runtime(self._guard)
+            rt.pin()
+            self._runtime = rt
+            self._ledger = Ledger.snapshot(self._guard, label="graph capture")
+        self._state = _CAPTURING
+        try:
+            with self._impl.capture():
+                yield
+        except BaseException:
+            self._state = _FAILED
+            raise
+        self._state = _CAPTURED
+
+    def replay(self) -> None:
+        """Replay the captured graph; with a guard, check the model first.
+
+        The guard's check is one flat comparison of every pinned tensor's data pointer,
+        shape, stride and dtype, plus the runtime's freshness check.
+
+        Raises:
+            CaptureError: Nothing was captured, or the capture failed.
+            StorageMovedError: With a guard, a pinned tensor was rebound after capture;
+                the graph would read its old memory. Nothing is replayed.
+            StaleError: With a guard, derived buffers are stale. Nothing is replayed.
+
+        Example:
+            >>> import torch
+            >>> x = torch.ones(2)
+            >>> g = Graph(backend="cpu")
+            >>> with g.capture():
+            ...     y = x + 1
+            >>> _ = x.fill_(5.0)
+            >>> g.replay()
+            >>> y
+            tensor([6., 6.])
+        """
+        if self._state != _CAPTURED:
+            raise CaptureError(
+                "replay() before a successful capture",
+                expected="a captured graph",
+                got=f"state {self._state}",
+                fix="capture first: `with g.capture(): out = model(static_x)`",
+            )
+        if self._ledger is not None:
+            self._ledger.assert_stable()
+        if self._runtime is not None:
+            self._runtime.assert_fresh()
+        self._impl.replay()

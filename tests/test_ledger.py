@@ -1,0 +1,356 @@
+"""The storage ledger: every way a pinned tensor can move is reported (`graphsafe.ledger`)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from graphsafe.errors import StorageMovedError
+from graphsafe.ledger import Drift, Ledger
+
+
+class Block(nn.Module):
+    """Every kind of place a tensor can live in a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("buf", torch.arange(4.0))
+        self.x = torch.ones(4)  # plain tensor attribute
+        self.cache = [torch.zeros(4), torch.zeros(4)]
+        self.tables = {"k": torch.ones(2), "pair": (torch.ones(3), torch.zeros(3))}
+        self.window = torch.arange(4.0)[:3]  # a view at offset 0 of a 4-element storage
+        self.note = "not a tensor"
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+
+
+def _kinds(drifts: tuple[Drift, ...]) -> set[tuple[str, str]]:
+    return {(d.path, d.what) for d in drifts}
+
+
+def test_snapshot_finds_parameters_buffers_attributes_and_container_items() -> None:
+    ledger = Ledger.snapshot(Net())
+    expected = {
+        "layers.0.lin.weight",
+        "layers.0.lin.bias",
+        "layers.0.buf",
+        "layers.0.x",
+        "layers.0.cache.0",
+        "layers.0.cache.1",
+        "layers.0.tables.k",
+        "layers.0.tables.pair.0",
+        "layers.0.tables.pair.1",
+        "layers.0.window",
+    }
+    assert expected | {p.replace("layers.0", "layers.1") for p in expected} == set(ledger.paths)
+    assert len(ledger) == 2 * len(expected)
+
+
+def test_a_clean_model_reports_no_drift() -> None:
+    ledger = Ledger.snapshot(Net())
+    assert ledger.verify() == ()
+    ledger.assert_stable()
+
+
+def test_control_writes_into_existing_storage_are_not_drifts() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    block = net.layers[0]
+    with torch.no_grad():
+        block.lin.weight.data.copy_(torch.randn(4, 4))  # the loader idiom
+        block.lin.bias.mul_(3.0)
+        block.buf.copy_(torch.full((4,), 7.0))
+        block.x[1:] = 5.0
+        block.cache[1].add_(1.0)
+        block.tables["k"].fill_(2.0)
+        block.tables["pair"][0].zero_()
+    assert ledger.verify() == ()
+
+
+def _rebind_param_data(net: Net) -> None:
+    net.layers[0].lin.weight.data = torch.randn(4, 4)
+
+
+def _reassign_param(net: Net) -> None:
+    net.layers[0].lin.weight = nn.Parameter(torch.randn(4, 4))
+
+
+def _rebind_attribute(net: Net) -> None:
+    net.layers[0].x = torch.ones(4)
+
+
+def _register_buffer_again(net: Net) -> None:
+    net.layers[0].register_buffer("buf", torch.arange(4.0))
+
+
+def _set_(net: Net) -> None:
+    net.layers[0].x.set_(torch.ones(4))
+
+
+def _replace_list_item(net: Net) -> None:
+    net.layers[0].cache[1] = torch.zeros(4)
+
+
+def _replace_list(net: Net) -> None:
+    net.layers[0].cache = [net.layers[0].cache[0], torch.zeros(4)]
+
+
+def _replace_dict_entry(net: Net) -> None:
+    net.layers[0].tables["k"] = torch.ones(2)
+
+
+def _replace_tuple_in_dict(net: Net) -> None:
+    pair = net.layers[0].tables["pair"]
+    net.layers[0].tables["pair"] = (torch.ones(3), pair[1])
+
+
+def _transpose_data(net: Net) -> None:
+    weight = net.layers[0].lin.weight
+    weight.data = weight.data.t()  # same storage, new strides
+
+
+def _reinterpret_dtype(net: Net) -> None:
+    block = net.layers[0]
+    block.buf = block.buf.view(torch.int32)  # same memory, new dtype
+
+
+def _shrink(net: Net) -> None:
+    net.layers[0].buf.resize_(2)
+
+
+def _grow(net: Net) -> None:
+    net.layers[0].buf.resize_(4096)
+
+
+def _shift_offset(net: Net) -> None:
+    window = net.layers[0].window
+    window.set_(window.untyped_storage(), 1, (3,), (1,))
+
+
+def _to_meta(net: Net) -> None:
+    net.layers[0].x = net.layers[0].x.to("meta")
+
+
+def _to_double(net: Net) -> None:
+    net.layers[0].x = net.layers[0].x.double()
+
+
+def _set_none(net: Net) -> None:
+    net.layers[0].x = None
+
+
+def _delete_buffer(net: Net) -> None:
+    del net.layers[0].buf
+
+
+def _shrink_list(net: Net) -> None:
+    net.layers[0].cache.pop()
+
+
+def _delete_dict_key(net: Net) -> None:
+    del net.layers[0].tables["k"]
+
+
+def _not_a_tensor_any_more(net: Net) -> None:
+    net.layers[0].x = 1.0
+
+
+CASES: list[tuple[Callable[[Net], None], str, str]] = [
+    (_rebind_param_data, "layers.0.lin.weight", "storage"),
+    (_reassign_param, "layers.0.lin.weight", "storage"),
+    (_rebind_attribute, "layers.0.x", "storage"),
+    (_register_buffer_again, "layers.0.buf", "storage"),
+    (_set_, "layers.0.x", "storage"),
+    (_replace_list_item, "layers.0.cache.1", "storage"),
+    (_replace_list, "layers.0.cache.1", "storage"),
+    (_replace_dict_entry, "layers.0.tables.k", "storage"),
+    (_replace_tuple_in_dict, "layers.0.tables.pair.0", "storage"),
+    (_transpose_data, "layers.0.lin.weight", "stride"),
+    (_reinterpret_dtype, "layers.0.buf", "dtype"),
+    (_shrink, "layers.0.buf", "shape"),
+    (_grow, "layers.0.buf", "shape"),
+    (_shift_offset, "layers.0.window", "offset"),
+    (_to_meta, "layers.0.x", "device"),
+    (_to_double, "layers.0.x", "dtype"),
+    (_set_none, "layers.0.x", "removed"),
+    (_delete_buffer, "layers.0.buf", "removed"),
+    (_shrink_list, "layers.0.cache.1", "removed"),
+    (_delete_dict_key, "layers.0.tables.k", "removed"),
+    (_not_a_tensor_any_more, "layers.0.x", "removed"),
+]
+
+
+@pytest.mark.parametrize(("move", "path", "what"), CASES, ids=[c[0].__name__ for c in CASES])
+def test_each_kind_of_drift_is_reported_with_its_path_and_kind(
+    move: Callable[[Net], None], path: str, what: str
+) -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    move(net)
+    drifts = ledger.verify()
+    assert (path, what) in _kinds(drifts)
+    assert {d.path for d in drifts} == {path}  # nothing else is blamed
+    assert all(d.module_class == "Block" or d.module_class == "Linear" for d in drifts)
+
+
+def test_a_reshaped_tensor_reports_storage_and_shape_and_old_and_new_values() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    old_ptr = net.layers[1].buf.untyped_storage().data_ptr()
+    net.layers[1].buf.resize_(4096)  # grows: a new allocation
+    drifts = {d.what: d for d in ledger.verify()}
+    assert set(drifts) == {"storage", "shape"}
+    assert drifts["storage"].old == f"0x{old_ptr:x}"
+    assert drifts["storage"].new == f"0x{net.layers[1].buf.untyped_storage().data_ptr():x}"
+    assert (drifts["shape"].old, drifts["shape"].new) == ("(4,)", "(4096,)")
+
+
+def test_removed_says_what_is_there_now() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    net.layers[0].x = None
+    net.layers[1].x = 3
+    (gone, number) = ledger.verify()
+    assert (gone.old, gone.new) == ("tensor (4,) torch.float32 on cpu", "None")
+    assert number.new == "a int, not a tensor"
+
+
+def test_an_attribute_turned_parameter_is_followed_not_reported_removed() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    net.layers[0].x = nn.Parameter(torch.ones(4))  # leaves __dict__ for _parameters
+    assert _kinds(ledger.verify()) == {("layers.0.x", "storage")}
+
+
+def test_an_address_freed_and_reused_is_still_a_drift() -> None:
+    # The ledger keeps pinned storages alive, so a new allocation of the same size can
+    # never land on the old address and make a rebinding look like no change.
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    old = net.layers[0].x.data_ptr()
+    net.layers[0].x = None
+    gc.collect()
+    net.layers[0].x = torch.ones(4)
+    assert net.layers[0].x.data_ptr() != old
+    assert _kinds(ledger.verify()) == {("layers.0.x", "storage")}
+
+
+def test_assert_stable_names_one_drift_with_expected_got_and_fix() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    net.layers[0].lin.weight.data = torch.randn(4, 4)
+    with pytest.raises(
+        StorageMovedError,
+        match=r"(?s)layers\.0\.lin\.weight was rebound after the snapshot: its storage moved"
+        r".*module:\s+Linear.*tensor:\s+layers\.0\.lin\.weight"
+        r".*expected:\s+storage 0x[0-9a-f]+.*got:\s+storage 0x[0-9a-f]+"
+        r".*fix:.*copy_.*re-capture",
+    ) as e:
+        ledger.assert_stable()
+    assert e.value.path == "layers.0.lin.weight"
+    assert [(d.path, d.what) for d in e.value.drifts] == [("layers.0.lin.weight", "storage")]
+
+
+def test_assert_stable_lists_every_drift() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net, label="graph capture")
+    net.layers[0].x = torch.ones(4)
+    net.layers[1].cache[0] = torch.zeros(4)
+    net.layers[1].tables["k"] = None
+    with pytest.raises(
+        StorageMovedError,
+        match=r"(?s)3 pinned tensors moved after graph capture \(3 drifts\)"
+        r".*layers\.0\.x \(Block\): storage moved\n    expected: storage 0x.*\n    got: "
+        r".*layers\.1\.cache\.0 \(Block\): storage moved"
+        r".*layers\.1\.tables\.k \(Block\): removed\n    expected: tensor \(2,\).*\n"
+        r"    got:      None.*fix:",
+    ) as e:
+        ledger.assert_stable()
+    assert len(e.value.drifts) == 3
+
+
+def test_shared_modules_are_walked_once_and_tied_weights_at_each_path() -> None:
+    shared = nn.Linear(2, 2)
+    net = nn.Sequential(shared, shared, nn.Linear(2, 2))
+    net[2].weight = shared.weight  # tied
+    ledger = Ledger.snapshot(net)
+    assert ledger.paths == ("0.weight", "0.bias", "2.weight", "2.bias")
+    shared.weight.data = torch.zeros(2, 2)
+    assert {d.path for d in ledger.verify()} == {"0.weight", "2.weight"}
+
+
+def test_cycles_in_attribute_containers_end() -> None:
+    m = nn.Module()
+    loop: list[object] = [torch.ones(1)]
+    loop.append(loop)
+    m.loop = loop
+    assert Ledger.snapshot(m).paths == ("loop.0",)
+
+
+@given(
+    moves=st.lists(st.sampled_from(range(6)), unique=True, max_size=6),
+    writes=st.lists(st.sampled_from(range(6)), max_size=6),
+)
+def test_property_verify_reports_exactly_the_rebound_paths(
+    moves: list[int], writes: list[int]
+) -> None:
+    # In-place writes anywhere never show; every rebinding does, and only it.
+    net = Net()
+    block = net.layers[0]
+    paths = [
+        "layers.0.lin.weight",
+        "layers.0.buf",
+        "layers.0.x",
+        "layers.0.cache.0",
+        "layers.0.tables.k",
+        "layers.0.tables.pair.1",
+    ]
+
+    def get(i: int) -> torch.Tensor:
+        return [
+            block.lin.weight,
+            block.buf,
+            block.x,
+            block.cache[0],
+            block.tables["k"],
+            block.tables["pair"][1],
+        ][i]
+
+    ledger = Ledger.snapshot(net)
+    with torch.no_grad():
+        for i in writes:
+            get(i).add_(1.0)
+    for i in moves:
+        fresh = get(i).detach().clone()
+        if i == 0:
+            block.lin.weight.data = fresh
+        elif i == 1:
+            block.register_buffer("buf", fresh)
+        elif i == 2:
+            block.x = fresh
+        elif i == 3:
+            block.cache[0] = fresh
+        elif i == 4:
+            block.tables["k"] = fresh
+        else:
+            block.tables["pair"] = (block.tables["pair"][0], fresh)
+    assert {d.path for d in ledger.verify()} == {paths[i] for i in moves}
+
+
+def test_same_memory_under_another_dtype_is_a_dtype_drift_alone() -> None:
+    # The data pointer is unchanged, so only the dtype in the flat check can catch it.
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    _reinterpret_dtype(net)
+    assert _kinds(ledger.verify()) == {("layers.0.buf", "dtype")}

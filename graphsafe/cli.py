@@ -47,9 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 when verify passed.
 
-    Example:
-        >>> main(["verify", "--refits", "1", "--json"])  # doctest: +SKIP
-        0
+    Examples:
+        From a shell, `graphsafe verify --refits 1 --json` is `main(["verify",
+        "--refits", "1", "--json"])`; it prints the report and returns 0 when it passed.
     """
     args = _parser().parse_args(argv)
     # Imported late: `graphsafe --help` should not pay for importing torch.

@@ -519,7 +519,7 @@ class CompiledGraph:
         Returns:
             The op count.
 
-        Example:
+        Examples:
             >>> import torch
             >>> g = CPUBackend()
             >>> with g.capture():
@@ -539,7 +539,7 @@ class CompiledGraph:
         Returns:
             Python source.
 
-        Example:
+        Examples:
             >>> import torch
             >>> g = CPUBackend()
             >>> with g.capture():
@@ -552,7 +552,7 @@ class CompiledGraph:
     def replay(self) -> None:
         """Rerun the recorded ops and write the results into the static outputs.
 
-        Example:
+        Examples:
             >>> import torch
             >>> g = CPUBackend()
             >>> with g.capture():
@@ -569,7 +569,7 @@ class CPUBackend:
 
     Use it through `graphsafe.graph.Graph(backend="cpu")`; it can also be used alone.
 
-    Example:
+    Examples:
         >>> import torch
         >>> w = torch.ones(2)
         >>> x = torch.ones(2)
@@ -595,7 +595,7 @@ class CPUBackend:
             fn: Zero-argument callable.
             iters: How many times to run it.
 
-        Example:
+        Examples:
             >>> CPUBackend().warmup(lambda: None, 3)
         """
         for _ in range(iters):
@@ -615,7 +615,7 @@ class CPUBackend:
             CaptureError: The backend already captured, or the body read a tensor's
                 value into Python or ran an op whose output shape depends on values.
 
-        Example:
+        Examples:
             >>> import torch
             >>> g = CPUBackend()
             >>> with g.capture():
@@ -645,7 +645,7 @@ class CPUBackend:
         Raises:
             CaptureError: Nothing was captured, or the capture failed.
 
-        Example:
+        Examples:
             >>> import torch
             >>> g = CPUBackend()
             >>> with g.capture():
@@ -668,7 +668,7 @@ class CPUBackend:
         Returns:
             The program, or None before a successful capture.
 
-        Example:
+        Examples:
             >>> CPUBackend().compiled is None
             True
         """

@@ -56,7 +56,7 @@ class CUDABackend:
     Raises:
         CaptureError: CUDA is not available.
 
-    Example:
+    Examples:
         >>> import torch
         >>> if torch.cuda.is_available():
         ...     x = torch.ones(4, device="cuda")
@@ -89,7 +89,7 @@ class CUDABackend:
             fn: Zero-argument callable, usually the body about to be captured.
             iters: How many times to run it.
 
-        Example:
+        Examples:
             >>> import torch
             >>> if torch.cuda.is_available():
             ...     CUDABackend().warmup(lambda: torch.ones(1, device="cuda") + 1, 3)
@@ -115,7 +115,7 @@ class CUDABackend:
             CaptureError: The graph was already captured, or the body did something a
                 stream capture does not allow (`.item()`, a blocking copy to the CPU).
 
-        Example:
+        Examples:
             >>> import torch
             >>> if torch.cuda.is_available():
             ...     x = torch.ones(4, device="cuda")
@@ -156,7 +156,7 @@ class CUDABackend:
         Raises:
             CaptureError: Nothing was captured, or the capture failed.
 
-        Example:
+        Examples:
             >>> import torch
             >>> if torch.cuda.is_available():
             ...     g = CUDABackend()
@@ -182,7 +182,7 @@ class CUDABackend:
         Raises:
             CaptureError: Called before a capture began.
 
-        Example:
+        Examples:
             >>> import torch
             >>> if torch.cuda.is_available():
             ...     g = CUDABackend()
@@ -206,7 +206,7 @@ class CUDABackend:
         Returns:
             The graph object.
 
-        Example:
+        Examples:
             >>> import torch
             >>> if torch.cuda.is_available():
             ...     isinstance(CUDABackend().cuda_graph, torch.cuda.CUDAGraph)

@@ -54,7 +54,7 @@ def derive(
     Returns:
         A decorator that marks the method and returns it unchanged.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> class Layer(nn.Module):
@@ -137,7 +137,7 @@ def graphsafe(
         RegistrationError: If a derivation is invalid, or `load` was given explicitly and
             the class has no such method.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> @graphsafe

@@ -34,7 +34,7 @@ class GraphSafetyError(Exception):
         got: What it found instead.
         fix: How to fix it.
 
-    Example:
+    Examples:
         >>> try:
         ...     raise GraphSafetyError("boom", path="layers.0.w", fix="do not")
         ... except GraphSafetyError as e:

@@ -1,6 +1,6 @@
 """`Graph`: capture once, replay many times, on CUDA or on the CPU, optionally guarded.
 
-Shaped like `torch.cuda.CUDAGraph` with `torch.cuda.graph`::
+Shaped like `torch.cuda.CUDAGraph` with `torch.cuda.graph`:
 
     g = Graph(guard=model)
     with g.capture(warmup=lambda: model(static_x)):
@@ -74,7 +74,7 @@ class Graph:
         ValueError: Unknown backend, or a pool given to the CPU backend.
         CaptureError: `backend="cuda"` where CUDA is not available.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Linear(3, 2)
@@ -121,7 +121,7 @@ class Graph:
         Returns:
             `"cuda"` or `"cpu"`.
 
-        Example:
+        Examples:
             >>> Graph(backend="cpu").backend
             'cpu'
         """
@@ -134,7 +134,7 @@ class Graph:
         Returns:
             The model passed as `guard`, or None.
 
-        Example:
+        Examples:
             >>> Graph(backend="cpu").guard is None
             True
         """
@@ -147,7 +147,7 @@ class Graph:
         Returns:
             The ledger taken at capture, or None without a guard or before capture.
 
-        Example:
+        Examples:
             >>> Graph(backend="cpu").ledger is None
             True
         """
@@ -160,7 +160,7 @@ class Graph:
         Returns:
             True after a successful capture.
 
-        Example:
+        Examples:
             >>> Graph(backend="cpu").captured
             False
         """
@@ -175,7 +175,7 @@ class Graph:
         Raises:
             CaptureError: CUDA backend, before capture.
 
-        Example:
+        Examples:
             >>> Graph(backend="cpu").pool() is None
             True
         """
@@ -207,7 +207,7 @@ class Graph:
                 body cannot be captured (it reads a tensor's value into Python).
             StaleError: With a guard, when pinning finds derived buffers stale.
 
-        Example:
+        Examples:
             >>> import torch
             >>> x = torch.ones(2)
             >>> g = Graph(backend="cpu")
@@ -257,7 +257,7 @@ class Graph:
                 the graph would read its old memory. Nothing is replayed.
             StaleError: With a guard, derived buffers are stale. Nothing is replayed.
 
-        Example:
+        Examples:
             >>> import torch
             >>> x = torch.ones(2)
             >>> g = Graph(backend="cpu")

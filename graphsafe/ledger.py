@@ -52,7 +52,7 @@ class Drift(BaseModel):
     A tensor that moved in several ways (a `.to(torch.float16)` copy changes both its
     storage and its dtype) gives one `Drift` per way.
 
-    Example:
+    Examples:
         >>> d = Drift(path="layers.0.weight", module_class="Linear", what="storage",
         ...           old="0x1000", new="0x2000")
         >>> d.what
@@ -130,7 +130,7 @@ class Ledger:
     that still reads the old memory reads valid, if stale, memory). Their memory is
     released with the ledger.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Linear(4, 4)
@@ -195,7 +195,7 @@ class Ledger:
         Returns:
             A ledger of every tensor found.
 
-        Example:
+        Examples:
             >>> from torch import nn
             >>> Ledger.snapshot(nn.Linear(2, 3)).paths
             ('weight', 'bias')
@@ -230,7 +230,7 @@ class Ledger:
             Paths in pin order: parameters, buffers and direct attributes first, then
             tensors inside lists, tuples and dicts.
 
-        Example:
+        Examples:
             >>> from torch import nn
             >>> len(Ledger.snapshot(nn.Linear(2, 3)).paths)
             2
@@ -266,7 +266,7 @@ class Ledger:
             Every drift found, in pin order; empty when nothing moved. Writing new values
             into a tensor (`copy_`, `mul_`, `x[...] = v`) is not a drift.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from torch import nn
             >>> model = nn.Linear(2, 2)
@@ -287,7 +287,7 @@ class Ledger:
             StorageMovedError: Naming every drift, each with its expected and got
                 values, and how to fix it. `.drifts` holds the `Drift`s.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from torch import nn
             >>> model = nn.Linear(2, 2)

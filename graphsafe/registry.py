@@ -30,7 +30,7 @@ def accepts_out(fn: Callable[..., Any]) -> bool:
         True when `fn` has a parameter named `out` that can be passed by keyword, or
         takes `**kwargs`.
 
-    Example:
+    Examples:
         >>> accepts_out(lambda m, w, *, out=None: w)
         True
     """
@@ -123,7 +123,7 @@ class Registry:
     A class's derivations are those registered for it and for its bases; a subclass may
     redeclare a base derivation's outputs to replace it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> reg = Registry()
@@ -220,7 +220,7 @@ class Registry:
         Returns:
             A decorator that registers the function and returns it unchanged.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from torch import nn
             >>> reg = Registry()

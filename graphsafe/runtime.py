@@ -52,7 +52,7 @@ class Runtime:
             the registries named by `gs.graphsafe(registry=...)` on the model's classes.
         strict: Check purity on every refresh, not only at materialization.
 
-    Example:
+    Examples:
         >>> import torch, graphsafe as gs
         >>> from torch import nn
         >>> reg = gs.Registry()
@@ -283,7 +283,7 @@ class Runtime:
         Yields:
             This runtime.
 
-        Example:
+        Examples:
             >>> # with gs.weight_update(model):
             >>> #     for bucket in buckets:
             >>> #         model.load_weights(bucket)
@@ -783,9 +783,10 @@ def runtime(
     Returns:
         The runtime.
 
-    Example:
+    Examples:
         >>> from torch import nn
-        >>> rt = runtime(nn.Linear(2, 2))
+        >>> model = nn.Linear(2, 2)  # the runtime holds the model weakly: keep it
+        >>> rt = runtime(model)
         >>> rt.stale
         ()
     """
@@ -810,7 +811,7 @@ def weight_update(model: nn.Module) -> contextlib.AbstractContextManager[Runtime
     Returns:
         A context manager: loads inside do not refresh; one refresh happens at the end.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> model = nn.Linear(2, 2)
         >>> with weight_update(model):

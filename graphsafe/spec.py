@@ -33,7 +33,7 @@ class Derivation(BaseModel):
     The function is called as `fn(module, *inputs, out=...)` and must be pure: it reads
     its inputs and writes nothing but `out`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> d = Derivation(
         ...     outputs="w_t",
@@ -176,7 +176,7 @@ class RefreshReport(BaseModel):
 
     Entries are built on first access, so that the refresh itself stays cheap.
 
-    Example:
+    Examples:
         >>> report = RefreshReport.empty()
         >>> report.entries
         ()

@@ -30,7 +30,7 @@ def storage_key(t: torch.Tensor) -> int:
     Returns:
         The storage's data pointer (0 for an empty storage).
 
-    Example:
+    Examples:
         >>> t = torch.zeros(4)
         >>> storage_key(t[1:]) == storage_key(t)
         True
@@ -59,10 +59,10 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         on_write: Called as `on_write(key, op_name)` BEFORE a watched storage is written;
             raising there refuses the write, so nothing is changed.
 
-    Example:
+    Examples:
         >>> p = torch.nn.Parameter(torch.zeros(3))
         >>> with WriteTracker({storage_key(p): "p"}) as tracker:
-        ...     p.data.copy_(torch.ones(3))
+        ...     _ = p.data.copy_(torch.ones(3))
         >>> list(tracker.written) == [storage_key(p)]
         True
     """

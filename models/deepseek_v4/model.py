@@ -16,7 +16,7 @@ as a control. Both share every line of the math and load the same checkpoints.
 Sources: mHC (arXiv 2512.24880), Hyper-Connections (arXiv 2409.19606) and the facts in
 `reference/mhc.md`; everything runs in float32.
 
-Example:
+Examples:
     >>> config = DeepseekV4Config.preset("tiny")
     >>> model = DeepseekV4Model(config)
     >>> names = model.load_weights(random_checkpoint(config, seed=0))
@@ -71,7 +71,7 @@ class DeepseekV4Config(BaseModel):
     The defaults are tiny, so a forward of a few tokens takes milliseconds on a CPU;
     `preset("flash")` has the real DeepSeek V4-Flash mHC sizes.
 
-    Example:
+    Examples:
         >>> DeepseekV4Config(num_layers=5, pp_rank=1, pp_size=2).layer_range
         (3, 5)
     """
@@ -158,7 +158,7 @@ class DeepseekV4Config(BaseModel):
         Raises:
             KeyError: `name` is not a preset.
 
-        Example:
+        Examples:
             >>> DeepseekV4Config.preset("flash").hidden_size
             4096
         """
@@ -202,7 +202,7 @@ def hc_mixes(xf: Tensor, hc_fn: Tensor, rms_eps: float) -> Tensor:
     Returns:
         `[T, mix]` float32 logits.
 
-    Example:
+    Examples:
         >>> hc_mixes(torch.ones(3, 8), torch.ones(24, 8), 1e-6).shape
         torch.Size([3, 24])
     """
@@ -226,7 +226,7 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     Returns:
         A new tensor with the shape of `comb`.
 
-    Example:
+    Examples:
         >>> sinkhorn(torch.tensor([[1.0, 3.0], [1.0, 1.0]]), 20, 1e-6).sum(-1)
         tensor([1.0000, 1.0000])
     """
@@ -261,7 +261,7 @@ def hc_split(
         `pre [T, n]` in `(0, 1]` (+eps), `post [T, n]` in `(0, 2)` and `comb [T, n, n]`
         (near doubly stochastic).
 
-    Example:
+    Examples:
         >>> pre, post, comb = hc_split(torch.zeros(1, 24), torch.ones(3), torch.zeros(24),
         ...                            hc_mult=4, hc_eps=1e-6, sinkhorn_iters=20)
         >>> post
@@ -300,7 +300,7 @@ def hc_pre(
         `y [T, C]` float32 (the sublayer's input before its norm), `post [T, n]` and
         `comb [T, n, n]`.
 
-    Example:
+    Examples:
         >>> X = torch.randn(3, 4, 8)
         >>> y, post, comb = hc_pre(X, torch.randn(24, 32), torch.ones(3), torch.zeros(24),
         ...                        rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
@@ -346,7 +346,7 @@ def hc_pre_broadcast(
     Returns:
         As `hc_pre` on `x` repeated `n` times: `y [T, C]`, `post [T, n]`, `comb [T, n, n]`.
 
-    Example:
+    Examples:
         >>> fn = torch.randn(24, 4 * 8)
         >>> y, _, _ = hc_pre_broadcast(torch.ones(3, 8), fold_streams(fn, 4, 8), torch.ones(3),
         ...                            torch.zeros(24), hc_mult=4, rms_eps=1e-6, hc_eps=1e-6,
@@ -375,7 +375,7 @@ def hc_post(out: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor
     Returns:
         The new streams `[T, n, C]`, float32.
 
-    Example:
+    Examples:
         >>> hc_post(torch.ones(2, 8), torch.zeros(2, 4, 8), torch.ones(2, 4),
         ...         torch.eye(4).expand(2, 4, 4)).shape
         torch.Size([2, 4, 8])
@@ -400,7 +400,7 @@ def hc_head(
     Returns:
         `[T, C]` float32.
 
-    Example:
+    Examples:
         >>> hc_head(torch.ones(2, 4, 8), torch.zeros(4, 32), torch.ones(1), torch.zeros(4),
         ...         rms_eps=1e-6, hc_eps=0.0)[0, 0]
         tensor(2.)
@@ -424,7 +424,7 @@ def fold_streams(
     Returns:
         `[mix, C]`; `out` itself when given.
 
-    Example:
+    Examples:
         >>> fold_streams(torch.ones(24, 32), 4, 8)[0, 0]
         tensor(4.)
     """
@@ -596,7 +596,7 @@ class DeepseekV4DecoderLayer(_DecoderLayer):
         config: Model sizes and pipeline stage.
         layer_id: Global index of the layer, within `config.layer_range`.
 
-    Example:
+    Examples:
         >>> layer = DeepseekV4DecoderLayer(DeepseekV4Config(), 0)
         >>> layer.is_first_pp_layer, tuple(layer.hc_attn_fn.shape)
         (True, (24, 256))
@@ -619,7 +619,7 @@ class NaiveDeepseekV4DecoderLayer(_DecoderLayer):
         config: Model sizes and pipeline stage.
         layer_id: Global index of the layer, within `config.layer_range`.
 
-    Example:
+    Examples:
         >>> NaiveDeepseekV4DecoderLayer(DeepseekV4Config(), 0).hc_attn_fn_broadcast is None
         True
     """
@@ -770,7 +770,7 @@ class DeepseekV4Model(_Model):
             `config.layer_range`; the embedding lives on the first pp rank and the mHC
             head, final norm and LM head on the last.
 
-    Example:
+    Examples:
         >>> config = DeepseekV4Config()
         >>> model = DeepseekV4Model(config)
         >>> _ = model.load_weights(random_checkpoint(config, seed=0))
@@ -800,7 +800,7 @@ class DeepseekV4Model(_Model):
             WeightLoadError: An entry has an unknown name, the wrong shape or the wrong
                 dtype; `.name` is the entry and the parameter keeps its old value.
 
-        Example:
+        Examples:
             >>> model = DeepseekV4Model(DeepseekV4Config())
             >>> model.load_weights([("model.embed.weight", torch.zeros(128, 64))])
             {'embed.weight'}
@@ -817,7 +817,7 @@ class NaiveDeepseekV4Model(_Model):
     Args:
         config: As for `DeepseekV4Model`.
 
-    Example:
+    Examples:
         >>> model = NaiveDeepseekV4Model(DeepseekV4Config())
         >>> _ = model.load_weights(random_checkpoint(model.config, seed=0))
         >>> before = model.layers["0"].hc_attn_fn_broadcast
@@ -873,7 +873,7 @@ def random_checkpoint(
     Returns:
         `(name, tensor)` pairs in the order of the model's parameters.
 
-    Example:
+    Examples:
         >>> ckpt = dict(random_checkpoint(DeepseekV4Config(), seed=0))
         >>> ckpt["layers.0.hc_attn_fn"].shape, len(ckpt)
         (torch.Size([24, 256]), 66)
@@ -913,7 +913,7 @@ def _config_of(model: nn.Module) -> DeepseekV4Config:
 class DeepseekV4Target:
     """What `graphsafe verify` needs to build, load and run DeepSeek V4.
 
-    Example:
+    Examples:
         >>> model = verify_target.build("tiny", naive=False, device=torch.device("cpu"))
         >>> _ = model.load_weights(verify_target.checkpoint(model, seed=0))
         >>> model(*verify_target.example_input(model, seed=0)).shape

@@ -80,9 +80,28 @@ class Bound:
     """
 
     __slots__ = (
-        "accepts_out", "buffers", "container", "deps", "downstream", "fast", "fn", "geometry",
-        "in_refs", "index", "inputs", "leaf_inputs", "module_class", "module_path",
-        "module_ref", "nbytes", "out_arg", "out_paths", "outputs", "spec",
+        "accepts_out",
+        "buffers",
+        "container",
+        "deps",
+        "downstream",
+        "fast",
+        "fn",
+        "geometry",
+        "in_refs",
+        "index",
+        "inputs",
+        "leaf_inputs",
+        "module_class",
+        "module_path",
+        "module_ref",
+        "nbytes",
+        "out_arg",
+        "out_paths",
+        "outputs",
+        "shape0",
+        "single_in",
+        "spec",
     )
 
     def __init__(self, spec: Derivation, module: nn.Module, module_path: str) -> None:
@@ -106,6 +125,8 @@ class Bound:
         self.nbytes = 0
         self.out_arg: Any = None
         self.fast = False
+        self.shape0: torch.Size | None = None
+        self.single_in: tuple[dict[str, Any], str] | None = None
 
     def set_buffers(self, buffers: list[torch.Tensor]) -> None:
         """Record the buffers and precompute what the hot path needs."""
@@ -114,6 +135,8 @@ class Bound:
         self.nbytes = sum(t.nbytes for t in buffers)
         self.out_arg = buffers[0] if len(buffers) == 1 else tuple(buffers)
         self.fast = self.accepts_out and len(buffers) == 1
+        self.shape0 = buffers[0].shape
+        self.single_in = self.in_refs[0] if len(self.in_refs) == 1 else None
 
     def buffers_moved(self) -> list[int]:
         """Indices of outputs whose buffer was rebound or moved since it was recorded."""

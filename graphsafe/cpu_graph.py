@@ -20,12 +20,12 @@ aten op. Replay reruns the recorded ops, with a CUDA graph's semantics:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import itertools
 import keyword
 import linecache
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -72,6 +72,8 @@ _VALUE_READ_FIX = (
 _MASK_DTYPES = (torch.bool, torch.uint8)
 
 _GRAPH_IDS = itertools.count()
+_KEEP_SOURCES = 256
+_SOURCES: collections.deque[str] = collections.deque()
 
 
 class _Ref:
@@ -483,11 +485,15 @@ def _generate(
         body.append(f"if v{k}.data_ptr() != {s}.data_ptr(): {s}.copy_(v{k})")
     text = "def replay():\n" + "".join(f"    {line}\n" for line in body or ["pass"])
     filename = f"<graphsafe cpu graph {next(_GRAPH_IDS)}>"
-    # Registered so that tracebacks and `inspect` show the generated lines.
+    # Registered so that tracebacks and `inspect` show the generated lines. The oldest
+    # entries are dropped here, not from a GC finalizer: linecache.checkcache() iterates
+    # the cache and fails if an entry vanishes under it.
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    _SOURCES.append(filename)
+    while len(_SOURCES) > _KEEP_SOURCES:
+        linecache.cache.pop(_SOURCES.popleft(), None)
     exec(compile(text, filename, "exec"), src.namespace)
     replay: Callable[[], None] = src.namespace["replay"]
-    weakref.finalize(replay, linecache.cache.pop, filename, None)
     return replay
 
 

@@ -84,6 +84,7 @@ class Runtime:
         self._failed_update: str | None = None
         self._watch: dict[int, list[Input]] | None = None
         self._reallocated: set[int] = set()
+        self._buffer_checks: list[tuple[Any, ...]] | None = None
         self._depth = 0
         self._update: WriteTracker | None = None
         self.last_report: RefreshReport | None = None
@@ -114,6 +115,7 @@ class Runtime:
             self._identities = [(b.path, b.spec.name, b.out_paths, 0) for b in binding.bound]
             self._stale = {b.index for b in binding.bound}
             self._watch = None
+            self._buffer_checks = None
         return self._bound
 
     def _own(self, module: nn.Module) -> None:
@@ -424,9 +426,27 @@ class Runtime:
         recomputed); after it, a rebinding raises `StorageMovedError` and marks them stale.
         """
         bound = self._ensure_bound()
-        moved_inputs = [inp for inp in self._inputs if inp.moved()]
+        # One flat pass each (this runs on every load and refresh): identity and pointer.
+        moved_inputs = [
+            inp
+            for inp in self._inputs
+            if (t := inp.container.get(inp.key)) is not inp.tensor
+            or t is None
+            or t.data_ptr() != inp.ptr
+        ]
+        checks = self._buffer_checks
+        if checks is None:
+            checks = self._buffer_checks = [
+                (b.container, name, buf, ptr, shape, b, j)
+                for b in bound
+                for j, (name, buf, (ptr, shape, _)) in enumerate(
+                    zip(b.outputs, b.buffers or (), b.geometry)
+                )
+            ]
         moved_buffers = [
-            (b, j) for b in bound if b.buffers is not None for j in b.buffers_moved()
+            (b, j)
+            for c, name, buf, ptr, shape, b, j in checks
+            if c.get(name) is not buf or buf.data_ptr() != ptr or buf.shape != shape
         ]
         dirty: set[int] = set()
         if not moved_inputs and not moved_buffers:
@@ -472,16 +492,22 @@ class Runtime:
     # -- the hot loop ------------------------------------------------------------------
 
     def _run(self, plan: Sequence[int]) -> RefreshReport:
+        """Materialize or refresh the derivations of `plan`, in its (topological) order.
+
+        Every caller has run `_scan_moved` first, so buffers and inputs are where the
+        bound derivations expect them.
+        """
         bound = self._ensure_bound()
-        start = time.perf_counter()
+        clock = time.perf_counter
+        start = clock()
         raw: list[RawEntry] = []
+        append = raw.append
         failed: set[int] = set()
         first_error: BaseException | None = None
         # Storages of every model tensor, for the purity check (once per run, not per
         # derivation: walking the model is O(model)).
         pending = self.strict or any(bound[i].buffers is None for i in plan)
         watch = self._purity_watch() if pending else None
-        clock = time.perf_counter
         realloc = self._reallocated  # adopted by _scan_moved: these buffers moved
         with torch.no_grad():
             for i in plan:
@@ -491,29 +517,40 @@ class Runtime:
                     continue
                 t0 = clock()
                 try:
-                    if b.buffers is None:
+                    if watch is None and b.fast:
+                        # The hot path: one output computed straight into it with out=.
+                        buf = b.out_arg
+                        if b.single_in is not None:
+                            c, k = b.single_in
+                            ret = b.fn(b.module_ref(), c[k], out=buf)
+                        else:
+                            ret = b.fn(b.module_ref(), *[c[k] for c, k in b.in_refs], out=buf)
+                        if buf.shape != b.shape0:  # torch resized it: wrong result shape
+                            self._refuse_resized(b, None)
+                        taken = _FAST if ret is buf else self._copy_apart(b, ret)
+                        append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
+                    elif b.buffers is None:
                         assert watch is not None
                         self._materialize(b, watch)
-                        raw.append((i, _MATERIALIZED, _SLOW, clock() - t0, True))
-                    elif watch is None and b.fast:
-                        taken = self._refresh_fast(b)
-                        held = not realloc or i not in realloc
-                        raw.append((i, _REFRESHED, taken, clock() - t0, held))
+                        append((i, _MATERIALIZED, _SLOW, clock() - t0, True))
                     else:
                         taken = self._refresh_checked(b, watch if self.strict else None)
-                        raw.append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
+                        append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
                 except Exception as exc:
+                    if b.buffers is not None and not isinstance(exc, DerivationDriftError):
+                        try:
+                            self._refuse_resized(b, exc)
+                        except DerivationDriftError as drift:
+                            exc = drift
                     failed.add(i)
-                    raw.append((i, _FAILED, _NONE, clock() - t0, self._geometry_held(b)))
+                    append((i, _FAILED, _NONE, clock() - t0, self._geometry_held(b)))
                     if first_error is None:
                         first_error = exc
-        self._reallocated.clear()
+        realloc.clear()
         stale = self._stale
-        for i in plan:
-            if i in failed:
-                stale.update(bound[i].downstream)
-            else:
-                stale.discard(i)
+        stale.difference_update(plan)
+        for i in failed:
+            stale.update(bound[i].downstream)
         if first_error is not None:
             raise first_error
         report = RefreshReport.from_raw(self._identities, raw, clock() - start)
@@ -523,24 +560,11 @@ class Runtime:
     def _inputs_of(self, b: Bound) -> list[torch.Tensor]:
         return [c[k] for c, k in b.in_refs]
 
-    def _refresh_fast(self, b: Bound) -> int:
-        """The hot path: one output, `out=`, nothing to check but the geometry."""
-        buf: torch.Tensor = b.out_arg
-        if b.container.get(b.outputs[0]) is not buf:
-            return self._refresh_checked(b, None)  # replaced, e.g. by model.to()
-        try:
-            ret = b.fn(b.module_ref(), *[c[k] for c, k in b.in_refs], out=buf)
-        except Exception as exc:
-            self._refuse_resized(b, exc)
-            raise
-        ptr, shape, _ = b.geometry[0]
-        if buf.data_ptr() != ptr or buf.shape != shape:
-            self._refuse_resized(b, None)
-        if ret is buf:
-            return _FAST
-        # Computed apart after all: validate, then copy in.
-        buf.copy_(self._check_results(b, ret)[0])
-        b.fast = False
+    def _copy_apart(self, b: Bound, ret: Any) -> int:
+        """A function that accepts `out=` returned another tensor: validate, copy in."""
+        assert b.buffers is not None
+        b.buffers[0].copy_(self._check_results(b, ret)[0])
+        b.fast = False  # from now on through _refresh_checked
         return _SLOW
 
     def _geometry_held(self, b: Bound) -> bool:
@@ -696,6 +720,7 @@ class Runtime:
 
     def _record(self, b: Bound, buffers: list[torch.Tensor]) -> None:
         b.set_buffers(buffers)
+        self._buffer_checks = None
         self._identities[b.index] = (b.path, b.spec.name, b.out_paths, b.nbytes)
 
     def _purity_watch(self) -> dict[int, str]:

@@ -1,0 +1,699 @@
+"""The seven figures: each measures graphsafe and its baseline side by side.
+
+Every `figN(ctx)` returns `Row`s; `run.py` prints them. Sizes come from `Sizes` (full or
+quick). A figure that cannot run (a module missing, for example) returns rows with
+`skipped` set and the reason, never raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_models import fold_stack_class, llm_stack_class, untracked_load
+from harness import (
+    Clock,
+    Row,
+    fmt_bytes,
+    gbps,
+    interleave,
+    paired,
+    paired_diff,
+    peak_extra_bytes,
+    profile_per_item,
+    why,
+)
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import graphsafe as gs
+from graphsafe.ledger import Ledger
+from graphsafe.tracking import WriteTracker, storage_key
+
+__all__ = ["FIGURES", "Ctx", "Sizes"]
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Problem sizes and repeats; `Sizes.full()` for the figures, `Sizes.quick()` to smoke."""
+
+    repeats: int
+    fig1_input_bytes: int  # the mHC sum's input; output is a quarter of it (n = 4)
+    fig2_counts: tuple[int, int]  # small derivations: two model sizes
+    fig3_count: int  # large derivations, 8 buckets
+    fig3_rows: int  # rows of each, C = 1024, n = 4: rows * 16 KiB of input
+    fig4_layers: int
+    fig4_hidden: int
+    fig4_inter: int
+    fig4_small_layers: int  # blocks of hidden 32: ~4 KiB parameters
+    fig5_tensors: int  # tensors under the ledger
+    fig5_replays: int  # replays per sample
+    fig6_rows: tuple[int, ...]  # rows of each layer, C = 1024, n = 4
+    fig7_preset: str
+
+    @classmethod
+    def full(cls) -> Sizes:
+        return cls(
+            repeats=21,
+            fig1_input_bytes=64 * MiB,
+            fig2_counts=(2000, 10_000),
+            fig3_count=64,
+            fig3_rows=64,
+            fig4_layers=4,
+            fig4_hidden=1024,
+            fig4_inter=2816,
+            fig4_small_layers=300,
+            fig5_tensors=10_000,
+            fig5_replays=5,
+            fig6_rows=(16, 64, 256, 32),
+            fig7_preset="flash",
+        )
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            repeats=3,
+            fig1_input_bytes=4 * MiB,
+            fig2_counts=(100, 300),
+            fig3_count=16,
+            fig3_rows=4,
+            fig4_layers=1,
+            fig4_hidden=256,
+            fig4_inter=512,
+            fig4_small_layers=30,
+            fig5_tensors=1000,
+            fig5_replays=1,
+            fig6_rows=(4, 16, 8),
+            fig7_preset="tiny",
+        )
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What every figure gets: device, clock, sizes, and whether to print profiles."""
+
+    device: torch.device
+    sizes: Sizes
+    profile: bool = False
+    clock: Clock = dataclasses.field(init=False)
+    cache: dict[str, Any] = dataclasses.field(default_factory=dict)
+    profiles: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.clock = Clock(self.device)
+
+    def timer(self, fn: Callable[[], Any], number: int = 1) -> Callable[[], float]:
+        """A case for `interleave`: the synchronized time of `fn`."""
+        return lambda: self.clock.time(fn, number)
+
+
+# -----------------------------------------------------------------------------
+# 1. large derivations
+
+
+def fig1(ctx: Ctx) -> list[Row]:
+    """One mHC sum over a large input: refresh vs the copy bound and vs compute-then-copy."""
+    n, C = 4, 4096
+    rows = ctx.sizes.fig1_input_bytes // (n * C * 4)
+    reg = gs.Registry()
+    with torch.device(ctx.device):
+        model = fold_stack_class(reg, n, C)([rows])
+    rt = gs.runtime(model, reg)
+    rt.refresh()  # materialize
+    layer = model.layers[0]
+    w, buf = layer.w, layer.w_folded
+    read, written = w.nbytes, buf.nbytes
+    # The bound: a plain copy moving the same traffic, (read + written) / 2 each way.
+    half = (read + written) // 2 // 4
+    src = torch.randn(half, device=ctx.device)
+    dst = torch.empty_like(src)
+
+    def compute_then_copy() -> None:
+        buf.copy_(torch.sum(w.view(-1, n, C), dim=1))
+
+    stats = interleave(
+        {
+            "refresh": ctx.timer(rt.refresh),
+            "copy_bound": ctx.timer(lambda: dst.copy_(src)),
+            "compute_then_copy": ctx.timer(compute_then_copy),
+            # The kernel alone, called by hand with out=: what refresh costs without graphsafe.
+            "kernel_out": ctx.timer(lambda: torch.sum(w.view(-1, n, C), dim=1, out=buf)),
+        },
+        ctx.sizes.repeats,
+    )
+    r, bound, hand = stats["refresh"], stats["copy_bound"], stats["compute_then_copy"]
+    kernel = stats["kernel_out"]
+    traffic = read + written
+    shape = (
+        f"sum over n of [{rows}, {n}, {C}] f32: read {fmt_bytes(read)}, "
+        f"write {fmt_bytes(written)}"
+    )
+    return [
+        Row(
+            "1a", "large derivation vs copy bound", r.median, bound.median,
+            baseline_name=f"copy_ {fmt_bytes(half * 4)} -> same",
+            ratio=paired(bound, r), ratio_def="bound / refresh", op=">=", target=0.8,
+            details={
+                "shape": shape,
+                "refresh_bandwidth": gbps(traffic, r.median),
+                "copy_bandwidth": gbps(traffic, bound.median),
+                "kernel_alone_s": kernel.median,
+                "kernel_bound_ratio": round(bound.median / kernel.median, 3),
+                "spread": [round(r.spread, 3), round(bound.spread, 3)],
+            },
+        ),
+        Row(
+            "1b", "large derivation vs compute-then-copy", r.median, hand.median,
+            baseline_name="buf.copy_(fn(w))",
+            ratio=paired(r, hand), ratio_def="refresh / hand", op="<=", target=0.8,
+            details={"shape": shape, "spread": [round(r.spread, 3), round(hand.spread, 3)]},
+        ),
+    ]
+
+
+# -----------------------------------------------------------------------------
+# 2. many small derivations (and the model shared with figure 3)
+
+
+def _many_small(ctx: Ctx, count: int) -> tuple[nn.Module, gs.Runtime, float, float]:
+    """`count` layers, 4 KiB in, 1 KiB out, loaded; built once per count (shared with 3).
+
+    Returns:
+        The model, its runtime, and the seconds its first load spent binding (resolving
+        the derivations on the module tree) and materializing (allocating the buffers).
+    """
+    key = f"many_small_{count}"
+    if key not in ctx.cache:
+        reg = gs.Registry()
+        with torch.device(ctx.device):
+            model = fold_stack_class(reg, 4, 64)([4] * count)
+        rt = gs.runtime(model, reg)
+        start = time.perf_counter()
+        _ = rt.derivations  # binds
+        bound = time.perf_counter()
+        rt.refresh()  # materializes
+        ctx.clock.sync()
+        ctx.cache[key] = (model, rt, bound - start, time.perf_counter() - bound)
+    return ctx.cache[key]  # type: ignore[no-any-return]
+
+
+def fig2(ctx: Ctx) -> list[Row]:
+    """Thousands of small derivations: full refresh vs a hand-written Python loop."""
+    rows: list[Row] = []
+    firsts: list[tuple[int, float, float]] = []
+    for fig, count in zip("ab", ctx.sizes.fig2_counts):
+        model, rt, bind, materialize = _many_small(ctx, count)
+        firsts.append((count, bind, materialize))
+        layers = model.layers
+
+        def hand_loop(layers: nn.ModuleList = layers) -> None:
+            with torch.no_grad():
+                for m in layers:
+                    torch.sum(m.w.view(-1, 4, 64), dim=1, out=m.w_folded)
+
+        cases = {"refresh": ctx.timer(rt.refresh), "hand_loop": ctx.timer(hand_loop)}
+        cases.update(_decomposition_cases(ctx, rt))
+        stats = interleave(cases, ctx.sizes.repeats)
+        r, hand = stats["refresh"], stats["hand_loop"]
+        ratio = paired(r, hand)
+        details: dict[str, Any] = {
+            "per_derivation_us": {k: round(v.median / count * 1e6, 2) for k, v in stats.items()},
+            "overhead_us_per_derivation": round(paired_diff(r, hand) / count * 1e6, 2),
+            "first_load_bind_s": bind,
+            "first_load_materialize_s": materialize,
+            "spread": [round(r.spread, 3), round(hand.spread, 3)],
+        }
+        if ratio > 1.25 or ctx.profile:
+            text, top = profile_per_item(rt.refresh, count, "refresh()", "derivation")
+            ctx.profiles.append(text)
+            details["cprofile"] = top
+        rows.append(
+            Row(
+                f"2{fig}", f"{count} small derivations (4 KiB)", r.median, hand.median,
+                baseline_name="hand-written loop", ratio=ratio, ratio_def="refresh / hand",
+                op="<=", target=1.25, details=details,
+            )
+        )
+    (n0, b0, m0), (n1, b1, m1) = firsts[0], firsts[-1]
+    rows.append(
+        Row(
+            "2c", f"first load (bind + materialize), {n0} -> {n1}", b1 + m1, b0 + m0,
+            baseline_name=f"first load of {n0}", ratio=(b1 + m1) / (b0 + m0),
+            ratio_def=f"growth (linear: {n1 / n0:.3g})",
+            details={
+                "bind_s": {str(n0): b0, str(n1): b1},
+                "materialize_s": {str(n0): m0, str(n1): m1},
+            },
+        )
+    )
+    return rows
+
+
+def _decomposition_cases(ctx: Ctx, rt: gs.Runtime) -> dict[str, Callable[[], float]]:
+    """`fn_only`: every derivation function called directly, arguments resolved before.
+
+    That is the torch op plus one Python call per derivation; `refresh` minus `fn_only`
+    is the runtime's own bookkeeping, measured without a profiler's distortion. Uses
+    runtime internals: if they changed, the case is left out rather than wrong.
+    """
+    try:
+        calls = [
+            (b.fn, b.module_ref(), rt._inputs_of(b), b.buffers[0])
+            for b in rt._ensure_bound()
+        ]
+    except Exception:  # internals renamed: no decomposition
+        return {}
+
+    def fn_only() -> None:
+        with torch.no_grad():
+            for fn, module, args, out in calls:
+                fn(module, *args, out=out)
+
+    return {"fn_only": ctx.timer(fn_only)}
+
+
+# -----------------------------------------------------------------------------
+# 3. incremental refresh
+
+
+def _incremental(
+    ctx: Ctx, model: nn.Module, rt: gs.Runtime, label: str, figs: tuple[str, str]
+) -> list[Row]:
+    """Load 1 of 8 buckets; compare what graphsafe adds with a full refresh."""
+    per = len(list(model.parameters())) // 8
+    gen = torch.Generator().manual_seed(1)
+    bucket = [
+        (n, torch.randn(p.shape, generator=gen).to(ctx.device))
+        for n, p in list(model.named_parameters())[:per]
+    ]
+    reports: dict[str, list[float]] = {"load": [], "full": []}
+    pairs: dict[str, list[float]] = {"tracked": [], "untracked": []}
+    watched = {storage_key(p): n for n, p in model.named_parameters()}
+
+    def tracked() -> float:
+        t = ctx.clock.time(lambda: model.load_weights(bucket))
+        assert rt.last_report is not None
+        reports["load"].append(rt.last_report.seconds)
+        pairs["tracked"].append(t)
+        return t
+
+    def untracked() -> float:
+        t = ctx.clock.time(lambda: untracked_load(model, bucket))
+        pairs["untracked"].append(t)
+        return t
+
+    def full() -> float:
+        t = ctx.clock.time(rt.refresh)
+        assert rt.last_report is not None
+        reports["full"].append(rt.last_report.seconds)
+        return t
+
+    def tracker_only() -> None:
+        with WriteTracker(watched):  # the same tracking, without graphsafe's bookkeeping
+            untracked_load(model, bucket)
+
+    stats = interleave(
+        {
+            "tracked": tracked,
+            "untracked": untracked,
+            "full": full,
+            # Where "all graphsafe adds" goes: tracking, fixed cost per load, refresh.
+            "tracker_only": ctx.timer(tracker_only),
+            "empty_tracked": ctx.timer(lambda: model.load_weights([])),
+            "empty_untracked": ctx.timer(lambda: untracked_load(model, [])),
+        },
+        ctx.sizes.repeats,
+    )
+    model.load_weights(bucket)
+    assert rt.last_report is not None
+    ran = rt.last_report.ran
+    # The lists hold the warmup samples too; keep the timed ones (the last `repeats`).
+    k = ctx.sizes.repeats
+    load_rep = statistics.median(reports["load"][-k:])
+    full_rep = statistics.median(reports["full"][-k:])
+    added_i = [a - b for a, b in zip(pairs["tracked"][-k:], pairs["untracked"][-k:])]
+    added = statistics.median(added_i)
+    full_wall = stats["full"].median
+    m = {name: st.median for name, st in stats.items()}
+    common = {
+        "derivations": len(rt.derivations),
+        "refreshed_by_load": ran,
+        "bucket_entries": per,
+        "tracked_load_s": m["tracked"],
+        "untracked_load_s": m["untracked"],
+    }
+    return [
+        Row(
+            figs[0], f"1/8 bucket, {label}: refresh (report)", load_rep, full_rep,
+            baseline_name="full refresh (report)", ratio=paired(reports["load"], reports["full"]),
+            ratio_def="load's refresh / full", op="<=", target=0.2,
+            details={**common, "measure": "RefreshReport.seconds of both"},
+        ),
+        Row(
+            figs[1], f"1/8 bucket, {label}: all graphsafe adds", added, full_wall,
+            baseline_name="full refresh() wall", ratio=paired(added_i, stats["full"]),
+            ratio_def="(tracked-untracked) / full", op="<=", target=0.2,
+            details={
+                "measure": "median of paired (tracked - untracked) load",
+                "of_which_tracking_s": paired_diff(stats["tracker_only"], stats["untracked"]),
+                "of_which_fixed_per_load_s": paired_diff(
+                    stats["empty_tracked"], stats["empty_untracked"]
+                ),
+                "of_which_refresh_s": load_rep,
+            },
+        ),
+    ]
+
+
+def fig3(ctx: Ctx) -> list[Row]:
+    """After a load of 1 of 8 buckets, only that bucket's derivations are refreshed."""
+    s = ctx.sizes
+    reg = gs.Registry()
+    with torch.device(ctx.device):
+        model = fold_stack_class(reg, 4, 1024)([s.fig3_rows] * s.fig3_count)
+    rt = gs.runtime(model, reg)
+    rt.refresh()
+    kib = s.fig3_rows * 4 * 1024 * 4 // 1024
+    rows = _incremental(ctx, model, rt, f"{s.fig3_count} x {kib} KiB", ("3a", "3b"))
+    count = s.fig2_counts[0]
+    small_model, small_rt, _, _ = _many_small(ctx, count)
+    return rows + _incremental(ctx, small_model, small_rt, f"{count} x 4 KiB", ("3c", "3d"))
+
+
+# -----------------------------------------------------------------------------
+# 4. write tracking during load_weights
+
+
+class _NoopMode(TorchDispatchMode):
+    """A dispatch mode that does nothing: what intercepting every op costs by itself."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _load_rows(
+    ctx: Ctx,
+    layers: int,
+    hidden: int,
+    inter: int,
+    fig: str,
+    target: float | None,
+    source: torch.device,
+) -> Row:
+    reg = gs.Registry()
+    with torch.device(ctx.device):
+        model = llm_stack_class(reg, hidden, inter)(layers)
+    gen = torch.Generator().manual_seed(2)
+    ckpt = [
+        (n, torch.randn(p.shape, generator=gen).to(source)) for n, p in model.named_parameters()
+    ]
+    model.load_weights(ckpt)  # materialize
+    rt = gs.runtime(model, reg)
+
+    def noop_mode_load() -> None:  # the floor of any Python dispatch-level tracking
+        with _NoopMode():
+            untracked_load(model, ckpt)
+
+    stats = interleave(
+        {
+            "tracked": ctx.timer(lambda: model.load_weights(ckpt)),
+            "untracked": ctx.timer(lambda: untracked_load(model, ckpt)),
+            "noop_mode": ctx.timer(noop_mode_load),
+        },
+        ctx.sizes.repeats,
+    )
+    t, u, floor = stats["tracked"], stats["untracked"], stats["noop_mode"]
+    nbytes = sum(p.nbytes for p in model.parameters())
+    count = len(ckpt)
+    assert rt.last_report is not None
+    return Row(
+        fig, f"tracked load, {count} params avg {fmt_bytes(nbytes / count)} from {source.type}",
+        t.median, u.median, baseline_name="same load unwrapped", ratio=paired(t, u),
+        ratio_def="tracked / untracked", op="<=" if target else "", target=target,
+        details={
+            "params": count,
+            "bytes": fmt_bytes(nbytes),
+            "overhead_us_per_param": round(paired_diff(t, u) / count * 1e6, 2),
+            "noop_dispatch_mode_us_per_param": round(paired_diff(floor, u) / count * 1e6, 2),
+            "untracked_bandwidth": gbps(nbytes, u.median),
+            "refresh_in_tracked_s": rt.last_report.seconds,
+            "spread": [round(t.spread, 3), round(u.spread, 3)],
+        },
+    )
+
+
+def fig4(ctx: Ctx) -> list[Row]:
+    """Tracked vs untracked `load_weights`: LLM-sized parameters, then 4 KiB ones.
+
+    The checkpoint is in host memory, as `load_weights` reads it from files; on CUDA a
+    third row loads LLM-sized weights that are already on the device (RL weight sync).
+    """
+    s = ctx.sizes
+    host = torch.device("cpu")  # where a checkpoint is read into, before load_weights
+    rows = [
+        _load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4a", 1.10, host),
+        _load_rows(ctx, s.fig4_small_layers, 32, 32, "4b", None, host),
+    ]
+    if ctx.device.type == "cuda":  # RL weight sync: the new weights are already on the GPU
+        rows.append(
+            _load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4c", None, ctx.device)
+        )
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# 5. replay guard
+
+
+def _import(name: str) -> tuple[Any, str]:
+    """The module, or None and one line saying why it cannot be imported."""
+    try:
+        return importlib.import_module(name), ""
+    except Exception as exc:  # a module being written: report, do not crash
+        return None, f"{name} not importable: {type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def _flagship(ctx: Ctx, preset: str) -> tuple[Any, nn.Module, tuple[torch.Tensor, ...]]:
+    """The flagship model of `preset`, loaded, with an example input."""
+    dsv4 = importlib.import_module("graphsafe.models.deepseek_v4")
+    with torch.device(ctx.device):
+        model = dsv4.DeepseekV4Model(dsv4.DeepseekV4Config.preset(preset))
+    model.load_weights(dsv4.random_checkpoint(model.config, seed=0, device=ctx.device))
+    x = dsv4.verify_target.example_input(model, seed=0)
+    return dsv4, model, x
+
+
+def _backend(ctx: Ctx) -> str:
+    return "cuda" if ctx.device.type == "cuda" else "cpu"
+
+
+def _capture(ctx: Ctx, graph: Any, model: nn.Module, x: tuple[torch.Tensor, ...]) -> None:
+    """Capture `model(*x)`; on CUDA after one warm-up on a side stream, as one should."""
+    warmup = (lambda: model(*x)) if ctx.device.type == "cuda" else None
+    with graph.capture(warmup=warmup, warmup_iters=1):
+        model(*x)
+
+
+def fig5(ctx: Ctx) -> list[Row]:
+    """Guarded vs unguarded replay of the tiny flagship; Ledger.verify per 1,000 tensors."""
+    rows: list[Row] = []
+    graph_mod, missing = _import("graphsafe.graph")
+    if graph_mod is None:
+        rows.append(Row("5a", "replay guard, tiny flagship", skipped=missing))
+    else:
+        try:
+            rows.append(_guarded_replay(ctx, graph_mod))
+        except Exception as exc:
+            rows.append(Row("5a", "replay guard, tiny flagship", skipped=why(exc)))
+    count = ctx.sizes.fig5_tensors
+    with torch.device(ctx.device):
+        many = nn.ModuleList(nn.Linear(2, 2) for _ in range(count // 2))
+    ledger = Ledger.snapshot(many)
+    number = max(1, 50_000 // count)
+    stats = interleave({"verify": ctx.timer(ledger.verify, number)}, ctx.sizes.repeats)
+    v = stats["verify"].median
+    rows.append(
+        Row(
+            "5b", f"Ledger.verify, {len(ledger)} tensors", v, None,
+            details={"per_1000_tensors_us": round(v / len(ledger) * 1000 * 1e6, 2)},
+        )
+    )
+    return rows
+
+
+def _guarded_replay(ctx: Ctx, graph_mod: Any) -> Row:
+    _, model, x = _flagship(ctx, "tiny")
+    model(*x)  # lazy initialisation (cuBLAS handles, ...) before any capture
+    guarded = graph_mod.Graph(backend=_backend(ctx), guard=model)
+    _capture(ctx, guarded, model, x)
+    plain = graph_mod.Graph(backend=_backend(ctx))
+    _capture(ctx, plain, model, x)
+    rt = gs.runtime(model)
+    ledger = guarded.ledger
+
+    def guard_check() -> None:  # what a guarded replay runs before replaying
+        ledger.assert_stable()
+        rt.assert_fresh()
+
+    number = ctx.sizes.fig5_replays
+    stats = interleave(
+        {
+            "guarded": ctx.timer(guarded.replay, number),
+            "plain": ctx.timer(plain.replay, number),
+            "check": ctx.timer(guard_check, number=20),
+        },
+        ctx.sizes.repeats,
+    )
+    g, p, check = stats["guarded"], stats["plain"], stats["check"]
+    diff = paired_diff(g, p)
+    return Row(
+        "5a", f"replay guard, tiny flagship ({len(ledger)} tensors)", check.median, p.median,
+        baseline_name="unguarded replay", ratio=paired(check, p),
+        ratio_def="guard check / replay", op="<=", target=0.02,
+        details={
+            "guarded_replay_s": g.median,
+            "paired_difference_s": diff,
+            "difference_ratio": round(diff / p.median, 4),
+            "backend": _backend(ctx),
+            "spread": [round(g.spread, 3), round(p.spread, 3)],
+        },
+    )
+
+
+# -----------------------------------------------------------------------------
+# 6. peak extra memory during a full refresh
+
+
+def fig6(ctx: Ctx) -> list[Row]:
+    """Measured peak memory above the baseline during `refresh()`: out= vs slow path."""
+    rows = []
+    for fig, out_path, label in (("6a", True, "out="), ("6b", False, "slow path")):
+        reg = gs.Registry()
+        with torch.device(ctx.device):
+            model = fold_stack_class(reg, 4, 1024, out_path=out_path)(list(ctx.sizes.fig6_rows))
+        rt = gs.runtime(model, reg)
+        rt.refresh()  # materialize
+        rt.refresh()  # and once more, so one-time allocations are out of the way
+        largest = max(m.w_folded.nbytes for m in model.layers)
+        total = sum(m.w_folded.nbytes for m in model.layers)
+        peak = peak_extra_bytes(rt.refresh, ctx.device)
+        allowed = 0 if out_path else largest
+        rows.append(
+            Row(
+                fig, f"peak extra memory, {label}", peak, allowed, unit="B",
+                baseline_name="allowed: 0" if out_path else "allowed: largest output",
+                ratio=peak / largest, ratio_def="peak / largest output", op="<=",
+                target=allowed / largest,
+                details={
+                    "derivations": len(ctx.sizes.fig6_rows),
+                    "largest_output": fmt_bytes(largest),
+                    "all_outputs": fmt_bytes(total),
+                    "how": "cuda.max_memory_allocated" if ctx.device.type == "cuda"
+                    else "torch.profiler allocator events (running sum)",
+                },
+            )
+        )
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# 7. refit + refresh vs a fresh capture, at the V4-Flash mHC preset
+
+
+def fig7(ctx: Ctx) -> list[Row]:
+    """Refit in 8 buckets inside gs.weight_update, vs capturing the graph again."""
+    preset = ctx.sizes.fig7_preset
+    name = f"refit+refresh vs capture, {preset}"
+    graph_mod, missing = _import("graphsafe.graph")
+    if graph_mod is None:
+        return [Row("7a", name, skipped=missing)]
+    try:
+        return _refit_vs_capture(ctx, graph_mod, preset, name)
+    except Exception as exc:
+        return [Row("7a", name, skipped=why(exc))]
+
+
+def _refit_vs_capture(ctx: Ctx, graph_mod: Any, preset: str, name: str) -> list[Row]:
+    dsv4, model, x = _flagship(ctx, preset)
+    model(*x)  # lazy initialisation (cuBLAS handles, ...) before any capture
+    rt = gs.runtime(model)
+    ckpt = dsv4.random_checkpoint(model.config, seed=1, device=ctx.device)
+    buckets = [ckpt[i::8] for i in range(8)]
+    graphs: list[Any] = []
+
+    def capture() -> None:
+        graphs.clear()  # release the previous graph first, as a re-capture would
+        g = graph_mod.Graph(backend=_backend(ctx), guard=model)
+        _capture(ctx, g, model, x)
+        graphs.append(g)
+
+    def refit() -> None:
+        with gs.weight_update(model):
+            for b in buckets:
+                model.load_weights(b)
+
+    refresh_s: list[float] = []
+
+    def refit_case() -> float:
+        t = ctx.clock.time(refit)
+        assert rt.last_report is not None
+        refresh_s.append(rt.last_report.seconds)
+        return t
+
+    def untracked_case() -> float:
+        return ctx.clock.time(lambda: [untracked_load(model, b) for b in buckets])
+
+    repeats = max(3, ctx.sizes.repeats // 2)
+    stats = interleave(
+        {"capture": ctx.timer(capture), "refit": refit_case, "untracked": untracked_case},
+        repeats,
+    )
+    graphs[0].replay()  # the last capture still replays after the refits
+    c, r, u = stats["capture"], stats["refit"], stats["untracked"]
+    refresh = statistics.median(refresh_s[-repeats:])
+    params = sum(p.nbytes for p in model.parameters())
+    return [
+        Row(
+            "7a", name, r.median, c.median, baseline_name=f"fresh {_backend(ctx)} capture",
+            ratio=paired(c, r), ratio_def="capture / refit",
+            details={
+                "params": fmt_bytes(params),
+                "buckets": 8,
+                "capture_warmup_iters": 1 if ctx.device.type == "cuda" else 0,
+                "untracked_load_s": u.median,
+                "spread": [round(r.spread, 3), round(c.spread, 3)],
+            },
+        ),
+        Row(
+            "7b", f"refresh alone, {preset}", refresh, r.median, baseline_name="refit+refresh",
+            ratio=paired(refresh_s, r), ratio_def="refresh / refit",
+            details={"derivations": len(rt.derivations)},
+        ),
+    ]
+
+
+def warm(ctx: Ctx) -> None:
+    """Pay one-time costs before any figure: torch's lazy imports on the first dispatch
+    mode, allocator pools, the first refresh of a runtime."""
+    reg = gs.Registry()
+    with torch.device(ctx.device):
+        model = fold_stack_class(reg, 4, 8)([2, 2])
+    gs.runtime(model, reg)
+    model.load_weights([("layers.0.w", torch.ones(2, 32, device=ctx.device))])
+    model.load_weights([("layers.1.w", torch.ones(2, 32, device=ctx.device))])
+    ctx.clock.sync()
+
+
+FIGURES: dict[str, Callable[[Ctx], list[Row]]] = {
+    "1": fig1, "2": fig2, "3": fig3, "4": fig4, "5": fig5, "6": fig6, "7": fig7,
+}
+"""Figure number to function; `run.py` runs them in order (2 before 3: they share)."""

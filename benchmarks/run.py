@@ -1,0 +1,166 @@
+"""graphsafe's performance figures, each measured side by side with its baseline.
+
+    python benchmarks/run.py [--json] [--quick] [--device cpu|cuda] [--threads N]
+                             [--only 1,2] [--profile]
+
+Prints one table: per figure, graphsafe's median time (or bytes), the baseline measured
+in the same run, their ratio, the target and whether it is met; the absolute numbers
+follow under the table. `--json` prints the same as JSON, and nothing else, on stdout.
+`--quick` is a smoke run of a few seconds with tiny sizes: its numbers mean nothing.
+The exit status is 0 whatever the figures say (a figure that raises is printed as SKIP,
+its traceback on stderr); see README.md for how to read each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from figures import FIGURES, Ctx, Sizes, warm
+from harness import Row, fmt_bytes, why
+
+import graphsafe
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "B":
+        return fmt_bytes(value)
+    for name, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {name}"
+    return f"{value * 1e9:.3g} ns"
+
+
+def _verdict(row: Row) -> str:
+    if row.skipped:
+        return "SKIP"
+    if row.passed is None:
+        return "info"
+    return "pass" if row.passed else "MISS"
+
+
+def table(rows: list[Row], meta: dict[str, Any]) -> str:
+    """The results as one text table, then each row's absolute numbers and notes."""
+    head = ("fig", "measure", "graphsafe", "baseline", "baseline is", "ratio =", "ratio",
+            "target", "")
+    lines: list[tuple[str, ...]] = []
+    for r in rows:
+        target = f"{r.op} {r.target:.3g}" if r.target is not None else "-"
+        lines.append((
+            r.figure, r.name, _fmt(r.value, r.unit), _fmt(r.baseline, r.unit),
+            r.baseline_name or "-", r.ratio_def or "-",
+            f"{r.ratio:.3f}" if r.ratio is not None else "-", target, _verdict(r),
+        ))
+    widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
+
+    def fmt_line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    out = [
+        "graphsafe benchmarks: " + ", ".join(f"{k} {v}" for k, v in meta.items()),
+        "",
+        fmt_line(head),
+        fmt_line(tuple("-" * w for w in widths)),
+    ]
+    out += [fmt_line(x) for x in lines]
+    out.append("")
+    for r in rows:
+        if r.skipped:
+            out.append(f"{r.figure}: skipped: {r.skipped}")
+            continue
+        shown = {k: v for k, v in r.details.items() if k != "cprofile"}
+        if shown:
+            text = "; ".join(f"{k} {_detail(k, v)}" for k, v in shown.items())
+            out.append(f"{r.figure}: {text}")
+    return "\n".join(out)
+
+
+def _detail(key: str, value: Any) -> str:
+    """A detail's value; keys ending in `_s` hold seconds."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} {_detail(k, v)}" for k, v in value.items()) + "}"
+    if isinstance(value, float):
+        return _fmt(value, "s") if key.endswith("_s") else f"{value:.4g}"
+    return str(value)
+
+
+def _loadavg() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:  # not available on this platform
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run the figures, print the table or the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON only, on stdout")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=["cpu", "cuda"], help="where to run (default: cuda if any)")
+    parser.add_argument("--only", default="", help="comma-separated figures, e.g. 1,4")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads on the CPU (default 1; 0: torch's default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the cProfile of figure 2's refresh")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    sizes = Sizes.quick() if args.quick else Sizes.full()
+    ctx = Ctx(device=device, sizes=sizes, profile=args.profile)
+    wanted = [f.strip() for f in args.only.split(",") if f.strip()] or list(FIGURES)
+    unknown = [f for f in wanted if f not in FIGURES]
+    if unknown:
+        parser.error(f"unknown figure(s) {unknown}; choose from {list(FIGURES)}")
+    rows: list[Row] = []
+    load_before = _loadavg()
+    start = time.perf_counter()
+    warm(ctx)
+    for fig in FIGURES:
+        if fig in wanted:
+            try:
+                rows += FIGURES[fig](ctx)
+            except Exception as exc:  # one broken figure must not hide the others
+                traceback.print_exc(file=sys.stderr)
+                rows.append(Row(fig, f"figure {fig}", skipped=why(exc)))
+    cpu = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    meta: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
+        "torch": torch.__version__,
+        "graphsafe": graphsafe.__version__,
+        "mode": "quick" if args.quick else "full",
+        "repeats": sizes.repeats,
+        "seconds": round(time.perf_counter() - start, 1),
+        # Other processes' load before / after (1-minute average; vs the core count).
+        "loadavg": f"{load_before} / {_loadavg()} on {os.cpu_count()} cores",
+    }
+    if args.json:
+        json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, sys.stdout, indent=1,
+                  default=str)
+        sys.stdout.write("\n")
+    else:
+        print(table(rows, meta))
+        for text in ctx.profiles if args.profile else ():
+            print()
+            print(text)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,11 +21,18 @@ import torch
 from torch import nn
 
 from graphsafe.binding import Bound, Input, bind, describe, join, model_tensors, pin_storage
+from graphsafe.checks import (
+    as_results,
+    check_results,
+    geometry_held,
+    impurity_refusal,
+    moved_error,
+    refuse_resized,
+)
 from graphsafe.declare import class_registries
 from graphsafe.errors import (
     DerivationDriftError,
     GraphSafetyError,
-    ImpureDerivationError,
     RegistrationError,
     StaleError,
     StorageMovedError,
@@ -457,7 +464,7 @@ class Runtime:
                     self._stale.update(bound[i].downstream)
             for b, _ in moved_buffers:
                 self._stale.update(b.downstream)
-            raise _moved_error(moved_inputs, moved_buffers, bound)
+            raise moved_error(moved_inputs, moved_buffers, bound)
         for inp in moved_inputs:
             inp.accept()
             dirty.update(inp.consumers)
@@ -526,7 +533,7 @@ class Runtime:
                         else:
                             ret = b.fn(b.module_ref(), *[c[k] for c, k in b.in_refs], out=buf)
                         if buf.shape != b.shape0:  # torch resized it: wrong result shape
-                            self._refuse_resized(b, None)
+                            refuse_resized(b, None)
                         taken = _FAST if ret is buf else self._copy_apart(b, ret)
                         append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
                     elif b.buffers is None:
@@ -539,11 +546,11 @@ class Runtime:
                 except Exception as exc:
                     if b.buffers is not None and not isinstance(exc, DerivationDriftError):
                         try:
-                            self._refuse_resized(b, exc)
+                            refuse_resized(b, exc)
                         except DerivationDriftError as drift:
                             exc = drift
                     failed.add(i)
-                    append((i, _FAILED, _NONE, clock() - t0, self._geometry_held(b)))
+                    append((i, _FAILED, _NONE, clock() - t0, geometry_held(b)))
                     if first_error is None:
                         first_error = exc
         realloc.clear()
@@ -563,15 +570,9 @@ class Runtime:
     def _copy_apart(self, b: Bound, ret: Any) -> int:
         """A function that accepts `out=` returned another tensor: validate, copy in."""
         assert b.buffers is not None
-        b.buffers[0].copy_(self._check_results(b, ret)[0])
+        b.buffers[0].copy_(check_results(b, ret)[0])
         b.fast = False  # from now on through _refresh_checked
         return _SLOW
-
-    def _geometry_held(self, b: Bound) -> bool:
-        return all(
-            buf.data_ptr() == ptr and buf.shape == shape
-            for buf, (ptr, shape, _) in zip(b.buffers or (), b.geometry)
-        )
 
     def _refresh_checked(self, b: Bound, purity: dict[int, str] | None) -> int:
         """Every other case: several outputs, no `out=`, strict purity, moved buffers."""
@@ -586,7 +587,7 @@ class Runtime:
         if purity is not None:
             own = {storage_key(t) for t in buffers}
             guard = WriteTracker(
-                {k: p for k, p in purity.items() if k not in own}, self._impure(b, purity)
+                {k: p for k, p in purity.items() if k not in own}, impurity_refusal(b, purity)
             )
         if b.accepts_out:
             out = b.out_arg
@@ -594,9 +595,9 @@ class Runtime:
                 with guard:
                     ret = b.fn(module, *args, out=out)
             except Exception as exc:
-                self._refuse_resized(b, exc)
+                refuse_resized(b, exc)
                 raise
-            self._refuse_resized(b, None)
+            refuse_resized(b, None)
             if ret is out or (
                 isinstance(ret, (tuple, list))
                 and len(ret) == len(buffers)
@@ -606,63 +607,12 @@ class Runtime:
         else:
             with guard:
                 ret = b.fn(module, *args)
-        results = self._check_results(b, ret)
+        results = check_results(b, ret)
         if len(results) == 1:
             buffers[0].copy_(results[0])
         else:
             torch._foreach_copy_(buffers, results)
         return _SLOW
-
-    def _check_results(self, b: Bound, ret: Any) -> list[torch.Tensor]:
-        """Validate a result computed apart against the buffers, before any write."""
-        results = _as_results(b, ret)
-        for j, (r, buf) in enumerate(zip(results, b.buffers or ())):
-            if (
-                r.shape != buf.shape
-                or r.dtype != buf.dtype
-                or r.device != buf.device
-                or r.layout != buf.layout
-            ):
-                raise b.error(
-                    DerivationDriftError,
-                    f"result of {b.spec.name} does not fit the buffer materialized for it",
-                    path=b.out_paths[j],
-                    expected=f"shape {tuple(buf.shape)}, dtype {buf.dtype}, device "
-                    f"{buf.device}, layout {buf.layout}",
-                    got=f"shape {tuple(r.shape)}, dtype {r.dtype}, device {r.device}, "
-                    f"layout {r.layout}",
-                    fix="a derived buffer keeps its shape, dtype and device for its whole "
-                    "life: check that the loader wrote inputs of the original shapes; if "
-                    "the model really changed, build a new model and re-capture",
-                )
-        return results
-
-    def _refuse_resized(self, b: Bound, cause: BaseException | None) -> None:
-        """Undo torch's resize of an `out=` buffer of the wrong shape, and refuse it.
-
-        torch resizes an `out=` tensor whose shape does not fit the result (and raises
-        on our non-resizable storage when it would grow). The buffer's geometry is put
-        back on its own storage and `DerivationDriftError` is raised; the caller marks it
-        stale, since the bytes may be partly written.
-        """
-        for j, buf in enumerate(b.buffers or ()):
-            ptr, shape, stride = b.geometry[j]
-            if buf.data_ptr() == ptr and buf.shape == shape and buf.stride() == stride:
-                continue
-            got = f"shape {tuple(buf.shape)}, stride {buf.stride()}, storage 0x{buf.data_ptr():x}"
-            moved = buf.data_ptr() != ptr
-            if not moved:
-                buf.set_(buf.untyped_storage(), buf.storage_offset(), shape, stride)
-            raise b.error(
-                DerivationDriftError,
-                f"{b.spec.name} computed a result of the wrong shape for its buffer "
-                + ("(torch reallocated the buffer)" if moved else "(the write was refused)"),
-                path=b.out_paths[j],
-                expected=f"shape {tuple(shape)}, stride {stride}, storage 0x{ptr:x}",
-                got=got + (f" ({type(cause).__name__}: {cause})" if cause is not None else ""),
-                fix="make the derivation produce the buffer's shape; check that the loader "
-                "wrote inputs of the original shapes",
-            ) from cause
 
     def _adopt_moved_buffer(self, b: Bound, j: int) -> None:
         """A derived buffer was replaced (e.g. `model.to()`): adopt it unless pinned."""
@@ -691,9 +641,9 @@ class Runtime:
     def _materialize(self, b: Bound, watch: dict[int, str]) -> None:
         module = b.module_ref()
         assert module is not None
-        with WriteTracker(watch, self._impure(b, watch)):
+        with WriteTracker(watch, impurity_refusal(b, watch)):
             ret = b.fn(module, *self._inputs_of(b))
-        results = _as_results(b, ret)
+        results = as_results(b, ret)
         buffers: list[torch.Tensor] = []
         for name, r in zip(b.outputs, results):
             t = r.detach()
@@ -730,63 +680,6 @@ class Runtime:
             if key:
                 watch.setdefault(key, path)
         return watch
-
-    def _impure(self, b: Bound, watch: dict[int, str]) -> Callable[[int, str], None]:
-        def refuse(key: int, op: str) -> None:
-            raise b.error(
-                ImpureDerivationError,
-                f"{b.spec.name} wrote into {watch[key]!r}, a tensor of the model",
-                path=watch[key],
-                expected="a pure function: read the inputs, write only the result (or `out`)",
-                got=f"{op} writing {watch[key]}",
-                fix="compute into a new tensor (e.g. `w * scale` instead of `w.mul_(scale)`); "
-                "the write was refused, nothing was changed",
-            )
-
-        return refuse
-
-
-def _as_results(b: Bound, ret: Any) -> list[torch.Tensor]:
-    results = list(ret) if isinstance(ret, (tuple, list)) else [ret]
-    if len(results) != len(b.outputs) or not all(
-        isinstance(r, torch.Tensor) for r in results
-    ):
-        raise b.error(
-            DerivationDriftError,
-            f"{b.spec.name} returned something other than one tensor per output",
-            expected=f"{len(b.outputs)} tensor(s) for {b.outputs}",
-            got=f"{type(ret).__name__}"
-            + (f" of {len(results)}" if isinstance(ret, (tuple, list)) else ""),
-            fix="return a tensor, or a tuple of tensors in the order of `outputs`",
-        )
-    return results
-
-
-def _moved_error(
-    inputs: Sequence[Input], buffers: Sequence[tuple[Bound, int]], bound: Sequence[Bound]
-) -> StorageMovedError:
-    paths = [i.path for i in inputs] + [b.out_paths[j] for b, j in buffers]
-    if inputs:
-        inp = inputs[0]
-        b = bound[inp.consumers[0]]
-        path, now, expected = inp.path, inp.container.get(inp.key), f"storage 0x{inp.ptr:x}"
-    else:
-        b, j = buffers[0]
-        path, now = b.out_paths[j], b.container.get(b.outputs[j])
-        expected = f"storage 0x{b.geometry[j][0]:x}, shape {tuple(b.geometry[j][1])}"
-    return StorageMovedError(
-        f"{len(paths)} pinned tensor(s) were rebound to new storage: " + ", ".join(paths),
-        drifts=tuple(paths),
-        module_class=b.module_class,
-        path=path,
-        derivation=b.spec.name,
-        expected=expected + " (pinned)",
-        got=describe(now) if isinstance(now, torch.Tensor) else repr(now),
-        fix="write new weights into the existing tensors (`param.data.copy_(w)`) instead "
-        "of rebinding them (`param.data = w`, attribute assignment, `set_`); never assign "
-        "derived buffers; or unpin(), refresh() and re-capture the graphs",
-    )
-
 
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()

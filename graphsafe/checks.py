@@ -1,0 +1,200 @@
+"""Checks of derivation results and storage, and the errors they raise.
+
+Every check here refuses before anything is written where that is possible: a result
+computed apart is validated before it is copied in, an impure write is refused before
+it happens, and an `out=` buffer that torch resized is put back on its own storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphsafe.binding import Bound, Input, describe
+from graphsafe.errors import DerivationDriftError, ImpureDerivationError, StorageMovedError
+
+__all__ = [
+    "as_results",
+    "check_results",
+    "geometry_held",
+    "impurity_refusal",
+    "moved_error",
+    "refuse_resized",
+]
+
+
+def geometry_held(b: Bound) -> bool:
+    """Whether every buffer of `b` still has its recorded pointer and shape.
+
+    Args:
+        b: A bound derivation.
+
+    Returns:
+        True when no buffer moved or changed shape.
+    """
+    return all(
+        buf.data_ptr() == ptr and buf.shape == shape
+        for buf, (ptr, shape, _) in zip(b.buffers or (), b.geometry)
+    )
+
+
+def check_results(b: Bound, ret: Any) -> list[torch.Tensor]:
+    """Validate a result computed apart against the buffers, before any write.
+
+    Args:
+        b: The bound derivation.
+        ret: What its function returned.
+
+    Returns:
+        One tensor per output, each fitting its buffer.
+
+    Raises:
+        DerivationDriftError: A shape, dtype, device or layout differs.
+    """
+    results = as_results(b, ret)
+    for j, (r, buf) in enumerate(zip(results, b.buffers or ())):
+        if (
+            r.shape != buf.shape
+            or r.dtype != buf.dtype
+            or r.device != buf.device
+            or r.layout != buf.layout
+        ):
+            raise b.error(
+                DerivationDriftError,
+                f"result of {b.spec.name} does not fit the buffer materialized for it",
+                path=b.out_paths[j],
+                expected=f"shape {tuple(buf.shape)}, dtype {buf.dtype}, device "
+                f"{buf.device}, layout {buf.layout}",
+                got=f"shape {tuple(r.shape)}, dtype {r.dtype}, device {r.device}, "
+                f"layout {r.layout}",
+                fix="a derived buffer keeps its shape, dtype and device for its whole "
+                "life: check that the loader wrote inputs of the original shapes; if "
+                "the model really changed, build a new model and re-capture",
+            )
+    return results
+
+
+def refuse_resized(b: Bound, cause: BaseException | None) -> None:
+    """Undo torch's resize of an `out=` buffer of the wrong shape, and refuse it.
+
+    torch resizes an `out=` tensor whose shape does not fit the result (and raises
+    on our non-resizable storage when it would grow). The buffer's geometry is put
+    back on its own storage and `DerivationDriftError` is raised; the caller marks it
+    stale, since the bytes may be partly written.
+
+    Args:
+        b: The bound derivation whose function was called with `out=`.
+        cause: The exception the call raised, if any.
+
+    Raises:
+        DerivationDriftError: If a buffer's geometry had changed.
+    """
+    for j, buf in enumerate(b.buffers or ()):
+        ptr, shape, stride = b.geometry[j]
+        if buf.data_ptr() == ptr and buf.shape == shape and buf.stride() == stride:
+            continue
+        got = f"shape {tuple(buf.shape)}, stride {buf.stride()}, storage 0x{buf.data_ptr():x}"
+        moved = buf.data_ptr() != ptr
+        if not moved:
+            buf.set_(buf.untyped_storage(), buf.storage_offset(), shape, stride)
+        raise b.error(
+            DerivationDriftError,
+            f"{b.spec.name} computed a result of the wrong shape for its buffer "
+            + ("(torch reallocated the buffer)" if moved else "(the write was refused)"),
+            path=b.out_paths[j],
+            expected=f"shape {tuple(shape)}, stride {stride}, storage 0x{ptr:x}",
+            got=got + (f" ({type(cause).__name__}: {cause})" if cause is not None else ""),
+            fix="make the derivation produce the buffer's shape; check that the loader "
+            "wrote inputs of the original shapes",
+        ) from cause
+
+
+def impurity_refusal(b: Bound, watch: dict[int, str]) -> Callable[[int, str], None]:
+    """The `on_write` hook of a `WriteTracker` that refuses writes by `b`'s function.
+
+    Args:
+        b: The bound derivation about to run.
+        watch: Storage keys of the model's tensors, mapped to their paths.
+
+    Returns:
+        A hook raising `ImpureDerivationError` before the write happens.
+    """
+
+    def refuse(key: int, op: str) -> None:
+        raise b.error(
+            ImpureDerivationError,
+            f"{b.spec.name} wrote into {watch[key]!r}, a tensor of the model",
+            path=watch[key],
+            expected="a pure function: read the inputs, write only the result (or `out`)",
+            got=f"{op} writing {watch[key]}",
+            fix="compute into a new tensor (e.g. `w * scale` instead of `w.mul_(scale)`); "
+            "the write was refused, nothing was changed",
+        )
+
+    return refuse
+
+
+def as_results(b: Bound, ret: Any) -> list[torch.Tensor]:
+    """`ret` as one tensor per output of `b`.
+
+    Args:
+        b: The bound derivation.
+        ret: What its function returned.
+
+    Returns:
+        The tensors, in the order of the outputs.
+
+    Raises:
+        DerivationDriftError: Not one tensor per output.
+    """
+    results = list(ret) if isinstance(ret, (tuple, list)) else [ret]
+    if len(results) != len(b.outputs) or not all(
+        isinstance(r, torch.Tensor) for r in results
+    ):
+        raise b.error(
+            DerivationDriftError,
+            f"{b.spec.name} returned something other than one tensor per output",
+            expected=f"{len(b.outputs)} tensor(s) for {b.outputs}",
+            got=f"{type(ret).__name__}"
+            + (f" of {len(results)}" if isinstance(ret, (tuple, list)) else ""),
+            fix="return a tensor, or a tuple of tensors in the order of `outputs`",
+        )
+    return results
+
+
+def moved_error(
+    inputs: Sequence[Input], buffers: Sequence[tuple[Bound, int]], bound: Sequence[Bound]
+) -> StorageMovedError:
+    """The error for pinned inputs and buffers that were rebound.
+
+    Args:
+        inputs: Inputs that moved.
+        buffers: `(derivation, output index)` of buffers that moved.
+        bound: All bound derivations, to name an input's consumer.
+
+    Returns:
+        A `StorageMovedError` naming every moved tensor and detailing the first.
+    """
+    paths = [i.path for i in inputs] + [b.out_paths[j] for b, j in buffers]
+    if inputs:
+        inp = inputs[0]
+        b = bound[inp.consumers[0]]
+        path, now, expected = inp.path, inp.container.get(inp.key), f"storage 0x{inp.ptr:x}"
+    else:
+        b, j = buffers[0]
+        path, now = b.out_paths[j], b.container.get(b.outputs[j])
+        expected = f"storage 0x{b.geometry[j][0]:x}, shape {tuple(b.geometry[j][1])}"
+    return StorageMovedError(
+        f"{len(paths)} pinned tensor(s) were rebound to new storage: " + ", ".join(paths),
+        drifts=tuple(paths),
+        module_class=b.module_class,
+        path=path,
+        derivation=b.spec.name,
+        expected=expected + " (pinned)",
+        got=describe(now) if isinstance(now, torch.Tensor) else repr(now),
+        fix="write new weights into the existing tensors (`param.data.copy_(w)`) instead "
+        "of rebinding them (`param.data = w`, attribute assignment, `set_`); never assign "
+        "derived buffers; or unpin(), refresh() and re-capture the graphs",
+    )

@@ -215,6 +215,9 @@ class Runtime:
             for b in bound:
                 if b.buffers is not None and b.buffers_moved():
                     indices.update(b.downstream)
+            if self._update is not None:  # inside a weight_update block: not yet refreshed
+                for i in self._written_consumers(self._update.written):
+                    indices.update(bound[i].downstream)
             return tuple(p for i in sorted(indices) for p in bound[i].out_paths)
 
     @property
@@ -242,6 +245,15 @@ class Runtime:
                 got="stale: " + ", ".join(stale[:8]),
                 fix="finish the weight update (a load that completes, or gs.runtime(model)"
                 ".refresh()) before running the model",
+            )
+        update = self._update
+        if update is not None and update.written:
+            raise StaleError(
+                "a weight update is in progress; the model holds a mix of old and new weights",
+                module_class=type(self.model).__name__,
+                expected="the weight_update block to have exited",
+                got=f"{len(update.written)} tensor storage(s) written so far in the block",
+                fix="run the model after the `with gs.weight_update(model):` block exits",
             )
         if self._failed_update is not None:
             raise StaleError(
@@ -302,7 +314,11 @@ class Runtime:
                 yield self
                 return
             self._ensure_bound()
-            tracker = WriteTracker(self._watch_map())
+            # Watch every tensor of the model, not only derivation inputs, so that a
+            # replay inside the block is refused as soon as anything was written.
+            watched: dict[int, object] = dict(self._purity_watch())
+            watched.update(self._watch_map())
+            tracker = WriteTracker(watched)
             self._update = tracker
             try:
                 with tracker:

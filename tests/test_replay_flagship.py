@@ -104,3 +104,19 @@ def test_bad_checkpoint_entry_leaves_the_model_stale_until_a_good_load(backend):
     with torch.no_grad():
         graph.replay()
         assert _equal(out, model(x), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_inside_a_weight_update_block_is_refused_once_anything_was_written(backend):
+    model, x, graph, out = _captured(backend, naive=False, guard=True)
+    ck = verify_target.checkpoint(model, seed=30)
+    embed = [e for e in ck if e[0] == "embed.weight"]  # feeds no derivation
+    with gs.weight_update(model):
+        graph.replay()  # nothing written yet: allowed
+        model.load_weights(embed)
+        with pytest.raises(gs.StaleError, match="weight update is in progress"):
+            graph.replay()
+        model.load_weights(ck)
+    with torch.no_grad():
+        graph.replay()
+        assert _equal(out, model(x), backend)

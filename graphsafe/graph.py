@@ -30,12 +30,12 @@ from torch import nn
 from graphsafe.cpu_graph import CPUBackend
 from graphsafe.errors import CaptureError
 from graphsafe.ledger import Ledger
+from graphsafe.runtime import Runtime, runtime
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
 
     from graphsafe.cuda_graph import CUDABackend
-    from graphsafe.runtime import Runtime
 
 __all__ = ["BackendName", "Graph"]
 
@@ -226,11 +226,6 @@ class Graph:
         if warmup is not None:
             self._impl.warmup(warmup, warmup_iters)
         if self._guard is not None:
-            # Only guarded graphs need the runtime; importing it here keeps this module
-            # free of an import-time dependency on it (and of a cycle, should it ever
-            # use graphs).
-            from graphsafe.runtime import runtime
-
             # Both before the body: the ledger must record the storage the graph reads.
             rt = runtime(self._guard)
             rt.pin()

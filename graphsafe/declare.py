@@ -88,13 +88,14 @@ def derive(
     return decorate
 
 
-def _wrap_loader(fn: Callable[..., Any], registry: Registry) -> Callable[..., Any]:
+def _wrap_loader(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def load(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Imported here: the runtime imports this module's marks.
+        # Imported here: the runtime imports this module's marks. No registry is passed:
+        # the runtime finds the one each class was decorated with when it binds.
         from graphsafe.runtime import runtime
 
-        return runtime(self, registry).run_load(fn, self, args, kwargs)
+        return runtime(self).run_load(fn, self, args, kwargs)
 
     setattr(load, _WRAPPED, True)
     return load
@@ -210,7 +211,7 @@ def _apply(klass: type, load: str, reg: Registry, explicit_load: bool) -> None:
                 fix="pass the name of the method that writes the weights as `load=`",
             )
     elif not getattr(loader, _WRAPPED, False):
-        setattr(klass, load, _wrap_loader(loader, reg))
+        setattr(klass, load, _wrap_loader(loader))
 
 
 def _hook_subclasses(klass: type) -> None:

@@ -286,3 +286,29 @@ def test_a_subclass_overriding_the_loader_still_refreshes() -> None:
     layer.load_weights([("model.w", torch.full((2, 3), 3.0))])
     for name, value in expected_scaled(layer).items():
         assert torch.equal(getattr(layer, name), value), name
+
+
+def test_a_class_with_its_own_registry_keeps_loading_after_pin():
+    # The loader of a class decorated with `registry=` must not try to add that registry
+    # to a pinned runtime: it is found from the class when the runtime binds.
+    reg = gs.Registry()
+
+    @gs.graphsafe(registry=reg)
+    class Own(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3), requires_grad=False)
+
+        @gs.derive("w2", inputs=["w"])
+        def _w2(self, w, *, out=None):
+            return torch.mul(w, 2, out=out)
+
+        def load_weights(self, value: float) -> None:
+            self.w.data.fill_(value)
+
+    m = Own()
+    m.load_weights(1.0)
+    gs.runtime(m).pin()
+    m.load_weights(3.0)
+    assert torch.equal(m.w2, torch.full((3,), 6.0))
+    assert Own not in gs.default_registry.classes()

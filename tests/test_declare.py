@@ -307,7 +307,7 @@ def test_a_class_with_its_own_registry_keeps_loading_after_pin():
             self.w.data.fill_(value)
 
     m = Own()
-    m.load_weights(1.0)
+    gs.runtime(m).refresh()  # the runtime is created without naming the registry
     gs.runtime(m).pin()
     m.load_weights(3.0)
     assert torch.equal(m.w2, torch.full((3,), 6.0))

@@ -163,8 +163,10 @@ class Runtime:
                 that captured graphs do not know.
         """
         with self._lock:
-            if registry in self.registries:
-                return
+            if registry in self.registries or any(
+                registry in class_registries(type(m)) for m in self.model.modules()
+            ):
+                return  # already consulted
             if self.pinned:
                 raise StorageMovedError(
                     "cannot add a registry to a pinned runtime",

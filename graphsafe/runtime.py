@@ -534,7 +534,9 @@ class Runtime:
         pending = self.strict or any(bound[i].buffers is None for i in plan)
         watch = self._purity_watch() if pending else None
         realloc = self._reallocated  # adopted by _scan_moved: these buffers moved
-        with torch.no_grad():
+        # Buffers made under inference_mode would be inference tensors, which a later
+        # refresh outside inference_mode may not write: always make normal tensors.
+        with torch.inference_mode(False), torch.no_grad():
             for i in plan:
                 b = bound[i]
                 if failed and not b.deps.isdisjoint(failed):

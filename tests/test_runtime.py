@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -1130,3 +1131,20 @@ def test_control_the_overlap_detector_sees_unserialized_calls() -> None:
     for t in threads:
         t.join()
     assert m.most_active > 1
+
+
+@pytest.mark.parametrize("first_inside", [True, False])
+def test_loads_inside_and_outside_inference_mode_mix(first_inside: bool) -> None:
+    # Engines load under torch.inference_mode() and RL frameworks sync outside it (or the
+    # other way round): a buffer made in one mode must stay writable in the other.
+    layer = scaled_layer_class()()
+    first = torch.inference_mode() if first_inside else contextlib.nullcontext()
+    then = contextlib.nullcontext() if first_inside else torch.inference_mode()
+    with first:
+        write(layer, "w", torch.randn(2, 3))
+        gs.runtime(layer).refresh()
+    assert not layer.w_scaled.is_inference()
+    with then:
+        write(layer, "w", torch.randn(2, 3))
+        gs.runtime(layer).refresh()
+    _assert_correct(layer)

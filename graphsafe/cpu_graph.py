@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from graphsafe.capture import CaptureState
 from graphsafe.errors import CaptureError
 
 __all__ = ["CPUBackend", "CompiledGraph"]
@@ -592,7 +593,7 @@ class CPUBackend:
 
     def __init__(self) -> None:
         self._compiled: CompiledGraph | None = None
-        self._state = "new"
+        self._state = CaptureState()
 
     def warmup(self, fn: Callable[[], object], iters: int) -> None:
         """Run `fn` eagerly `iters` times before capture.
@@ -627,23 +628,11 @@ class CPUBackend:
             >>> with g.capture():
             ...     y = torch.ones(2) + 1
         """
-        if self._state != "new":
-            raise CaptureError(
-                "this graph was already captured",
-                expected="one capture per graph",
-                got=f"a second capture (state: {self._state})",
-                fix="create a new Graph for each capture",
-            )
-        self._state = "capturing"
-        recorder = _Recorder()
-        try:
+        with self._state.capturing():
+            recorder = _Recorder()
             with _ValueReadGuard(), recorder:
                 yield
             self._compiled = recorder.compile()
-        except BaseException:
-            self._state = "failed"
-            raise
-        self._state = "captured"
 
     def replay(self) -> None:
         """Replay the captured ops.
@@ -658,13 +647,8 @@ class CPUBackend:
             ...     y = torch.zeros(1) + 1
             >>> g.replay()
         """
-        if self._compiled is None:
-            raise CaptureError(
-                "replay() before a successful capture",
-                expected="a captured graph",
-                got=f"state {self._state}",
-                fix="capture first: `with g.capture(): out = model(static_x)`",
-            )
+        self._state.check_replay()
+        assert self._compiled is not None
         self._compiled.replay()
 
     @property

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from graphsafe.capture import CaptureState
 from graphsafe.errors import CaptureError
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class CUDABackend:
             )
         self._graph = torch.cuda.CUDAGraph()
         self._pool = pool
-        self._state = "new"
+        self._state = CaptureState()
 
     def warmup(self, fn: Callable[[], object], iters: int) -> None:
         """Run `fn` `iters` times on a side stream, then join the current stream.
@@ -123,32 +124,23 @@ class CUDABackend:
             ...     with g.capture():
             ...         y = x + 1
         """
-        if self._state != "new":
-            raise CaptureError(
-                "this graph was already captured",
-                expected="one capture per graph",
-                got=f"a second capture (state: {self._state})",
-                fix="create a new Graph for each capture",
-            )
-        self._state = "capturing"
-        torch.cuda.synchronize()
-        try:
-            with torch.cuda.graph(self._graph, pool=self._pool):
-                yield
-        except BaseException as error:
-            self._state = "failed"
-            reason = _capture_failure(error)
-            if reason is None:
-                raise
-            raise CaptureError(
-                "the body did something a CUDA graph capture does not allow",
-                expected="device work only, with no host synchronization",
-                got=reason,
-                fix="keep values on the device: no `.item()`, `.tolist()`, `print(t)`, "
-                "`.cpu()` or Python branches on tensor values inside capture; read "
-                "results after `replay()`",
-            ) from error
-        self._state = "captured"
+        with self._state.capturing():
+            torch.cuda.synchronize()
+            try:
+                with torch.cuda.graph(self._graph, pool=self._pool):
+                    yield
+            except BaseException as error:
+                reason = _capture_failure(error)
+                if reason is None:
+                    raise
+                raise CaptureError(
+                    "the body did something a CUDA graph capture does not allow",
+                    expected="device work only, with no host synchronization",
+                    got=reason,
+                    fix="keep values on the device: no `.item()`, `.tolist()`, `print(t)`, "
+                    "`.cpu()` or Python branches on tensor values inside capture; read "
+                    "results after `replay()`",
+                ) from error
 
     def replay(self) -> None:
         """Launch the captured graph on the current stream.
@@ -164,13 +156,7 @@ class CUDABackend:
             ...         y = torch.ones(1, device="cuda") + 1
             ...     g.replay()
         """
-        if self._state != "captured":
-            raise CaptureError(
-                "replay() before a successful capture",
-                expected="a captured graph",
-                got=f"state {self._state}",
-                fix="capture first: `with g.capture(): out = model(static_x)`",
-            )
+        self._state.check_replay()
         self._graph.replay()
 
     def pool(self) -> PoolHandle:
@@ -190,7 +176,7 @@ class CUDABackend:
             ...         y = torch.ones(1, device="cuda") + 1
             ...     g2 = CUDABackend(pool=g.pool())
         """
-        if self._state == "new":
+        if self._state.state == "new":
             raise CaptureError(
                 "pool() before capture",
                 expected="a graph that has begun capturing",

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
+from graphsafe.capture import CaptureState
 from graphsafe.cpu_graph import CPUBackend
-from graphsafe.errors import CaptureError
 from graphsafe.ledger import Ledger
 from graphsafe.runtime import Runtime, runtime
 
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["BackendName", "Graph"]
 
 BackendName = Literal["auto", "cuda", "cpu"]
-
-_NEW, _CAPTURING, _CAPTURED, _FAILED = "new", "capturing", "captured", "failed"
 
 
 def _choose(backend: str, guard: nn.Module | None) -> Literal["cuda", "cpu"]:
@@ -112,7 +110,7 @@ class Graph:
         self._guard = guard
         self._ledger: Ledger | None = None
         self._runtime: Runtime | None = None
-        self._state = _NEW
+        self._state = CaptureState()
 
     @property
     def backend(self) -> Literal["cuda", "cpu"]:
@@ -164,7 +162,7 @@ class Graph:
             >>> Graph(backend="cpu").captured
             False
         """
-        return self._state == _CAPTURED
+        return self._state.captured
 
     def pool(self) -> PoolHandle | None:
         """The memory pool, for graphs that should share it: `Graph(pool=g.pool())`.
@@ -214,15 +212,7 @@ class Graph:
             >>> with g.capture(warmup=lambda: x * 2):
             ...     y = x * 2
         """
-        if self._state != _NEW:
-            raise CaptureError(
-                "this graph was already captured"
-                if self._state == _CAPTURED
-                else f"this graph cannot capture again (state: {self._state})",
-                expected="one capture per Graph",
-                got=f"a second capture (state: {self._state})",
-                fix="create a new Graph for each capture",
-            )
+        self._state.check_new()  # before warm-up and pinning
         if warmup is not None:
             self._impl.warmup(warmup, warmup_iters)
         if self._guard is not None:
@@ -231,14 +221,8 @@ class Graph:
             rt.pin()
             self._runtime = rt
             self._ledger = Ledger.snapshot(self._guard, label="graph capture")
-        self._state = _CAPTURING
-        try:
-            with self._impl.capture():
-                yield
-        except BaseException:
-            self._state = _FAILED
-            raise
-        self._state = _CAPTURED
+        with self._state.capturing(), self._impl.capture():
+            yield
 
     def replay(self) -> None:
         """Replay the captured graph; with a guard, check the model first.
@@ -263,13 +247,7 @@ class Graph:
             >>> y
             tensor([6., 6.])
         """
-        if self._state != _CAPTURED:
-            raise CaptureError(
-                "replay() before a successful capture",
-                expected="a captured graph",
-                got=f"state {self._state}",
-                fix="capture first: `with g.capture(): out = model(static_x)`",
-            )
+        self._state.check_replay()
         if self._ledger is not None:
             self._ledger.assert_stable()
         if self._runtime is not None:

@@ -177,7 +177,7 @@ class RefreshReport(BaseModel):
     Entries are built on first access, so that the refresh itself stays cheap.
 
     Examples:
-        >>> report = RefreshReport.empty()
+        >>> report = RefreshReport()
         >>> report.entries
         ()
     """
@@ -189,11 +189,6 @@ class RefreshReport(BaseModel):
 
     _identities: Sequence[RawIdentity] = PrivateAttr(default=())
     _raw: Sequence[RawEntry] = PrivateAttr(default=())
-
-    @classmethod
-    def empty(cls) -> RefreshReport:
-        """A report of a refresh that had nothing to do."""
-        return cls()
 
     @classmethod
     def from_raw(

@@ -245,8 +245,9 @@ class Runtime:
                 path=", ".join(stale[:8]) + (" ..." if len(stale) > 8 else ""),
                 expected="every derived buffer refreshed from the current weights",
                 got="stale: " + ", ".join(stale[:8]),
-                fix="finish the weight update (a load that completes, or gs.runtime(model)"
-                ".refresh()) before running the model",
+                fix="complete a weight update (a load or weight_update block that finishes) "
+                "before running the model; gs.runtime(model).refresh() recomputes the buffers "
+                "but cannot repair a load that failed",
             )
         update = self._update
         if update is not None and update.written:

@@ -64,10 +64,6 @@ class Input:
         self.ptr = self.tensor.data_ptr() if self.tensor is not None else 0
         self.consumers: list[int] = []
 
-    def moved(self) -> bool:
-        t = self.container.get(self.key)
-        return t is not self.tensor or t is None or t.data_ptr() != self.ptr
-
     def accept(self) -> None:
         self.tensor = self.container.get(self.key)
         self.ptr = self.tensor.data_ptr() if self.tensor is not None else 0
@@ -137,16 +133,6 @@ class Bound:
         self.fast = self.accepts_out and len(buffers) == 1
         self.shape0 = buffers[0].shape
         self.single_in = self.in_refs[0] if len(self.in_refs) == 1 else None
-
-    def buffers_moved(self) -> list[int]:
-        """Indices of outputs whose buffer was rebound or moved since it was recorded."""
-        moved = []
-        for j, buf in enumerate(self.buffers or ()):
-            ptr, shape, _ = self.geometry[j]
-            current = self.container.get(self.outputs[j])
-            if current is not buf or buf.data_ptr() != ptr or buf.shape != shape:
-                moved.append(j)
-        return moved
 
     @property
     def path(self) -> str:

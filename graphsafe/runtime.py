@@ -210,13 +210,12 @@ class Runtime:
         with self._lock:
             bound = self._ensure_bound()
             indices = set(self._stale)
-            for inp in self._inputs:
-                if inp.moved():
-                    for i in inp.consumers:
-                        indices.update(bound[i].downstream)
-            for b in bound:
-                if b.buffers is not None and b.buffers_moved():
-                    indices.update(b.downstream)
+            moved_inputs, moved_buffers = self._find_moved()
+            for inp in moved_inputs:
+                for i in inp.consumers:
+                    indices.update(bound[i].downstream)
+            for b, _ in moved_buffers:
+                indices.update(b.downstream)
             if self._update is not None:  # inside a weight_update block: not yet refreshed
                 for i in self._written_consumers(self._update.written):
                     indices.update(bound[i].downstream)
@@ -407,23 +406,18 @@ class Runtime:
             return result
 
     def _fail_update(self, written: set[int], exc: BaseException) -> None:
-        bound = self._ensure_bound()
         dirty = self._written_consumers(written)
-        for inp in self._inputs:
-            if inp.moved():
-                dirty.update(inp.consumers)
-        for i in self._plan(dirty):
-            self._stale.add(i)
+        for inp in self._find_moved()[0]:
+            dirty.update(inp.consumers)
+        self._stale.update(self._plan(dirty))
         first = str(exc).splitlines()[0] if str(exc) else ""
         self._failed_update = f"{type(exc).__name__}: {first}"
-        del bound
 
     def _finish_update(self, written: set[int]) -> None:
         bound = self._ensure_bound()
         dirty = self._scan_moved() | self._written_consumers(written)
         dirty.update(b.index for b in bound if b.buffers is None)
-        dirty.update(self._stale)
-        self._run(self._plan(dirty))
+        self._run(self._plan(dirty))  # _plan retries what is stale
         self._failed_update = None
 
     def _written_consumers(self, written: set[int]) -> set[int]:
@@ -452,7 +446,33 @@ class Runtime:
         recomputed); after it, a rebinding raises `StorageMovedError` and marks them stale.
         """
         bound = self._ensure_bound()
-        # One flat pass each (this runs on every load and refresh): identity and pointer.
+        moved_inputs, moved_buffers = self._find_moved()
+        dirty: set[int] = set()
+        if not moved_inputs and not moved_buffers:
+            return dirty
+        if self.pinned:
+            for inp in moved_inputs:
+                for i in inp.consumers:
+                    self._stale.update(bound[i].downstream)
+            for b, _ in moved_buffers:
+                self._stale.update(b.downstream)
+            raise moved_error(moved_inputs, moved_buffers, bound)
+        for inp in moved_inputs:
+            inp.accept()
+            dirty.update(inp.consumers)
+        for b, j in moved_buffers:
+            self._adopt_moved_buffer(b, j)
+            dirty.add(b.index)
+        self._watch = None
+        return dirty
+
+    def _find_moved(self) -> tuple[list[Input], list[tuple[Bound, int]]]:
+        """Inputs, and (derivation, output index) of buffers, rebound since recorded.
+
+        One flat pass each, comparing identity, pointer (and a buffer's shape): this
+        runs on every load and refresh.
+        """
+        bound = self._ensure_bound()
         moved_inputs = [
             inp
             for inp in self._inputs
@@ -474,24 +494,7 @@ class Runtime:
             for c, name, buf, ptr, shape, b, j in checks
             if c.get(name) is not buf or buf.data_ptr() != ptr or buf.shape != shape
         ]
-        dirty: set[int] = set()
-        if not moved_inputs and not moved_buffers:
-            return dirty
-        if self.pinned:
-            for inp in moved_inputs:
-                for i in inp.consumers:
-                    self._stale.update(bound[i].downstream)
-            for b, _ in moved_buffers:
-                self._stale.update(b.downstream)
-            raise moved_error(moved_inputs, moved_buffers, bound)
-        for inp in moved_inputs:
-            inp.accept()
-            dirty.update(inp.consumers)
-        for b, j in moved_buffers:
-            self._adopt_moved_buffer(b, j)
-            dirty.add(b.index)
-        self._watch = None
-        return dirty
+        return moved_inputs, moved_buffers
 
     def _plan(self, dirty: Iterable[int]) -> list[int]:
         bound = self._ensure_bound()
@@ -596,13 +599,10 @@ class Runtime:
         return _SLOW
 
     def _refresh_checked(self, b: Bound, purity: dict[int, str] | None) -> int:
-        """Every other case: several outputs, no `out=`, strict purity, moved buffers."""
+        """Every other case: several outputs, no `out=`, strict purity."""
         module = b.module_ref()
-        assert module is not None and b.buffers is not None
-        for j, name in enumerate(b.outputs):
-            if b.container.get(name) is not b.buffers[j]:
-                self._adopt_moved_buffer(b, j)
-        buffers = b.buffers  # read after adopting: adopting replaces the list
+        buffers = b.buffers  # where _scan_moved, run by every caller, left them
+        assert module is not None and buffers is not None
         args = self._inputs_of(b)
         guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if purity is not None:

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphsafe as gs
 from graphsafe.ledger import Ledger
-from graphsafe.tracking import WriteTracker, storage_key
+from graphsafe._tracking import WriteTracker, storage_key
 
 __all__ = ["FIGURES", "Ctx", "Sizes"]
 
@@ -506,7 +506,7 @@ def _capture(ctx: Ctx, graph: Any, model: nn.Module, x: tuple[torch.Tensor, ...]
 def fig5(ctx: Ctx) -> list[Row]:
     """Guarded vs unguarded replay of the tiny flagship; Ledger.verify per 1,000 tensors."""
     rows: list[Row] = []
-    graph_mod, missing = _import("graphsafe.graph")
+    graph_mod, missing = _import("graphsafe._graph")
     if graph_mod is None:
         rows.append(Row("5a", "replay guard, tiny flagship", skipped=missing))
     else:
@@ -613,7 +613,7 @@ def fig7(ctx: Ctx) -> list[Row]:
     """Refit in 8 buckets inside gs.weight_update, vs capturing the graph again."""
     preset = ctx.sizes.fig7_preset
     name = f"refit+refresh vs capture, {preset}"
-    graph_mod, missing = _import("graphsafe.graph")
+    graph_mod, missing = _import("graphsafe._graph")
     if graph_mod is None:
         return [Row("7a", name, skipped=missing)]
     try:

@@ -1,27 +1,27 @@
 """graphsafe: derived buffers that stay correct under captured CUDA graphs across reloads."""
 
-from graphsafe.declare import derive
-from graphsafe.declare import graphsafe
-from graphsafe.errors import CaptureError
-from graphsafe.errors import DerivationDriftError
-from graphsafe.errors import GraphSafetyError
-from graphsafe.errors import ImpureDerivationError
-from graphsafe.errors import RegistrationError
-from graphsafe.errors import StaleError
-from graphsafe.errors import StorageMovedError
-from graphsafe.errors import WeightLoadError
-from graphsafe.graph import Graph
+from graphsafe._declare import derive
+from graphsafe._declare import graphsafe
+from graphsafe._errors import CaptureError
+from graphsafe._errors import DerivationDriftError
+from graphsafe._errors import GraphSafetyError
+from graphsafe._errors import ImpureDerivationError
+from graphsafe._errors import RegistrationError
+from graphsafe._errors import StaleError
+from graphsafe._errors import StorageMovedError
+from graphsafe._errors import WeightLoadError
+from graphsafe._graph import Graph
 from graphsafe.ledger import Drift
 from graphsafe.ledger import Ledger
-from graphsafe.registry import Registry
-from graphsafe.registry import default_registry
-from graphsafe.runtime import Runtime
-from graphsafe.runtime import runtime
-from graphsafe.runtime import weight_update
-from graphsafe.spec import Derivation
-from graphsafe.spec import DerivationInfo
-from graphsafe.spec import DerivationReport
-from graphsafe.spec import RefreshReport
+from graphsafe._registry import Registry
+from graphsafe._registry import default_registry
+from graphsafe._runtime import Runtime
+from graphsafe._runtime import runtime
+from graphsafe._runtime import weight_update
+from graphsafe._spec import Derivation
+from graphsafe._spec import DerivationInfo
+from graphsafe._spec import DerivationReport
+from graphsafe._spec import RefreshReport
 
 __all__ = [
     "CaptureError",

@@ -53,8 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     # Imported late: `graphsafe --help` should not pay for importing torch.
-    from graphsafe.errors import GraphSafetyError
-    from graphsafe.verify import format_report, load_target, run_verify
+    from graphsafe._errors import GraphSafetyError
+    from graphsafe._verify import format_report, load_target, run_verify
 
     if args.refits < 1:
         print("graphsafe verify: --refits must be at least 1", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The CUDA backend: real `torch.cuda.CUDAGraph` capture and replay (`graphsafe.cuda_graph`).
+"""The CUDA backend: real `torch.cuda.CUDAGraph` capture and replay (`graphsafe._cuda_graph`).
 
 The same capture -> write -> replay checks as the CPU backend's, on a GPU. Skipped where
 CUDA is absent; every test has "cuda" in its name so `pytest -k cuda` (scripts/gpu-check)
@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from graphsafe.errors import CaptureError, StorageMovedError
-from graphsafe.graph import Graph
+from graphsafe._errors import CaptureError, StorageMovedError
+from graphsafe._graph import Graph
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -229,8 +229,8 @@ def test_cuda_item_during_capture_raises_capture_error() -> None:
         """
         import os
         import torch
-        from graphsafe.errors import CaptureError
-        from graphsafe.graph import Graph
+        from graphsafe._errors import CaptureError
+        from graphsafe._graph import Graph
         x = torch.ones(4, device="cuda")
         g = Graph(backend="cuda")
         status = 1

@@ -1,4 +1,4 @@
-"""`Graph(guard=model)`: refuse to replay stale memory (`graphsafe.graph`).
+"""`Graph(guard=model)`: refuse to replay stale memory (`graphsafe._graph`).
 
 Each guarded test has an unguarded control: the same rebinding replays silently stale,
 so it is the guard that catches it.
@@ -14,8 +14,8 @@ from helpers import scaled_layer_class
 from torch import nn
 
 import graphsafe as gs
-from graphsafe.errors import CaptureError, StaleError, StorageMovedError
-from graphsafe.graph import Graph
+from graphsafe._errors import CaptureError, StaleError, StorageMovedError
+from graphsafe._graph import Graph
 
 
 class Layer(nn.Module):

@@ -1,4 +1,4 @@
-"""Write tracking at the dispatcher (`graphsafe.tracking`)."""
+"""Write tracking at the dispatcher (`graphsafe._tracking`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphsafe.tracking import WriteTracker, storage_key
+from graphsafe._tracking import WriteTracker, storage_key
 
 
 def _param() -> nn.Parameter:

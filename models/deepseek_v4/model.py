@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 import graphsafe as gs
-from graphsafe.errors import WeightLoadError
+from graphsafe._errors import WeightLoadError
 
 __all__ = [
     "PRESETS",

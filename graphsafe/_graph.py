@@ -8,7 +8,7 @@ Shaped like `torch.cuda.CUDAGraph` with `torch.cuda.graph`:
     static_x.copy_(new_x)
     g.replay()  # out now holds model(new_x)
 
-The CPU backend (`graphsafe.cpu_graph`) replays with a CUDA graph's semantics, so a
+The CPU backend (`graphsafe._cpu_graph`) replays with a CUDA graph's semantics, so a
 refit bug that would corrupt a CUDA graph shows up, reproducibly, without a GPU.
 
 With `guard=model`, capture pins the model (`runtime(model).pin()`) and takes a
@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from graphsafe.capture import CaptureState
-from graphsafe.cpu_graph import CPUBackend
+from graphsafe._capture import CaptureState
+from graphsafe._cpu_graph import CPUBackend
 from graphsafe.ledger import Ledger
-from graphsafe.runtime import Runtime, runtime
+from graphsafe._runtime import Runtime, runtime
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
 
-    from graphsafe.cuda_graph import CUDABackend
+    from graphsafe._cuda_graph import CUDABackend
 
 __all__ = ["BackendName", "Graph"]
 
@@ -97,7 +97,7 @@ class Graph:
         self._backend = _choose(backend, guard)
         self._impl: CPUBackend | CUDABackend
         if self._backend == "cuda":
-            from graphsafe.cuda_graph import CUDABackend  # only where CUDA is wanted
+            from graphsafe._cuda_graph import CUDABackend  # only where CUDA is wanted
 
             self._impl = CUDABackend(pool=pool)
         else:

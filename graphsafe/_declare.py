@@ -11,9 +11,9 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast, overload
 
-from graphsafe.errors import RegistrationError
-from graphsafe.registry import Registry, default_registry
-from graphsafe.spec import Derivation
+from graphsafe._errors import RegistrationError
+from graphsafe._registry import Registry, default_registry
+from graphsafe._spec import Derivation
 
 __all__ = ["class_registries", "derive", "graphsafe", "is_marked"]
 
@@ -93,7 +93,7 @@ def _wrap_loader(fn: Callable[..., Any]) -> Callable[..., Any]:
     def load(self: Any, *args: Any, **kwargs: Any) -> Any:
         # Imported here: the runtime imports this module's marks. No registry is passed:
         # the runtime finds the one each class was decorated with when it binds.
-        from graphsafe.runtime import runtime
+        from graphsafe._runtime import runtime
 
         return runtime(self).run_load(fn, self, args, kwargs)
 

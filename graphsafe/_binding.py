@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.utils.dlpack import from_dlpack
 
-from graphsafe.declare import is_marked
-from graphsafe.errors import GraphSafetyError, RegistrationError
-from graphsafe.registry import accepts_out, check_signature
-from graphsafe.spec import Derivation
+from graphsafe._declare import is_marked
+from graphsafe._errors import GraphSafetyError, RegistrationError
+from graphsafe._registry import accepts_out, check_signature
+from graphsafe._spec import Derivation
 
 __all__ = ["Binding", "Bound", "Input", "bind", "describe", "join", "model_tensors", "pin_storage"]
 

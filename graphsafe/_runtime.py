@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.binding import Bound, Input, bind, describe, join, model_tensors, pin_storage
-from graphsafe.checks import (
+from graphsafe._binding import Bound, Input, bind, describe, join, model_tensors, pin_storage
+from graphsafe._checks import (
     as_results,
     check_results,
     geometry_held,
@@ -29,17 +29,17 @@ from graphsafe.checks import (
     moved_error,
     refuse_resized,
 )
-from graphsafe.declare import class_registries
-from graphsafe.errors import (
+from graphsafe._declare import class_registries
+from graphsafe._errors import (
     DerivationDriftError,
     GraphSafetyError,
     RegistrationError,
     StaleError,
     StorageMovedError,
 )
-from graphsafe.registry import Registry, default_registry
-from graphsafe.spec import Derivation, DerivationInfo, RawEntry, RawIdentity, RefreshReport
-from graphsafe.tracking import WriteTracker, storage_key
+from graphsafe._registry import Registry, default_registry
+from graphsafe._spec import Derivation, DerivationInfo, RawEntry, RawIdentity, RefreshReport
+from graphsafe._tracking import WriteTracker, storage_key
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 

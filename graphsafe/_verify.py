@@ -22,9 +22,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from graphsafe.errors import GraphSafetyError
-from graphsafe.graph import Graph
-from graphsafe.runtime import runtime, weight_update
+from graphsafe._errors import GraphSafetyError
+from graphsafe._graph import Graph
+from graphsafe._runtime import runtime, weight_update
 
 __all__ = [
     "ControlRow",

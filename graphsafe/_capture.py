@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Literal
 
-from graphsafe.errors import CaptureError
+from graphsafe._errors import CaptureError
 
 __all__ = ["CaptureState"]
 

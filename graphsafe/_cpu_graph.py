@@ -34,8 +34,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from graphsafe.capture import CaptureState
-from graphsafe.errors import CaptureError
+from graphsafe._capture import CaptureState
+from graphsafe._errors import CaptureError
 
 __all__ = ["CPUBackend", "CompiledGraph"]
 
@@ -574,7 +574,7 @@ class CPUBackend:
     """Captures a callable by recording its aten ops; replays them with CUDA graph
     semantics (see the module docstring).
 
-    Use it through `graphsafe.graph.Graph(backend="cpu")`; it can also be used alone.
+    Use it through `graphsafe._graph.Graph(backend="cpu")`; it can also be used alone.
 
     Examples:
         >>> import torch

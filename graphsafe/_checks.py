@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from graphsafe.binding import Bound, Input, describe
-from graphsafe.errors import DerivationDriftError, ImpureDerivationError, StorageMovedError
+from graphsafe._binding import Bound, Input, describe
+from graphsafe._errors import DerivationDriftError, ImpureDerivationError, StorageMovedError
 
 __all__ = [
     "as_results",

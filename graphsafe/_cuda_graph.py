@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphsafe.capture import CaptureState
-from graphsafe.errors import CaptureError
+from graphsafe._capture import CaptureState
+from graphsafe._errors import CaptureError
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
@@ -48,7 +48,7 @@ def _capture_failure(error: BaseException) -> str | None:
 class CUDABackend:
     """Captures CUDA work into a `torch.cuda.CUDAGraph` and replays it.
 
-    Use it through `graphsafe.graph.Graph(backend="cuda")`; it can also be used alone.
+    Use it through `graphsafe._graph.Graph(backend="cuda")`; it can also be used alone.
 
     Args:
         pool: Memory pool to capture into, from `other.pool()` or

@@ -6,11 +6,13 @@ from graphsafe._errors import CaptureError
 from graphsafe._errors import DerivationDriftError
 from graphsafe._errors import GraphSafetyError
 from graphsafe._errors import ImpureDerivationError
+from graphsafe._errors import NotMaterializedError
 from graphsafe._errors import RegistrationError
 from graphsafe._errors import StaleError
 from graphsafe._errors import StorageMovedError
 from graphsafe._errors import WeightLoadError
 from graphsafe._graph import Graph
+from graphsafe._journal import mark_written
 from graphsafe.ledger import Drift
 from graphsafe.ledger import Ledger
 from graphsafe._registry import Registry
@@ -34,6 +36,7 @@ __all__ = [
     "GraphSafetyError",
     "ImpureDerivationError",
     "Ledger",
+    "NotMaterializedError",
     "RefreshReport",
     "RegistrationError",
     "Registry",
@@ -44,6 +47,7 @@ __all__ = [
     "default_registry",
     "derive",
     "graphsafe",
+    "mark_written",
     "runtime",
     "weight_update",
 ]

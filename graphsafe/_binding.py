@@ -51,22 +51,80 @@ class Input:
     """A leaf tensor (parameter, buffer or plain attribute) read by derivations.
 
     It is read through the dict it lives in (`module._parameters`, `module._buffers` or
-    `module.__dict__`), so that rebinding the attribute is seen.
+    `module.__dict__`), so that rebinding the attribute is seen. Its geometry (pointer,
+    shape, stride, offset) is recorded so that `param.data = view` on the same storage,
+    which moves no version counter, is seen too.
     """
 
-    __slots__ = ("consumers", "container", "key", "path", "ptr", "tensor")
+    __slots__ = ("consumers", "container", "geometry", "key", "owner", "path", "tensor")
 
-    def __init__(self, path: str, container: dict[str, Any], key: str) -> None:
+    def __init__(self, path: str, owner: nn.Module, container: dict[str, Any], key: str) -> None:
         self.path = path
+        self.owner: weakref.ref[nn.Module] = weakref.ref(owner)
         self.container = container
         self.key = key
         self.tensor: torch.Tensor | None = container.get(key)
-        self.ptr = self.tensor.data_ptr() if self.tensor is not None else 0
+        self.geometry = geometry(self.tensor)
         self.consumers: list[int] = []
 
+    def moved(self) -> bool:
+        """Whether the attribute now holds another tensor, or the same one elsewhere."""
+        t = self.container.get(self.key)
+        return t is not self.tensor or t is None or geometry(t) != self.geometry
+
     def accept(self) -> None:
-        self.tensor = self.container.get(self.key)
-        self.ptr = self.tensor.data_ptr() if self.tensor is not None else 0
+        """Take what the owner holds now as the input (before pin only).
+
+        Raises:
+            RegistrationError: The owner holds no tensor under the name any more.
+        """
+        owner = self.owner()
+        name = self.key
+        found = _find_container(owner, name) if owner is not None else None
+        if found is None:
+            raise RegistrationError(
+                f"derivation input {self.path!r} is gone",
+                module_class=type(owner).__name__ if owner is not None else None,
+                path=self.path,
+                expected=f"a parameter, buffer or tensor attribute {name!r}",
+                got=_what_is_there(owner, name),
+                fix="derivation inputs must stay tensors of the module: keep the parameter "
+                "(write new values into it in place) or remove the derivation's class "
+                "registration before changing the module",
+            )
+        self.container = found
+        self.tensor = found[name]
+        self.geometry = geometry(self.tensor)
+
+
+def geometry(t: torch.Tensor | None) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """Pointer, shape, stride and offset of `t` (zeros for None)."""
+    if t is None:
+        return (0, (), (), 0)
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _find_container(owner: nn.Module, name: str) -> dict[str, Any] | None:
+    for container in (owner._parameters, owner._buffers):
+        if isinstance(container.get(name), torch.Tensor):
+            return container
+    if isinstance(owner.__dict__.get(name), torch.Tensor):
+        return owner.__dict__
+    return None
+
+
+def _what_is_there(owner: nn.Module | None, name: str) -> str:
+    if owner is None:
+        return "the module was garbage-collected"
+    parametrizations = owner._modules.get("parametrizations")
+    if parametrizations is not None and name in parametrizations._modules:
+        return f"{name!r} is parametrized (torch.nn.utils.parametrize): computed on access"
+    for where, container in (("parameter", owner._parameters), ("buffer", owner._buffers)):
+        if name in container:
+            return f"the {where} {name!r} is None"
+    if name in owner.__dict__:
+        return f"{name!r} is {type(owner.__dict__[name]).__name__}, not a tensor"
+    return f"{type(owner).__name__} has no attribute {name!r} any more"
 
 
 class Bound:
@@ -134,6 +192,12 @@ class Bound:
         self.shape0 = buffers[0].shape
         self.single_in = self.in_refs[0] if len(self.in_refs) == 1 else None
 
+    def rehome(self, old: dict[str, Any], new: dict[str, Any], key: str) -> None:
+        """An input moved from one container of its module to another: read it there."""
+        self.in_refs = [(new if c is old and k == key else c, k) for c, k in self.in_refs]
+        if self.buffers is not None:
+            self.single_in = self.in_refs[0] if len(self.in_refs) == 1 else None
+
     @property
     def path(self) -> str:
         """Dotted path of the first output: the derivation's address in reports."""
@@ -158,7 +222,7 @@ def _resolve_fn(spec: Derivation, module: nn.Module) -> Callable[..., Any]:
 
 
 class Binding(NamedTuple):
-    """The result of `bind`."""
+    """The result of `bind`: the plan the engine executes."""
 
     bound: list[Bound]
     """Bound derivations in topological order (`bound[i].index == i`)."""
@@ -166,6 +230,9 @@ class Binding(NamedTuple):
     """Leaf tensors read by derivations."""
     by_path: dict[str, list[int]]
     """Indices of the derivations reading each input path."""
+    modules: list[tuple[dict[str, Any], str, nn.Module, str]]
+    """`(parent._modules, key, module, path)` of every submodule: module identity along
+    every bound path, checked before each load and pin."""
 
 
 def bind(
@@ -231,7 +298,7 @@ def bind(
             key = (id(container), name)
             inp = inputs.get(key)
             if inp is None:
-                inp = inputs[key] = Input(full, container, name)
+                inp = inputs[key] = Input(full, owner, container, name)
             b.in_refs.append((container, name))
             b.leaf_inputs.append(inp)
     ordered = _toposort(bound)
@@ -257,7 +324,25 @@ def bind(
                 inp.consumers.append(b.index)
         for p in b.inputs:
             by_path.setdefault(p, []).append(b.index)
-    return Binding(ordered, list(inputs.values()), by_path)
+    sites = [
+        (parent._modules, key, child, join(path, key))
+        for path, parent in model.named_modules()
+        for key, child in parent._modules.items()
+        if child is not None
+    ]
+    return Binding(ordered, list(inputs.values()), by_path, sites)
+
+
+def swapped_modules(binding: Binding) -> list[str]:
+    """Paths of submodules that were replaced (or removed) since `bind`.
+
+    Args:
+        binding: The result of `bind`.
+
+    Returns:
+        The module paths, in tree order; empty when the tree is the one bound.
+    """
+    return [path for parent, key, child, path in binding.modules if parent.get(key) is not child]
 
 
 
@@ -271,6 +356,8 @@ def _check_output_free(b: Bound, module: nn.Module, name: str) -> None:
         kind = "a persistent buffer"
     elif module.__dict__.get(name) is not None:
         kind = "an attribute"
+    elif name not in module._buffers and hasattr(type(module), name):
+        kind = "a class attribute"
     if kind is not None:
         raise b.error(
             RegistrationError,

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from graphsafe._binding import Bound, Input, describe
-from graphsafe._errors import DerivationDriftError, ImpureDerivationError, StorageMovedError
+from graphsafe._errors import (
+    DerivationDriftError,
+    ImpureDerivationError,
+    RegistrationError,
+    StorageMovedError,
+)
+from graphsafe.ledger import Drift
 
 __all__ = [
     "as_results",
@@ -21,6 +27,7 @@ __all__ = [
     "geometry_held",
     "impurity_refusal",
     "moved_error",
+    "read_refusal",
     "refuse_resized",
 ]
 
@@ -136,6 +143,33 @@ def impurity_refusal(b: Bound, watch: dict[int, str]) -> Callable[[int, str], No
     return refuse
 
 
+def read_refusal(b: Bound, forbidden: dict[int, str]) -> Callable[[int, str], None]:
+    """The `on_read` hook of a `ReadGuard` that refuses undeclared reads by `b`'s function.
+
+    Args:
+        b: The bound derivation about to run for the first time.
+        forbidden: Storage keys of model tensors that are not its inputs, to their paths.
+
+    Returns:
+        A hook raising `RegistrationError` before the read happens.
+    """
+
+    def refuse(key: int, op: str) -> None:
+        raise b.error(
+            RegistrationError,
+            f"{b.spec.name} reads {forbidden[key]!r}, a tensor of the model it does not "
+            "declare as an input",
+            path=forbidden[key],
+            expected=f"reads of its declared inputs only: {', '.join(b.inputs)}",
+            got=f"{op} reading {forbidden[key]}",
+            fix=f"add the path of {forbidden[key]!r} (relative to the module) to the "
+            "derivation's `inputs` and take it as a parameter; an undeclared input is never "
+            "refreshed when it changes",
+        )
+
+    return refuse
+
+
 def as_results(b: Bound, ret: Any) -> list[torch.Tensor]:
     """`ret` as one tensor per output of `b`.
 
@@ -177,18 +211,43 @@ def moved_error(
     Returns:
         A `StorageMovedError` naming every moved tensor and detailing the first.
     """
-    paths = [i.path for i in inputs] + [b.out_paths[j] for b, j in buffers]
+    drifts: list[Drift] = []
+    for inp in inputs:
+        now = inp.container.get(inp.key)
+        owner = inp.owner()
+        cls = type(owner).__name__ if owner is not None else "?"
+        old = f"0x{inp.geometry[0]:x}, shape {inp.geometry[1]}, stride {inp.geometry[2]}"
+        if isinstance(now, torch.Tensor):
+            new = f"0x{now.data_ptr():x}, shape {tuple(now.shape)}, stride {now.stride()}"
+            drifts.append(Drift(path=inp.path, module_class=cls, what="storage", old=old, new=new))
+        else:
+            new = "None" if now is None else "missing"
+            drifts.append(Drift(path=inp.path, module_class=cls, what="removed", old=old, new=new))
+    for b, j in buffers:
+        ptr, shape, _ = b.geometry[j]
+        now = b.container.get(b.outputs[j])
+        old = f"0x{ptr:x}, shape {tuple(shape)}"
+        new = (
+            f"0x{now.data_ptr():x}, shape {tuple(now.shape)}"
+            if isinstance(now, torch.Tensor)
+            else repr(now)
+        )
+        what = "storage" if isinstance(now, torch.Tensor) else "removed"
+        drifts.append(
+            Drift(path=b.out_paths[j], module_class=b.module_class, what=what, old=old, new=new)
+        )
+    paths = [d.path for d in drifts]
     if inputs:
         inp = inputs[0]
         b = bound[inp.consumers[0]]
-        path, now, expected = inp.path, inp.container.get(inp.key), f"storage 0x{inp.ptr:x}"
+        path, now, expected = inp.path, inp.container.get(inp.key), f"storage 0x{inp.geometry[0]:x}"
     else:
         b, j = buffers[0]
         path, now = b.out_paths[j], b.container.get(b.outputs[j])
         expected = f"storage 0x{b.geometry[j][0]:x}, shape {tuple(b.geometry[j][1])}"
     return StorageMovedError(
         f"{len(paths)} pinned tensor(s) were rebound to new storage: " + ", ".join(paths),
-        drifts=tuple(paths),
+        drifts=tuple(drifts),
         module_class=b.module_class,
         path=path,
         derivation=b.spec.name,
@@ -196,5 +255,6 @@ def moved_error(
         got=describe(now) if isinstance(now, torch.Tensor) else repr(now),
         fix="write new weights into the existing tensors (`param.data.copy_(w)`) instead "
         "of rebinding them (`param.data = w`, attribute assignment, `set_`); never assign "
-        "derived buffers; or unpin(), refresh() and re-capture the graphs",
+        "derived buffers; or release the graphs' pins (Graph.reset()), refresh() and "
+        "re-capture",
     )

@@ -8,14 +8,22 @@ it also wraps that method so that derived buffers follow every load.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast, overload
 
-from graphsafe._errors import RegistrationError
+from graphsafe._errors import NotMaterializedError, RegistrationError
 from graphsafe._registry import Registry, default_registry
 from graphsafe._spec import Derivation
 
-__all__ = ["class_registries", "derive", "graphsafe", "is_marked"]
+__all__ = [
+    "class_registries",
+    "derive",
+    "graphsafe",
+    "is_marked",
+    "is_wrapped_loader",
+    "set_load_runner",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
@@ -88,17 +96,93 @@ def derive(
     return decorate
 
 
+# (loader, module, args, kwargs) -> result: set by the runtime when it is imported, so
+# that declaring stays below running in the import graph.
+_LoadRunner = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+_RUNNERS: list[_LoadRunner] = []
+
+
+def set_load_runner(run: _LoadRunner, run_generator: _LoadRunner) -> None:
+    """Install what wrapped loaders call (the runtime does, on import).
+
+    Args:
+        run: Runs a plain loading method as a tracked load.
+        run_generator: Returns a generator that runs a generator loader as one.
+    """
+    _RUNNERS[:] = [run, run_generator]
+
+
 def _wrap_loader(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # No registry is passed: the runtime finds the one each class was decorated with
+    # when it binds. A generator loader runs nothing until iterated: the load is tracked
+    # over its iteration, and ends when it is exhausted.
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def load_gen(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return _RUNNERS[1](fn, self, args, kwargs)
+
+        setattr(load_gen, _WRAPPED, True)
+        return load_gen
+
     @functools.wraps(fn)
     def load(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Imported here: the runtime imports this module's marks. No registry is passed:
-        # the runtime finds the one each class was decorated with when it binds.
-        from graphsafe._runtime import runtime
-
-        return runtime(self).run_load(fn, self, args, kwargs)
+        return _RUNNERS[0](fn, self, args, kwargs)
 
     setattr(load, _WRAPPED, True)
     return load
+
+
+def is_wrapped_loader(fn: object) -> bool:
+    """Whether `fn` is a loading method wrapped by `gs.graphsafe`.
+
+    Args:
+        fn: Any object.
+
+    Returns:
+        True for wrapped loaders.
+    """
+    return bool(getattr(fn, _WRAPPED, False))
+
+
+def _outputs_of(cls: type) -> frozenset[str]:
+    names: set[str] = set()
+    for reg in class_registries(cls):
+        for d in reg.derivations_for(cls):
+            names.update(d.outputs)
+    return frozenset(names)
+
+
+def _install_getattr(klass: type) -> None:
+    """Reading a derived buffer that is not materialized names it and says why.
+
+    `nn.Module.__getattr__` only runs when normal lookup failed, so this costs nothing
+    once the buffers exist. The error is also an `AttributeError`, so `hasattr` and
+    `getattr(m, name, default)` keep working.
+    """
+    base = klass.__getattr__  # type: ignore[attr-defined]
+
+    def __getattr__(self: Any, name: str) -> Any:
+        try:
+            return base(self, name)
+        except AttributeError:
+            if name not in _outputs_of(type(self)):
+                raise
+        cls = type(self).__name__
+        raise NotMaterializedError(
+            f"derived buffer {cls}.{name} is read before it was materialized",
+            paths=(name,),
+            module_class=cls,
+            path=name,
+            expected="derived buffers materialized by a first load",
+            got="no load has run on this model yet",
+            fix="load the weights first (a method wrapped by @gs.graphsafe, a "
+            "`gs.weight_update(model)` block, or gs.runtime(model).refresh()), then run "
+            "the model or capture it",
+        ) from None
+
+    __getattr__.__graphsafe_getattr__ = True  # type: ignore[attr-defined]
+    type.__setattr__(klass, "__getattr__", __getattr__)
 
 
 @overload
@@ -200,6 +284,8 @@ def _apply(klass: type, load: str, reg: Registry, explicit_load: bool) -> None:
             )
         type.__setattr__(klass, _APPLIED, (load, reg))
         _hook_subclasses(klass)
+        if not getattr(klass.__getattr__, "__graphsafe_getattr__", False):  # type: ignore[attr-defined]
+            _install_getattr(klass)
     loader = getattr(klass, load, None)
     if loader is None:
         if explicit_load:

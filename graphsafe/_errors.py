@@ -15,6 +15,7 @@ __all__ = [
     "DerivationDriftError",
     "GraphSafetyError",
     "ImpureDerivationError",
+    "NotMaterializedError",
     "RegistrationError",
     "StaleError",
     "StorageMovedError",
@@ -136,6 +137,13 @@ class StaleError(GraphSafetyError):
         super().__init__(summary, **kwargs)
 
 
+class NotMaterializedError(StaleError, AttributeError):
+    """A derived buffer is read before a first load materialized it.
+
+    Also an `AttributeError`, so `hasattr(module, name)` stays False until then.
+    """
+
+
 class CaptureError(GraphSafetyError):
     """A callable cannot be captured as a graph (for example it reads a tensor's value
     into Python with `.item()`, which a captured graph cannot replay)."""
@@ -165,6 +173,7 @@ for _cls in (
     StorageMovedError,
     ImpureDerivationError,
     StaleError,
+    NotMaterializedError,
     CaptureError,
     WeightLoadError,
 ):

@@ -11,15 +11,19 @@ Shaped like `torch.cuda.CUDAGraph` with `torch.cuda.graph`:
 The CPU backend (`graphsafe._cpu_graph`) replays with a CUDA graph's semantics, so a
 refit bug that would corrupt a CUDA graph shows up, reproducibly, without a GPU.
 
-With `guard=model`, capture pins the model (`runtime(model).pin()`) and takes a
-`Ledger` snapshot before the body runs; every replay first checks that no tensor moved
-(`StorageMovedError`) and that no derived buffer is stale (`StaleError`), and raises
-instead of replaying stale memory.
+With `guard=model`, capture pins the model (the pin is the graph's own: released when the
+graph is reset, dropped, or its capture fails) and takes a `Ledger` snapshot before the
+body runs; every replay first checks that no tensor or submodule moved
+(`StorageMovedError`) and that no derived buffer is stale (`StaleError`: the witnesses of
+every input, version counters and journal epochs included), and raises instead of
+replaying stale memory, or with `on_stale="refresh"` refreshes in place first. Replays
+and loads of the guarded model are serialized.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import TYPE_CHECKING, Literal
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["BackendName", "Graph"]
 
 BackendName = Literal["auto", "cuda", "cpu"]
+OnStale = Literal["raise", "refresh"]
 
 
 def _choose(backend: str, guard: nn.Module | None) -> Literal["cuda", "cpu"]:
@@ -67,9 +72,12 @@ class Graph:
             body runs; each replay checks them first.
         pool: CUDA memory pool to capture into (`other.pool()` or
             `torch.cuda.graph_pool_handle()`). The CPU backend has none.
+        on_stale: With a guard, what a replay does when derived buffers are stale:
+            `"raise"` a `StaleError`, or `"refresh"` them in place and replay. Moved
+            storage and a failed or unfinished weight update always raise.
 
     Raises:
-        ValueError: Unknown backend, or a pool given to the CPU backend.
+        ValueError: Unknown backend or `on_stale`, or a pool given to the CPU backend.
         CaptureError: `backend="cuda"` where CUDA is not available.
 
     Examples:
@@ -86,31 +94,50 @@ class Graph:
         True
     """
 
-    __slots__ = ("_backend", "_guard", "_impl", "_ledger", "_runtime", "_state")
+    __slots__ = (
+        "__weakref__",
+        "_backend",
+        "_guard",
+        "_impl",
+        "_ledger",
+        "_pin",
+        "_pool",
+        "_repair",
+        "_runtime",
+        "_state",
+    )
 
     def __init__(
         self,
         backend: BackendName = "auto",
         guard: nn.Module | None = None,
         pool: PoolHandle | None = None,
+        *,
+        on_stale: OnStale = "raise",
     ) -> None:
+        if on_stale not in ("raise", "refresh"):
+            raise ValueError(f"on_stale must be 'raise' or 'refresh', not {on_stale!r}")
+        self._repair = on_stale == "refresh"
         self._backend = _choose(backend, guard)
-        self._impl: CPUBackend | CUDABackend
-        if self._backend == "cuda":
-            from graphsafe._cuda_graph import CUDABackend  # only where CUDA is wanted
-
-            self._impl = CUDABackend(pool=pool)
-        else:
-            if pool is not None:
-                raise ValueError(
-                    "pool is a CUDA graph memory pool; the cpu backend has none "
-                    "(pass pool=None, or Graph(pool=g.pool()) where g.pool() is None)"
-                )
-            self._impl = CPUBackend()
+        self._pool = pool
+        self._pin: weakref.finalize | None = None
+        if self._backend == "cpu" and pool is not None:
+            raise ValueError(
+                "pool is a CUDA graph memory pool; the cpu backend has none "
+                "(pass pool=None, or Graph(pool=g.pool()) where g.pool() is None)"
+            )
+        self._impl: CPUBackend | CUDABackend = self._make_impl()
         self._guard = guard
         self._ledger: Ledger | None = None
         self._runtime: Runtime | None = None
         self._state = CaptureState()
+
+    def _make_impl(self) -> CPUBackend | CUDABackend:
+        if self._backend == "cuda":
+            from graphsafe._cuda_graph import CUDABackend  # only where CUDA is wanted
+
+            return CUDABackend(pool=self._pool)
+        return CPUBackend()
 
     @property
     def backend(self) -> Literal["cuda", "cpu"]:
@@ -213,16 +240,49 @@ class Graph:
             ...     y = x * 2
         """
         self._state.check_new()  # before warm-up and pinning
+        if self._guard is not None:
+            runtime(self._guard).check_pinnable()  # before warm-up runs the model
         if warmup is not None:
             self._impl.warmup(warmup, warmup_iters)
-        if self._guard is not None:
-            # Both before the body: the ledger must record the storage the graph reads.
-            rt = runtime(self._guard)
-            rt.pin()
-            self._runtime = rt
-            self._ledger = Ledger.snapshot(self._guard, label="graph capture")
-        with self._state.capturing(), self._impl.capture():
-            yield
+        try:
+            if self._guard is not None:
+                # Both before the body: the ledger must record the storage the graph reads.
+                rt = runtime(self._guard)
+                token = _Holder(id(self))
+                rt.pin(holder=token)
+                # Released with the graph: reset(), a failed capture, or garbage collection.
+                self._pin = weakref.finalize(self, rt.unpin, token)
+                self._runtime = rt
+                self._ledger = Ledger.snapshot(self._guard, label="graph capture")
+            with self._state.capturing(), self._impl.capture():
+                yield
+        except BaseException:
+            self._release()
+            raise
+
+    def reset(self) -> None:
+        """Forget the capture: release the pin and the snapshot, so that it can capture
+        again (a new backend graph; the old one's memory is released).
+
+        Examples:
+            >>> import torch
+            >>> g = Graph(backend="cpu")
+            >>> with g.capture():
+            ...     y = torch.ones(2) + 1
+            >>> g.reset()
+            >>> g.captured
+            False
+        """
+        self._release()
+        self._impl = self._make_impl()
+        self._state = CaptureState()
+
+    def _release(self) -> None:
+        if self._pin is not None:
+            self._pin()  # runs the finalizer once: unpins
+            self._pin = None
+        self._ledger = None
+        self._runtime = None
 
     def replay(self) -> None:
         """Replay the captured graph; with a guard, check the model first.
@@ -248,8 +308,19 @@ class Graph:
             tensor([6., 6.])
         """
         self._state.check_replay()
-        if self._ledger is not None:
-            self._ledger.assert_stable()
-        if self._runtime is not None:
-            self._runtime.assert_fresh()
-        self._impl.replay()
+        rt = self._runtime
+        if rt is None:
+            self._impl.replay()
+            return
+        with rt._lock:  # a load of the guarded model waits for the replay, and vice versa
+            if self._ledger is not None:
+                self._ledger.assert_stable()
+            rt.assert_fresh(repair=self._repair)
+            self._impl.replay()
+
+
+class _Holder(int):
+    """A graph's pin token: the graph's id, not the graph, so the pin does not keep the
+    graph alive (its finalizer releases the pin)."""
+
+    __slots__ = ()

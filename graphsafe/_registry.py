@@ -177,7 +177,7 @@ class Registry:
                         fix="rename one of the outputs or remove one declaration",
                     )
                 attr = inspect.getattr_static(cls, name, None)
-                if attr is not None and not isinstance(attr, property):
+                if attr is not None:
                     raise RegistrationError(
                         f"output {name!r} collides with the class attribute "
                         f"{cls.__name__}.{name}",

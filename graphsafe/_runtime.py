@@ -1,50 +1,64 @@
-"""The runtime: materialize derived buffers once, refresh them in place forever after.
+"""The runtime: the lifecycle of one model's derived buffers.
 
-One `Runtime` per model instance (`gs.runtime(model)`). It binds the registered
-derivations to the module tree, allocates each derived buffer on the first load, and on
-every later load recomputes, straight into the same storage, exactly the derivations
-whose inputs the load wrote (and everything downstream of them). It fails closed: a
-derivation that raises or returns a result that does not fit leaves its buffers in
-`stale`, never half-written or rebound.
+One `Runtime` per model instance (`gs.runtime(model)`). It decides *when* derived buffers
+follow the weights: it binds the registered derivations to the module tree (and binds
+again when the tree changed before pin), runs every load and `weight_update` block as one
+tracked write, records those writes in the journal, holds the pins graphs take, and
+answers the guard. What to recompute, and the recomputing, is the engine's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from graphsafe._binding import Bound, Input, bind, describe, join, model_tensors, pin_storage
-from graphsafe._checks import (
-    as_results,
-    check_results,
-    geometry_held,
-    impurity_refusal,
-    moved_error,
-    refuse_resized,
-)
-from graphsafe._declare import class_registries
+from graphsafe._binding import Binding, bind, join, swapped_modules
+from graphsafe._declare import class_registries, is_wrapped_loader, set_load_runner
+from graphsafe._engine import Engine
 from graphsafe._errors import (
-    DerivationDriftError,
     GraphSafetyError,
     RegistrationError,
     StaleError,
     StorageMovedError,
 )
+from graphsafe._journal import JOURNAL, storage_key
 from graphsafe._registry import Registry, default_registry
-from graphsafe._spec import Derivation, DerivationInfo, RawEntry, RawIdentity, RefreshReport
-from graphsafe._tracking import WriteTracker, storage_key
+from graphsafe._spec import Derivation, DerivationInfo, RefreshReport
+from graphsafe._tracking import WriteTracker
+from graphsafe.ledger import Drift
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 
-_MATERIALIZED, _REFRESHED, _FAILED = 0, 1, 3
-_FAST, _SLOW, _NONE = 0, 1, 2
+_MANUAL = "manual"
+
+
+class _Load:
+    """One load or `weight_update` block in progress: what it has written so far."""
+
+    __slots__ = ("done", "lock", "thread", "tracker", "watch", "written")
+
+    def __init__(self, watch: dict[int, Any]) -> None:
+        self.thread = threading.get_ident()
+        self.watch = watch
+        self.tracker = WriteTracker(watch)
+        self.written: set[int] = set()
+        self.lock = threading.Lock()
+        self.done = False
+
+    def close(self) -> set[int]:
+        """End the load; what it wrote, workers' writes included."""
+        with self.lock:
+            self.done = True
+            return self.written | self.tracker.written
+
+    def any_written(self) -> bool:
+        return bool(self.written or self.tracker.written)
 
 
 class Runtime:
@@ -80,24 +94,15 @@ class Runtime:
         self.registries: list[Registry] = [default_registry]
         if registry is not None and registry is not default_registry:
             self.registries.append(registry)
-        self.strict = strict
-        self.pinned = False
+        self._strict = strict
         self._lock = threading.RLock()
-        self._bound: list[Bound] | None = None
-        self._inputs: list[Input] = []
-        self._by_path: dict[str, list[int]] = {}
-        self._identities: list[RawIdentity] = []
-        self._stale: set[int] = set()
-        self._failed_update: str | None = None
-        self._watch: dict[int, list[Input]] | None = None
-        self._reallocated: set[int] = set()
-        self._buffer_checks: list[tuple[Any, ...]] | None = None
-        self._depth = 0
-        self._update: WriteTracker | None = None
-        self.last_report: RefreshReport | None = None
-        """The report of the last refresh, including those run by loads."""
+        self._engine: Engine | None = None
+        self._holders: dict[object, int] = {}
+        self._load: _Load | None = None
+        self._keys: frozenset[int] = frozenset()
+        _LIVE.add(self)
 
-    # -- binding -------------------------------------------------------------------
+    # -- binding ---------------------------------------------------------------------
 
     @property
     def model(self) -> nn.Module:
@@ -113,20 +118,54 @@ class Runtime:
             )
         return model
 
-    def _ensure_bound(self) -> list[Bound]:
-        if self._bound is None:
-            binding = bind(self.model, self._derivations_for, self._own)
-            self._bound = binding.bound
-            self._inputs = binding.inputs
-            self._by_path = binding.by_path
-            self._identities = [(b.path, b.spec.name, b.out_paths, 0) for b in binding.bound]
-            self._stale = {b.index for b in binding.bound}
-            self._watch = None
-            self._buffer_checks = None
-        return self._bound
+    @property
+    def strict(self) -> bool:
+        """Whether every refresh checks purity, not only materialization."""
+        return self._strict
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self._strict = value
+        if self._engine is not None:
+            self._engine.strict = value
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of the current binding; binds, or binds again after the module
+        tree changed (before pin), on first use.
+
+        Raises:
+            StorageMovedError: Pinned, and a submodule was replaced.
+        """
+        engine = self._engine
+        if engine is not None:
+            swapped = swapped_modules(engine.binding)
+            if not swapped:
+                return engine
+            if self.pinned:
+                raise _swapped_error(self.model, engine.binding, swapped)
+        model = self.model
+        binding = bind(model, self._derivations_for, self._own)
+        self._engine = engine = Engine(binding, self._model_tensors, strict=self._strict)
+        self._keys = engine.storage_keys()
+        if model not in _HOOKED:
+            model.register_load_state_dict_post_hook(_after_load_state_dict)
+            _HOOKED.add(model)
+        return engine
 
     def _own(self, module: nn.Module) -> None:
         _OWNERS[module] = self
+
+    def _model_tensors(self) -> dict[int, str]:
+        watch: dict[int, str] = {}
+        for mpath, module in self.model.named_modules(remove_duplicate=False):
+            for container in (module._parameters, module._buffers, module.__dict__):
+                for name, t in container.items():
+                    if isinstance(t, torch.Tensor):
+                        key = storage_key(t)
+                        if key:
+                            watch.setdefault(key, join(mpath, name))
+        return watch
 
     def _derivations_for(self, cls: type) -> list[Derivation]:
         registries = list(self.registries)
@@ -176,9 +215,9 @@ class Runtime:
                     fix="pass the registry at the first gs.runtime(model, registry) call",
                 )
             self.registries.append(registry)
-            self._bound = None  # rebound on next use; existing buffers keep their storage
+            self._engine = None  # rebound on next use; existing buffers keep their storage
 
-    # -- public API ------------------------------------------------------------------
+    # -- what the user reads -----------------------------------------------------------
 
     @property
     def derivations(self) -> tuple[DerivationInfo, ...]:
@@ -196,81 +235,155 @@ class Runtime:
                     nbytes=b.nbytes,
                     fast_path=b.accepts_out,
                 )
-                for b in self._ensure_bound()
+                for b in self.engine.bound
             )
+
+    @property
+    def last_report(self) -> RefreshReport | None:
+        """The report of the last refresh, including those run by loads."""
+        return self._engine.last_report if self._engine is not None else None
+
+    @property
+    def pinned(self) -> bool:
+        """Whether any graph (or a manual `pin()`) holds the storage fixed."""
+        return bool(self._holders)
+
+    def _stale_map(self) -> dict[int, str]:
+        """Stale derivation index -> why, from every source the runtime knows."""
+        engine = self.engine
+        found = {i: engine.reasons.get(i, "not materialized or not refreshed") for i in engine.stale}
+        for i, how in engine.witness_dirty().items():
+            found.setdefault(i, how)
+        moved_inputs, moved_buffers = engine.find_moved()
+        for inp in moved_inputs:
+            for i in inp.consumers:
+                found.setdefault(i, f"{inp.path} was rebound")
+        for b, j in moved_buffers:
+            found.setdefault(b.index, f"{b.out_paths[j]} was rebound")
+        load = self._load
+        if load is not None and load.any_written():
+            written = load.written | load.tracker.written
+            for i in engine.consumers_of(written):
+                found.setdefault(i, "written inside a weight update that has not ended")
+        poisoned = JOURNAL.poisoned_among(engine.storage_keys())
+        if poisoned:
+            for b in engine.bound:
+                for t in b.buffers or ():
+                    why = poisoned.get(storage_key(t))
+                    if why is not None:
+                        found.setdefault(b.index, why)
+        out: dict[int, str] = {}
+        for i in sorted(found):
+            for j in engine.bound[i].downstream:
+                out.setdefault(j, found[i])
+        return out
 
     @property
     def stale(self) -> tuple[str, ...]:
         """Paths of derived buffers that do not currently match their inputs.
 
         A buffer is stale before it is first materialized, after its derivation failed,
-        after a load that raised wrote its inputs, and when an input was rebound since the
-        last refresh.
+        after a load that raised wrote its inputs, when an input was rebound, written in
+        place (its version moved) or written through the journal since the last refresh.
         """
         with self._lock:
-            bound = self._ensure_bound()
-            indices = set(self._stale)
-            moved_inputs, moved_buffers = self._find_moved()
-            for inp in moved_inputs:
-                for i in inp.consumers:
-                    indices.update(bound[i].downstream)
-            for b, _ in moved_buffers:
-                indices.update(b.downstream)
-            if self._update is not None:  # inside a weight_update block: not yet refreshed
-                for i in self._written_consumers(self._update.written):
-                    indices.update(bound[i].downstream)
-            return tuple(p for i in sorted(indices) for p in bound[i].out_paths)
+            bound = self.engine.bound
+            return tuple(p for i in sorted(self._stale_map()) for p in bound[i].out_paths)
 
     @property
     def materialized(self) -> bool:
         """Whether every owned derived buffer has been allocated."""
         with self._lock:
-            return all(b.buffers is not None for b in self._ensure_bound())
+            return all(b.buffers is not None for b in self.engine.bound)
 
-    def assert_fresh(self) -> None:
+    def assert_fresh(self, *, repair: bool = False) -> None:
         """Raise unless every derived buffer matches its inputs and the last update held.
 
+        This is the guard's freshness check: the witnesses of every input and buffer
+        (identity, pointer, version, journal epoch) in one flat comparison, then the
+        journal's poisoned storages.
+
+        Args:
+            repair: Refresh stale buffers in place instead of raising for them. A failed
+                or unfinished update is never repaired.
+
         Raises:
-            StaleError: Naming the stale buffers, or the failed weight update.
+            StaleError: Naming the stale buffers and how their inputs were written, or
+                the failed or unfinished weight update.
         """
-        stale = self.stale
+        with self._lock:
+            load = self._load
+            if load is not None and load.any_written():
+                raise StaleError(
+                    "a weight update is in progress; the model holds a mix of old and new "
+                    "weights",
+                    module_class=type(self.model).__name__,
+                    expected="the weight_update block (or load) to have ended",
+                    got=f"{len(load.written | load.tracker.written)} tensor storage(s) "
+                    "written so far",
+                    fix="run the model after the `with gs.weight_update(model):` block exits",
+                )
+            engine = self.engine
+            if engine.stale or not engine.witnesses.unchanged() or JOURNAL.poisoned:
+                self._check_fresh(engine, repair)
+
+    def _check_fresh(self, engine: Engine, repair: bool) -> None:
+        stale = self._stale_map()
+        if stale and repair and not any(i in engine.reasons for i in stale):
+            engine.run(engine.closure(stale))
+            stale = {}
         if stale:
-            first = next(b for b in self._ensure_bound() if stale[0] in b.out_paths)
+            paths = [p for i in sorted(stale) for p in engine.bound[i].out_paths]
+            first = engine.bound[min(stale)]
+            unmaterialized = any(b.buffers is None for b in engine.bound)
             raise StaleError(
-                f"{len(stale)} derived buffer(s) do not match their inputs",
-                paths=stale,
+                f"{len(paths)} derived buffer(s) do not match their inputs",
+                paths=paths,
                 module_class=first.module_class,
                 derivation=first.spec.name,
-                path=", ".join(stale[:8]) + (" ..." if len(stale) > 8 else ""),
+                path=", ".join(paths[:8]) + (" ..." if len(paths) > 8 else ""),
                 expected="every derived buffer refreshed from the current weights",
-                got="stale: " + ", ".join(stale[:8]),
-                fix="complete a weight update (a load or weight_update block that finishes) "
-                "before running the model; gs.runtime(model).refresh() recomputes the buffers "
-                "but cannot repair a load that failed",
+                got="; ".join(
+                    f"{engine.bound[i].path}: {why}" for i, why in list(stale.items())[:4]
+                ),
+                fix=self._fresh_fix(unmaterialized),
             )
-        update = self._update
-        if update is not None and update.written:
-            raise StaleError(
-                "a weight update is in progress; the model holds a mix of old and new weights",
-                module_class=type(self.model).__name__,
-                expected="the weight_update block to have exited",
-                got=f"{len(update.written)} tensor storage(s) written so far in the block",
-                fix="run the model after the `with gs.weight_update(model):` block exits",
-            )
-        if self._failed_update is not None:
+        failed = JOURNAL.poisoned_among(self._keys)
+        if failed:
             raise StaleError(
                 "the last weight update failed; the model holds a mix of old and new weights",
+                module_class=type(self.model).__name__,
                 expected="a weight update that completed",
-                got=self._failed_update,
+                got=next(iter(failed.values())),
                 fix="load the weights again; the model is usable once a load completes",
             )
+
+    def _fresh_fix(self, unmaterialized: bool) -> str:
+        cls = type(self.model)
+        loader = getattr(cls, "load_weights", None)
+        if unmaterialized and loader is not None and not is_wrapped_loader(loader):
+            return (
+                f"{cls.__name__}.load_weights is not decorated with @gs.graphsafe, so its "
+                "writes were not tracked: decorate the class, or call it inside "
+                "`with gs.weight_update(model):`"
+            )
+        return (
+            "write weights through a tracked load (a method wrapped by @gs.graphsafe, "
+            "load_state_dict, or a `gs.weight_update(model)` block; declare writes graphsafe "
+            "cannot see with gs.mark_written) and let it end; gs.runtime(model)."
+            "refresh_stale() recomputes stale buffers, and Graph(..., on_stale='refresh') "
+            "does so before each replay; a failed load is repaired only by loading again"
+        )
+
+    # -- refresh ---------------------------------------------------------------------
 
     def refresh(self, changed: Iterable[str] | None = None) -> RefreshReport:
         """Recompute derived buffers in place.
 
         Args:
-            changed: Dotted paths (from the model root) of tensors that changed; only
-                derivations downstream of them are recomputed. None: all of them.
+            changed: Dotted paths (from the model root) of tensors that changed; only the
+                derivations reading their storage (under any name: tied weights share
+                one), and those downstream, are recomputed. None: all of them.
 
         Returns:
             What was done, per derivation.
@@ -282,229 +395,35 @@ class Runtime:
             GraphSafetyError: `changed` names no tensor of the model.
         """
         with self._lock:
-            bound = self._ensure_bound()
-            dirty = self._scan_moved()
+            engine = self.engine
+            dirty = engine.scan_moved(self.pinned)
             if changed is None:
                 # A failed update stays flagged: a refresh cannot repair half-loaded weights.
-                return self._run(range(len(bound)))
+                return engine.run(range(len(engine.bound)))
+            dirty.update(engine.witness_dirty())
+            keys = []
             for path in changed:
-                consumers = self._by_path.get(path)
-                if consumers is None:
-                    self._check_tensor_path(path)
-                    continue
-                dirty.update(consumers)
-            return self._run(self._plan(dirty))
+                consumers = engine.binding.by_path.get(path)
+                if consumers is not None:
+                    dirty.update(consumers)
+                keys.append(storage_key(self._tensor_at(path)))
+            dirty.update(engine.consumers_of(keys))
+            return engine.run(engine.closure(dirty))
 
-    @contextlib.contextmanager
-    def weight_update(self) -> Iterator[Runtime]:
-        """A block of writes (the bucketed RL weight sync): refresh once at the end.
-
-        Load calls inside do not refresh; every write into a derivation input inside the
-        block is tracked, and when the block exits normally the affected derivations are
-        refreshed once. An exception leaves what was written marked stale.
-
-        Yields:
-            This runtime.
-
-        Examples:
-            >>> # with gs.weight_update(model):
-            >>> #     for bucket in buckets:
-            >>> #         model.load_weights(bucket)
-        """
-        with self._lock:
-            if self._update is not None:
-                yield self
-                return
-            self._ensure_bound()
-            # Watch every tensor of the model, not only derivation inputs, so that a
-            # replay inside the block is refused as soon as anything was written.
-            watched: dict[int, object] = dict(self._purity_watch())
-            watched.update(self._watch_map())
-            tracker = WriteTracker(watched)
-            self._update = tracker
-            try:
-                with tracker:
-                    yield self
-            except BaseException as exc:
-                self._fail_update(tracker.written, exc)
-                raise
-            finally:
-                self._update = None
-            self._finish_update(tracker.written)
-
-    def pin(self) -> None:
-        """Declare storage addresses fixed from now on, as a captured graph requires.
-
-        Derivations whose inputs moved since the last refresh (e.g. after `.to()`) are
-        refreshed first. After pinning, rebinding an input or a derived buffer raises
-        `StorageMovedError` at the next load, refresh or guarded replay.
-
-        Raises:
-            StaleError: If the derived buffers were never materialized.
-        """
-        with self._lock:
-            bound = self._ensure_bound()
-            missing = [b.path for b in bound if b.buffers is None]
-            if missing:
-                raise StaleError(
-                    "cannot pin: derived buffers were never materialized",
-                    paths=missing,
-                    path=", ".join(missing[:8]),
-                    expected="derived buffers allocated by a first load or refresh()",
-                    got="not materialized",
-                    fix="load the weights (or call refresh()) before capturing a graph",
-                )
-            dirty = self._scan_moved()
-            if dirty:
-                self._run(self._plan(dirty))
-            self.pinned = True
-
-    def unpin(self) -> None:
-        """Allow storage to move again (graphs captured before must be re-captured)."""
-        with self._lock:
-            self.pinned = False
-
-    # -- loads -----------------------------------------------------------------------
-
-    def run_load(
-        self,
-        fn: Callable[..., Any],
-        module: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Run a loading method with write tracking, then refresh what it wrote.
-
-        Args:
-            fn: The unwrapped loading method.
-            module: The module it is called on.
-            args: Positional arguments.
-            kwargs: Keyword arguments.
+    def refresh_stale(self) -> RefreshReport:
+        """Recompute exactly what is stale: never materialized, failed, or whose inputs
+        were written (by any path the witnesses see) since their last refresh.
 
         Returns:
-            What the loading method returned.
+            What was done, per derivation.
         """
         with self._lock:
-            if self._depth or self._update is not None:
-                self._depth += 1
-                try:
-                    return fn(module, *args, **kwargs)
-                finally:
-                    self._depth -= 1
-            self._ensure_bound()
-            tracker = WriteTracker(self._watch_map())
-            self._depth += 1
-            try:
-                with tracker:
-                    result = fn(module, *args, **kwargs)
-            except BaseException as exc:
-                self._fail_update(tracker.written, exc)
-                raise
-            finally:
-                self._depth -= 1
-            self._finish_update(tracker.written)
-            return result
+            engine = self.engine
+            dirty = engine.scan_moved(self.pinned)
+            dirty.update(engine.witness_dirty())
+            return engine.run(engine.closure(dirty))
 
-    def _fail_update(self, written: set[int], exc: BaseException) -> None:
-        dirty = self._written_consumers(written)
-        for inp in self._find_moved()[0]:
-            dirty.update(inp.consumers)
-        self._stale.update(self._plan(dirty))
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        self._failed_update = f"{type(exc).__name__}: {first}"
-
-    def _finish_update(self, written: set[int]) -> None:
-        bound = self._ensure_bound()
-        dirty = self._scan_moved() | self._written_consumers(written)
-        dirty.update(b.index for b in bound if b.buffers is None)
-        self._run(self._plan(dirty))  # _plan retries what is stale
-        self._failed_update = None
-
-    def _written_consumers(self, written: set[int]) -> set[int]:
-        watch = self._watch_map()
-        dirty: set[int] = set()
-        for key in written:
-            for inp in watch.get(key, ()):
-                dirty.update(inp.consumers)
-        return dirty
-
-    def _watch_map(self) -> dict[int, list[Input]]:
-        if self._watch is None:
-            watch: dict[int, list[Input]] = {}
-            for inp in self._inputs:
-                if inp.tensor is not None:
-                    key = storage_key(inp.tensor)
-                    if key:
-                        watch.setdefault(key, []).append(inp)
-            self._watch = watch
-        return self._watch
-
-    def _scan_moved(self) -> set[int]:
-        """Derivations whose inputs or buffers were rebound since the last refresh.
-
-        Before `pin()` the new tensors are accepted (and the derivations must be
-        recomputed); after it, a rebinding raises `StorageMovedError` and marks them stale.
-        """
-        bound = self._ensure_bound()
-        moved_inputs, moved_buffers = self._find_moved()
-        dirty: set[int] = set()
-        if not moved_inputs and not moved_buffers:
-            return dirty
-        if self.pinned:
-            for inp in moved_inputs:
-                for i in inp.consumers:
-                    self._stale.update(bound[i].downstream)
-            for b, _ in moved_buffers:
-                self._stale.update(b.downstream)
-            raise moved_error(moved_inputs, moved_buffers, bound)
-        for inp in moved_inputs:
-            inp.accept()
-            dirty.update(inp.consumers)
-        for b, j in moved_buffers:
-            self._adopt_moved_buffer(b, j)
-            dirty.add(b.index)
-        self._watch = None
-        return dirty
-
-    def _find_moved(self) -> tuple[list[Input], list[tuple[Bound, int]]]:
-        """Inputs, and (derivation, output index) of buffers, rebound since recorded.
-
-        One flat pass each, comparing identity, pointer (and a buffer's shape): this
-        runs on every load and refresh.
-        """
-        bound = self._ensure_bound()
-        moved_inputs = [
-            inp
-            for inp in self._inputs
-            if (t := inp.container.get(inp.key)) is not inp.tensor
-            or t is None
-            or t.data_ptr() != inp.ptr
-        ]
-        checks = self._buffer_checks
-        if checks is None:
-            checks = self._buffer_checks = [
-                (b.container, name, buf, ptr, shape, b, j)
-                for b in bound
-                for j, (name, buf, (ptr, shape, _)) in enumerate(
-                    zip(b.outputs, b.buffers or (), b.geometry)
-                )
-            ]
-        moved_buffers = [
-            (b, j)
-            for c, name, buf, ptr, shape, b, j in checks
-            if c.get(name) is not buf or buf.data_ptr() != ptr or buf.shape != shape
-        ]
-        return moved_inputs, moved_buffers
-
-    def _plan(self, dirty: Iterable[int]) -> list[int]:
-        bound = self._ensure_bound()
-        todo: set[int] = set()
-        # Buffers left stale by an earlier failure are retried with whatever is refreshed.
-        for i in (*dirty, *self._stale):
-            todo.update(bound[i].downstream)
-        return sorted(todo)
-
-    def _check_tensor_path(self, path: str) -> None:
+    def _tensor_at(self, path: str) -> torch.Tensor:
         obj: Any = self.model
         for part in path.split("."):
             obj = getattr(obj, part, None)
@@ -517,191 +436,336 @@ class Runtime:
                 got=repr(path),
                 fix="use names from model.named_parameters() / named_buffers()",
             )
+        return obj
 
-    # -- the hot loop ------------------------------------------------------------------
+    # -- pins --------------------------------------------------------------------------
 
-    def _run(self, plan: Sequence[int]) -> RefreshReport:
-        """Materialize or refresh the derivations of `plan`, in its (topological) order.
+    def check_pinnable(self) -> None:
+        """Raise unless the derived buffers exist, so that a graph can be captured.
 
-        Every caller has run `_scan_moved` first, so buffers and inputs are where the
-        bound derivations expect them.
+        Raises:
+            StaleError: The derived buffers were never materialized.
         """
-        bound = self._ensure_bound()
-        clock = time.perf_counter
-        start = clock()
-        raw: list[RawEntry] = []
-        append = raw.append
-        failed: set[int] = set()
-        first_error: BaseException | None = None
-        # Storages of every model tensor, for the purity check (once per run, not per
-        # derivation: walking the model is O(model)).
-        pending = self.strict or any(bound[i].buffers is None for i in plan)
-        watch = self._purity_watch() if pending else None
-        realloc = self._reallocated  # adopted by _scan_moved: these buffers moved
-        # Buffers made under inference_mode would be inference tensors, which a later
-        # refresh outside inference_mode may not write: always make normal tensors.
-        with torch.inference_mode(False), torch.no_grad():
-            for i in plan:
-                b = bound[i]
-                if failed and not b.deps.isdisjoint(failed):
-                    failed.add(i)
-                    continue
-                t0 = clock()
-                try:
-                    if watch is None and b.fast:
-                        # The hot path: one output computed straight into it with out=.
-                        buf = b.out_arg
-                        if b.single_in is not None:
-                            c, k = b.single_in
-                            ret = b.fn(b.module_ref(), c[k], out=buf)
-                        else:
-                            ret = b.fn(b.module_ref(), *[c[k] for c, k in b.in_refs], out=buf)
-                        if buf.shape != b.shape0:  # torch resized it: wrong result shape
-                            refuse_resized(b, None)
-                        taken = _FAST if ret is buf else self._copy_apart(b, ret)
-                        append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
-                    elif b.buffers is None:
-                        assert watch is not None
-                        self._materialize(b, watch)
-                        append((i, _MATERIALIZED, _SLOW, clock() - t0, True))
-                    else:
-                        taken = self._refresh_checked(b, watch if self.strict else None)
-                        append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
-                except Exception as exc:
-                    if b.buffers is not None and not isinstance(exc, DerivationDriftError):
-                        try:
-                            refuse_resized(b, exc)
-                        except DerivationDriftError as drift:
-                            exc = drift
-                    failed.add(i)
-                    append((i, _FAILED, _NONE, clock() - t0, geometry_held(b)))
-                    if first_error is None:
-                        first_error = exc
-        realloc.clear()
-        stale = self._stale
-        stale.difference_update(plan)
-        for i in failed:
-            stale.update(bound[i].downstream)
-        if first_error is not None:
-            raise first_error
-        report = RefreshReport.from_raw(self._identities, raw, clock() - start)
-        self.last_report = report
-        return report
+        with self._lock:
+            missing = [b.path for b in self.engine.bound if b.buffers is None]
+            if missing:
+                raise StaleError(
+                    "cannot pin: derived buffers were never materialized",
+                    paths=missing,
+                    path=", ".join(missing[:8]),
+                    expected="derived buffers allocated by a first load or refresh()",
+                    got="not materialized",
+                    fix=self._fresh_fix(True).replace("write weights", "load the weights", 1),
+                )
 
-    def _inputs_of(self, b: Bound) -> list[torch.Tensor]:
-        return [c[k] for c, k in b.in_refs]
+    def pin(self, holder: object = _MANUAL) -> None:
+        """Declare storage addresses fixed from now on, as a captured graph requires.
 
-    def _copy_apart(self, b: Bound, ret: Any) -> int:
-        """A function that accepts `out=` returned another tensor: validate, copy in."""
-        assert b.buffers is not None
-        b.buffers[0].copy_(check_results(b, ret)[0])
-        b.fast = False  # from now on through _refresh_checked
-        return _SLOW
+        Derivations whose inputs moved since the last refresh (e.g. after `.to()`) are
+        refreshed first. While any holder keeps its pin, rebinding an input, a derived
+        buffer or a submodule raises `StorageMovedError` at the next load, refresh or
+        guarded replay. A graph pins with itself as the holder and releases its pin when
+        it is reset, dropped or its capture fails; `pin()` without a holder is the
+        manual pin that `unpin()` releases.
 
-    def _refresh_checked(self, b: Bound, purity: dict[int, str] | None) -> int:
-        """Every other case: several outputs, no `out=`, strict purity."""
-        module = b.module_ref()
-        buffers = b.buffers  # where _scan_moved, run by every caller, left them
-        assert module is not None and buffers is not None
-        args = self._inputs_of(b)
-        guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if purity is not None:
-            own = {storage_key(t) for t in buffers}
-            guard = WriteTracker(
-                {k: p for k, p in purity.items() if k not in own}, impurity_refusal(b, purity)
-            )
-        if b.accepts_out:
-            out = b.out_arg
-            try:
-                with guard:
-                    ret = b.fn(module, *args, out=out)
-            except Exception as exc:
-                refuse_resized(b, exc)
-                raise
-            refuse_resized(b, None)
-            if ret is out or (
-                isinstance(ret, (tuple, list))
-                and len(ret) == len(buffers)
-                and all(r is o for r, o in zip(ret, buffers))
-            ):
-                return _FAST
-        else:
-            with guard:
-                ret = b.fn(module, *args)
-        results = check_results(b, ret)
-        if len(results) == 1:
-            buffers[0].copy_(results[0])
-        else:
-            torch._foreach_copy_(buffers, results)
-        return _SLOW
+        Args:
+            holder: Who holds the pin.
 
-    def _adopt_moved_buffer(self, b: Bound, j: int) -> None:
-        """A derived buffer was replaced (e.g. `model.to()`): adopt it unless pinned."""
-        name = b.outputs[j]
-        new = b.container.get(name)
-        old = b.buffers[j] if b.buffers is not None else None
-        if self.pinned or not isinstance(new, torch.Tensor):
-            raise b.error(
-                StorageMovedError,
-                f"derived buffer {b.out_paths[j]!r} was rebound after pin()",
-                path=b.out_paths[j],
-                drifts=(b.out_paths[j],),
-                expected=describe(old) if old is not None else "the materialized buffer",
-                got=describe(new) if isinstance(new, torch.Tensor) else repr(new),
-                fix="never assign derived buffers: graphsafe writes them in place; to move "
-                "the model, unpin(), move it, refresh() and re-capture",
-            )
-        locked = pin_storage(new)
-        b.container[name] = locked
-        assert b.buffers is not None
-        buffers = list(b.buffers)
-        buffers[j] = locked
-        self._record(b, buffers)
-        self._reallocated.add(b.index)
+        Raises:
+            StaleError: If the derived buffers were never materialized.
+        """
+        with self._lock:
+            self.check_pinnable()
+            engine = self.engine
+            if not self._holders:
+                dirty = engine.scan_moved(False)
+                if dirty:
+                    engine.run(engine.closure(dirty))
+            self._holders[holder] = self._holders.get(holder, 0) + 1
+            self._keys = engine.storage_keys() | frozenset(self._model_tensors())
 
-    def _materialize(self, b: Bound, watch: dict[int, str]) -> None:
-        module = b.module_ref()
-        assert module is not None
-        with WriteTracker(watch, impurity_refusal(b, watch)):
-            ret = b.fn(module, *self._inputs_of(b))
-        results = as_results(b, ret)
-        buffers: list[torch.Tensor] = []
-        for name, r in zip(b.outputs, results):
-            t = r.detach()
-            if storage_key(t) in watch or t.untyped_storage().nbytes() != t.nbytes:
-                # Shares memory with a model tensor (a view of an input): own a copy.
-                t = t.clone(memory_format=torch.contiguous_format)
-            existing = module._buffers.get(name)
-            if (
-                isinstance(existing, torch.Tensor)
-                and existing.shape == t.shape
-                and existing.dtype == t.dtype
-                and existing.device == t.device
-            ):
-                existing.copy_(t)  # a previous runtime's buffer: keep its storage
-                t = existing
+    def unpin(self, holder: object = _MANUAL) -> None:
+        """Release `holder`'s pin (graphs captured under it must be re-captured).
+
+        Args:
+            holder: Who holds the pin; the manual pin by default.
+        """
+        with self._lock:
+            count = self._holders.get(holder, 0)
+            if count <= 1:
+                self._holders.pop(holder, None)
             else:
-                t = pin_storage(t)
-                if module.__dict__.get(name, 0) is None:
-                    del module.__dict__[name]  # a `self.x = None` placeholder from __init__
-                module.register_buffer(name, t, persistent=False)
-            buffers.append(t)
-            watch.setdefault(storage_key(t), join(b.module_path, name))
-        self._record(b, buffers)
+                self._holders[holder] = count - 1
 
-    def _record(self, b: Bound, buffers: list[torch.Tensor]) -> None:
-        b.set_buffers(buffers)
-        self._buffer_checks = None
-        self._identities[b.index] = (b.path, b.spec.name, b.out_paths, b.nbytes)
+    # -- loads -------------------------------------------------------------------------
 
-    def _purity_watch(self) -> dict[int, str]:
-        watch: dict[int, str] = {}
-        for path, t in model_tensors(self.model):
-            key = storage_key(t)
-            if key:
+    def run_load(
+        self,
+        fn: Callable[..., Any],
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run a loading method with write tracking, then refresh what it wrote.
+
+        A call nested in a load of the same thread runs inside it; a call from another
+        thread while a load runs (a loader's worker threads) joins that load.
+
+        Args:
+            fn: The unwrapped loading method.
+            module: The module it is called on.
+            args: Positional arguments.
+            kwargs: Keyword arguments.
+
+        Returns:
+            What the loading method returned.
+        """
+        load = self._load
+        if load is not None:
+            if load.thread == threading.get_ident():
+                return fn(module, *args, **kwargs)
+            return self._join(load, fn, module, args, kwargs)
+        with self._lock:
+            what = f"{type(module).__name__}.{getattr(fn, '__name__', 'load')}"
+            load = self._begin(full_watch=False)
+            try:
+                with load.tracker:
+                    result = fn(module, *args, **kwargs)
+            except BaseException as exc:
+                self._end(load, what, exc)
+                raise
+            self._end(load, what, None)
+            return result
+
+    def run_generator_load(
+        self,
+        fn: Callable[..., Any],
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Generator[Any, None, Any]:
+        """A generator loader as one tracked load, over its whole iteration.
+
+        Args:
+            fn: The unwrapped generator function.
+            module: The module it is called on.
+            args: Positional arguments.
+            kwargs: Keyword arguments.
+
+        Returns:
+            A generator yielding what the loader yields; the load ends when it is
+            exhausted. Closed early, it leaves the model failed closed.
+        """
+        what = f"{type(module).__name__}.{getattr(fn, '__name__', 'load')}"
+
+        def steps() -> Generator[Any, None, Any]:
+            inner = fn(module, *args, **kwargs)
+            with self._lock:
+                load = self._begin(full_watch=False)
+                try:
+                    while True:
+                        with load.tracker:
+                            try:
+                                item = next(inner)
+                            except StopIteration as stop:
+                                result = stop.value
+                                break
+                        yield item
+                except GeneratorExit:
+                    inner.close()
+                    self._end(load, what, GeneratorExit("the loader was closed before it ended"))
+                    raise
+                except BaseException as exc:
+                    self._end(load, what, exc)
+                    raise
+                self._end(load, what, None)
+                return result
+
+        return steps()
+
+    @contextlib.contextmanager
+    def weight_update(self) -> Iterator[Runtime]:
+        """A block of writes (the bucketed RL weight sync): refresh once at the end.
+
+        Load calls inside do not refresh; every write into a model tensor inside the
+        block is tracked (worker threads' loads join it), writes declared with
+        `gs.mark_written` and in-place writes the version counters see are picked up,
+        and when the block exits normally the affected derivations are refreshed once.
+        An exception leaves the model failed closed until a load completes.
+
+        Yields:
+            This runtime.
+
+        Examples:
+            >>> # with gs.weight_update(model):
+            >>> #     for bucket in buckets:
+            >>> #         model.load_weights(bucket)
+        """
+        load = self._load
+        if load is not None and load.thread == threading.get_ident():
+            yield self
+            return
+        with self._lock:
+            load = self._begin(full_watch=True)
+            try:
+                with load.tracker:
+                    yield self
+            except BaseException as exc:
+                self._end(load, "weight_update", exc)
+                raise
+            self._end(load, "weight_update", None, witnesses=True)
+
+    def after_state_dict_load(self) -> None:
+        """Refresh what `load_state_dict` wrote (its in-place copies move versions)."""
+        with self._lock:
+            if self._load is not None or self._engine is None:
+                return  # inside a tracked load or update: refreshed when it ends
+            engine = self.engine
+            dirty = engine.scan_moved(self.pinned)
+            dirty.update(engine.witness_dirty())
+            dirty.update(b.index for b in engine.bound if b.buffers is None)
+            engine.run(engine.closure(dirty))
+            self._heal_tree()
+
+    def _begin(self, *, full_watch: bool) -> _Load:
+        engine = self.engine
+        watch: dict[int, Any] = dict(engine.watch_map())
+        if full_watch:
+            # Watch every tensor of the model, not only derivation inputs, so that a
+            # replay inside the block is refused as soon as anything was written.
+            for key, path in self._model_tensors().items():
                 watch.setdefault(key, path)
-        return watch
+        load = _Load(watch)
+        self._load = load
+        return load
 
+    def _join(
+        self,
+        load: _Load,
+        fn: Callable[..., Any],
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        tracker = WriteTracker(load.watch)
+        with tracker:
+            result = fn(module, *args, **kwargs)
+        with load.lock:
+            if not load.done:
+                load.written |= tracker.written
+                return result
+        with self._lock:  # the load it joined has ended: this one ends on its own
+            engine = self.engine
+            JOURNAL.advance(tracker.written, "a worker thread's load")
+            engine.run(engine.closure(engine.consumers_of(tracker.written)))
+        return result
+
+    def _end(
+        self, load: _Load, what: str, exc: BaseException | None, *, witnesses: bool = False
+    ) -> None:
+        written = load.close()
+        self._load = None
+        JOURNAL.advance(written, what)
+        engine = self.engine
+        if exc is not None:
+            why = f"{what} raised {type(exc).__name__}: {_first_line(exc)}"
+            dirty = engine.consumers_of(written)
+            dirty.update(i for inp in engine.find_moved()[0] for i in inp.consumers)
+            engine.mark_stale(dirty, why)
+            # Every weight of the tree may be half-written; derived buffers are stale only
+            # where marked above.
+            buffers = {storage_key(t) for b in engine.bound for t in b.buffers or ()}
+            JOURNAL.poison(
+                (k for k in self._model_tensors() if k not in buffers),
+                f"the last weight update failed ({why})",
+            )
+            return
+        dirty = engine.scan_moved(self.pinned) | engine.consumers_of(written)
+        if witnesses:
+            dirty.update(engine.witness_dirty())
+        dirty.update(b.index for b in engine.bound if b.buffers is None)
+        engine.run(engine.closure(dirty))
+        self._heal_tree()
+        self._keys = engine.storage_keys() | (self._keys if self._holders else frozenset())
+        _refresh_others(self, written)
+
+    def _heal_tree(self) -> None:
+        if JOURNAL.poisoned:
+            JOURNAL.heal(self._model_tensors())
+
+    def refresh_storages(self, keys: set[int]) -> None:
+        """Refresh the derivations reading `keys`, if this runtime is free right now.
+
+        Called when a load through another model wrote storages this one reads (a tied
+        or shared parameter). A runtime busy in another thread is skipped: its witnesses
+        still see the write.
+
+        Args:
+            keys: Storage keys written.
+        """
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            engine = self._engine
+            if engine is None or self._load is not None:
+                return
+            dirty = engine.consumers_of(keys)
+            if dirty:
+                engine.run(engine.closure(dirty))
+        finally:
+            self._lock.release()
+
+
+def _refresh_others(origin: Runtime, written: set[int]) -> None:
+    if not written:
+        return
+    for rt in list(_LIVE):
+        if rt is not origin and rt._engine is not None:
+            try:
+                rt.refresh_storages(written)
+            except GraphSafetyError:
+                pass  # left stale: its own guard reports it
+
+
+def _swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> StorageMovedError:
+    drifts = []
+    for parent, key, child, path in binding.modules:
+        if path in swapped:
+            now = parent.get(key)
+            drifts.append(
+                Drift(
+                    path=path,
+                    module_class=type(child).__name__,
+                    what="module",
+                    old=f"{type(child).__name__} at 0x{id(child):x}",
+                    new="removed" if now is None else f"{type(now).__name__} at 0x{id(now):x}",
+                )
+            )
+    return StorageMovedError(
+        f"{len(swapped)} submodule(s) were replaced after pin: " + ", ".join(swapped),
+        drifts=drifts,
+        module_class=type(model).__name__,
+        path=swapped[0],
+        expected=f"the module captured at {swapped[0]!r}",
+        got=drifts[0].new,
+        fix="load new weights into the existing modules instead of replacing them; to "
+        "change the model, release the graphs (Graph.reset()), change it, and re-capture",
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
+
+
+def _after_load_state_dict(module: nn.Module, incompatible: object) -> None:
+    rt = _RUNTIMES.get(module) or _OWNERS.get(module)
+    if rt is not None:
+        rt.after_state_dict_load()
+
+
+_LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
+_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _CREATE = threading.Lock()
@@ -757,3 +821,9 @@ def weight_update(model: nn.Module) -> contextlib.AbstractContextManager[Runtime
         ...     pass
     """
     return runtime(model).weight_update()
+
+
+set_load_runner(
+    lambda fn, module, args, kwargs: runtime(module).run_load(fn, module, args, kwargs),
+    lambda fn, module, args, kwargs: runtime(module).run_generator_load(fn, module, args, kwargs),
+)

@@ -15,27 +15,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["WriteTracker", "storage_key"]
+from graphsafe._journal import storage_key
+
+__all__ = ["ReadGuard", "WriteTracker", "storage_key"]
 
 # Per op overload: (positional index, name) of every argument the op writes.
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """The key graphsafe tracks writes by: the address of the tensor's storage.
-
-    Args:
-        t: Any tensor.
-
-    Returns:
-        The storage's data pointer (0 for an empty storage).
-
-    Examples:
-        >>> t = torch.zeros(4)
-        >>> storage_key(t[1:]) == storage_key(t)
-        True
-    """
-    return int(t.untyped_storage().data_ptr())
 
 
 def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
@@ -85,6 +70,10 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        self._check_writes(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check_writes(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         writes = _written_args(func)
         if writes:
             nargs = len(args)
@@ -96,11 +85,56 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     for item in arg:
                         if isinstance(item, torch.Tensor):
                             self._note(item, func)
-        return func(*args, **kwargs)
 
     def _note(self, t: torch.Tensor, func: Any) -> None:
-        key = int(t.untyped_storage().data_ptr())
-        if key in self.watched:
+        key = storage_key(t)
+        if key and key in self.watched:
             if self.on_write is not None:
                 self.on_write(key, str(func))
             self.written.add(key)
+
+
+class ReadGuard(WriteTracker):
+    """A `WriteTracker` that also refuses reads of some storages, before the op runs.
+
+    A derivation's first call runs under one: reading a model tensor it did not declare
+    as an input would leave its buffer stale whenever that tensor changes.
+
+    Args:
+        watched: Storage keys whose writes are noted (and refused through `on_write`).
+        on_write: As for `WriteTracker`.
+        forbidden: Storage keys that must not be read.
+        on_read: Called as `on_read(key, op_name)` before an op reads a forbidden storage.
+    """
+
+    def __init__(
+        self,
+        watched: Mapping[int, object],
+        on_write: Callable[[int, str], None] | None,
+        forbidden: Mapping[int, object],
+        on_read: Callable[[int, str], None],
+    ) -> None:
+        super().__init__(watched, on_write)
+        self.forbidden = forbidden
+        self.on_read = on_read
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        self._check_writes(func, args, kwargs)  # an impure write is the first thing to refuse
+        if getattr(func, "is_view", False):
+            return func(*args, **kwargs)  # a view reads no data (what reads it is checked)
+        forbidden = self.forbidden
+        for arg in (*args, *kwargs.values()):
+            items = arg if isinstance(arg, (list, tuple)) else (arg,)
+            for item in items:
+                if isinstance(item, torch.Tensor):
+                    key = storage_key(item)
+                    if key and key in forbidden:
+                        self.on_read(key, str(func))
+        return func(*args, **kwargs)

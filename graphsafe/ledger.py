@@ -2,36 +2,51 @@
 
 A captured graph reads raw addresses. `Ledger.snapshot(model)` records, for every tensor
 reachable from the module tree (parameters, buffers, plain tensor attributes, and tensors
-held in lists, tuples and dicts stored as attributes), its storage pointer, offset, shape,
-stride, dtype and device. `Ledger.verify()` re-resolves each tensor through the container
-it lives in and reports every `Drift`; `Ledger.assert_stable()` raises
+held in lists, tuples and dicts stored as attributes), the tensor object itself and its
+storage pointer, offset, shape, stride, dtype and device; and which module is bound at
+every path. `Ledger.verify()` reports every `Drift`; `Ledger.assert_stable()` raises
 `StorageMovedError` naming them all.
 
-`verify()` runs before every guarded replay, so the clean case is a flat comparison: the
-current data pointers, shapes, strides and dtypes of all tensors, each field built in one
-list and compared with the saved list in one `==`. Only a mismatch pays for the detailed
-diff.
+`verify()` runs before every guarded replay, so the clean case is a flat check, each step
+one `map` over all entries compared in one go. Only a mismatch pays for the detailed diff.
+
+1. Identity. Every module binding (`parent._modules[key]`), every `_modules`,
+   `_parameters` and `_buffers` dict a pin goes through, and every tensor in its
+   container still holds the very object pinned. This catches any rebinding (a new
+   `nn.Parameter`, `register_buffer`, `m.x = ...`, a list item, a swapped or deleted
+   submodule), even one that looks the same: empty tensors all have data pointer 0.
+2. Geometry of the pinned tensor objects: `data_ptr()`, `stride()`, `shape` and `dtype`.
+   Once identity holds, these can only change through the tensor itself: in-place
+   metadata ops (`set_`, `resize_`, `as_strided_`, `t_`), `.data = ...`, or
+   `torch.utils.swap_tensors`. `.data =` bumps no version counter and leaves no trace but
+   the new metadata, and it can change each of the four alone (`.data = w.data.clone()`
+   only the pointer, `w.data.t()` only the stride, `w.data.as_strided((2, 8), (4, 1))` of
+   a 4x4 only the shape, `b.data.view(torch.int32)` only the dtype), so no cheaper probe
+   (`_version`, `numel()`, `dim()`, `is_contiguous()`, ...) can stand in for any of them.
+   `data_ptr()` is the storage's address plus the offset, and the ledger keeps every
+   pinned storage alive, so no other live allocation can start at a pinned address (CPU
+   and CUDA memory share one address space): an equal pointer is the same memory, hence
+   the same device. Tensors of zero bytes and meta tensors, whose pointer is 0, get their
+   device compared as well.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from graphsafe.errors import StorageMovedError
+from graphsafe._errors import StorageMovedError
+from graphsafe._walk import Site, storage_key, walk_modules, walk_tensors
 
 __all__ = ["Drift", "DriftKind", "Ledger"]
 
-DriftKind = Literal["storage", "offset", "shape", "stride", "dtype", "device", "removed"]
-
-# The attributes every nn.Module has in its __dict__: registries and hook tables, never
-# user tensors. `_parameters` and `_buffers` are walked on their own.
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+DriftKind = Literal[
+    "storage", "offset", "shape", "stride", "dtype", "device", "object", "module", "removed"
+]
 
 _FIX = (
     "write new values into the existing tensor with `copy_` (e.g. "
@@ -39,15 +54,28 @@ _FIX = (
     "instead of rebinding it; if the tensor must change storage, re-capture the graph "
     "(which takes a new snapshot)"
 )
+_FIX_MODULE = (
+    "load new weights into the module already there (`module.load_state_dict(new)`, or "
+    "`copy_` into its tensors) instead of replacing it; if the module must change, "
+    "re-capture the graph (which takes a new snapshot)"
+)
 
 # Raised while re-resolving a path whose container entry is gone or is no tensor.
 _RESOLVE_ERRORS = (KeyError, IndexError, TypeError, AttributeError)
 # Also raised by the flat check, by `data_ptr()` of a tensor that has no storage.
 _CHECK_ERRORS = (*_RESOLVE_ERRORS, RuntimeError)
 
+# The flat check reads one field of all tensors at a time: `map` over a C method or
+# getter is faster than a comprehension building a tuple per tensor.
+_DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
 
 class Drift(BaseModel):
-    """One way in which a pinned tensor no longer matches its snapshot.
+    """One way in which a pinned tensor or module no longer matches its snapshot.
 
     A tensor that moved in several ways (a `.to(torch.float16)` copy changes both its
     storage and its dtype) gives one `Drift` per way.
@@ -63,14 +91,18 @@ class Drift(BaseModel):
 
     path: str
     """Dotted path of the tensor from the model root (`layers.0.cache.1` for a list item,
-    `layers.0.tables.k` for a dict entry)."""
+    `layers.0.tables.k` for a dict entry), or of the module for a `module` drift."""
 
     module_class: str
-    """Class name of the module that holds the tensor."""
+    """Class name of the module that holds the tensor (for a `module` drift, the module
+    that holds the replaced one)."""
 
     what: DriftKind
     """What moved: `storage` (the storage's data pointer), `offset`, `shape`, `stride`,
-    `dtype`, `device`, or `removed` (the path no longer holds a tensor)."""
+    `dtype`, `device`; `object` (the path holds another tensor object, though one with
+    the same memory and geometry); `module` (another module, or none, is bound at the
+    path; the tensors of a module the model no longer holds are not reported); or
+    `removed` (the path no longer holds a tensor)."""
 
     old: str
     """The value at snapshot time."""
@@ -82,12 +114,9 @@ class Drift(BaseModel):
 class _Pin(NamedTuple):
     """Where one tensor lives and what it looked like at snapshot time."""
 
-    path: str
-    module: nn.Module
-    container: Any  # the dict the first key indexes: _parameters, _buffers or __dict__
-    key: Any
-    chain: tuple[Any, ...]  # further keys into nested lists, tuples and dicts
-    storage_ptr: int
+    site: Site  # holds the pinned tensor object itself
+    slot: str  # the module attribute `site.container` is: _parameters, _buffers, __dict__
+    storage: int
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -95,14 +124,13 @@ class _Pin(NamedTuple):
     device: torch.device
 
 
-# The flat check reads these four per tensor, one field over all tensors at a time:
-# `map` over a C method is faster than a comprehension building a tuple per tensor.
-# data_ptr covers storage, offset and device: the ledger keeps the pinned storages
-# alive, so no new storage can be given one of their addresses.
-_DATA_PTR = torch.Tensor.data_ptr
-_SHAPE = operator.attrgetter("shape")
-_STRIDE = torch.Tensor.stride
-_DTYPE = operator.attrgetter("dtype")
+class _Bound(NamedTuple):
+    """One submodule binding: `parent._modules[key]` was `module` at snapshot time."""
+
+    path: str
+    parent: nn.Module
+    key: str
+    module: nn.Module
 
 
 def _has_storage(t: torch.Tensor) -> bool:
@@ -121,14 +149,15 @@ def _has_storage(t: torch.Tensor) -> bool:
 
 
 class Ledger:
-    """Pins the storage of every tensor reachable from a module tree.
+    """Pins every tensor reachable from a module tree, and every module along the way.
 
-    Build it with `Ledger.snapshot(model)`. The ledger holds the module containers and
-    keys, never the tensors themselves, so every verify sees what the model holds now.
-    It does keep the pinned storages alive: no later allocation can then reuse one of
-    their addresses, so a rebound tensor always shows a new data pointer (and a graph
-    that still reads the old memory reads valid, if stale, memory). Their memory is
-    released with the ledger.
+    Build it with `Ledger.snapshot(model)`. The ledger holds the pinned modules, module
+    containers and tensor objects: every verify checks that the model still holds those
+    very objects, then that each still has the pinned storage and geometry. It also keeps
+    the pinned storages alive: no later allocation can then reuse one of their addresses,
+    so a tensor given new memory always shows a new data pointer (and a graph that still
+    reads the old memory reads valid, if stale, memory). All of it is released with the
+    ledger.
 
     Examples:
         >>> import torch
@@ -143,49 +172,83 @@ class Ledger:
     """
 
     __slots__ = (
+        "_bindings",
         "_chained",
-        "_containers",
         "_dtypes",
         "_held",
+        "_holders",
         "_keys",
         "_label",
+        "_objects",
         "_pins",
         "_ptrs",
+        "_root",
         "_shapes",
         "_strides",
+        "_tensors",
+        "_void_devices",
+        "_voids",
     )
 
     def __init__(
-        self, pins: tuple[_Pin, ...], held: tuple[torch.UntypedStorage, ...], label: str
+        self,
+        root: nn.Module,
+        pins: tuple[_Pin, ...],
+        bindings: tuple[_Bound, ...],
+        held: tuple[torch.UntypedStorage, ...],
+        label: str,
     ) -> None:
         """Use `Ledger.snapshot`; this constructor is internal.
 
         Args:
-            pins: One pin per tensor, entries without a chain first.
+            root: The model.
+            pins: One pin per tensor site, entries without a chain first.
+            bindings: Every submodule binding (the root excluded).
             held: The pinned storages, kept alive with the ledger.
             label: What took the snapshot, for messages.
         """
+        self._root = root
         self._pins = pins
+        self._bindings = bindings
         self._held = held
         self._label = label
-        flat = [p for p in pins if not p.chain]
-        self._containers = [p.container for p in flat]
-        self._keys = [p.key for p in flat]
-        self._chained = [(p.container, p.key, p.chain) for p in pins if p.chain]
-        tensors = [_resolve(p) for p in pins]
+        # Identity links: `holder[key] is obj`, for modules, their dicts, then tensors.
+        links: dict[tuple[int, Any], tuple[Any, Any, object]] = {}
+        for b in bindings:
+            links[id(b.parent), "_modules"] = (vars(b.parent), "_modules", b.parent._modules)
+            links[id(b.parent._modules), b.key] = (b.parent._modules, b.key, b.module)
+        for p in pins:
+            s = p.site
+            if p.slot != "__dict__":
+                links[id(s.module), p.slot] = (vars(s.module), p.slot, s.container)
+            if not s.chain:
+                links[id(s.container), s.key] = (s.container, s.key, s.tensor)
+        self._holders = [holder for holder, _, _ in links.values()]
+        self._keys = [key for _, key, _ in links.values()]
+        self._objects = [obj for _, _, obj in links.values()]
+        self._chained = [
+            (p.site.container, p.site.key, p.site.chain, p.site.tensor)
+            for p in pins
+            if p.site.chain
+        ]
+        # Geometry, once per tensor object (tied weights are pinned at each path).
+        tensors = list({id(p.site.tensor): p.site.tensor for p in pins}.values())
+        self._tensors = tensors
         self._ptrs: list[int] = list(map(_DATA_PTR, tensors))
-        self._shapes: list[torch.Size] = list(map(_SHAPE, tensors))
         self._strides: list[tuple[int, ...]] = list(map(_STRIDE, tensors))
+        self._shapes: list[torch.Size] = list(map(_SHAPE, tensors))
         self._dtypes: list[torch.dtype] = list(map(_DTYPE, tensors))
+        self._voids = [t for t, ptr in zip(tensors, self._ptrs) if ptr == 0]
+        self._void_devices: list[torch.device] = list(map(_DEVICE, self._voids))
 
     @classmethod
     def snapshot(cls, model: nn.Module, *, label: str = "the snapshot") -> Ledger:
-        """Pin every tensor reachable from `model`'s module tree.
+        """Pin every tensor reachable from `model`'s module tree, and every submodule.
 
         Parameters and buffers are pinned through `module._parameters` and
         `module._buffers`; plain tensor attributes through `module.__dict__`, following
         lists, tuples and dicts. `None` entries are skipped. A module shared by several
-        parents is walked once, under its first path.
+        parents is walked once, under its first path, and pinned at each binding.
 
         Args:
             model: The root module.
@@ -193,34 +256,28 @@ class Ledger:
                 {label}"), e.g. `"graph capture"`.
 
         Returns:
-            A ledger of every tensor found.
+            A ledger of every tensor and submodule found.
 
         Examples:
             >>> from torch import nn
             >>> Ledger.snapshot(nn.Linear(2, 3)).paths
             ('weight', 'bias')
         """
-        pins: list[_Pin] = []
-        for prefix, module in model.named_modules():
-            head = f"{prefix}." if prefix else ""
-            for container in (module._parameters, module._buffers):
-                for name, value in container.items():
-                    if isinstance(value, torch.Tensor) and _has_storage(value):
-                        pins.append(_pin(head + name, module, container, name, (), value))
-            attrs = module.__dict__
-            for name, value in attrs.items():
-                if name in _MODULE_INTERNALS:
-                    continue
-                for chain, path, tensor in _walk(value, (), head + name, set()):
-                    if _has_storage(tensor):
-                        pins.append(_pin(path, module, attrs, name, chain, tensor))
-        # Entries without a chain first: `_current` resolves them with one `map`.
-        ordered = tuple(p for p in pins if not p.chain) + tuple(p for p in pins if p.chain)
+        bindings = tuple(
+            _Bound(s.path, s.parent, s.key, s.module)
+            for s in walk_modules(model)
+            if s.parent is not None
+        )
+        pins = [_pin(s) for s in walk_tensors(model) if _has_storage(s.tensor)]
+        # Entries without a chain first, so that `paths` lists them first.
+        ordered = tuple(p for p in pins if not p.site.chain) + tuple(
+            p for p in pins if p.site.chain
+        )
         held: dict[int, torch.UntypedStorage] = {}
         for p in ordered:
-            storage = _resolve(p).untyped_storage()
-            held.setdefault(id(storage), storage)
-        return cls(ordered, tuple(held.values()), label)
+            if p.storage:  # 0: no bytes, so no address to hold on to
+                held.setdefault(p.storage, p.site.tensor.untyped_storage())
+        return cls(model, ordered, bindings, tuple(held.values()), label)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -235,36 +292,44 @@ class Ledger:
             >>> len(Ledger.snapshot(nn.Linear(2, 3)).paths)
             2
         """
-        return tuple(p.path for p in self._pins)
+        return tuple(p.site.path for p in self._pins)
 
     def __len__(self) -> int:
         return len(self._pins)
 
     def _unchanged(self) -> bool:
-        """The flat check: True when every path holds a tensor with the pinned data
-        pointer, shape, stride and dtype."""
+        """The flat check: True when every pinned object is still in place and every
+        pinned tensor has its pinned data pointer, stride, shape and dtype (see the
+        module docstring for why that is complete)."""
         try:
-            tensors: list[torch.Tensor] = list(map(operator.getitem, self._containers, self._keys))
-            for container, key, chain in self._chained:
+            if not all(
+                map(operator.is_, map(operator.getitem, self._holders, self._keys), self._objects)
+            ):
+                return False
+            for container, key, chain, tensor in self._chained:
                 value = container[key]
                 for k in chain:
                     value = value[k]
-                tensors.append(value)
+                if value is not tensor:
+                    return False
+            tensors = self._tensors
             return (
                 list(map(_DATA_PTR, tensors)) == self._ptrs
-                and list(map(_SHAPE, tensors)) == self._shapes
                 and list(map(_STRIDE, tensors)) == self._strides
+                and list(map(_SHAPE, tensors)) == self._shapes
                 and list(map(_DTYPE, tensors)) == self._dtypes
+                and list(map(_DEVICE, self._voids)) == self._void_devices
             )
         except _CHECK_ERRORS:
-            return False  # a path holds no tensor (or one without storage) now
+            return False  # a path holds nothing now, or a tensor without storage
 
     def verify(self) -> tuple[Drift, ...]:
-        """Compare every pinned tensor with its snapshot.
+        """Compare every pinned tensor and submodule with its snapshot.
 
         Returns:
-            Every drift found, in pin order; empty when nothing moved. Writing new values
-            into a tensor (`copy_`, `mul_`, `x[...] = v`) is not a drift.
+            Every drift found: replaced modules first, then tensors in pin order; empty
+            when nothing moved. Writing new values into a tensor (`copy_`, `mul_`,
+            `x[...] = v`) is not a drift.
 
         Examples:
             >>> import torch
@@ -278,10 +343,21 @@ class Ledger:
         """
         if self._unchanged():
             return ()
-        return tuple(d for p in self._pins for d in _diff(p))
+        # Only what the model still holds: a replaced module's own tensors and
+        # submodules are no longer read by anything but the graph.
+        live = {id(s.module) for s in walk_modules(self._root)}
+        drifts = [
+            d
+            for b in self._bindings
+            if id(b.parent) in live and (d := _module_drift(b)) is not None
+        ]
+        for p in self._pins:
+            if id(p.site.module) in live:
+                drifts.extend(_diff(p))
+        return tuple(drifts)
 
     def assert_stable(self) -> None:
-        """Raise unless every pinned tensor is where the snapshot found it.
+        """Raise unless every pinned tensor and submodule is where the snapshot found it.
 
         Raises:
             StorageMovedError: Naming every drift, each with its expected and got
@@ -304,43 +380,18 @@ class Ledger:
             raise _moved_error(drifts, self._label)
 
 
-def _walk(
-    value: object, chain: tuple[Any, ...], path: str, seen: set[int]
-) -> Iterator[tuple[tuple[Any, ...], str, torch.Tensor]]:
-    """Yield `(chain, path, tensor)` for every tensor in `value`, through containers."""
-    if isinstance(value, torch.Tensor):
-        yield chain, path, value
-        return
-    if isinstance(value, nn.Module) or id(value) in seen:
-        return  # submodules are walked by named_modules; cycles end here
-    items: Iterator[tuple[Any, object]]
-    if isinstance(value, (list, tuple)):
-        items = iter(enumerate(value))
-    elif isinstance(value, dict):
-        items = iter(value.items())
+def _pin(s: Site) -> _Pin:
+    t = s.tensor
+    if s.container is s.module._parameters:
+        slot = "_parameters"
+    elif s.container is s.module._buffers:
+        slot = "_buffers"
     else:
-        return
-    seen.add(id(value))
-    for key, item in items:
-        yield from _walk(item, (*chain, key), f"{path}.{key}", seen)
-    seen.discard(id(value))
-
-
-def _pin(
-    path: str,
-    module: nn.Module,
-    container: Any,
-    key: Any,
-    chain: tuple[Any, ...],
-    t: torch.Tensor,
-) -> _Pin:
+        slot = "__dict__"
     return _Pin(
-        path=path,
-        module=module,
-        container=container,
-        key=key,
-        chain=chain,
-        storage_ptr=t.untyped_storage().data_ptr(),
+        site=s,
+        slot=slot,
+        storage=storage_key(t),
         offset=int(t.storage_offset()),
         shape=tuple(t.shape),
         stride=t.stride(),
@@ -349,9 +400,43 @@ def _pin(
     )
 
 
+_MISSING = object()
+
+
+def _module_drift(b: _Bound) -> Drift | None:
+    """A `module` drift when `b.parent` no longer binds `b.module` under `b.key`."""
+    try:
+        now: object = b.parent._modules[b.key]
+    except _RESOLVE_ERRORS:
+        now = getattr(b.parent, b.key, _MISSING)
+    if now is b.module:
+        return None
+    if now is _MISSING:
+        new = "missing"
+    elif now is None or isinstance(now, nn.Module):
+        new = _describe(now)
+    else:
+        new = f"a {type(now).__name__}, not a module"
+    return Drift(
+        path=b.path,
+        module_class=type(b.parent).__name__,
+        what="module",
+        old=_describe(b.module),
+        new=new,
+    )
+
+
+def _describe(obj: object) -> str:
+    """A module or tensor object by class and identity: `Linear (id 0x7f...)`."""
+    return "None" if obj is None else f"{type(obj).__name__} (id 0x{id(obj):x})"
+
+
 def _resolve(p: _Pin) -> Any:
-    value = p.container[p.key]
-    for k in p.chain:
+    """What the path holds now, through the container the module holds now."""
+    s = p.site
+    container = vars(s.module) if p.slot == "__dict__" else vars(s.module)[p.slot]
+    value = container[s.key]
+    for k in s.chain:
         value = value[k]
     return value
 
@@ -370,11 +455,12 @@ def _resolve_loose(p: _Pin) -> tuple[object, str]:
         return _resolve(p), ""
     except _RESOLVE_ERRORS:
         pass
-    if not isinstance(p.key, str):
+    s = p.site
+    if not isinstance(s.key, str):
         return None, "missing"
     try:
-        value: Any = getattr(p.module, p.key)
-        for k in p.chain:
+        value: Any = getattr(s.module, s.key)
+        for k in s.chain:
             value = value[k]
     except _RESOLVE_ERRORS:
         return None, "missing"
@@ -383,27 +469,32 @@ def _resolve_loose(p: _Pin) -> tuple[object, str]:
 
 def _diff(p: _Pin) -> list[Drift]:
     value, why = _resolve_loose(p)
-    cls = type(p.module).__name__
+    path = p.site.path
+    cls = type(p.site.module).__name__
     if not isinstance(value, torch.Tensor) or not _has_storage(value):
         old = f"tensor {p.shape} {p.dtype} on {p.device}"
         if isinstance(value, torch.Tensor):
             new = f"a tensor without storage (layout {value.layout})"
         else:
             new = why or ("None" if value is None else f"a {type(value).__name__}, not a tensor")
-        return [Drift(path=p.path, module_class=cls, what="removed", old=old, new=new)]
+        return [Drift(path=path, module_class=cls, what="removed", old=old, new=new)]
     pairs: tuple[tuple[DriftKind, object, object], ...] = (
-        ("storage", p.storage_ptr, value.untyped_storage().data_ptr()),
+        ("storage", p.storage, storage_key(value)),
         ("offset", p.offset, value.storage_offset()),
         ("shape", p.shape, tuple(value.shape)),
         ("stride", p.stride, value.stride()),
         ("dtype", p.dtype, value.dtype),
         ("device", p.device, value.device),
     )
-    return [
-        Drift(path=p.path, module_class=cls, what=what, old=_fmt(what, a), new=_fmt(what, b))
+    drifts = [
+        Drift(path=path, module_class=cls, what=what, old=_fmt(what, a), new=_fmt(what, b))
         for what, a, b in pairs
         if a != b
     ]
+    if not drifts and value is not p.site.tensor:
+        old, new = _describe(p.site.tensor), _describe(value)
+        drifts.append(Drift(path=path, module_class=cls, what="object", old=old, new=new))
+    return drifts
 
 
 def _fmt(what: DriftKind, value: object) -> str:
@@ -414,9 +505,34 @@ def _fmt(what: DriftKind, value: object) -> str:
 
 def _values(d: Drift) -> tuple[str, str]:
     """The expected and got lines of one drift."""
-    if d.what == "removed":
+    if d.what in ("removed", "object", "module"):
         return d.old, d.new
     return f"{d.what} {d.old}", f"{d.what} {d.new}"
+
+
+def _summary(d: Drift, label: str) -> str:
+    if d.what == "removed":
+        return f"{d.path} was removed after {label}"
+    if d.what == "module":
+        return f"module {d.path} was replaced after {label}"
+    if d.what == "object":
+        return f"{d.path} was rebound after {label}: it holds another tensor object"
+    return f"{d.path} was rebound after {label}: its {d.what} moved"
+
+
+def _change(d: Drift) -> str:
+    """What happened to one path, in the list of several drifts."""
+    if d.what in ("removed", "module"):
+        return "removed" if d.what == "removed" else "module replaced"
+    return "another tensor object" if d.what == "object" else f"{d.what} moved"
+
+
+def _fix(drifts: tuple[Drift, ...]) -> str:
+    modules = any(d.what == "module" for d in drifts)
+    tensors = any(d.what != "module" for d in drifts)
+    if modules and tensors:
+        return f"{_FIX}; for a replaced module, {_FIX_MODULE}"
+    return _FIX_MODULE if modules else _FIX
 
 
 def _moved_error(drifts: tuple[Drift, ...], label: str) -> StorageMovedError:
@@ -424,31 +540,26 @@ def _moved_error(drifts: tuple[Drift, ...], label: str) -> StorageMovedError:
     if len(drifts) == 1:
         (d,) = drifts
         expected, got = _values(d)
-        summary = (
-            f"{d.path} was removed after {label}"
-            if d.what == "removed"
-            else f"{d.path} was rebound after {label}: its {d.what} moved"
-        )
         return StorageMovedError(
-            summary,
+            _summary(d, label),
             drifts=drifts,
             module_class=d.module_class,
             path=d.path,
             expected=expected,
             got=got,
-            fix=_FIX,
+            fix=_fix(drifts),
         )
-    noun = "tensor" if len(paths) == 1 else "tensors"
+    noun = "path" if any(d.what == "module" for d in drifts) else "tensor"
+    noun += "" if len(paths) == 1 else "s"
     lines = [f"{len(paths)} pinned {noun} moved after {label} ({len(drifts)} drifts):"]
     for d in drifts:
         expected, got = _values(d)
-        change = "removed" if d.what == "removed" else f"{d.what} moved"
-        lines.append(f"  {d.path} ({d.module_class}): {change}")
+        lines.append(f"  {d.path} ({d.module_class}): {_change(d)}")
         lines.append(f"    expected: {expected}")
         lines.append(f"    got:      {got}")
     return StorageMovedError(
         "\n".join(lines),
         drifts=drifts,
         path=paths[0] if len(paths) == 1 else None,
-        fix=_FIX,
+        fix=_fix(drifts),
     )

@@ -729,7 +729,8 @@ def test_rebinding_an_input_after_pin_is_reported(
         layer.load_weights([])
     err = e.value
     assert err.path == path
-    assert err.drifts == (path,)
+    assert tuple(d.path for d in err.drifts) == (path,)
+    assert all(isinstance(d, gs.Drift) for d in err.drifts)
     assert err.module_class == "ScaledLayer"
     assert "(pinned)" in str(err.expected)
     assert "copy_" in str(err.fix)
@@ -876,12 +877,14 @@ def test_sizes_and_report_follow_a_move() -> None:
 
 def test_the_report_says_when_a_move_reallocated_the_buffers() -> None:
     # `storage_held`: "whether every buffer kept its storage". After `.double()` none did
-    # (which is allowed before pin, but graphs captured earlier are now invalid).
+    # (which is allowed before pin: no graph holds the old storage).
     layer = _loaded()
     layer.scale = layer.scale.double()
     rt = gs.runtime(layer)
     layer.double()
     report = rt.refresh()
+    # Before pin the buffers are made anew from the derivations, not converted.
+    assert [e.action for e in report.entries] == ["materialized"] * 3
     assert [e.storage_held for e in report.entries] == [False, False, False]
     assert [e.storage_held for e in rt.refresh().entries] == [True, True, True]
 

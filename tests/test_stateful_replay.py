@@ -171,7 +171,8 @@ class RefitMachine(RuleBasedStateMachine):
     @rule()
     def capture(self) -> None:
         rt = gs.runtime(self.net)
-        rt.unpin()  # a new capture accepts the storage as it is now
+        if self.graph is not None:
+            self.graph.reset()  # releases its pin: a new capture takes the storage as it is now
         rt.refresh()
         self.graph = gs.Graph(backend="cpu", guard=self.net)
         with torch.no_grad(), self.graph.capture():

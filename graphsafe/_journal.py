@@ -1,0 +1,283 @@
+"""The write journal: one process-wide record of writes into tensor storages.
+
+Keyed by storage (`storage_key`). Every write graphsafe observes (a tracked load, a
+`weight_update` block, graphsafe's own receive paths) or is told about
+(`gs.mark_written`) advances that storage's epoch, whichever model the write went
+through. A runtime records, at each refresh, a witness of every input it read: the
+tensor's identity, storage pointer, `_version` and journal epoch. A witness that no
+longer matches means the input was written or rebound since, by any path torch or
+graphsafe records, so every runtime whose derivations read a storage sees its writes.
+
+The journal also records storages left unusable by a failure (`poison`): a derivation
+that raised, or a load or update that did not complete. Every guard whose graph reads
+one of them refuses to replay until a refresh or a completed load heals them.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["JOURNAL", "Journal", "Witnesses", "mark_written", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The key graphsafe tracks writes by: the address of the tensor's storage.
+
+    Zero-size tensors all have address 0 and hold no bytes: their key is 0, which is
+    never watched, so they are never taken for one another.
+
+    Args:
+        t: Any tensor.
+
+    Returns:
+        The storage's data pointer, or 0 for a storage without bytes or no storage.
+
+    Examples:
+        >>> t = torch.zeros(4)
+        >>> storage_key(t[1:]) == storage_key(t)
+        True
+        >>> storage_key(torch.zeros(0))
+        0
+    """
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+class Journal:
+    """Epochs of written storages, and storages poisoned by a failure.
+
+    Examples:
+        >>> j = Journal()
+        >>> j.advance([0x10], "a load")
+        >>> j.epochs[0x10] > 0, j.how[0x10]
+        (True, 'a load')
+    """
+
+    __slots__ = ("_lock", "clock", "epochs", "how", "poisoned")
+
+    def __init__(self) -> None:
+        self.clock = 0
+        """Advanced by every recorded write: a witness taken at this clock is current
+        while the clock has not moved."""
+        self.epochs: dict[int, int] = {}
+        """Storage key -> the clock of its last recorded write."""
+        self.how: dict[int, str] = {}
+        """Storage key -> how it was last written, for messages."""
+        self.poisoned: dict[int, str] = {}
+        """Storage key -> why it must not be read by a replay."""
+        self._lock = threading.Lock()
+
+    def advance(self, keys: Iterable[int], how: str) -> None:
+        """Record a write into each storage of `keys` (key 0 is ignored).
+
+        Args:
+            keys: Storage keys written.
+            how: How they were written ("load_weights of Model", ...).
+        """
+        with self._lock:
+            self.clock += 1
+            clock = self.clock
+            for key in keys:
+                if key:
+                    self.epochs[key] = clock
+                    self.how[key] = how
+
+    def poison(self, keys: Iterable[int], why: str) -> None:
+        """Mark storages unusable until healed.
+
+        Args:
+            keys: Storage keys.
+            why: The failure, for messages.
+        """
+        with self._lock:
+            for key in keys:
+                if key:
+                    self.poisoned.setdefault(key, why)
+
+    def heal(self, keys: Iterable[int]) -> None:
+        """Clear the poison of storages that were refreshed or completely loaded.
+
+        Args:
+            keys: Storage keys.
+        """
+        if not self.poisoned:
+            return
+        with self._lock:
+            for key in keys:
+                self.poisoned.pop(key, None)
+
+    def poisoned_among(self, keys: frozenset[int]) -> dict[int, str]:
+        """The poisoned storages among `keys` (cheap when nothing is poisoned).
+
+        Args:
+            keys: Storage keys a graph or runtime reads.
+
+        Returns:
+            Key -> why, for each poisoned one.
+        """
+        poisoned = self.poisoned
+        if not poisoned:
+            return {}
+        return {k: poisoned[k] for k in keys.intersection(poisoned)}
+
+
+JOURNAL = Journal()
+"""The process-wide journal."""
+
+
+def mark_written(*tensors: torch.Tensor) -> None:
+    """Declare writes graphsafe cannot see, so that derived buffers follow them.
+
+    Writes into parameter storage by c10d collectives (`dist.broadcast(p.data, src)`),
+    through NumPy views or raw storage copies bypass both the load-time tracker and
+    `_version`. Declaring them advances the journal: inside `gs.weight_update(model)`
+    the derived buffers reading them are refreshed when the block exits; outside one,
+    every runtime reading them reports them stale and a guarded replay refuses (or
+    repairs, with `on_stale="refresh"`).
+
+    Args:
+        *tensors: The tensors written (any view of the storage will do).
+
+    Examples:
+        >>> import torch
+        >>> w = torch.zeros(3)
+        >>> w.numpy()[:] = 1.0  # invisible to torch
+        >>> mark_written(w)
+    """
+    JOURNAL.advance((storage_key(t) for t in tensors), "declared with gs.mark_written")
+
+
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class Witnesses:
+    """What each watched tensor looked like when its dependents were last refreshed.
+
+    The tensors are read through the dict they live in, so a rebound attribute shows.
+    `unchanged()` is one flat comparison per field over all of them; only a mismatch
+    pays for finding which ones differ (`changed()`).
+
+    Args:
+        sites: `(container, key)` per tensor, e.g. `(module._parameters, "weight")`.
+    """
+
+    __slots__ = ("_clock", "_epochs", "_ids", "_ptrs", "_skeys", "_versions", "_zeros",
+                 "containers", "keys")
+
+    def __init__(self, sites: Sequence[tuple[dict[str, Any], str]]) -> None:
+        self.containers = [c for c, _ in sites]
+        self.keys = [k for _, k in sites]
+        n = len(sites)
+        self._zeros = [0] * n
+        self._ids = [0] * n
+        self._ptrs = [0] * n
+        self._versions = [0] * n
+        self._skeys = [0] * n
+        self._epochs = [0] * n
+        self._clock = -1
+        self.record(range(n))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def rebuilt(self, sites: Sequence[tuple[dict[str, Any], str]]) -> Witnesses:
+        """New witnesses over `sites`, keeping what was recorded for sites already here.
+
+        New sites are recorded now; sites kept keep their old record, so a change not
+        yet refreshed is not forgotten.
+
+        Args:
+            sites: The new `(container, key)` list.
+
+        Returns:
+            The new witnesses.
+        """
+        new = Witnesses(sites)
+        old = {(id(c), k): i for i, (c, k) in enumerate(zip(self.containers, self.keys))}
+        for j, (c, k) in enumerate(sites):
+            i = old.get((id(c), k))
+            if i is not None and self._ids[i] == new._ids[j]:
+                new._ptrs[j] = self._ptrs[i]
+                new._versions[j] = self._versions[i]
+                new._epochs[j] = self._epochs[i]
+        new._clock = -1
+        return new
+
+    def record(self, indices: Iterable[int]) -> None:
+        """Take the witnesses of `indices` anew, after their dependents were refreshed.
+
+        The clock shortcut is left alone: other sites may still lag behind it.
+
+        Args:
+            indices: Site indices.
+        """
+        epochs = JOURNAL.epochs
+        for i in indices:
+            t = self.containers[i].get(self.keys[i])
+            self._ids[i] = id(t)
+            if isinstance(t, torch.Tensor):
+                self._ptrs[i] = _ptr(t)
+                self._versions[i] = t._version
+                key = self._skeys[i] = storage_key(t)
+                self._epochs[i] = epochs.get(key, 0)
+            else:
+                self._ptrs[i] = self._versions[i] = self._skeys[i] = self._epochs[i] = 0
+
+    def unchanged(self) -> bool:
+        """The flat check: same tensor objects, pointers, versions and epochs."""
+        tensors = list(map(dict.get, self.containers, self.keys))
+        if list(map(id, tensors)) != self._ids:
+            return False
+        try:
+            if list(map(_VERSION, tensors)) != self._versions:
+                return False
+            if list(map(_DATA_PTR, tensors)) != self._ptrs:
+                return False
+        except (AttributeError, TypeError, RuntimeError):
+            return False
+        clock = JOURNAL.clock
+        if clock != self._clock:
+            if list(map(JOURNAL.epochs.get, self._skeys, self._zeros)) != self._epochs:
+                return False
+            self._clock = clock
+        return True
+
+    def changed(self) -> list[tuple[int, str]]:
+        """Which tensors changed since they were recorded, and how.
+
+        Returns:
+            `(index, how)` per changed tensor, in site order; empty when none did.
+        """
+        if self.unchanged():
+            return []
+        out: list[tuple[int, str]] = []
+        epochs = JOURNAL.epochs
+        for i, (c, k) in enumerate(zip(self.containers, self.keys)):
+            t = c.get(k)
+            if id(t) != self._ids[i] or not isinstance(t, torch.Tensor):
+                out.append((i, "rebound"))
+            elif _ptr(t) != self._ptrs[i]:
+                out.append((i, "rebound to new storage"))
+            elif t._version != self._versions[i]:
+                out.append((i, "written in place outside a tracked load (its version moved)"))
+            elif epochs.get(self._skeys[i], 0) != self._epochs[i]:
+                how = JOURNAL.how.get(self._skeys[i], "a recorded write")
+                out.append((i, f"written by {how}"))
+        return out
+
+
+def _ptr(t: object) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    try:
+        return int(t.data_ptr())
+    except RuntimeError:
+        return 0

@@ -101,7 +101,7 @@ def geometry(t: torch.Tensor | None) -> tuple[int, tuple[int, ...], tuple[int, .
     """Pointer, shape, stride and offset of `t` (zeros for None)."""
     if t is None:
         return (0, (), (), 0)
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.storage_offset())
+    return (t.data_ptr(), tuple(t.shape), t.stride(), int(t.storage_offset()))
 
 
 def _find_container(owner: nn.Module, name: str) -> dict[str, Any] | None:

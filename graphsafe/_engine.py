@@ -71,6 +71,7 @@ class Engine:
         self._reallocated: set[int] = set()
         self._watch: dict[int, list[Input]] | None = None
         self._buffer_checks: list[tuple[Any, ...]] | None = None
+        self._keys: frozenset[int] | None = None
         self._site_owner: list[tuple[int, ...]] = []
         self._input_site: dict[int, int] = {}
         self._buffer_sites: list[list[int]] = [[] for _ in self.bound]
@@ -192,6 +193,7 @@ class Engine:
             self._reallocated.add(b.index)
             dirty.add(b.index)
         self._watch = None
+        self._keys = None
         self.witnesses = self.witnesses.rebuilt(self._sites())
         return dirty
 
@@ -322,6 +324,7 @@ class Engine:
         for i in ok:
             self.reasons.pop(i, None)
         if sites_changed:
+            self._keys = None
             self.witnesses = self.witnesses.rebuilt(self._sites())
         # An input's witness is taken only when every derivation reading it ran: a change
         # that one of them has not seen must stay visible.
@@ -460,10 +463,12 @@ class Engine:
 
     def storage_keys(self) -> frozenset[int]:
         """Storage keys of every input and buffer, for the journal's poison check."""
-        keys = {storage_key(inp.tensor) for inp in self.inputs if inp.tensor is not None}
-        keys.update(storage_key(t) for b in self.bound for t in b.buffers or ())
-        keys.discard(0)
-        return frozenset(keys)
+        if self._keys is None:
+            keys = {storage_key(inp.tensor) for inp in self.inputs if inp.tensor is not None}
+            keys.update(storage_key(t) for b in self.bound for t in b.buffers or ())
+            keys.discard(0)
+            self._keys = frozenset(keys)
+        return self._keys
 
 
 def _first_line(exc: BaseException) -> str:

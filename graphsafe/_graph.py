@@ -26,15 +26,15 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from itertools import chain
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from graphsafe._capture import CaptureState
 from graphsafe._cpu_graph import CPUBackend
-from graphsafe.ledger import Ledger
 from graphsafe._runtime import Runtime, runtime
+from graphsafe.ledger import Ledger
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
@@ -120,7 +120,7 @@ class Graph:
         self._repair = on_stale == "refresh"
         self._backend = _choose(backend, guard)
         self._pool = pool
-        self._pin: weakref.finalize | None = None
+        self._pin: weakref.finalize[Any, Any] | None = None
         if self._backend == "cpu" and pool is not None:
             raise ValueError(
                 "pool is a CUDA graph memory pool; the cpu backend has none "

@@ -239,7 +239,7 @@ class Witnesses:
         try:
             if list(map(_VERSION, tensors)) != self._versions:
                 return False
-            if list(map(_DATA_PTR, tensors)) != self._ptrs:
+            if list(map(_DATA_PTR, tensors)) != self._ptrs:  # type: ignore[arg-type]
                 return False
         except (AttributeError, TypeError, RuntimeError):
             return False

@@ -149,7 +149,9 @@ class Runtime:
         self._engine = engine = Engine(binding, self._model_tensors, strict=self._strict)
         self._keys = engine.storage_keys()
         if model not in _HOOKED:
-            model.register_load_state_dict_post_hook(_after_load_state_dict)
+            model.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                _after_load_state_dict
+            )
             _HOOKED.add(model)
         return engine
 
@@ -251,7 +253,8 @@ class Runtime:
     def _stale_map(self) -> dict[int, str]:
         """Stale derivation index -> why, from every source the runtime knows."""
         engine = self.engine
-        found = {i: engine.reasons.get(i, "not materialized or not refreshed") for i in engine.stale}
+        found = {i: engine.reasons.get(i, "not materialized or not refreshed")
+                 for i in engine.stale}
         for i, how in engine.witness_dirty().items():
             found.setdefault(i, how)
         moved_inputs, moved_buffers = engine.find_moved()
@@ -629,8 +632,9 @@ class Runtime:
 
     def _begin(self, *, full_watch: bool) -> _Load:
         engine = self.engine
-        watch: dict[int, Any] = dict(engine.watch_map())
+        watch: dict[int, Any] = engine.watch_map()
         if full_watch:
+            watch = dict(watch)
             # Watch every tensor of the model, not only derivation inputs, so that a
             # replay inside the block is refused as soon as anything was written.
             for key, path in self._model_tensors().items():
@@ -721,10 +725,8 @@ def _refresh_others(origin: Runtime, written: set[int]) -> None:
         return
     for rt in list(_LIVE):
         if rt is not origin and rt._engine is not None:
-            try:
+            with contextlib.suppress(GraphSafetyError):  # left stale: its guard reports it
                 rt.refresh_storages(written)
-            except GraphSafetyError:
-                pass  # left stale: its own guard reports it
 
 
 def _swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> StorageMovedError:

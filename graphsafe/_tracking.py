@@ -94,7 +94,7 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.written.add(key)
 
 
-class ReadGuard(WriteTracker):
+class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
     """A `WriteTracker` that also refuses reads of some storages, before the op runs.
 
     A derivation's first call runs under one: reading a model tensor it did not declare

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from graphsafe._verify import VerifyReport, run_verify
 from graphsafe.cli import main
 from graphsafe.models.deepseek_v4 import verify_target
-from graphsafe._verify import VerifyReport, run_verify
 
 
 def test_verify_json_reports_exact_refits_and_a_detected_control(capsys):

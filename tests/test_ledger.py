@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from graphsafe._walk import storage_key, walk_modules, walk_tensors
 from graphsafe.errors import StorageMovedError
 from graphsafe.ledger import Drift, Ledger
 
@@ -354,3 +356,230 @@ def test_same_memory_under_another_dtype_is_a_dtype_drift_alone() -> None:
     ledger = Ledger.snapshot(net)
     _reinterpret_dtype(net)
     assert _kinds(ledger.verify()) == {("layers.0.buf", "dtype")}
+
+
+# Module identity: every path is pinned to the module bound there. The tensors of a
+# replaced module are untouched, so a ledger that resolves them through the old module's
+# dicts sees nothing: each of these tests fails on such a ledger.
+
+
+def _replace_list_item_module(net: Net) -> None:
+    net.layers[0] = Block()
+
+
+def _replace_child(net: Net) -> None:
+    net.layers[0].lin = nn.Linear(4, 4)
+
+
+def _set_deep_copy(net: Net) -> None:
+    setattr(net.layers[1], "lin", copy.deepcopy(net.layers[1].lin))  # noqa: B010
+
+
+def _replace_module_list(net: Net) -> None:
+    net.layers = nn.ModuleList([net.layers[0], Block()])
+
+
+def _child_to_none(net: Net) -> None:
+    net.layers[0].lin = None
+
+
+def _delete_child(net: Net) -> None:
+    del net.layers[1].lin
+
+
+MODULE_CASES: list[tuple[Callable[[Net], None], set[str]]] = [
+    (_replace_list_item_module, {"layers.0"}),
+    (_replace_child, {"layers.0.lin"}),
+    (_set_deep_copy, {"layers.1.lin"}),
+    (_replace_module_list, {"layers"}),
+    (_child_to_none, {"layers.0.lin"}),
+    (_delete_child, {"layers.1.lin"}),
+]
+
+
+@pytest.mark.parametrize(("swap", "paths"), MODULE_CASES, ids=[c[0].__name__ for c in MODULE_CASES])
+def test_a_replaced_module_is_a_module_drift_at_its_path(
+    swap: Callable[[Net], None], paths: set[str]
+) -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    swap(net)
+    # Only the binding: the old module's tensors are no longer the model's.
+    assert _kinds(ledger.verify()) == {(p, "module") for p in paths}
+
+
+def test_deleting_from_a_module_list_shifts_every_later_binding() -> None:
+    # `ModuleList.__delitem__` renumbers into a new `_modules` dict: pinning the old dict
+    # alone would miss it.
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    del net.layers[0]
+    drifts = {d.path: d for d in ledger.verify()}
+    assert set(drifts) == {"layers.0", "layers.1"}
+    assert drifts["layers.0"].new.startswith("Block (id 0x")  # the old layers.1
+    assert drifts["layers.1"].new == "missing"
+
+
+def test_assert_stable_names_a_replaced_module_and_how_to_fix_it() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net, label="graph capture")
+    old = net.layers[0]
+    net.layers[0] = copy.deepcopy(old)
+    with pytest.raises(
+        StorageMovedError,
+        match=r"(?s)module layers\.0 was replaced after graph capture"
+        r".*module:\s+ModuleList.*tensor:\s+layers\.0"
+        rf".*expected:\s+Block \(id 0x{id(old):x}\)"
+        rf".*got:\s+Block \(id 0x{id(net.layers[0]):x}\)"
+        r".*fix:.*load_state_dict.*instead of replacing it.*re-capture",
+    ) as e:
+        ledger.assert_stable()
+    assert e.value.path == "layers.0"
+
+
+def test_control_modules_put_back_or_containers_rebuilt_alike_are_no_drift() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    first = net.layers[0]
+    net.layers[0] = Block()
+    net.layers[0] = first
+    del net.layers[2:2]  # rebuilds `_modules` with the same modules
+    net.layers[1]._parameters = dict(net.layers[1]._parameters)
+    net.layers.append(Block())  # new modules were never pinned
+    assert ledger.verify() == ()
+
+
+def test_a_replaced_parameter_dict_is_followed() -> None:
+    # The flat check pins `_parameters` itself too: the old dict still holds the old
+    # weight, so looking there alone would see nothing.
+    lin = Net().layers[0].lin
+    ledger = Ledger.snapshot(lin)
+    lin._parameters = {"weight": nn.Parameter(torch.randn(4, 4)), "bias": lin.bias}
+    assert _kinds(ledger.verify()) == {("weight", "storage")}
+
+
+def test_a_module_shared_by_two_parents_is_pinned_at_both_bindings() -> None:
+    shared = nn.Linear(2, 2)
+    net = nn.Sequential(shared, shared)
+    ledger = Ledger.snapshot(net)
+    net[1] = nn.Linear(2, 2)
+    assert _kinds(ledger.verify()) == {("1", "module")}
+
+
+def test_a_module_replaced_at_one_binding_but_still_held_at_another_is_still_checked() -> None:
+    shared = nn.Linear(2, 2)
+    net = nn.Sequential(shared, shared)
+    ledger = Ledger.snapshot(net)
+    net[0] = nn.Linear(2, 2)
+    shared.weight.data = torch.zeros(2, 2)  # still read through net[1]
+    assert _kinds(ledger.verify()) == {("0", "module"), ("0.weight", "storage")}
+
+
+# Identity: a path must hold the very tensor object pinned, even when another one would
+# read the same memory. Data pointers cannot tell these apart.
+
+
+def test_swapping_one_empty_tensor_for_another_is_an_object_drift() -> None:
+    m = nn.Module()
+    m.e = torch.empty(0)
+    m.register_buffer("b", torch.empty(0, 3))
+    ledger = Ledger.snapshot(m)
+    assert m.e.data_ptr() == 0  # every empty tensor has this address
+    m.e = torch.empty(0)
+    m.register_buffer("b", torch.empty(0, 3))
+    assert _kinds(ledger.verify()) == {("e", "object"), ("b", "object")}
+
+
+def test_a_new_object_over_the_same_memory_is_an_object_drift() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    block = net.layers[0]
+    block.x = block.x.detach()  # same storage, offset, shape, stride, dtype
+    block.cache[0] = block.cache[0].view(4)
+    with pytest.raises(
+        StorageMovedError,
+        match=r"(?s)2 pinned tensors moved.*layers\.0\.x \(Block\): another tensor object"
+        r"\n    expected: Tensor \(id 0x[0-9a-f]+\)\n    got:      Tensor \(id 0x",
+    ):
+        ledger.assert_stable()
+    assert _kinds(ledger.verify()) == {("layers.0.x", "object"), ("layers.0.cache.0", "object")}
+
+
+# The fast check reads each pinned tensor's data pointer, stride, shape and dtype because
+# `.data =` moves no version counter and can change each of them alone: a check that
+# skips any one of the four fails one of these.
+
+SINGLE_FIELD_MOVES: list[tuple[Callable[[torch.Tensor], None], str]] = [
+    (lambda w: setattr(w, "data", w.data.clone()), "storage"),
+    (lambda w: setattr(w, "data", w.data.t()), "stride"),
+    (lambda w: setattr(w, "data", w.data.as_strided((2, 8), (4, 1))), "shape"),
+    (lambda w: setattr(w, "data", w.data.view(torch.int32)), "dtype"),
+]
+
+
+@pytest.mark.parametrize(
+    ("move", "what"), SINGLE_FIELD_MOVES, ids=[w for _, w in SINGLE_FIELD_MOVES]
+)
+def test_data_assignment_that_changes_one_field_alone_is_caught(
+    move: Callable[[torch.Tensor], None], what: str
+) -> None:
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    ledger = Ledger.snapshot(m)
+    version = m.w._version
+    move(m.w)
+    assert m.w._version == version  # nothing but the field itself shows it
+    assert _kinds(ledger.verify()) == {("w", what)}
+
+
+def test_swap_tensors_under_a_kept_object_is_caught() -> None:
+    net = Net()
+    ledger = Ledger.snapshot(net)
+    torch.utils.swap_tensors(net.layers[0].x, torch.ones(4))
+    assert _kinds(ledger.verify()) == {("layers.0.x", "storage")}
+
+
+def test_a_zero_byte_tensor_moved_to_another_device_is_caught() -> None:
+    # Its data pointer is 0 on every device, so its device is compared too.
+    m = nn.Module()
+    m.e = torch.empty(0)
+    ledger = Ledger.snapshot(m)
+    torch.utils.swap_tensors(m.e, torch.empty(0, device="meta"))
+    assert _kinds(ledger.verify()) == {("e", "device")}
+
+
+# The walker (`graphsafe._walk`), which the ledger pins from.
+
+
+def test_every_site_resolves_to_its_tensor_through_container_key_and_chain() -> None:
+    net = Net()
+    sites = list(walk_tensors(net))
+    for s in sites:
+        value = s.container[s.key]
+        for k in s.chain:
+            value = value[k]
+        assert value is s.tensor
+        assert s.container in (s.module._parameters, s.module._buffers, vars(s.module))
+    assert [s.path for s in sites if s.chain] == [
+        f"layers.{i}.{p}"
+        for i in (0, 1)
+        for p in ("cache.0", "cache.1", "tables.k", "tables.pair.0", "tables.pair.1")
+    ]
+
+
+def test_walk_modules_gives_every_binding_and_walks_a_shared_module_once() -> None:
+    shared = nn.Sequential(nn.Linear(2, 2))
+    net = nn.Sequential(shared, shared)
+    sites = list(walk_modules(net))
+    assert [(s.path, s.key) for s in sites] == [("", ""), ("0", "0"), ("0.0", "0"), ("1", "1")]
+    for s in sites[1:]:
+        assert s.parent is not None and s.parent._modules[s.key] is s.module
+    assert [s.path for s in walk_tensors(net)] == ["0.0.weight", "0.0.bias"]
+
+
+def test_storage_key_is_zero_exactly_when_there_are_no_bytes_to_tell_apart() -> None:
+    x = torch.zeros(4)
+    assert storage_key(x) == storage_key(x[1:]) == x.untyped_storage().data_ptr() != 0
+    assert storage_key(torch.empty(0)) == 0
+    assert storage_key(torch.empty(4, device="meta")) == 0
+    assert storage_key(torch.eye(2).to_sparse()) == 0

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphsafe as gs
-from graphsafe.ledger import Ledger
+from graphsafe._ledger import Ledger
 from graphsafe._tracking import WriteTracker, storage_key
 
 __all__ = ["FIGURES", "Ctx", "Sizes"]

@@ -13,8 +13,7 @@ from graphsafe._errors import StorageMovedError
 from graphsafe._errors import WeightLoadError
 from graphsafe._graph import Graph
 from graphsafe._journal import mark_written
-from graphsafe.ledger import Drift
-from graphsafe.ledger import Ledger
+from graphsafe._ledger import Ledger
 from graphsafe._registry import Registry
 from graphsafe._registry import default_registry
 from graphsafe._runtime import Runtime
@@ -23,6 +22,7 @@ from graphsafe._runtime import weight_update
 from graphsafe._spec import Derivation
 from graphsafe._spec import DerivationInfo
 from graphsafe._spec import DerivationReport
+from graphsafe._spec import Drift
 from graphsafe._spec import RefreshReport
 
 __all__ = [

@@ -9,7 +9,7 @@ walking, no signature inspection and no path resolution.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,8 +20,18 @@ from graphsafe._declare import is_marked
 from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._registry import accepts_out, check_signature
 from graphsafe._spec import Derivation
+from graphsafe._walk import walk_modules
 
-__all__ = ["Binding", "Bound", "Input", "bind", "describe", "join", "model_tensors", "pin_storage"]
+__all__ = [
+    "Binding",
+    "Bound",
+    "Input",
+    "bind",
+    "describe",
+    "join",
+    "pin_storage",
+    "swapped_modules",
+]
 
 
 def describe(t: torch.Tensor) -> str:
@@ -325,10 +335,9 @@ def bind(
         for p in b.inputs:
             by_path.setdefault(p, []).append(b.index)
     sites = [
-        (parent._modules, key, child, join(path, key))
-        for path, parent in model.named_modules()
-        for key, child in parent._modules.items()
-        if child is not None
+        (m.parent._modules, m.key, m.module, m.path)
+        for m in walk_modules(model)
+        if m.parent is not None
     ]
     return Binding(ordered, list(inputs.values()), by_path, sites)
 
@@ -438,16 +447,3 @@ def _toposort(bound: list[Bound]) -> list[Bound]:
         )
     del by_id
     return order
-
-
-def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for mpath, module in model.named_modules(remove_duplicate=False):
-        for name, t in module._parameters.items():
-            if t is not None:
-                yield join(mpath, name), t
-        for name, t in module._buffers.items():
-            if t is not None:
-                yield join(mpath, name), t
-        for name, t in module.__dict__.items():
-            if isinstance(t, torch.Tensor):
-                yield join(mpath, name), t

@@ -19,7 +19,7 @@ from graphsafe._errors import (
     RegistrationError,
     StorageMovedError,
 )
-from graphsafe.ledger import Drift
+from graphsafe._spec import Drift
 
 __all__ = [
     "as_results",

@@ -104,7 +104,7 @@ class StorageMovedError(GraphSafetyError):
 
     Args:
         summary: One line saying what went wrong.
-        drifts: One entry per moved tensor (see `graphsafe.ledger.Drift`).
+        drifts: One entry per moved tensor (see `graphsafe._ledger.Drift`).
         **kwargs: As for `GraphSafetyError`.
     """
 

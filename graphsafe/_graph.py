@@ -33,8 +33,8 @@ from torch import nn
 
 from graphsafe._capture import CaptureState
 from graphsafe._cpu_graph import CPUBackend
+from graphsafe._ledger import Ledger
 from graphsafe._runtime import Runtime, runtime
-from graphsafe.ledger import Ledger
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle

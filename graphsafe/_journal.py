@@ -22,32 +22,9 @@ from typing import Any
 
 import torch
 
+from graphsafe._walk import storage_key
+
 __all__ = ["JOURNAL", "Journal", "Witnesses", "mark_written", "storage_key"]
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """The key graphsafe tracks writes by: the address of the tensor's storage.
-
-    Zero-size tensors all have address 0 and hold no bytes: their key is 0, which is
-    never watched, so they are never taken for one another.
-
-    Args:
-        t: Any tensor.
-
-    Returns:
-        The storage's data pointer, or 0 for a storage without bytes or no storage.
-
-    Examples:
-        >>> t = torch.zeros(4)
-        >>> storage_key(t[1:]) == storage_key(t)
-        True
-        >>> storage_key(torch.zeros(0))
-        0
-    """
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return 0
 
 
 class Journal:

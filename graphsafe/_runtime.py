@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._binding import Binding, bind, join, swapped_modules
-from graphsafe._declare import class_registries, is_wrapped_loader, set_load_runner
+from graphsafe._binding import Binding, bind, swapped_modules
+from graphsafe._declare import class_registries, set_load_runner
 from graphsafe._engine import Engine
 from graphsafe._errors import (
     GraphSafetyError,
@@ -27,38 +27,16 @@ from graphsafe._errors import (
     StaleError,
     StorageMovedError,
 )
-from graphsafe._journal import JOURNAL, storage_key
+from graphsafe._fresh import check_fresh, fresh_fix, stale_map
+from graphsafe._journal import JOURNAL
+from graphsafe._loads import Load, end
 from graphsafe._registry import Registry, default_registry
-from graphsafe._spec import Derivation, DerivationInfo, RefreshReport
-from graphsafe._tracking import WriteTracker
-from graphsafe.ledger import Drift
+from graphsafe._spec import Derivation, DerivationInfo, Drift, RefreshReport
+from graphsafe._walk import storage_key, walk_tensors
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 
 _MANUAL = "manual"
-
-
-class _Load:
-    """One load or `weight_update` block in progress: what it has written so far."""
-
-    __slots__ = ("done", "lock", "thread", "tracker", "watch", "written")
-
-    def __init__(self, watch: dict[int, Any]) -> None:
-        self.thread = threading.get_ident()
-        self.watch = watch
-        self.tracker = WriteTracker(watch)
-        self.written: set[int] = set()
-        self.lock = threading.Lock()
-        self.done = False
-
-    def close(self) -> set[int]:
-        """End the load; what it wrote, workers' writes included."""
-        with self.lock:
-            self.done = True
-            return self.written | self.tracker.written
-
-    def any_written(self) -> bool:
-        return bool(self.written or self.tracker.written)
 
 
 class Runtime:
@@ -98,7 +76,7 @@ class Runtime:
         self._lock = threading.RLock()
         self._engine: Engine | None = None
         self._holders: dict[object, int] = {}
-        self._load: _Load | None = None
+        self._load: Load | None = None
         self._keys: frozenset[int] = frozenset()
         _LIVE.add(self)
 
@@ -159,14 +137,12 @@ class Runtime:
         _OWNERS[module] = self
 
     def _model_tensors(self) -> dict[int, str]:
+        """`{storage key: path}` of every tensor of the model (first path of each)."""
         watch: dict[int, str] = {}
-        for mpath, module in self.model.named_modules(remove_duplicate=False):
-            for container in (module._parameters, module._buffers, module.__dict__):
-                for name, t in container.items():
-                    if isinstance(t, torch.Tensor):
-                        key = storage_key(t)
-                        if key:
-                            watch.setdefault(key, join(mpath, name))
+        for site in walk_tensors(self.model):
+            key = storage_key(site.tensor)
+            if key:
+                watch.setdefault(key, site.path)
         return watch
 
     def _derivations_for(self, cls: type) -> list[Derivation]:
@@ -250,37 +226,6 @@ class Runtime:
         """Whether any graph (or a manual `pin()`) holds the storage fixed."""
         return bool(self._holders)
 
-    def _stale_map(self) -> dict[int, str]:
-        """Stale derivation index -> why, from every source the runtime knows."""
-        engine = self.engine
-        found = {i: engine.reasons.get(i, "not materialized or not refreshed")
-                 for i in engine.stale}
-        for i, how in engine.witness_dirty().items():
-            found.setdefault(i, how)
-        moved_inputs, moved_buffers = engine.find_moved()
-        for inp in moved_inputs:
-            for i in inp.consumers:
-                found.setdefault(i, f"{inp.path} was rebound")
-        for b, j in moved_buffers:
-            found.setdefault(b.index, f"{b.out_paths[j]} was rebound")
-        load = self._load
-        if load is not None and load.any_written():
-            written = load.written | load.tracker.written
-            for i in engine.consumers_of(written):
-                found.setdefault(i, "written inside a weight update that has not ended")
-        poisoned = JOURNAL.poisoned_among(engine.storage_keys())
-        if poisoned:
-            for b in engine.bound:
-                for t in b.buffers or ():
-                    why = poisoned.get(storage_key(t))
-                    if why is not None:
-                        found.setdefault(b.index, why)
-        out: dict[int, str] = {}
-        for i in sorted(found):
-            for j in engine.bound[i].downstream:
-                out.setdefault(j, found[i])
-        return out
-
     @property
     def stale(self) -> tuple[str, ...]:
         """Paths of derived buffers that do not currently match their inputs.
@@ -290,8 +235,9 @@ class Runtime:
         place (its version moved) or written through the journal since the last refresh.
         """
         with self._lock:
-            bound = self.engine.bound
-            return tuple(p for i in sorted(self._stale_map()) for p in bound[i].out_paths)
+            engine = self.engine
+            stale = stale_map(engine, self._load.written_so_far() if self._load else set())
+            return tuple(p for i in sorted(stale) for p in engine.bound[i].out_paths)
 
     @property
     def materialized(self) -> bool:
@@ -316,67 +262,19 @@ class Runtime:
         """
         with self._lock:
             load = self._load
-            if load is not None and load.any_written():
+            if load is not None and load.written_so_far():
                 raise StaleError(
                     "a weight update is in progress; the model holds a mix of old and new "
                     "weights",
                     module_class=type(self.model).__name__,
                     expected="the weight_update block (or load) to have ended",
-                    got=f"{len(load.written | load.tracker.written)} tensor storage(s) "
+                    got=f"{len(load.written_so_far())} tensor storage(s) "
                     "written so far",
                     fix="run the model after the `with gs.weight_update(model):` block exits",
                 )
             engine = self.engine
             if engine.stale or not engine.witnesses.unchanged() or JOURNAL.poisoned:
-                self._check_fresh(engine, repair)
-
-    def _check_fresh(self, engine: Engine, repair: bool) -> None:
-        stale = self._stale_map()
-        if stale and repair and not any(i in engine.reasons for i in stale):
-            engine.run(engine.closure(stale))
-            stale = {}
-        if stale:
-            paths = [p for i in sorted(stale) for p in engine.bound[i].out_paths]
-            first = engine.bound[min(stale)]
-            unmaterialized = any(b.buffers is None for b in engine.bound)
-            raise StaleError(
-                f"{len(paths)} derived buffer(s) do not match their inputs",
-                paths=paths,
-                module_class=first.module_class,
-                derivation=first.spec.name,
-                path=", ".join(paths[:8]) + (" ..." if len(paths) > 8 else ""),
-                expected="every derived buffer refreshed from the current weights",
-                got="; ".join(
-                    f"{engine.bound[i].path}: {why}" for i, why in list(stale.items())[:4]
-                ),
-                fix=self._fresh_fix(unmaterialized),
-            )
-        failed = JOURNAL.poisoned_among(self._keys)
-        if failed:
-            raise StaleError(
-                "the last weight update failed; the model holds a mix of old and new weights",
-                module_class=type(self.model).__name__,
-                expected="a weight update that completed",
-                got=next(iter(failed.values())),
-                fix="load the weights again; the model is usable once a load completes",
-            )
-
-    def _fresh_fix(self, unmaterialized: bool) -> str:
-        cls = type(self.model)
-        loader = getattr(cls, "load_weights", None)
-        if unmaterialized and loader is not None and not is_wrapped_loader(loader):
-            return (
-                f"{cls.__name__}.load_weights is not decorated with @gs.graphsafe, so its "
-                "writes were not tracked: decorate the class, or call it inside "
-                "`with gs.weight_update(model):`"
-            )
-        return (
-            "write weights through a tracked load (a method wrapped by @gs.graphsafe, "
-            "load_state_dict, or a `gs.weight_update(model)` block; declare writes graphsafe "
-            "cannot see with gs.mark_written) and let it end; gs.runtime(model)."
-            "refresh_stale() recomputes stale buffers, and Graph(..., on_stale='refresh') "
-            "does so before each replay; a failed load is repaired only by loading again"
-        )
+                check_fresh(engine, self._keys, type(self.model), repair=repair)
 
     # -- refresh ---------------------------------------------------------------------
 
@@ -458,7 +356,7 @@ class Runtime:
                     path=", ".join(missing[:8]),
                     expected="derived buffers allocated by a first load or refresh()",
                     got="not materialized",
-                    fix=self._fresh_fix(True).replace("write weights", "load the weights", 1),
+                    fix=fresh_fix(type(self.model), True),
                 )
 
     def pin(self, holder: object = _MANUAL) -> None:
@@ -628,74 +526,48 @@ class Runtime:
             dirty.update(engine.witness_dirty())
             dirty.update(b.index for b in engine.bound if b.buffers is None)
             engine.run(engine.closure(dirty))
-            self._heal_tree()
+            if JOURNAL.poisoned:
+                JOURNAL.heal(self._model_tensors())
 
-    def _begin(self, *, full_watch: bool) -> _Load:
+    def _begin(self, *, full_watch: bool) -> Load:
         engine = self.engine
         watch: dict[int, Any] = engine.watch_map()
         if full_watch:
-            watch = dict(watch)
             # Watch every tensor of the model, not only derivation inputs, so that a
             # replay inside the block is refused as soon as anything was written.
+            watch = dict(watch)
             for key, path in self._model_tensors().items():
                 watch.setdefault(key, path)
-        load = _Load(watch)
+        load = Load(watch)
         self._load = load
         return load
 
     def _join(
         self,
-        load: _Load,
+        load: Load,
         fn: Callable[..., Any],
         module: nn.Module,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        tracker = WriteTracker(load.watch)
-        with tracker:
-            result = fn(module, *args, **kwargs)
-        with load.lock:
-            if not load.done:
-                load.written |= tracker.written
-                return result
-        with self._lock:  # the load it joined has ended: this one ends on its own
-            engine = self.engine
-            JOURNAL.advance(tracker.written, "a worker thread's load")
-            engine.run(engine.closure(engine.consumers_of(tracker.written)))
+        result, late = load.join(fn, module, args, kwargs)
+        if late:  # the load it joined has ended: this one ends on its own
+            with self._lock:
+                end(self.engine, late, "a worker thread's load", None, pinned=self.pinned,
+                    model_tensors=self._model_tensors)
         return result
 
     def _end(
-        self, load: _Load, what: str, exc: BaseException | None, *, witnesses: bool = False
+        self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False
     ) -> None:
         written = load.close()
         self._load = None
-        JOURNAL.advance(written, what)
         engine = self.engine
-        if exc is not None:
-            why = f"{what} raised {type(exc).__name__}: {_first_line(exc)}"
-            dirty = engine.consumers_of(written)
-            dirty.update(i for inp in engine.find_moved()[0] for i in inp.consumers)
-            engine.mark_stale(dirty, why)
-            # Every weight of the tree may be half-written; derived buffers are stale only
-            # where marked above.
-            buffers = {storage_key(t) for b in engine.bound for t in b.buffers or ()}
-            JOURNAL.poison(
-                (k for k in self._model_tensors() if k not in buffers),
-                f"the last weight update failed ({why})",
-            )
-            return
-        dirty = engine.scan_moved(self.pinned) | engine.consumers_of(written)
-        if witnesses:
-            dirty.update(engine.witness_dirty())
-        dirty.update(b.index for b in engine.bound if b.buffers is None)
-        engine.run(engine.closure(dirty))
-        self._heal_tree()
-        self._keys = engine.storage_keys() | (self._keys if self._holders else frozenset())
-        _refresh_others(self, written)
-
-    def _heal_tree(self) -> None:
-        if JOURNAL.poisoned:
-            JOURNAL.heal(self._model_tensors())
+        end(engine, written, what, exc, pinned=self.pinned, model_tensors=self._model_tensors,
+            witnesses=witnesses)
+        if exc is None:
+            self._keys = engine.storage_keys() | (self._keys if self._holders else frozenset())
+            _refresh_others(self, written)
 
     def refresh_storages(self, keys: set[int]) -> None:
         """Refresh the derivations reading `keys`, if this runtime is free right now.
@@ -753,11 +625,6 @@ def _swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> St
         fix="load new weights into the existing modules instead of replacing them; to "
         "change the model, release the graphs (Graph.reset()), change it, and re-capture",
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else ""
 
 
 def _after_load_state_dict(module: nn.Module, incompatible: object) -> None:

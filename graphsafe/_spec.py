@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, computed_field, field_v
 
 __all__ = [
     "Derivation",
+    "Drift",
+    "DriftKind",
     "DerivationInfo",
     "DerivationReport",
     "RefreshReport",
@@ -272,3 +274,43 @@ class RefreshReport(BaseModel):
         """How many derivations were computed (materialized, refreshed or failed)."""
         return len(self._raw)
 
+
+DriftKind = Literal[
+    "storage", "offset", "shape", "stride", "dtype", "device", "object", "module", "removed"
+]
+
+class Drift(BaseModel):
+    """One way in which a pinned tensor or module no longer matches its snapshot.
+
+    A tensor that moved in several ways (a `.to(torch.float16)` copy changes both its
+    storage and its dtype) gives one `Drift` per way.
+
+    Examples:
+        >>> d = Drift(path="layers.0.weight", module_class="Linear", what="storage",
+        ...           old="0x1000", new="0x2000")
+        >>> d.what
+        'storage'
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    """Dotted path of the tensor from the model root (`layers.0.cache.1` for a list item,
+    `layers.0.tables.k` for a dict entry), or of the module for a `module` drift."""
+
+    module_class: str
+    """Class name of the module that holds the tensor (for a `module` drift, the module
+    that holds the replaced one)."""
+
+    what: DriftKind
+    """What moved: `storage` (the storage's data pointer), `offset`, `shape`, `stride`,
+    `dtype`, `device`; `object` (the path holds another tensor object, though one with
+    the same memory and geometry); `module` (another module, or none, is bound at the
+    path; the tensors of a module the model no longer holds are not reported); or
+    `removed` (the path no longer holds a tensor)."""
+
+    old: str
+    """The value at snapshot time."""
+
+    new: str
+    """The value now."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphsafe._journal import storage_key
+from graphsafe._walk import storage_key
 
 __all__ = ["ReadGuard", "WriteTracker", "storage_key"]
 

@@ -1,4 +1,4 @@
-"""The storage ledger: every way a pinned tensor can move is reported (`graphsafe.ledger`)."""
+"""The storage ledger: every way a pinned tensor can move is reported (`graphsafe._ledger`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from graphsafe._errors import StorageMovedError
+from graphsafe._ledger import Drift, Ledger
 from graphsafe._walk import storage_key, walk_modules, walk_tensors
-from graphsafe.errors import StorageMovedError
-from graphsafe.ledger import Drift, Ledger
 
 
 class Block(nn.Module):

@@ -15,6 +15,9 @@ one `map` over all entries compared in one go. Only a mismatch pays for the deta
    container still holds the very object pinned. This catches any rebinding (a new
    `nn.Parameter`, `register_buffer`, `m.x = ...`, a list item, a swapped or deleted
    submodule), even one that looks the same: empty tensors all have data pointer 0.
+   Tensors inside lists, tuples and dicts are looked up through them each time. A dict
+   replaced by one holding the same objects (`del layers[2:2]` rebuilds `_modules`) is
+   no drift, but keeps `verify()` on the detailed path until the next snapshot.
 2. Geometry of the pinned tensor objects: `data_ptr()`, `stride()`, `shape` and `dtype`.
    Once identity holds, these can only change through the tensor itself: in-place
    metadata ops (`set_`, `resize_`, `as_strided_`, `t_`), `.data = ...`, or
@@ -33,20 +36,16 @@ one `map` over all entries compared in one go. Only a mismatch pays for the deta
 from __future__ import annotations
 
 import operator
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from graphsafe._errors import StorageMovedError
+from graphsafe._spec import Drift, DriftKind
 from graphsafe._walk import Site, storage_key, walk_modules, walk_tensors
 
-__all__ = ["Drift", "DriftKind", "Ledger"]
-
-DriftKind = Literal[
-    "storage", "offset", "shape", "stride", "dtype", "device", "object", "module", "removed"
-]
+__all__ = ["Ledger"]
 
 _FIX = (
     "write new values into the existing tensor with `copy_` (e.g. "
@@ -72,43 +71,6 @@ _STRIDE = torch.Tensor.stride
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-
-
-class Drift(BaseModel):
-    """One way in which a pinned tensor or module no longer matches its snapshot.
-
-    A tensor that moved in several ways (a `.to(torch.float16)` copy changes both its
-    storage and its dtype) gives one `Drift` per way.
-
-    Examples:
-        >>> d = Drift(path="layers.0.weight", module_class="Linear", what="storage",
-        ...           old="0x1000", new="0x2000")
-        >>> d.what
-        'storage'
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    path: str
-    """Dotted path of the tensor from the model root (`layers.0.cache.1` for a list item,
-    `layers.0.tables.k` for a dict entry), or of the module for a `module` drift."""
-
-    module_class: str
-    """Class name of the module that holds the tensor (for a `module` drift, the module
-    that holds the replaced one)."""
-
-    what: DriftKind
-    """What moved: `storage` (the storage's data pointer), `offset`, `shape`, `stride`,
-    `dtype`, `device`; `object` (the path holds another tensor object, though one with
-    the same memory and geometry); `module` (another module, or none, is bound at the
-    path; the tensors of a module the model no longer holds are not reported); or
-    `removed` (the path no longer holds a tensor)."""
-
-    old: str
-    """The value at snapshot time."""
-
-    new: str
-    """The value now."""
 
 
 class _Pin(NamedTuple):

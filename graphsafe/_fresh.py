@@ -1,0 +1,120 @@
+"""Freshness: which derived buffers are stale and why, and the check the guard runs.
+
+Every source of staleness in one place: derivations that failed or were never made
+(the engine), witnesses that no longer match (writes by any path torch or the journal
+records), rebound inputs and buffers, writes of an update still in progress, and storages
+the journal holds poisoned by a failure.
+"""
+
+from __future__ import annotations
+
+from graphsafe._declare import is_wrapped_loader
+from graphsafe._engine import Engine
+from graphsafe._errors import StaleError
+from graphsafe._journal import JOURNAL, storage_key
+
+__all__ = ["check_fresh", "fresh_fix", "stale_map"]
+
+
+def stale_map(engine: Engine, in_update: set[int]) -> dict[int, str]:
+    """Stale derivation index -> why, from every source.
+
+    Args:
+        engine: The engine of the model's binding.
+        in_update: Storage keys written by a load or update that has not ended.
+
+    Returns:
+        Every stale derivation (downstream included), with the first reason found.
+    """
+    found = {i: engine.reasons.get(i, "not materialized or not refreshed") for i in engine.stale}
+    for i, how in engine.witness_dirty().items():
+        found.setdefault(i, how)
+    moved_inputs, moved_buffers = engine.find_moved()
+    for inp in moved_inputs:
+        for i in inp.consumers:
+            found.setdefault(i, f"{inp.path} was rebound")
+    for b, j in moved_buffers:
+        found.setdefault(b.index, f"{b.out_paths[j]} was rebound")
+    for i in engine.consumers_of(in_update):
+        found.setdefault(i, "written inside a weight update that has not ended")
+    poisoned = JOURNAL.poisoned_among(engine.storage_keys())
+    if poisoned:
+        for b in engine.bound:
+            for t in b.buffers or ():
+                why = poisoned.get(storage_key(t))
+                if why is not None:
+                    found.setdefault(b.index, why)
+    out: dict[int, str] = {}
+    for i in sorted(found):
+        for j in engine.bound[i].downstream:
+            out.setdefault(j, found[i])
+    return out
+
+
+def check_fresh(engine: Engine, keys: frozenset[int], model_class: type, *, repair: bool) -> None:
+    """Raise unless every derived buffer is fresh and no storage read is poisoned.
+
+    Args:
+        engine: The engine of the model's binding.
+        keys: Storage keys the model's graphs read (for the journal's poison).
+        model_class: The model's class, for messages.
+        repair: Refresh buffers stale by writes in place instead of raising; failures
+            and poisoned storage are never repaired.
+
+    Raises:
+        StaleError: Naming the stale buffers and how their inputs were written, or the
+            failed weight update.
+    """
+    stale = stale_map(engine, set())
+    if stale and repair and not any(i in engine.reasons for i in stale):
+        engine.run(engine.closure(stale))
+        stale = {}
+    if stale:
+        paths = [p for i in sorted(stale) for p in engine.bound[i].out_paths]
+        first = engine.bound[min(stale)]
+        unmaterialized = any(b.buffers is None for b in engine.bound)
+        raise StaleError(
+            f"{len(paths)} derived buffer(s) do not match their inputs",
+            paths=paths,
+            module_class=first.module_class,
+            derivation=first.spec.name,
+            path=", ".join(paths[:8]) + (" ..." if len(paths) > 8 else ""),
+            expected="every derived buffer refreshed from the current weights",
+            got="; ".join(f"{engine.bound[i].path}: {why}" for i, why in list(stale.items())[:4]),
+            fix=fresh_fix(model_class, unmaterialized),
+        )
+    failed = JOURNAL.poisoned_among(keys)
+    if failed:
+        raise StaleError(
+            "the last weight update failed; the model holds a mix of old and new weights",
+            module_class=model_class.__name__,
+            expected="a weight update that completed",
+            got=next(iter(failed.values())),
+            fix="load the weights again; the model is usable once a load completes",
+        )
+
+
+def fresh_fix(model_class: type, unmaterialized: bool) -> str:
+    """How to make the buffers fresh, naming an undecorated loader when there is one.
+
+    Args:
+        model_class: The model's class.
+        unmaterialized: Whether some buffers were never made.
+
+    Returns:
+        The fix line of the error.
+    """
+    loader = getattr(model_class, "load_weights", None)
+    if unmaterialized and loader is not None and not is_wrapped_loader(loader):
+        return (
+            f"{model_class.__name__}.load_weights is not decorated with @gs.graphsafe, so "
+            "its writes were not tracked: decorate the class, or call it inside "
+            "`with gs.weight_update(model):`"
+        )
+    return (
+        "write weights through a tracked load (a method wrapped by @gs.graphsafe, "
+        "load_state_dict, or a `gs.weight_update(model)` block; declare writes graphsafe "
+        "cannot see with gs.mark_written) and let it end; gs.runtime(model)."
+        "refresh_stale() recomputes stale buffers, and Graph(..., on_stale='refresh') "
+        "does so before each replay; a failed load is repaired only by loading again"
+    )

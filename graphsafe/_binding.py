@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.utils.dlpack import from_dlpack
 
-from graphsafe._declare import is_marked
+from graphsafe._declare import class_registries, is_marked
 from graphsafe._errors import GraphSafetyError, RegistrationError
-from graphsafe._registry import accepts_out, check_signature
-from graphsafe._spec import Derivation
+from graphsafe._registry import Registry, accepts_out, check_signature
+from graphsafe._spec import Derivation, DerivationInfo
 from graphsafe._walk import walk_modules
 
 __all__ = [
@@ -27,10 +27,12 @@ __all__ = [
     "Bound",
     "Input",
     "bind",
+    "derivations_for",
     "describe",
     "join",
     "pin_storage",
     "swapped_modules",
+    "tensor_at",
 ]
 
 
@@ -207,6 +209,20 @@ class Bound:
         self.in_refs = [(new if c is old and k == key else c, k) for c, k in self.in_refs]
         if self.buffers is not None:
             self.single_in = self.in_refs[0] if len(self.in_refs) == 1 else None
+
+    def info(self) -> DerivationInfo:
+        """What `Runtime.derivations` reports of this derivation."""
+        return DerivationInfo(
+            derivation=self.spec.name,
+            module=self.module_path,
+            module_class=self.module_class,
+            outputs=self.out_paths,
+            inputs=self.inputs,
+            shapes=tuple(tuple(t.shape) for t in self.buffers or ()),
+            dtypes=tuple(str(t.dtype) for t in self.buffers or ()),
+            nbytes=self.nbytes,
+            fast_path=self.accepts_out,
+        )
 
     @property
     def path(self) -> str:
@@ -447,3 +463,68 @@ def _toposort(bound: list[Bound]) -> list[Bound]:
         )
     del by_id
     return order
+
+
+def derivations_for(consulted: Sequence[Registry], cls: type) -> list[Derivation]:
+    """The derivations of `cls` from `consulted` and the registries its classes name.
+
+    Args:
+        consulted: Registries the runtime consults for every class.
+        cls: A module class.
+
+    Returns:
+        The derivations, without repeats.
+
+    Raises:
+        RegistrationError: Two registries declare the same output on `cls`.
+    """
+    registries = list(consulted)
+    for reg in class_registries(cls):
+        if reg not in registries:
+            registries.append(reg)
+    found: list[Derivation] = []
+    taken: dict[str, Derivation] = {}
+    for reg in registries:
+        for d in reg.derivations_for(cls):
+            for name in d.outputs:
+                if name in taken and taken[name] is not d:
+                    raise RegistrationError(
+                        f"two registries declare output {name!r} on {cls.__name__}",
+                        module_class=cls.__name__,
+                        derivation=d.name,
+                        expected=f"one derivation producing {name!r}",
+                        got=f"{taken[name].name!r} and {d.name!r}",
+                        fix="register the derivation in one registry only",
+                    )
+                taken[name] = d
+            if d not in found:
+                found.append(d)
+    return found
+
+
+def tensor_at(model: nn.Module, path: str) -> torch.Tensor:
+    """The tensor at the dotted `path` from `model` (a parameter, buffer or attribute).
+
+    Args:
+        model: The root module.
+        path: A dotted path, e.g. `layers.0.weight`.
+
+    Returns:
+        The tensor.
+
+    Raises:
+        GraphSafetyError: Nothing, or no tensor, is there.
+    """
+    obj: Any = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, torch.Tensor):
+        raise GraphSafetyError(
+            f"refresh(changed=...) names {path!r}, which is not a tensor of the model",
+            module_class=type(model).__name__,
+            path=path,
+            expected="dotted paths from the model root, e.g. 'layers.0.weight'",
+            got=repr(path),
+            fix="use names from model.named_parameters() / named_buffers()",
+        )
+    return obj

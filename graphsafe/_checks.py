@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
-from graphsafe._binding import Bound, Input, describe
+from graphsafe._binding import Binding, Bound, Input, describe
 from graphsafe._errors import (
     DerivationDriftError,
     ImpureDerivationError,
@@ -29,6 +30,7 @@ __all__ = [
     "moved_error",
     "read_refusal",
     "refuse_resized",
+    "swapped_error",
 ]
 
 
@@ -257,4 +259,40 @@ def moved_error(
         "of rebinding them (`param.data = w`, attribute assignment, `set_`); never assign "
         "derived buffers; or release the graphs' pins (Graph.reset()), refresh() and "
         "re-capture",
+    )
+
+
+def swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> StorageMovedError:
+    """The error for submodules replaced after pin.
+
+    Args:
+        model: The root module.
+        binding: The binding that recorded the module tree.
+        swapped: Paths of the replaced submodules.
+
+    Returns:
+        A `StorageMovedError` with one `Drift(what="module")` per replaced submodule.
+    """
+    drifts = []
+    for parent, key, child, path in binding.modules:
+        if path in swapped:
+            now = parent.get(key)
+            drifts.append(
+                Drift(
+                    path=path,
+                    module_class=type(child).__name__,
+                    what="module",
+                    old=f"{type(child).__name__} at 0x{id(child):x}",
+                    new="removed" if now is None else f"{type(now).__name__} at 0x{id(now):x}",
+                )
+            )
+    return StorageMovedError(
+        f"{len(swapped)} submodule(s) were replaced after pin: " + ", ".join(swapped),
+        drifts=drifts,
+        module_class=type(model).__name__,
+        path=swapped[0],
+        expected=f"the module captured at {swapped[0]!r}",
+        got=drifts[0].new,
+        fix="load new weights into the existing modules instead of replacing them; to "
+        "change the model, release the graphs (Graph.reset()), change it, and re-capture",
     )

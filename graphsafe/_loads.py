@@ -8,15 +8,16 @@ the derived buffers up to date, or, when the load raised, leaves them failed clo
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, Protocol
 
 from graphsafe._engine import Engine
 from graphsafe._journal import JOURNAL, storage_key
 from graphsafe._tracking import WriteTracker
 
-__all__ = ["Load", "end"]
+__all__ = ["Load", "LoadOwner", "end", "tracked_block", "tracked_call", "tracked_generator"]
 
 
 class Load:
@@ -127,3 +128,140 @@ def end(
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else ""
+
+
+class LoadOwner(Protocol):
+    """What runs loads: the runtime of one model."""
+
+    _lock: threading.RLock
+    _load: Load | None
+
+    def _begin(self, *, full_watch: bool) -> Load: ...
+
+    def _end(
+        self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False
+    ) -> None: ...
+
+    def _join(
+        self,
+        load: Load,
+        fn: Callable[..., Any],
+        module: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any: ...
+
+
+def _name(fn: Callable[..., Any], module: Any) -> str:
+    return f"{type(module).__name__}.{getattr(fn, '__name__', 'load')}"
+
+
+def tracked_call(
+    owner: LoadOwner,
+    fn: Callable[..., Any],
+    module: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run a loader as one tracked load (or inside the load already running).
+
+    Args:
+        owner: The runtime.
+        fn: The unwrapped loading method.
+        module: The module it is called on.
+        args: Positional arguments.
+        kwargs: Keyword arguments.
+
+    Returns:
+        What the loader returned.
+    """
+    load = owner._load
+    if load is not None:
+        if load.thread == threading.get_ident():
+            return fn(module, *args, **kwargs)  # nested: the outer load tracks it
+        return owner._join(load, fn, module, args, kwargs)  # a worker of that load
+    with owner._lock:
+        load = owner._begin(full_watch=False)
+        try:
+            with load.tracker:
+                result = fn(module, *args, **kwargs)
+        except BaseException as exc:
+            owner._end(load, _name(fn, module), exc)
+            raise
+        owner._end(load, _name(fn, module), None)
+        return result
+
+
+def tracked_generator(
+    owner: LoadOwner,
+    fn: Callable[..., Any],
+    module: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Generator[Any, None, Any]:
+    """A generator loader as one tracked load over its whole iteration.
+
+    Each step runs under the tracker; the caller's code between steps does not. The load
+    ends when the loader is exhausted; closed early, it ends as a failure.
+
+    Args:
+        owner: The runtime.
+        fn: The unwrapped generator function.
+        module: The module it is called on.
+        args: Positional arguments.
+        kwargs: Keyword arguments.
+
+    Returns:
+        A generator yielding what the loader yields.
+    """
+    what = _name(fn, module)
+
+    def steps() -> Generator[Any, None, Any]:
+        inner = fn(module, *args, **kwargs)
+        with owner._lock:
+            load = owner._begin(full_watch=False)
+            try:
+                while True:
+                    with load.tracker:
+                        try:
+                            item = next(inner)
+                        except StopIteration as stop:
+                            result = stop.value
+                            break
+                    yield item
+            except GeneratorExit:
+                inner.close()
+                owner._end(load, what, GeneratorExit("the loader was closed before it ended"))
+                raise
+            except BaseException as exc:
+                owner._end(load, what, exc)
+                raise
+            owner._end(load, what, None)
+            return result
+
+    return steps()
+
+
+@contextlib.contextmanager
+def tracked_block(owner: LoadOwner) -> Iterator[None]:
+    """A `weight_update` block as one tracked load (or inside the one running).
+
+    Args:
+        owner: The runtime.
+
+    Yields:
+        None.
+    """
+    load = owner._load
+    if load is not None and load.thread == threading.get_ident():
+        yield
+        return
+    with owner._lock:
+        load = owner._begin(full_watch=True)
+        try:
+            with load.tracker:
+                yield
+        except BaseException as exc:
+            owner._end(load, "weight_update", exc)
+            raise
+        owner._end(load, "weight_update", None, witnesses=True)

@@ -15,24 +15,23 @@ import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
-from graphsafe._binding import Binding, bind, swapped_modules
+from graphsafe._binding import bind, derivations_for, swapped_modules, tensor_at
+from graphsafe._checks import swapped_error
 from graphsafe._declare import class_registries, set_load_runner
 from graphsafe._engine import Engine
 from graphsafe._errors import (
     GraphSafetyError,
-    RegistrationError,
     StaleError,
     StorageMovedError,
 )
 from graphsafe._fresh import check_fresh, fresh_fix, stale_map
 from graphsafe._journal import JOURNAL
-from graphsafe._loads import Load, end
+from graphsafe._loads import Load, end, tracked_block, tracked_call, tracked_generator
 from graphsafe._registry import Registry, default_registry
-from graphsafe._spec import Derivation, DerivationInfo, Drift, RefreshReport
-from graphsafe._walk import storage_key, walk_tensors
+from graphsafe._spec import Derivation, DerivationInfo, RefreshReport
+from graphsafe._walk import storage_key, storage_paths
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 
@@ -121,7 +120,7 @@ class Runtime:
             if not swapped:
                 return engine
             if self.pinned:
-                raise _swapped_error(self.model, engine.binding, swapped)
+                raise swapped_error(self.model, engine.binding, swapped)
         model = self.model
         binding = bind(model, self._derivations_for, self._own)
         self._engine = engine = Engine(binding, self._model_tensors, strict=self._strict)
@@ -137,37 +136,10 @@ class Runtime:
         _OWNERS[module] = self
 
     def _model_tensors(self) -> dict[int, str]:
-        """`{storage key: path}` of every tensor of the model (first path of each)."""
-        watch: dict[int, str] = {}
-        for site in walk_tensors(self.model):
-            key = storage_key(site.tensor)
-            if key:
-                watch.setdefault(key, site.path)
-        return watch
+        return storage_paths(self.model)
 
     def _derivations_for(self, cls: type) -> list[Derivation]:
-        registries = list(self.registries)
-        for reg in class_registries(cls):
-            if reg not in registries:
-                registries.append(reg)
-        found: list[Derivation] = []
-        taken: dict[str, Derivation] = {}
-        for reg in registries:
-            for d in reg.derivations_for(cls):
-                for name in d.outputs:
-                    if name in taken and taken[name] is not d:
-                        raise RegistrationError(
-                            f"two registries declare output {name!r} on {cls.__name__}",
-                            module_class=cls.__name__,
-                            derivation=d.name,
-                            expected=f"one derivation producing {name!r}",
-                            got=f"{taken[name].name!r} and {d.name!r}",
-                            fix="register the derivation in one registry only",
-                        )
-                    taken[name] = d
-                if d not in found:
-                    found.append(d)
-        return found
+        return derivations_for(self.registries, cls)
 
     def add_registry(self, registry: Registry) -> None:
         """Also bind the derivations of `registry` (rebinding if already bound).
@@ -201,20 +173,7 @@ class Runtime:
     def derivations(self) -> tuple[DerivationInfo, ...]:
         """The bound derivations with their paths, inputs, shapes, dtypes and bytes."""
         with self._lock:
-            return tuple(
-                DerivationInfo(
-                    derivation=b.spec.name,
-                    module=b.module_path,
-                    module_class=b.module_class,
-                    outputs=b.out_paths,
-                    inputs=b.inputs,
-                    shapes=tuple(tuple(t.shape) for t in b.buffers or ()),
-                    dtypes=tuple(str(t.dtype) for t in b.buffers or ()),
-                    nbytes=b.nbytes,
-                    fast_path=b.accepts_out,
-                )
-                for b in self.engine.bound
-            )
+            return tuple(b.info() for b in self.engine.bound)
 
     @property
     def last_report(self) -> RefreshReport | None:
@@ -307,7 +266,7 @@ class Runtime:
                 consumers = engine.binding.by_path.get(path)
                 if consumers is not None:
                     dirty.update(consumers)
-                keys.append(storage_key(self._tensor_at(path)))
+                keys.append(storage_key(tensor_at(self.model, path)))
             dirty.update(engine.consumers_of(keys))
             return engine.run(engine.closure(dirty))
 
@@ -323,21 +282,6 @@ class Runtime:
             dirty = engine.scan_moved(self.pinned)
             dirty.update(engine.witness_dirty())
             return engine.run(engine.closure(dirty))
-
-    def _tensor_at(self, path: str) -> torch.Tensor:
-        obj: Any = self.model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if not isinstance(obj, torch.Tensor):
-            raise GraphSafetyError(
-                f"refresh(changed=...) names {path!r}, which is not a tensor of the model",
-                module_class=type(self.model).__name__,
-                path=path,
-                expected="dotted paths from the model root, e.g. 'layers.0.weight'",
-                got=repr(path),
-                fix="use names from model.named_parameters() / named_buffers()",
-            )
-        return obj
 
     # -- pins --------------------------------------------------------------------------
 
@@ -407,7 +351,7 @@ class Runtime:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """Run a loading method with write tracking, then refresh what it wrote.
+        """Run a loading method as one tracked load, then refresh what it wrote.
 
         A call nested in a load of the same thread runs inside it; a call from another
         thread while a load runs (a loader's worker threads) joins that load.
@@ -421,22 +365,7 @@ class Runtime:
         Returns:
             What the loading method returned.
         """
-        load = self._load
-        if load is not None:
-            if load.thread == threading.get_ident():
-                return fn(module, *args, **kwargs)
-            return self._join(load, fn, module, args, kwargs)
-        with self._lock:
-            what = f"{type(module).__name__}.{getattr(fn, '__name__', 'load')}"
-            load = self._begin(full_watch=False)
-            try:
-                with load.tracker:
-                    result = fn(module, *args, **kwargs)
-            except BaseException as exc:
-                self._end(load, what, exc)
-                raise
-            self._end(load, what, None)
-            return result
+        return tracked_call(self, fn, module, args, kwargs)
 
     def run_generator_load(
         self,
@@ -457,32 +386,7 @@ class Runtime:
             A generator yielding what the loader yields; the load ends when it is
             exhausted. Closed early, it leaves the model failed closed.
         """
-        what = f"{type(module).__name__}.{getattr(fn, '__name__', 'load')}"
-
-        def steps() -> Generator[Any, None, Any]:
-            inner = fn(module, *args, **kwargs)
-            with self._lock:
-                load = self._begin(full_watch=False)
-                try:
-                    while True:
-                        with load.tracker:
-                            try:
-                                item = next(inner)
-                            except StopIteration as stop:
-                                result = stop.value
-                                break
-                        yield item
-                except GeneratorExit:
-                    inner.close()
-                    self._end(load, what, GeneratorExit("the loader was closed before it ended"))
-                    raise
-                except BaseException as exc:
-                    self._end(load, what, exc)
-                    raise
-                self._end(load, what, None)
-                return result
-
-        return steps()
+        return tracked_generator(self, fn, module, args, kwargs)
 
     @contextlib.contextmanager
     def weight_update(self) -> Iterator[Runtime]:
@@ -502,19 +406,8 @@ class Runtime:
             >>> #     for bucket in buckets:
             >>> #         model.load_weights(bucket)
         """
-        load = self._load
-        if load is not None and load.thread == threading.get_ident():
+        with tracked_block(self):
             yield self
-            return
-        with self._lock:
-            load = self._begin(full_watch=True)
-            try:
-                with load.tracker:
-                    yield self
-            except BaseException as exc:
-                self._end(load, "weight_update", exc)
-                raise
-            self._end(load, "weight_update", None, witnesses=True)
 
     def after_state_dict_load(self) -> None:
         """Refresh what `load_state_dict` wrote (its in-place copies move versions)."""
@@ -599,32 +492,6 @@ def _refresh_others(origin: Runtime, written: set[int]) -> None:
         if rt is not origin and rt._engine is not None:
             with contextlib.suppress(GraphSafetyError):  # left stale: its guard reports it
                 rt.refresh_storages(written)
-
-
-def _swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> StorageMovedError:
-    drifts = []
-    for parent, key, child, path in binding.modules:
-        if path in swapped:
-            now = parent.get(key)
-            drifts.append(
-                Drift(
-                    path=path,
-                    module_class=type(child).__name__,
-                    what="module",
-                    old=f"{type(child).__name__} at 0x{id(child):x}",
-                    new="removed" if now is None else f"{type(now).__name__} at 0x{id(now):x}",
-                )
-            )
-    return StorageMovedError(
-        f"{len(swapped)} submodule(s) were replaced after pin: " + ", ".join(swapped),
-        drifts=drifts,
-        module_class=type(model).__name__,
-        path=swapped[0],
-        expected=f"the module captured at {swapped[0]!r}",
-        got=drifts[0].new,
-        fix="load new weights into the existing modules instead of replacing them; to "
-        "change the model, release the graphs (Graph.reset()), change it, and re-capture",
-    )
 
 
 def _after_load_state_dict(module: nn.Module, incompatible: object) -> None:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["ModuleSite", "Site", "storage_key", "walk_modules", "walk_tensors"]
+__all__ = ["ModuleSite", "Site", "storage_key", "storage_paths", "walk_modules", "walk_tensors"]
 
 # The attributes every nn.Module has in its __dict__: registries and hook tables, never
 # user tensors. `_parameters` and `_buffers` are walked on their own.
@@ -186,3 +186,20 @@ def storage_key(t: torch.Tensor) -> int:
         return storage.data_ptr() if storage.nbytes() else 0
     except (RuntimeError, NotImplementedError):
         return 0
+
+
+def storage_paths(model: nn.Module) -> dict[int, str]:
+    """`{storage key: path}` of every tensor of `model`, the first path of each storage.
+
+    Args:
+        model: The root module.
+
+    Returns:
+        The map; zero-byte storages are left out.
+    """
+    found: dict[int, str] = {}
+    for site in walk_tensors(model):
+        key = storage_key(site.tensor)
+        if key:
+            found.setdefault(key, site.path)
+    return found

@@ -240,6 +240,7 @@ class CompiledGraph:
 
         Examples:
             >>> import torch
+            >>> from graphsafe._cpu_graph import CPUBackend
             >>> g = CPUBackend()
             >>> with g.capture():
             ...     y = torch.ones(2) * 3
@@ -260,6 +261,7 @@ class CompiledGraph:
 
         Examples:
             >>> import torch
+            >>> from graphsafe._cpu_graph import CPUBackend
             >>> g = CPUBackend()
             >>> with g.capture():
             ...     y = torch.ones(2) * 3
@@ -273,6 +275,7 @@ class CompiledGraph:
 
         Examples:
             >>> import torch
+            >>> from graphsafe._cpu_graph import CPUBackend
             >>> g = CPUBackend()
             >>> with g.capture():
             ...     y = torch.ones(2) * 3

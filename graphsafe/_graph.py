@@ -23,18 +23,17 @@ and loads of the guarded model are serialized.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
 from graphsafe._capture import CaptureState
 from graphsafe._cpu_graph import CPUBackend
+from graphsafe._guard import Guard
 from graphsafe._ledger import Ledger
-from graphsafe._runtime import Runtime, runtime
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
@@ -98,12 +97,10 @@ class Graph:
         "__weakref__",
         "_backend",
         "_guard",
+        "_guarded",
         "_impl",
-        "_ledger",
-        "_pin",
         "_pool",
         "_repair",
-        "_runtime",
         "_state",
     )
 
@@ -120,7 +117,6 @@ class Graph:
         self._repair = on_stale == "refresh"
         self._backend = _choose(backend, guard)
         self._pool = pool
-        self._pin: weakref.finalize[Any, Any] | None = None
         if self._backend == "cpu" and pool is not None:
             raise ValueError(
                 "pool is a CUDA graph memory pool; the cpu backend has none "
@@ -128,8 +124,7 @@ class Graph:
             )
         self._impl: CPUBackend | CUDABackend = self._make_impl()
         self._guard = guard
-        self._ledger: Ledger | None = None
-        self._runtime: Runtime | None = None
+        self._guarded: Guard | None = None
         self._state = CaptureState()
 
     def _make_impl(self) -> CPUBackend | CUDABackend:
@@ -176,7 +171,7 @@ class Graph:
             >>> Graph(backend="cpu").ledger is None
             True
         """
-        return self._ledger
+        return self._guarded.ledger if self._guarded is not None else None
 
     @property
     def captured(self) -> bool:
@@ -241,19 +236,13 @@ class Graph:
         """
         self._state.check_new()  # before warm-up and pinning
         if self._guard is not None:
-            runtime(self._guard).check_pinnable()  # before warm-up runs the model
+            Guard.check_capturable(self._guard)  # before warm-up runs the model
         if warmup is not None:
             self._impl.warmup(warmup, warmup_iters)
         try:
             if self._guard is not None:
-                # Both before the body: the ledger must record the storage the graph reads.
-                rt = runtime(self._guard)
-                token = _Holder(id(self))
-                rt.pin(holder=token)
-                # Released with the graph: reset(), a failed capture, or garbage collection.
-                self._pin = weakref.finalize(self, rt.unpin, token)
-                self._runtime = rt
-                self._ledger = Ledger.snapshot(self._guard, label="graph capture")
+                # Before the body: the ledger must record the storage the graph reads.
+                self._guarded = Guard(self._guard, self, repair=self._repair)
             with self._state.capturing(), self._impl.capture():
                 yield
         except BaseException:
@@ -278,17 +267,16 @@ class Graph:
         self._state = CaptureState()
 
     def _release(self) -> None:
-        if self._pin is not None:
-            self._pin()  # runs the finalizer once: unpins
-            self._pin = None
-        self._ledger = None
-        self._runtime = None
+        if self._guarded is not None:
+            self._guarded.release()
+            self._guarded = None
 
     def replay(self) -> None:
         """Replay the captured graph; with a guard, check the model first.
 
-        The guard's check is one flat comparison of every pinned tensor's data pointer,
-        shape, stride and dtype, plus the runtime's freshness check.
+        The guard's check is one flat comparison of every pinned tensor's identity, data
+        pointer, shape, stride and dtype and of every submodule's identity, then the
+        freshness check (witnesses and journal), both under the model's lock.
 
         Raises:
             CaptureError: Nothing was captured, or the capture failed.
@@ -308,19 +296,9 @@ class Graph:
             tensor([6., 6.])
         """
         self._state.check_replay()
-        rt = self._runtime
-        if rt is None:
+        if self._guarded is None:
             self._impl.replay()
             return
-        with rt._lock:  # a load of the guarded model waits for the replay, and vice versa
-            if self._ledger is not None:
-                self._ledger.assert_stable()
-            rt.assert_fresh(repair=self._repair)
+        with self._guarded.replaying():
             self._impl.replay()
 
-
-class _Holder(int):
-    """A graph's pin token: the graph's id, not the graph, so the pin does not keep the
-    graph alive (its finalizer releases the pin)."""
-
-    __slots__ = ()

@@ -1,0 +1,88 @@
+"""The guard: what stands between a captured graph and a replay of stale or moved memory.
+
+A `Guard` holds a graph's pin on the model (released with the guard, or when the graph it
+belongs to is garbage-collected), the ledger snapshot of every tensor and submodule the
+graph may read, and runs, before each replay and under the model's lock, the ledger's
+flat check and the runtime's freshness check (witnesses and journal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from graphsafe._ledger import Ledger
+from graphsafe._runtime import Runtime, runtime
+
+__all__ = ["Guard"]
+
+
+class _Holder(int):
+    """A graph's pin token: the graph's id, not the graph, so the pin does not keep the
+    graph alive."""
+
+    __slots__ = ()
+
+
+class Guard:
+    """The guard of one captured graph over one model.
+
+    Taking it pins the model (refreshing what moved first) and snapshots it, so it is
+    taken right before the body is captured.
+
+    Args:
+        model: The guarded model.
+        owner: The graph; when it is garbage-collected, the pin is released.
+        repair: Refresh stale derived buffers before a replay instead of refusing it.
+    """
+
+    __slots__ = ("_release", "_repair", "ledger", "runtime")
+
+    def __init__(self, model: nn.Module, owner: object, *, repair: bool) -> None:
+        rt = runtime(model)
+        token = _Holder(id(owner))
+        rt.pin(holder=token)
+        self._release: weakref.finalize[Any, Any] = weakref.finalize(owner, rt.unpin, token)
+        self._repair = repair
+        self.runtime: Runtime = rt
+        self.ledger = Ledger.snapshot(model, label="graph capture")
+
+    @staticmethod
+    def check_capturable(model: nn.Module) -> None:
+        """Refuse, before any warm-up runs the model, a model whose buffers do not exist.
+
+        Args:
+            model: The model to guard.
+
+        Raises:
+            StaleError: The derived buffers were never materialized.
+        """
+        runtime(model).check_pinnable()
+
+    def release(self) -> None:
+        """Release the pin (once; later calls do nothing)."""
+        self._release()
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Check the model, then hold it still while the body replays.
+
+        Loads of the guarded model wait for the replay, and the replay for loads.
+
+        Yields:
+            None, once every check passed.
+
+        Raises:
+            StorageMovedError: A tensor or submodule the graph reads was rebound.
+            StaleError: Derived buffers are stale (and not repaired), or the last weight
+                update failed or has not ended.
+        """
+        rt = self.runtime
+        with rt._lock:
+            self.ledger.assert_stable()
+            rt.assert_fresh(repair=self._repair)
+            yield

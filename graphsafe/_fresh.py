@@ -111,6 +111,11 @@ def fresh_fix(model_class: type, unmaterialized: bool) -> str:
             "its writes were not tracked: decorate the class, or call it inside "
             "`with gs.weight_update(model):`"
         )
+    if unmaterialized:
+        return (
+            "load the weights first (a method wrapped by @gs.graphsafe, load_state_dict, "
+            "or a `gs.weight_update(model)` block), or call gs.runtime(model).refresh()"
+        )
     return (
         "write weights through a tracked load (a method wrapped by @gs.graphsafe, "
         "load_state_dict, or a `gs.weight_update(model)` block; declare writes graphsafe "

@@ -46,7 +46,7 @@ class Journal:
         self.epochs: dict[int, int] = {}
         """Storage key -> the clock of its last recorded write."""
         self.how: dict[int, str] = {}
-        """Storage key -> how it was last written, for messages."""
+        """Storage key -> what last wrote it ("Model.load_weights", ...), for messages."""
         self.poisoned: dict[int, str] = {}
         """Storage key -> why it must not be read by a replay."""
         self._lock = threading.Lock()
@@ -128,7 +128,7 @@ def mark_written(*tensors: torch.Tensor) -> None:
         >>> w.numpy()[:] = 1.0  # invisible to torch
         >>> mark_written(w)
     """
-    JOURNAL.advance((storage_key(t) for t in tensors), "declared with gs.mark_written")
+    JOURNAL.advance((storage_key(t) for t in tensors), "a write declared with gs.mark_written")
 
 
 _VERSION = operator.attrgetter("_version")

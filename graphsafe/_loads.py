@@ -27,34 +27,49 @@ class Load:
         watch: Storage keys to track, mapped to anything (e.g. paths).
     """
 
-    __slots__ = ("done", "lock", "thread", "tracker", "watch", "written")
+    __slots__ = ("clock", "done", "lock", "thread", "tracker", "watch", "workers", "written")
 
     def __init__(self, watch: dict[int, Any]) -> None:
         self.thread = threading.get_ident()
         self.watch = watch
         self.tracker = WriteTracker(watch)
         self.written: set[int] = set()
-        self.lock = threading.Lock()
+        self.lock = threading.Condition(threading.Lock())
         self.done = False
+        self.workers = 0
+        self.clock = JOURNAL.clock
 
     def written_so_far(self) -> set[int]:
         """Storage keys written so far, by the load's thread and by workers that joined."""
         return self.written | self.tracker.written
 
     def close(self) -> set[int]:
-        """End the load.
+        """End the load, once the worker threads that joined it have returned.
 
         Returns:
             What it wrote, workers' writes included.
         """
         with self.lock:
+            while self.workers:
+                self.lock.wait()
             self.done = True
             return self.written_so_far()
 
-    def join(
+    def enter_worker(self) -> bool:
+        """Join this load from another thread; False once it has ended."""
+        with self.lock:
+            if self.done:
+                return False
+            self.workers += 1
+            return True
+
+    def run_worker(
         self, fn: Callable[..., Any], module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, set[int]]:
-        """Run a loader in a worker thread as part of this load.
+    ) -> Any:
+        """Run a loader in a worker thread that joined this load (`enter_worker`).
+
+        The load does not end before the worker returns, so no replay can run between
+        its refresh and the worker's writes.
 
         Args:
             fn: The unwrapped loading method.
@@ -63,17 +78,17 @@ class Load:
             kwargs: Keyword arguments.
 
         Returns:
-            The loader's result, and what it wrote if this load had already ended (the
-            caller must then refresh for it); else an empty set.
+            What the loader returned.
         """
         tracker = WriteTracker(self.watch)
-        with tracker:
-            result = fn(module, *args, **kwargs)
-        with self.lock:
-            if not self.done:
+        try:
+            with tracker:
+                return fn(module, *args, **kwargs)
+        finally:
+            with self.lock:
                 self.written |= tracker.written
-                return result, set()
-        return result, tracker.written
+                self.workers -= 1
+                self.lock.notify_all()
 
 
 def end(
@@ -85,6 +100,7 @@ def end(
     pinned: bool,
     model_tensors: Callable[[], dict[int, str]],
     witnesses: bool = False,
+    since: int | None = None,
 ) -> None:
     """Record a finished load in the journal and bring the buffers up to date.
 
@@ -97,6 +113,8 @@ def end(
         model_tensors: `{storage key: path}` of every tensor of the model.
         witnesses: Also refresh what the witnesses see changed (update blocks, where
             `gs.mark_written` and in-place writes count).
+        since: The journal's clock when the load began: if anything was recorded
+            since (a `gs.mark_written` in the loader), the witnesses are checked too.
 
     Raises:
         StorageMovedError: Pinned, and something was rebound.
@@ -117,7 +135,7 @@ def end(
         )
         return
     dirty = engine.scan_moved(pinned) | engine.consumers_of(written)
-    if witnesses:
+    if witnesses or (since is not None and JOURNAL.clock != since + 1):
         dirty.update(engine.witness_dirty())
     dirty.update(b.index for b in engine.bound if b.buffers is None)
     engine.run(engine.closure(dirty))
@@ -142,14 +160,6 @@ class LoadOwner(Protocol):
         self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False
     ) -> None: ...
 
-    def _join(
-        self,
-        load: Load,
-        fn: Callable[..., Any],
-        module: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any: ...
 
 
 def _name(fn: Callable[..., Any], module: Any) -> str:
@@ -179,7 +189,8 @@ def tracked_call(
     if load is not None:
         if load.thread == threading.get_ident():
             return fn(module, *args, **kwargs)  # nested: the outer load tracks it
-        return owner._join(load, fn, module, args, kwargs)  # a worker of that load
+        if load.enter_worker():  # a worker thread of that load
+            return load.run_worker(fn, module, args, kwargs)
     with owner._lock:
         load = owner._begin(full_watch=False)
         try:

@@ -106,8 +106,7 @@ class Runtime:
         if self._engine is not None:
             self._engine.strict = value
 
-    @property
-    def engine(self) -> Engine:
+    def _bound(self) -> Engine:
         """The engine of the current binding; binds, or binds again after the module
         tree changed (before pin), on first use.
 
@@ -173,7 +172,7 @@ class Runtime:
     def derivations(self) -> tuple[DerivationInfo, ...]:
         """The bound derivations with their paths, inputs, shapes, dtypes and bytes."""
         with self._lock:
-            return tuple(b.info() for b in self.engine.bound)
+            return tuple(b.info() for b in self._bound().bound)
 
     @property
     def last_report(self) -> RefreshReport | None:
@@ -194,7 +193,7 @@ class Runtime:
         place (its version moved) or written through the journal since the last refresh.
         """
         with self._lock:
-            engine = self.engine
+            engine = self._bound()
             stale = stale_map(engine, self._load.written_so_far() if self._load else set())
             return tuple(p for i in sorted(stale) for p in engine.bound[i].out_paths)
 
@@ -202,7 +201,7 @@ class Runtime:
     def materialized(self) -> bool:
         """Whether every owned derived buffer has been allocated."""
         with self._lock:
-            return all(b.buffers is not None for b in self.engine.bound)
+            return all(b.buffers is not None for b in self._bound().bound)
 
     def assert_fresh(self, *, repair: bool = False) -> None:
         """Raise unless every derived buffer matches its inputs and the last update held.
@@ -231,7 +230,7 @@ class Runtime:
                     "written so far",
                     fix="run the model after the `with gs.weight_update(model):` block exits",
                 )
-            engine = self.engine
+            engine = self._bound()
             if engine.stale or not engine.witnesses.unchanged() or JOURNAL.poisoned:
                 check_fresh(engine, self._keys, type(self.model), repair=repair)
 
@@ -255,7 +254,7 @@ class Runtime:
             GraphSafetyError: `changed` names no tensor of the model.
         """
         with self._lock:
-            engine = self.engine
+            engine = self._bound()
             dirty = engine.scan_moved(self.pinned)
             if changed is None:
                 # A failed update stays flagged: a refresh cannot repair half-loaded weights.
@@ -278,7 +277,7 @@ class Runtime:
             What was done, per derivation.
         """
         with self._lock:
-            engine = self.engine
+            engine = self._bound()
             dirty = engine.scan_moved(self.pinned)
             dirty.update(engine.witness_dirty())
             return engine.run(engine.closure(dirty))
@@ -292,7 +291,7 @@ class Runtime:
             StaleError: The derived buffers were never materialized.
         """
         with self._lock:
-            missing = [b.path for b in self.engine.bound if b.buffers is None]
+            missing = [b.path for b in self._bound().bound if b.buffers is None]
             if missing:
                 raise StaleError(
                     "cannot pin: derived buffers were never materialized",
@@ -321,7 +320,7 @@ class Runtime:
         """
         with self._lock:
             self.check_pinnable()
-            engine = self.engine
+            engine = self._bound()
             if not self._holders:
                 dirty = engine.scan_moved(False)
                 if dirty:
@@ -409,12 +408,12 @@ class Runtime:
         with tracked_block(self):
             yield self
 
-    def after_state_dict_load(self) -> None:
+    def _after_state_dict_load(self) -> None:
         """Refresh what `load_state_dict` wrote (its in-place copies move versions)."""
         with self._lock:
             if self._load is not None or self._engine is None:
                 return  # inside a tracked load or update: refreshed when it ends
-            engine = self.engine
+            engine = self._bound()
             dirty = engine.scan_moved(self.pinned)
             dirty.update(engine.witness_dirty())
             dirty.update(b.index for b in engine.bound if b.buffers is None)
@@ -423,7 +422,7 @@ class Runtime:
                 JOURNAL.heal(self._model_tensors())
 
     def _begin(self, *, full_watch: bool) -> Load:
-        engine = self.engine
+        engine = self._bound()
         watch: dict[int, Any] = engine.watch_map()
         if full_watch:
             # Watch every tensor of the model, not only derivation inputs, so that a
@@ -435,34 +434,19 @@ class Runtime:
         self._load = load
         return load
 
-    def _join(
-        self,
-        load: Load,
-        fn: Callable[..., Any],
-        module: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        result, late = load.join(fn, module, args, kwargs)
-        if late:  # the load it joined has ended: this one ends on its own
-            with self._lock:
-                end(self.engine, late, "a worker thread's load", None, pinned=self.pinned,
-                    model_tensors=self._model_tensors)
-        return result
-
     def _end(
         self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False
     ) -> None:
         written = load.close()
         self._load = None
-        engine = self.engine
+        engine = self._bound()
         end(engine, written, what, exc, pinned=self.pinned, model_tensors=self._model_tensors,
-            witnesses=witnesses)
+            witnesses=witnesses, since=load.clock)
         if exc is None:
             self._keys = engine.storage_keys() | (self._keys if self._holders else frozenset())
             _refresh_others(self, written)
 
-    def refresh_storages(self, keys: set[int]) -> None:
+    def _refresh_storages(self, keys: set[int]) -> None:
         """Refresh the derivations reading `keys`, if this runtime is free right now.
 
         Called when a load through another model wrote storages this one reads (a tied
@@ -491,13 +475,13 @@ def _refresh_others(origin: Runtime, written: set[int]) -> None:
     for rt in list(_LIVE):
         if rt is not origin and rt._engine is not None:
             with contextlib.suppress(GraphSafetyError):  # left stale: its guard reports it
-                rt.refresh_storages(written)
+                rt._refresh_storages(written)
 
 
 def _after_load_state_dict(module: nn.Module, incompatible: object) -> None:
     rt = _RUNTIMES.get(module) or _OWNERS.get(module)
     if rt is not None:
-        rt.after_state_dict_load()
+        rt._after_state_dict_load()
 
 
 _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()

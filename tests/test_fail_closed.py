@@ -814,6 +814,47 @@ def test_a_loader_calling_wrapped_loaders_from_worker_threads_does_not_deadlock(
     assert torch.equal(out, sum(_attn_reference(layer, x) for layer in model.layers))
 
 
+def test_a_worker_still_loading_when_its_update_block_exits_is_waited_for() -> None:
+    # A worker thread joins an open update block and writes after the block's body has
+    # ended: the block must not refresh (and let a replay in) before the worker is done.
+    net, x = _net(), _x()
+    g, out = _capture(net, x)
+    joined, release = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        def slow_load(module: Net, weights: Weights) -> None:
+            joined.set()
+            release.wait(timeout=5.0)
+            _copy_in(module, weights)
+
+        gs.runtime(net).run_load(slow_load, net, ([("attn.weight", NEW)],), {})
+
+    thread = threading.Thread(target=worker, daemon=True)
+    with gs.weight_update(net):
+        thread.start()
+        assert joined.wait(timeout=5.0)
+        threading.Timer(0.2, release.set).start()  # writes while the block is exiting
+    # The block exited only after the worker wrote: its refresh saw the write.
+    thread.join(timeout=5.0)
+    assert not thread.is_alive()
+    g.replay()
+    assert torch.equal(out, _reference(net, x))
+    assert torch.equal(net.attn.weight, NEW)
+
+
+def test_control_a_write_landing_after_the_block_outside_any_load_is_a_stale_replay() -> None:
+    # What the wait prevents: the same `.data.copy_` landing after the block has ended
+    # and outside any load is invisible (the documented boundary), and the guarded
+    # replay reads the stale derived buffer.
+    net, x = _net(), _x()
+    g, out = _capture(net, x)
+    with gs.weight_update(net):
+        pass
+    _copy_in(net, [("attn.weight", NEW)])
+    g.replay()
+    assert not torch.equal(out, _reference(net, x))
+
+
 # -- errors that must name the tensor, never leak from torch -------------------------------
 
 

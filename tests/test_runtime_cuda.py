@@ -69,3 +69,54 @@ def test_cuda_moving_before_pin_keeps_refresh_working():
     layer.load_weights([("w", new)])
     assert layer.w_sum.is_cuda
     torch.testing.assert_close(layer.w_sum, new.view(6, 4, 8).sum(1))
+
+
+def _captured(device: str, **graph_kwargs):
+    layer = Layer().to(device)
+    layer.load_weights([("w", torch.randn(6, 32, device=device))])
+    x = torch.randn(3, 8, device=device)
+    g = gs.Graph(guard=layer, **graph_kwargs)
+    with torch.no_grad(), g.capture(warmup=lambda: x @ layer.w_sum.t()):
+        out = x @ layer.w_sum.t()  # [3, 6]
+    g.replay()
+    return layer, x, g, out
+
+
+def _eager(layer, x):
+    return x @ layer.w.view(-1, 4, 8).sum(1).t()
+
+
+def check_in_place_write_outside_a_loader(device: str) -> None:
+    layer, x, g, out = _captured(device)
+    assert g.backend == ("cuda" if device == "cuda" else "cpu")
+    with torch.no_grad():
+        layer.w.mul_(2.0)  # moves w's version: the witness sees it
+    with pytest.raises(gs.StaleError, match=r"\bw\b.*version"):
+        g.replay()
+    layer, x, g, out = _captured(device, on_stale="refresh")
+    with torch.no_grad():
+        layer.w.mul_(2.0)
+    g.replay()
+    torch.testing.assert_close(out, _eager(layer, x))
+
+
+def check_load_state_dict_and_mark_written(device: str) -> None:
+    layer, x, g, out = _captured(device)
+    layer.load_state_dict({"w": torch.randn(6, 32, device=device)})
+    g.replay()
+    torch.testing.assert_close(out, _eager(layer, x))
+    new = torch.randn(6, 32, device=device)
+    with gs.weight_update(layer):
+        layer.w.untyped_storage().copy_(new.untyped_storage())  # a raw storage copy
+        gs.mark_written(layer.w)
+    g.replay()
+    torch.testing.assert_close(out, _eager(layer, x))
+    torch.testing.assert_close(layer.w, new)
+
+
+def test_cuda_guard_sees_in_place_writes_outside_a_loader():
+    check_in_place_write_outside_a_loader("cuda")
+
+
+def test_cuda_load_state_dict_and_declared_writes_refresh_under_a_cuda_graph():
+    check_load_state_dict_and_mark_written("cuda")

@@ -10,10 +10,12 @@ catching it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Literal, Protocol
@@ -184,6 +186,22 @@ def _pointers(model: nn.Module) -> list[int]:
     return [t.data_ptr() for t in [*model.parameters(), *model.buffers()]]
 
 
+class _Phases:
+    """Says each phase of the run as it starts and ends, with its wall time."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        self._say(f"[{t0 - self._start:7.2f}s] {name} ...")
+        yield
+        self._say(f"[{time.perf_counter() - self._start:7.2f}s] {name}: done in "
+                  f"{time.perf_counter() - t0:.2f}s")
+
+
 def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -211,6 +229,7 @@ def run_verify(
         The report; `report.ok` says whether everything held.
     """
     say = progress or (lambda line: None)
+    phase = _Phases(say)
     chosen: Literal["cuda", "cpu"]
     if backend == "auto":
         chosen = "cuda" if torch.cuda.is_available() else "cpu"
@@ -238,10 +257,11 @@ def run_verify(
                 model.load_weights(bucket)  # type: ignore[operator]
         return len(buckets)
 
-    model, x = build(naive=False)
+    with phase(f"build {target.name} ({preset}) and load its first weights"):
+        model, x = build(naive=False)
     with torch.no_grad():
         graph = Graph(backend=chosen, guard=model)
-        with graph.capture(warmup=lambda: model(*x)):
+        with phase(f"capture ({chosen} graph)"), graph.capture(warmup=lambda: model(*x)):
             out = model(*x)
         previous = model(*x).clone()
         rows: list[RefitRow] = []
@@ -249,10 +269,11 @@ def run_verify(
             critical_last = k == 0
             before = _pointers(model)
             try:
-                nb = refit(model, k, critical_last)
-                report = runtime(model).last_report
-                graph.replay()
-                eager = model(*x)
+                with phase(f"refit {k + 1}/{refits}: bucketed load, replay, eager"):
+                    nb = refit(model, k, critical_last)
+                    report = runtime(model).last_report
+                    graph.replay()
+                    eager = model(*x)
             except GraphSafetyError as exc:
                 rows.append(
                     RefitRow(
@@ -283,27 +304,28 @@ def run_verify(
             )
             say(f"refit {k + 1}: {verdict}")
 
-        naive, nx = build(naive=True)
-        plain = Graph(backend=chosen)
-        with plain.capture(warmup=lambda: naive(*nx)):
-            plain_out = naive(*nx)
-        guarded = Graph(backend=chosen, guard=naive)
-        with guarded.capture(warmup=lambda: naive(*nx)):
-            naive(*nx)
-        refit(naive, 0, critical_last=True)
-        plain.replay()
-        ndiff = (plain_out - naive(*nx)).abs().max().item()
-        guard_error: str | None = None
-        try:
-            guarded.replay()
-        except GraphSafetyError as exc:
-            guard_error = _first_line(exc)
-        control = ControlRow(
-            unguarded_max_abs_diff=ndiff,
-            stale_read=ndiff > tol,
-            guard_error=guard_error,
-            caught=guard_error is not None,
-        )
+        with phase("control: the naive variant, unguarded and guarded"):
+            naive, nx = build(naive=True)
+            plain = Graph(backend=chosen)
+            with plain.capture(warmup=lambda: naive(*nx)):
+                plain_out = naive(*nx)
+            guarded = Graph(backend=chosen, guard=naive)
+            with guarded.capture(warmup=lambda: naive(*nx)):
+                naive(*nx)
+            refit(naive, 0, critical_last=True)
+            plain.replay()
+            ndiff = (plain_out - naive(*nx)).abs().max().item()
+            guard_error: str | None = None
+            try:
+                guarded.replay()
+            except GraphSafetyError as exc:
+                guard_error = _first_line(exc)
+            control = ControlRow(
+                unguarded_max_abs_diff=ndiff,
+                stale_read=ndiff > tol,
+                guard_error=guard_error,
+                caught=guard_error is not None,
+            )
     ok = bool(rows) and all(r.verdict == "exact" and r.storage_held for r in rows)
     ok = ok and control.stale_read and control.caught
     return VerifyReport(
@@ -336,6 +358,10 @@ def format_report(report: VerifyReport) -> str:
         f"{'refit':>5}  {'buckets':>7}  {'critical last':>13}  {'refreshed':>9}  "
         f"{'storage held':>12}  {'max|replay-eager|':>17}  {'max|new-old|':>12}  verdict",
     ]
+    legend = (
+        "(buckets: load calls; critical last: derivation inputs came last; refreshed: "
+        "derivations recomputed; storage held: no tensor moved; 0 replay-eager is exact)"
+    )
     for r in report.refits:
         lines.append(
             f"{r.refit:>5}  {r.buckets:>7}  {'yes' if r.critical_last else 'no':>13}  "
@@ -345,6 +371,7 @@ def format_report(report: VerifyReport) -> str:
         )
     c = report.control
     lines += [
+        legend,
         "",
         "control: naive variant (binds a fresh derived tensor on every load)",
         f"  unguarded replay after refit: max|replay-eager| = {c.unguarded_max_abs_diff:.3e}"

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = run_verify(
             target, preset=args.preset, backend=args.backend, refits=args.refits,
             seed=args.seed,
-            progress=None if args.json else lambda line: print(line, file=sys.stderr),
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except GraphSafetyError as exc:
         print(f"graphsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -28,6 +28,21 @@ def test_verify_json_reports_exact_refits_and_a_detected_control(capsys):
     assert "StorageMovedError" in (report.control.guard_error or "")
 
 
+def test_verify_says_each_phase_with_its_time_on_stderr_as_it_goes(capsys):
+    assert main(["verify", "--refits", "1", "--json", "--backend", "cpu"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)  # stdout stays pure JSON
+    err = captured.err.splitlines()
+    for name in ("build deepseek_v4", "capture (cpu graph)", "refit 1/1", "control"):
+        started = [line for line in err if name in line and line.endswith("...")]
+        ended = [line for line in err if name in line and "done in" in line]
+        assert started and ended, (name, err)
+    # Started lines come before their ends, in run order.
+    assert err.index(next(s for s in err if "capture" in s)) > err.index(
+        next(s for s in err if "build" in s and "done in" in s)
+    )
+
+
 def test_python_dash_m_prints_the_table_and_exits_zero():
     done = subprocess.run(
         [sys.executable, "-m", "graphsafe", "verify", "--refits", "1"],

@@ -256,9 +256,10 @@ class Binding(NamedTuple):
     """Leaf tensors read by derivations."""
     by_path: dict[str, list[int]]
     """Indices of the derivations reading each input path."""
-    modules: list[tuple[dict[str, Any], str, nn.Module, str]]
-    """`(parent._modules, key, module, path)` of every submodule: module identity along
-    every bound path, checked before each load and pin."""
+    modules: list[tuple[weakref.ref[nn.Module], str, weakref.ref[nn.Module], str]]
+    """`(parent, key, module, path)` of every submodule, both modules held weakly (the
+    runtime must not keep the model alive): module identity along every bound path,
+    checked before each load and pin."""
 
 
 def bind(
@@ -351,7 +352,7 @@ def bind(
         for p in b.inputs:
             by_path.setdefault(p, []).append(b.index)
     sites = [
-        (m.parent._modules, m.key, m.module, m.path)
+        (weakref.ref(m.parent), m.key, weakref.ref(m.module), m.path)
         for m in walk_modules(model)
         if m.parent is not None
     ]
@@ -367,7 +368,15 @@ def swapped_modules(binding: Binding) -> list[str]:
     Returns:
         The module paths, in tree order; empty when the tree is the one bound.
     """
-    return [path for parent, key, child, path in binding.modules if parent.get(key) is not child]
+    return [
+        path
+        for parent, key, child, path in binding.modules
+        if _child(parent(), key) is not child()
+    ]
+
+
+def _child(parent: nn.Module | None, key: str) -> nn.Module | None:
+    return parent._modules.get(key) if parent is not None else None
 
 
 

@@ -274,15 +274,18 @@ def swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> Sto
         A `StorageMovedError` with one `Drift(what="module")` per replaced submodule.
     """
     drifts = []
-    for parent, key, child, path in binding.modules:
+    for parent, key, ref, path in binding.modules:
         if path in swapped:
-            now = parent.get(key)
+            owner, child = parent(), ref()
+            now = owner._modules.get(key) if owner is not None else None
             drifts.append(
                 Drift(
                     path=path,
                     module_class=type(child).__name__,
                     what="module",
-                    old=f"{type(child).__name__} at 0x{id(child):x}",
+                    old="a module no longer alive"
+                    if child is None
+                    else f"{type(child).__name__} at 0x{id(child):x}",
                     new="removed" if now is None else f"{type(now).__name__} at 0x{id(now):x}",
                 )
             )

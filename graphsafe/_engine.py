@@ -220,13 +220,13 @@ class Engine:
             why: The reason, for messages.
         """
         bound = self.bound
-        keys: list[int] = []
+        buffers: list[torch.Tensor] = []
         for i in indices:
             for j in bound[i].downstream:
                 self.stale.add(j)
                 self.reasons.setdefault(j, why)
-                keys.extend(storage_key(t) for t in bound[j].buffers or ())
-        JOURNAL.poison(keys, why)
+                buffers.extend(bound[j].buffers or ())
+        JOURNAL.poison(buffers, why)
 
     # -- the hot loop ----------------------------------------------------------------
 

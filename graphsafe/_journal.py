@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -66,17 +67,26 @@ class Journal:
                     self.epochs[key] = clock
                     self.how[key] = how
 
-    def poison(self, keys: Iterable[int], why: str) -> None:
-        """Mark storages unusable until healed.
+    def poison(self, tensors: Iterable[torch.Tensor], why: str) -> None:
+        """Mark the storages of `tensors` unusable until healed.
+
+        The poison dies with the storage: a storage allocated later at the same address
+        (another model's) starts clean.
 
         Args:
-            keys: Storage keys.
+            tensors: Tensors whose storage is poisoned.
             why: The failure, for messages.
         """
         with self._lock:
-            for key in keys:
-                if key:
-                    self.poisoned.setdefault(key, why)
+            for t in tensors:
+                key = storage_key(t)
+                if key and key not in self.poisoned:
+                    self.poisoned[key] = why
+                    weakref.finalize(t.untyped_storage(), self._forget, key)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self.poisoned.pop(key, None)
 
     def heal(self, keys: Iterable[int]) -> None:
         """Clear the poison of storages that were refreshed or completely loaded.

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, Protocol
+
+import torch
 
 from graphsafe._engine import Engine
 from graphsafe._journal import JOURNAL, storage_key
@@ -98,7 +100,7 @@ def end(
     exc: BaseException | None,
     *,
     pinned: bool,
-    model_tensors: Callable[[], dict[int, str]],
+    model_tensors: Callable[[], Iterable[torch.Tensor]],
     witnesses: bool = False,
     since: int | None = None,
 ) -> None:
@@ -110,7 +112,7 @@ def end(
         what: The load, for the journal and messages ("Model.load_weights").
         exc: What it raised, if it raised.
         pinned: Whether a graph holds the model's storage.
-        model_tensors: `{storage key: path}` of every tensor of the model.
+        model_tensors: Every tensor of the model.
         witnesses: Also refresh what the witnesses see changed (update blocks, where
             `gs.mark_written` and in-place writes count).
         since: The journal's clock when the load began: if anything was recorded
@@ -130,7 +132,7 @@ def end(
         # where marked above.
         buffers = {storage_key(t) for b in engine.bound for t in b.buffers or ()}
         JOURNAL.poison(
-            (k for k in model_tensors() if k not in buffers),
+            (t for t in model_tensors() if storage_key(t) not in buffers),
             f"the last weight update failed ({why})",
         )
         return
@@ -140,7 +142,7 @@ def end(
     dirty.update(b.index for b in engine.bound if b.buffers is None)
     engine.run(engine.closure(dirty))
     if JOURNAL.poisoned:  # a completed load heals what a failed one poisoned
-        JOURNAL.heal(model_tensors())
+        JOURNAL.heal(storage_key(t) for t in model_tensors())
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from graphsafe._binding import bind, derivations_for, swapped_modules, tensor_at
@@ -31,7 +32,7 @@ from graphsafe._journal import JOURNAL
 from graphsafe._loads import Load, end, tracked_block, tracked_call, tracked_generator
 from graphsafe._registry import Registry, default_registry
 from graphsafe._spec import Derivation, DerivationInfo, RefreshReport
-from graphsafe._walk import storage_key, storage_paths
+from graphsafe._walk import storage_key, storage_paths, walk_tensors
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 
@@ -136,6 +137,9 @@ class Runtime:
 
     def _model_tensors(self) -> dict[int, str]:
         return storage_paths(self.model)
+
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        return (site.tensor for site in walk_tensors(self.model))
 
     def _derivations_for(self, cls: type) -> list[Derivation]:
         return derivations_for(self.registries, cls)
@@ -419,7 +423,7 @@ class Runtime:
             dirty.update(b.index for b in engine.bound if b.buffers is None)
             engine.run(engine.closure(dirty))
             if JOURNAL.poisoned:
-                JOURNAL.heal(self._model_tensors())
+                JOURNAL.heal(self._model_tensors())  # the keys
 
     def _begin(self, *, full_watch: bool) -> Load:
         engine = self._bound()
@@ -440,7 +444,7 @@ class Runtime:
         written = load.close()
         self._load = None
         engine = self._bound()
-        end(engine, written, what, exc, pinned=self.pinned, model_tensors=self._model_tensors,
+        end(engine, written, what, exc, pinned=self.pinned, model_tensors=self._tensors,
             witnesses=witnesses, since=load.clock)
         if exc is None:
             self._keys = engine.storage_keys() | (self._keys if self._holders else frozenset())

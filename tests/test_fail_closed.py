@@ -1166,3 +1166,49 @@ def test_one_input_read_by_two_independent_derivations_refreshes_both() -> None:
     expected = _chain_expected(new)
     assert torch.equal(m.d1, expected["d1"])
     assert torch.equal(m.e, expected["e"])
+
+
+@gs.graphsafe
+class Big(nn.Module):
+    """One 512 KiB weight (big allocations go back to the system and come back at the
+    same address) and its derived row sums."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(256, 512))
+
+    @gs.derive("w_rows", inputs=["w"])
+    def _w_rows(self, w: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sum(w, dim=1, out=out)  # [256]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w_rows
+
+    def load_weights(self, weights: Weights) -> None:
+        _copy_in(self, weights)
+
+
+def test_the_poison_of_a_failed_load_dies_with_its_storage() -> None:
+    # A failed load poisons the storage of every weight of its model. When that model is
+    # gone, a new model whose weights land at the same addresses must start clean: the
+    # guard must not refuse its healthy replay.
+    x = torch.ones(256)
+    reused = False
+    for _ in range(10):
+        big = Big()
+        big.load_weights([])
+        with pytest.raises(RuntimeError, match="midway"), gs.weight_update(big):
+            big.load_weights([("w", torch.full((256, 512), 2.0))])
+            raise RuntimeError("sync died midway")
+        old = big.w.untyped_storage().data_ptr()
+        del big
+        gc.collect()
+        fresh = Big()
+        gs.runtime(fresh).refresh()  # materialized without a load, which would heal
+        reused = fresh.w.untyped_storage().data_ptr() == old
+        g, out = _capture(fresh, x)
+        g.replay()  # the storage is new: nothing failed in it
+        assert torch.equal(out, x * 512.0)
+        if reused:
+            break
+    assert reused, "the allocator never reused an address: the test shows nothing here"

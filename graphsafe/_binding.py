@@ -68,7 +68,16 @@ class Input:
     which moves no version counter, is seen too.
     """
 
-    __slots__ = ("consumers", "container", "geometry", "key", "owner", "path", "tensor")
+    __slots__ = (
+        "consumers",
+        "container",
+        "geometry",
+        "key",
+        "owner",
+        "path",
+        "tensor",
+        "transient",
+    )
 
     def __init__(self, path: str, owner: nn.Module, container: dict[str, Any], key: str) -> None:
         self.path = path
@@ -78,11 +87,17 @@ class Input:
         self.tensor: torch.Tensor | None = container.get(key)
         self.geometry = geometry(self.tensor)
         self.consumers: list[int] = []
+        self.transient = False
+        """Held only while a load writes it: its pointer comes and goes."""
 
     def moved(self) -> bool:
         """Whether the attribute now holds another tensor, or the same one elsewhere."""
         t = self.container.get(self.key)
-        return t is not self.tensor or t is None or geometry(t) != self.geometry
+        if t is not self.tensor or t is None:
+            return True
+        if self.transient:  # released and held again between loads: only the view counts
+            return geometry(t)[1:] != self.geometry[1:]
+        return geometry(t) != self.geometry
 
     def accept(self) -> None:
         """Take what the owner holds now as the input (before pin only).
@@ -168,6 +183,7 @@ class Bound:
         "shape0",
         "single_in",
         "spec",
+        "transient_inputs",
     )
 
     def __init__(self, spec: Derivation, module: nn.Module, module_path: str) -> None:
@@ -183,6 +199,7 @@ class Bound:
         self.container: dict[str, Any] = module._buffers
         self.in_refs: list[tuple[dict[str, Any], str]] = []
         self.leaf_inputs: list[Input] = []
+        self.transient_inputs: list[Input] = []
         self.deps: set[int] = set()
         self.index = -1
         self.downstream: tuple[int, ...] = ()
@@ -308,6 +325,15 @@ def bind(
         for rel, full in zip(b.spec.inputs, b.inputs):
             owner, name = _walk(b, module, rel)
             producer = produced.get((id(owner), name))
+            if producer is not None and rel in b.spec.transient:
+                raise b.error(
+                    RegistrationError,
+                    f"transient input {rel!r} is a derived buffer",
+                    path=full,
+                    expected="a checkpoint-format parameter or buffer the loader writes",
+                    got=f"{full}, an output of {producer.spec.name}",
+                    fix=f"drop {rel!r} from `transient`: derived buffers are kept",
+                )
             if producer is not None:
                 b.deps.add(id(producer))
                 b.in_refs.append((owner._buffers, name))
@@ -328,6 +354,10 @@ def bind(
                 inp = inputs[key] = Input(full, owner, container, name)
             b.in_refs.append((container, name))
             b.leaf_inputs.append(inp)
+            if rel in b.spec.transient:
+                b.transient_inputs.append(inp)
+                inp.transient = True
+    _check_transient(bound)
     ordered = _toposort(bound)
     for i, b in enumerate(ordered):
         b.index = i
@@ -378,6 +408,38 @@ def swapped_modules(binding: Binding) -> list[str]:
 def _child(parent: nn.Module | None, key: str) -> nn.Module | None:
     return parent._modules.get(key) if parent is not None else None
 
+
+
+def _check_transient(bound: list[Bound]) -> None:
+    """A transient input is released between updates: every reader must expect that, and
+    it must own its storage (a view of another tensor cannot be released alone)."""
+    transient = {id(inp): inp for b in bound for inp in b.transient_inputs}
+    for b in bound:
+        for inp in b.leaf_inputs:
+            if id(inp) in transient and inp not in b.transient_inputs:
+                raise b.error(
+                    RegistrationError,
+                    f"{inp.path!r} is transient for one derivation and resident for another",
+                    path=inp.path,
+                    expected=f"{b.spec.name} to declare {inp.path!r} transient too",
+                    got="a resident reader of an input released between updates",
+                    fix="declare the input transient in every derivation that reads it, or "
+                    "in none",
+                )
+    for inp in transient.values():
+        t = inp.tensor
+        if t is not None and (
+            t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes
+        ):
+            raise RegistrationError(
+                f"transient input {inp.path!r} shares its storage with other tensors",
+                path=inp.path,
+                expected="a tensor that owns its storage (it is released on its own)",
+                got=f"storage of {t.untyped_storage().nbytes()} bytes, tensor of {t.nbytes} "
+                f"at offset {t.storage_offset()}",
+                fix="give the transient input its own storage (e.g. `.clone()` it at "
+                "construction), or keep it resident",
+            )
 
 
 def _check_output_free(b: Bound, module: nn.Module, name: str) -> None:

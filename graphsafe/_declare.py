@@ -39,6 +39,7 @@ class _Mark(NamedTuple):
     outputs: tuple[str, ...]
     inputs: tuple[str, ...]
     when: Callable[[Any], bool] | None
+    transient: tuple[str, ...]
 
 
 def derive(
@@ -46,6 +47,7 @@ def derive(
     *,
     inputs: Sequence[str],
     when: Callable[[Any], bool] | None = None,
+    transient: Sequence[str] = (),
 ) -> Callable[[F], F]:
     """Mark a method of a module class as a derivation.
 
@@ -58,6 +60,8 @@ def derive(
             attributes, or outputs of other derivations.
         when: Optional `when(module) -> bool`; where false the module owns no buffer and
             the attributes stay `None`.
+        transient: Inputs (a subset of `inputs`) held only while a load writes them:
+            checkpoint-format weights released once their outputs are refreshed.
 
     Returns:
         A decorator that marks the method and returns it unchanged.
@@ -79,7 +83,7 @@ def derive(
             got=f"inputs={inputs!r}",
             fix="wrap the path in a list",
         )
-    mark = _Mark(names, tuple(inputs), when)
+    mark = _Mark(names, tuple(inputs), when, tuple(transient))
 
     def decorate(fn: F) -> F:
         if isinstance(fn, (staticmethod, classmethod)):
@@ -278,6 +282,7 @@ def _apply(klass: type, load: str, reg: Registry, explicit_load: bool) -> None:
                     inputs=mark.inputs,
                     fn=attr,
                     when=mark.when,
+                    transient=mark.transient,
                     method=attr_name,
                     name=f"{klass.__name__}.{attr_name}",
                 ),

@@ -30,6 +30,7 @@ from graphsafe._errors import DerivationDriftError
 from graphsafe._journal import JOURNAL, Witnesses, storage_key
 from graphsafe._spec import RawEntry, RawIdentity, RefreshReport
 from graphsafe._tracking import ReadGuard, WriteTracker
+from graphsafe._transient import Transients
 
 __all__ = ["Engine"]
 
@@ -75,6 +76,8 @@ class Engine:
         self._site_owner: list[tuple[int, ...]] = []
         self._input_site: dict[int, int] = {}
         self._buffer_sites: list[list[int]] = [[] for _ in self.bound]
+        self.transients = Transients(self.bound)
+        """The transient inputs: held only while a load writes them."""
         self.witnesses = Witnesses(self._sites())
 
     # -- what is dirty ---------------------------------------------------------------
@@ -84,7 +87,7 @@ class Engine:
         if self._watch is None:
             watch: dict[int, list[Input]] = {}
             for inp in self.inputs:
-                if inp.tensor is not None:
+                if inp.tensor is not None and not inp.transient:  # those: see transients
                     key = storage_key(inp.tensor)
                     if key:
                         watch.setdefault(key, []).append(inp)
@@ -230,7 +233,7 @@ class Engine:
 
     # -- the hot loop ----------------------------------------------------------------
 
-    def run(self, plan: Sequence[int]) -> RefreshReport:
+    def run(self, plan: Sequence[int], *, skip_blocked: bool = False) -> RefreshReport:
         """Materialize or refresh the derivations of `plan`, in its (topological) order.
 
         The caller has run `scan_moved` first, so buffers and inputs are where the bound
@@ -239,6 +242,9 @@ class Engine:
 
         Args:
             plan: Sorted derivation indices, closed downstream (see `closure`).
+            skip_blocked: A derivation whose transient inputs are released cannot run:
+                True leaves it as it is (a full refresh of a fresh model); False marks
+                it, and what is downstream of it, stale (its inputs changed).
 
         Returns:
             The report.
@@ -253,6 +259,8 @@ class Engine:
         append = raw.append
         failed: set[int] = set()
         first_error: BaseException | None = None
+        if self.transients:
+            plan = self._unblocked(plan, skip_blocked)
         pending = self.strict or any(bound[i].buffers is None for i in plan)
         watch = self._model_tensors() if pending else None
         realloc = self._reallocated
@@ -316,6 +324,31 @@ class Engine:
         self.last_report = report
         return report
 
+    def _unblocked(self, plan: Sequence[int], skip: bool) -> list[int]:
+        """`plan` without the derivations whose transient inputs are released."""
+        bound = self.bound
+        out: list[int] = []
+        blocked: set[int] = set()
+        for i in plan:
+            b = bound[i]
+            tr = self.transients.blocked(b)
+            if tr is None and b.deps.isdisjoint(blocked):
+                out.append(i)
+                continue
+            blocked.add(i)
+            if skip and i not in self.stale:
+                continue
+            why = (
+                f"its transient input {tr.input.path} is released: it is recomputed only by "
+                "a load that writes that input completely"
+                if tr is not None
+                else "it reads a derivation that could not be recomputed"
+            )
+            self.mark_stale([i], why)
+        if skip:  # what reads a skipped derivation's (unchanged) buffers can still run
+            return [i for i in plan if self.transients.blocked(bound[i]) is None]
+        return out
+
     def _settle(self, ran: Sequence[int], failed: set[int], sites_changed: bool) -> None:
         """After a run: clear what succeeded, take its witnesses, heal its buffers."""
         ok = [i for i in ran if i not in failed]
@@ -328,17 +361,28 @@ class Engine:
             self.witnesses = self.witnesses.rebuilt(self._sites())
         # An input's witness is taken only when every derivation reading it ran: a change
         # that one of them has not seen must stay visible.
-        okset = set(ok)
-        sites: list[int] = []
-        for i in ok:
-            b = bound[i]
-            sites.extend(self._buffer_sites[i])
-            for inp in b.leaf_inputs:
-                if okset.issuperset(inp.consumers):
-                    sites.append(self._input_site[id(inp)])
-        self.witnesses.record(sites)
+        self.rewitness(ok)
         if JOURNAL.poisoned:
             JOURNAL.heal(storage_key(t) for i in ok for t in bound[i].buffers or ())
+
+    def rewitness(self, fresh: Sequence[int]) -> None:
+        """Take the witnesses of derivations known to be fresh.
+
+        An input's witness is taken only when every derivation reading it is among
+        `fresh`: a change that one of them has not seen must stay visible.
+
+        Args:
+            fresh: Indices of derivations that match their inputs now.
+        """
+        okset = set(fresh)
+        sites: list[int] = []
+        for i in fresh:
+            b = self.bound[i]
+            sites.extend(self._buffer_sites[i])
+            for inp in b.leaf_inputs:
+                if not inp.transient and okset.issuperset(inp.consumers):
+                    sites.append(self._input_site[id(inp)])
+        self.witnesses.record(sites)
 
     def _copy_apart(self, b: Bound, ret: Any) -> int:
         """A function that accepts `out=` returned another tensor: validate, copy in."""
@@ -440,6 +484,8 @@ class Engine:
         owner: list[tuple[int, ...]] = []
         self._input_site = {}
         for inp in self.inputs:
+            if inp.transient:
+                continue  # released and held again by design: loads account for them
             self._input_site[id(inp)] = len(sites)
             sites.append((inp.container, inp.key))
             owner.append(tuple(inp.consumers))
@@ -453,8 +499,9 @@ class Engine:
         return sites
 
     def _site_path(self, site: int) -> str:
-        if site < len(self.inputs):
-            return self.inputs[site].path
+        for inp in self.inputs:
+            if self._input_site.get(id(inp)) == site:
+                return inp.path
         for b in self.bound:
             for j, s in enumerate(self._buffer_sites[b.index]):
                 if s == site:

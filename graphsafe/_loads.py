@@ -18,6 +18,7 @@ import torch
 from graphsafe._engine import Engine
 from graphsafe._journal import JOURNAL, storage_key
 from graphsafe._tracking import WriteTracker
+from graphsafe._transient import Transient, Transients
 
 __all__ = ["Load", "LoadOwner", "end", "tracked_block", "tracked_call", "tracked_generator"]
 
@@ -29,13 +30,30 @@ class Load:
         watch: Storage keys to track, mapped to anything (e.g. paths).
     """
 
-    __slots__ = ("clock", "done", "lock", "thread", "tracker", "watch", "workers", "written")
+    __slots__ = (
+        "clock",
+        "done",
+        "early",
+        "lock",
+        "thread",
+        "tracker",
+        "transient_written",
+        "transients",
+        "watch",
+        "workers",
+        "written",
+    )
 
-    def __init__(self, watch: dict[int, Any]) -> None:
+    def __init__(self, watch: dict[int, Any], transients: Transients | None = None) -> None:
         self.thread = threading.get_ident()
         self.watch = watch
-        self.tracker = WriteTracker(watch)
+        self.transients = transients or None
+        self.tracker = WriteTracker(watch, transients=self.transients)
         self.written: set[int] = set()
+        self.transient_written: set[Transient] = set()
+        self.early: dict[int, frozenset[int]] = {}
+        """Derivations refreshed in the middle of the load (their transient inputs were
+        complete), with what the load had written by then."""
         self.lock = threading.Condition(threading.Lock())
         self.done = False
         self.workers = 0
@@ -44,6 +62,10 @@ class Load:
     def written_so_far(self) -> set[int]:
         """Storage keys written so far, by the load's thread and by workers that joined."""
         return self.written | self.tracker.written
+
+    def transients_written(self) -> set[Transient]:
+        """Transient inputs written so far."""
+        return self.transient_written | self.tracker.transient_written
 
     def close(self) -> set[int]:
         """End the load, once the worker threads that joined it have returned.
@@ -82,20 +104,47 @@ class Load:
         Returns:
             What the loader returned.
         """
-        tracker = WriteTracker(self.watch)
+        tracker = WriteTracker(self.watch, transients=self.transients)
         try:
             with tracker:
                 return fn(module, *args, **kwargs)
         finally:
             with self.lock:
                 self.written |= tracker.written
+                self.transient_written |= tracker.transient_written
                 self.workers -= 1
                 self.lock.notify_all()
 
 
+def refresh_ready(engine: Engine, load: Load) -> None:
+    """In the middle of a load: refresh the derivations whose transient inputs are now
+    completely written, then release those inputs (the layer-by-layer bound).
+
+    Args:
+        engine: The engine of the model's binding.
+        load: The load in progress.
+    """
+    transients = engine.transients
+    written = [tr for tr in load.transients_written() if tr.held and tr.complete]
+    if not written:
+        return
+    candidates = {i for tr in written for i in transients.readers[id(tr)]} - set(load.early)
+    ready = transients.ready(candidates, engine.bound)
+    if not ready:
+        return
+    so_far = frozenset(load.written_so_far())
+    engine.run(ready)
+    for i in ready:
+        load.early[i] = so_far
+    done = set(load.early)
+    transients.release(
+        tr for tr in written if done.issuperset(transients.readers[id(tr)])
+    )
+
+
 def end(
     engine: Engine,
-    written: set[int],
+    load: Load,
     what: str,
     exc: BaseException | None,
     *,
@@ -108,7 +157,7 @@ def end(
 
     Args:
         engine: The engine of the model's binding.
-        written: Storage keys the load wrote.
+        load: The load that ended (closed: its workers have returned).
         what: The load, for the journal and messages ("Model.load_weights").
         exc: What it raised, if it raised.
         pinned: Whether a graph holds the model's storage.
@@ -122,12 +171,18 @@ def end(
         StorageMovedError: Pinned, and something was rebound.
         Exception: Whatever a derivation raised (the rest is marked stale).
     """
+    written = load.close()
     JOURNAL.advance(written, what)
+    transients = engine.transients
+    # Those refreshed and released in the middle of the load are done with.
+    touched = {tr for tr in load.transients_written() if tr.held}
     if exc is not None:
         why = f"{what} raised {type(exc).__name__}: {_first_line(exc)}"
         dirty = engine.consumers_of(written)
         dirty.update(i for inp in engine.find_moved()[0] for i in inp.consumers)
+        dirty.update(i for tr in touched for i in transients.readers[id(tr)])
         engine.mark_stale(dirty, why)
+        transients.release()
         # Every weight of the tree may be half-written; derived buffers are stale only
         # where marked above.
         buffers = {storage_key(t) for b in engine.bound for t in b.buffers or ()}
@@ -140,7 +195,30 @@ def end(
     if witnesses or (since is not None and JOURNAL.clock != since + 1):
         dirty.update(engine.witness_dirty())
     dirty.update(b.index for b in engine.bound if b.buffers is None)
-    engine.run(engine.closure(dirty))
+    partial: dict[int, str] = {}
+    incomplete = [tr for tr in touched if not tr.complete]
+    for tr in touched:
+        readers = transients.readers[id(tr)]
+        if not tr.complete:
+            why = (f"its transient input {tr.input.path} was only partly written by {what} "
+                   f"({min(tr.written, tr.numel)} of {tr.numel} elements)")
+            partial.update((i, why) for i in readers)
+        else:
+            dirty.update(i for i in readers if i not in load.early)
+    kept = []
+    for i, at in load.early.items():  # refreshed mid-load: stale only if written since
+        if i not in engine.consumers_of(written - at):
+            dirty.discard(i)
+            kept.append(i)
+    engine.rewitness(kept)  # their inputs' journal epochs moved with this load
+    for i, why in partial.items():
+        engine.mark_stale([i], why)
+        dirty.discard(i)
+    transients.release(incomplete)  # so that nothing computes from half their values
+    try:
+        engine.run(engine.closure(dirty))
+    finally:
+        transients.release()
     if JOURNAL.poisoned:  # a completed load heals what a failed one poisoned
         JOURNAL.heal(storage_key(t) for t in model_tensors())
 
@@ -157,6 +235,8 @@ class LoadOwner(Protocol):
     _load: Load | None
 
     def _begin(self, *, full_watch: bool) -> Load: ...
+
+    def _between_loads(self, load: Load) -> None: ...
 
     def _end(
         self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False
@@ -190,7 +270,9 @@ def tracked_call(
     load = owner._load
     if load is not None:
         if load.thread == threading.get_ident():
-            return fn(module, *args, **kwargs)  # nested: the outer load tracks it
+            result = fn(module, *args, **kwargs)  # nested: the outer load tracks it
+            owner._between_loads(load)
+            return result
         if load.enter_worker():  # a worker thread of that load
             return load.run_worker(fn, module, args, kwargs)
     with owner._lock:

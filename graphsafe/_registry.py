@@ -208,6 +208,7 @@ class Registry:
         *,
         inputs: Sequence[str],
         when: Callable[[Any], bool] | None = None,
+        transient: Sequence[str] = (),
     ) -> Callable[[F], F]:
         """Decorator form of `register` for a free function `fn(module, *inputs, out=None)`.
 
@@ -216,6 +217,7 @@ class Registry:
             outputs: One buffer name or several.
             inputs: Dotted paths relative to the owning module.
             when: Optional `when(module) -> bool` deciding ownership per instance.
+            transient: Inputs held only while a load writes them (see `gs.derive`).
 
         Returns:
             A decorator that registers the function and returns it unchanged.
@@ -237,6 +239,7 @@ class Registry:
                     inputs=tuple(inputs),
                     fn=fn,
                     when=when,
+                    transient=tuple(transient),
                 ),
             )
             return fn

@@ -29,7 +29,14 @@ from graphsafe._errors import (
 )
 from graphsafe._fresh import check_fresh, fresh_fix, stale_map
 from graphsafe._journal import JOURNAL
-from graphsafe._loads import Load, end, tracked_block, tracked_call, tracked_generator
+from graphsafe._loads import (
+    Load,
+    end,
+    refresh_ready,
+    tracked_block,
+    tracked_call,
+    tracked_generator,
+)
 from graphsafe._registry import Registry, default_registry
 from graphsafe._spec import Derivation, DerivationInfo, RefreshReport
 from graphsafe._walk import storage_key, storage_paths, walk_tensors
@@ -126,10 +133,18 @@ class Runtime:
         self._engine = engine = Engine(binding, self._model_tensors, strict=self._strict)
         self._keys = engine.storage_keys()
         if model not in _HOOKED:
+            model.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                _before_load_state_dict
+            )
             model.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
                 _after_load_state_dict
             )
             _HOOKED.add(model)
+        for tr in engine.transients:
+            owner = tr.input.owner()
+            if owner is not None and owner not in _HOOKED:
+                owner.register_state_dict_post_hook(_drop_released)  # type: ignore[no-untyped-call]
+                _HOOKED.add(owner)
         return engine
 
     def _own(self, module: nn.Module) -> None:
@@ -260,18 +275,23 @@ class Runtime:
         with self._lock:
             engine = self._bound()
             dirty = engine.scan_moved(self.pinned)
-            if changed is None:
-                # A failed update stays flagged: a refresh cannot repair half-loaded weights.
-                return engine.run(range(len(engine.bound)))
-            dirty.update(engine.witness_dirty())
-            keys = []
-            for path in changed:
-                consumers = engine.binding.by_path.get(path)
-                if consumers is not None:
-                    dirty.update(consumers)
-                keys.append(storage_key(tensor_at(self.model, path)))
-            dirty.update(engine.consumers_of(keys))
-            return engine.run(engine.closure(dirty))
+            try:
+                if changed is None:
+                    # A failed update stays flagged: a refresh cannot repair half-loaded
+                    # weights. Derivations whose transient inputs are released are left
+                    # as they are: only a load can give them their inputs.
+                    return engine.run(range(len(engine.bound)), skip_blocked=True)
+                dirty.update(engine.witness_dirty())
+                keys = []
+                for path in changed:
+                    consumers = engine.binding.by_path.get(path)
+                    if consumers is not None:
+                        dirty.update(consumers)
+                    keys.append(storage_key(tensor_at(self.model, path)))
+                dirty.update(engine.consumers_of(keys))
+                return engine.run(engine.closure(dirty))
+            finally:
+                engine.transients.release()
 
     def refresh_stale(self) -> RefreshReport:
         """Recompute exactly what is stale: never materialized, failed, or whose inputs
@@ -284,7 +304,10 @@ class Runtime:
             engine = self._bound()
             dirty = engine.scan_moved(self.pinned)
             dirty.update(engine.witness_dirty())
-            return engine.run(engine.closure(dirty))
+            try:
+                return engine.run(engine.closure(dirty))
+            finally:
+                engine.transients.release()
 
     # -- pins --------------------------------------------------------------------------
 
@@ -421,7 +444,13 @@ class Runtime:
             dirty = engine.scan_moved(self.pinned)
             dirty.update(engine.witness_dirty())
             dirty.update(b.index for b in engine.bound if b.buffers is None)
-            engine.run(engine.closure(dirty))
+            for tr in engine.transients:
+                if tr.held and tr.complete:
+                    dirty.update(engine.transients.readers[id(tr)])
+            try:
+                engine.run(engine.closure(dirty))
+            finally:
+                engine.transients.release()
             if JOURNAL.poisoned:
                 JOURNAL.heal(self._model_tensors())  # the keys
 
@@ -434,18 +463,24 @@ class Runtime:
             watch = dict(watch)
             for key, path in self._model_tensors().items():
                 watch.setdefault(key, path)
-        load = Load(watch)
+        load = Load(watch, engine.transients)
         self._load = load
         return load
+
+    def _between_loads(self, load: Load) -> None:
+        if self._engine is not None and self._engine.transients:
+            refresh_ready(self._engine, load)
 
     def _end(
         self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False
     ) -> None:
-        written = load.close()
-        self._load = None
         engine = self._bound()
-        end(engine, written, what, exc, pinned=self.pinned, model_tensors=self._tensors,
-            witnesses=witnesses, since=load.clock)
+        try:
+            end(engine, load, what, exc, pinned=self.pinned, model_tensors=self._tensors,
+                witnesses=witnesses, since=load.clock)
+        finally:
+            self._load = None
+        written = load.written_so_far()
         if exc is None:
             self._keys = engine.storage_keys() | (self._keys if self._holders else frozenset())
             _refresh_others(self, written)
@@ -482,10 +517,40 @@ def _refresh_others(origin: Runtime, written: set[int]) -> None:
                 rt._refresh_storages(written)
 
 
-def _after_load_state_dict(module: nn.Module, incompatible: object) -> None:
+def _before_load_state_dict(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    # Transient inputs the state dict holds get their bytes back before torch copies
+    # into them; the post-hook refreshes their readers and releases them again.
+    rt = _RUNTIMES.get(module) or _OWNERS.get(module)
+    engine = rt._engine if rt is not None else None
+    if engine is None or rt is None or rt.model is not module:
+        return
+    for tr in engine.transients:
+        if prefix + tr.input.path in state_dict:
+            engine.transients.hold(tr)
+            tr.written = tr.numel
+
+
+def _after_load_state_dict(module: nn.Module, incompatible: Any) -> None:
     rt = _RUNTIMES.get(module) or _OWNERS.get(module)
     if rt is not None:
+        engine = rt._engine
+        if engine is not None and rt.model is module:
+            # What a transient input's model cannot give back, it does not ask for either.
+            released = {tr.input.path for tr in engine.transients}
+            incompatible.missing_keys[:] = [
+                k for k in incompatible.missing_keys if k not in released
+            ]
         rt._after_state_dict_load()
+
+
+def _drop_released(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    # A released transient input lives on the meta device: it holds no weights any more.
+    for container in (module._parameters, module._buffers):
+        for name, t in container.items():
+            if t is not None and t.device.type == "meta":
+                state_dict.pop(prefix + name, None)
 
 
 _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()

@@ -11,7 +11,14 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, computed_field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "Derivation",
@@ -70,6 +77,11 @@ class Derivation(BaseModel):
     name: str = ""
     """Qualified name used in reports and errors; defaults to the function's."""
 
+    transient: tuple[str, ...] = ()
+    """Inputs held only while a load or weight update writes them (checkpoint-format
+    weights whose kernel-format outputs are all the model keeps): released once every
+    derivation reading them has refreshed, so they hold no memory between updates."""
+
     @field_validator("outputs", mode="before")
     @classmethod
     def _one_or_many(cls, value: object) -> object:
@@ -103,6 +115,22 @@ class Derivation(BaseModel):
                 if not part.isidentifier() and not part.isdigit():
                     raise ValueError(f"input path {path!r} is not a dotted path")
         return value
+
+    @field_validator("transient", mode="before")
+    @classmethod
+    def _transient_no_bare_string(cls, value: object) -> object:
+        if isinstance(value, str):
+            raise ValueError(f"transient must be a list of paths, got the string {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _transient_among_inputs(self) -> Derivation:
+        unknown = [p for p in self.transient if p not in self.inputs]
+        if unknown:
+            raise ValueError(
+                f"transient inputs {unknown} are not among the inputs {list(self.inputs)}"
+            )
+        return self
 
     def model_post_init(self, context: Any, /) -> None:
         if not self.name:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsafe._transient import Transient, Transients
 from graphsafe._walk import storage_key
 
 __all__ = ["ReadGuard", "WriteTracker", "storage_key"]
@@ -43,6 +44,8 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             caller wants back (e.g. a tensor path).
         on_write: Called as `on_write(key, op_name)` BEFORE a watched storage is written;
             raising there refuses the write, so nothing is changed.
+        transients: The transient inputs of the model being loaded: a write into one
+            holds its storage first and is counted there (`transient_written`).
 
     Examples:
         >>> p = torch.nn.Parameter(torch.zeros(3))
@@ -56,11 +59,14 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self,
         watched: Mapping[int, object],
         on_write: Callable[[int, str], None] | None = None,
+        transients: Transients | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.watched = watched
         self.on_write = on_write
         self.written: set[int] = set()
+        self.transients = transients
+        self.transient_written: set[Transient] = set()
 
     def __torch_dispatch__(
         self,
@@ -69,29 +75,44 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        self._check_writes(func, args, kwargs)
+        args, kwargs = self._check_writes(func, args, kwargs or {})
         return func(*args, **kwargs)
 
-    def _check_writes(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _check_writes(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Note (or refuse) every write of the op; returns the arguments to run it with
+        (a write into a released transient input goes to its new memory instead)."""
         writes = _written_args(func)
         if writes:
             nargs = len(args)
             for index, name in writes:
                 arg = args[index] if index < nargs else kwargs.get(name)
                 if isinstance(arg, torch.Tensor):
-                    self._note(arg, func)
+                    real = self._note(arg, func)
+                    if real is not None:
+                        if index < nargs:
+                            args = (*args[:index], real, *args[index + 1 :])
+                        else:
+                            kwargs = {**kwargs, name: real}
                 elif isinstance(arg, (list, tuple)):
                     for item in arg:
                         if isinstance(item, torch.Tensor):
                             self._note(item, func)
+        return args, kwargs
 
-    def _note(self, t: torch.Tensor, func: Any) -> None:
+    def _note(self, t: torch.Tensor, func: Any) -> torch.Tensor | None:
+        if self.transients is not None:
+            tr, real = self.transients.on_write(t)  # a released input gets memory first
+            if tr is not None:
+                self.transient_written.add(tr)
+                return real
         key = storage_key(t)
         if key and key in self.watched:
             if self.on_write is not None:
                 self.on_write(key, str(func))
             self.written.add(key)
+        return None
 
 
 class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]

@@ -1,0 +1,201 @@
+"""Transient inputs: checkpoint-format weights held only while a load writes them.
+
+A derivation may declare some of its inputs transient (an FP8 weight quantized from a
+bf16 checkpoint keeps only the FP8 tensor and its scales). Between updates they live on
+the meta device: the tensor object, its class, shape, stride and dtype and its place in
+the module stay (`torch.utils.swap_tensors`), so loaders find what they expect and a
+stray read fails loudly instead of reading freed memory. When a load writes one, the
+write tracker gives it real memory just before the first write lands, sends the write
+there, and counts the elements written. A
+derivation whose transient inputs are all completely written can refresh at once, in
+the middle of a bucketed update, and its inputs are released again: the extra memory of
+an update is bounded by the layers in flight. One whose transient inputs were only partly
+written when the update ends is stale, and the guard refuses to replay it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from graphsafe._binding import Bound, Input
+
+__all__ = ["Transient", "Transients"]
+
+
+class Transient:
+    """One transient input: where it lives, and what the current update wrote of it.
+
+    Args:
+        inp: The bound input.
+    """
+
+    __slots__ = ("_other", "device", "held", "input", "meta_sid", "numel", "real_sid",
+                 "written")
+
+    def __init__(self, inp: Input) -> None:
+        t = inp.tensor
+        assert t is not None
+        self.input = inp
+        self.device = t.device
+        self.numel = t.numel()
+        self.held = t.device.type != "meta"
+        self.written = 0
+        self._other: torch.Tensor | None = None  # the swapped-out half, kept alive
+        sid = id(t.untyped_storage())
+        self.real_sid: int | None = sid if self.held else None
+        self.meta_sid: int | None = None if self.held else sid
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The input tensor (the same object whether held or released)."""
+        t = self.input.tensor
+        assert t is not None
+        return t
+
+    @property
+    def sids(self) -> tuple[int, ...]:
+        """Ids of the live storages a write into this input goes through: the real one
+        while held, and the meta one that views taken while released still alias."""
+        return tuple(s for s in (self.real_sid, self.meta_sid) if s is not None)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the current update wrote as many elements as the input holds."""
+        return self.written >= self.numel
+
+    def hold(self) -> None:
+        """Give the input real memory (its values are undefined until written)."""
+        if self.held:
+            return
+        t = self.tensor
+        self._swap(torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=self.device))
+        self.real_sid = id(t.untyped_storage())  # the meta half stays alive in _other
+        self.held = True
+
+    def release(self) -> None:
+        """Move the input to the meta device, freeing its memory; it keeps its identity."""
+        if self.held:
+            t = self.tensor
+            self._swap(torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta"))
+            self._other = None  # frees the real memory
+            self.real_sid = None
+            self.meta_sid = id(t.untyped_storage())
+            self.held = False
+        self.written = 0
+
+    def _swap(self, data: torch.Tensor) -> None:
+        t = self.tensor
+        if isinstance(t, torch.nn.Parameter):
+            data = torch.nn.Parameter(data, requires_grad=t.requires_grad)
+        torch.utils.swap_tensors(t, data)  # type: ignore[no-untyped-call]
+        self._other = data
+
+
+class Transients:
+    """The transient inputs of one binding.
+
+    Args:
+        bound: The bound derivations, in topological order.
+    """
+
+    __slots__ = ("_by_input", "_by_storage", "readers")
+
+    def __init__(self, bound: list[Bound]) -> None:
+        self._by_input: dict[int, Transient] = {}
+        self.readers: dict[int, list[int]] = {}
+        """id(Transient) -> indices of the derivations reading it."""
+        for b in bound:
+            for inp in b.transient_inputs:
+                tr = self._by_input.get(id(inp))
+                if tr is None:
+                    tr = self._by_input[id(inp)] = Transient(inp)
+                self.readers.setdefault(id(tr), []).append(b.index)
+        self._by_storage: dict[int, Transient] = {}
+        for tr in self._by_input.values():
+            self._reindex(tr, ())
+
+    def __bool__(self) -> bool:
+        return bool(self._by_input)
+
+    def __iter__(self) -> Iterator[Transient]:
+        return iter(self._by_input.values())
+
+    def of(self, b: Bound) -> list[Transient]:
+        """The transient inputs `b` reads."""
+        return [self._by_input[id(inp)] for inp in b.transient_inputs]
+
+    def on_write(self, t: torch.Tensor) -> tuple[Transient | None, torch.Tensor | None]:
+        """Before a write into `t` lands: if `t` is (a view of) a transient input, give
+        the input memory, count the elements written, and say where the write must go.
+
+        Args:
+            t: The tensor an op is about to write (a view of the input, often `.data`,
+                possibly taken while the input was on the meta device).
+
+        Returns:
+            The transient input written (or None), and the real tensor to write instead
+            of `t` when `t` is a meta view (else None).
+        """
+        sid = id(t.untyped_storage())
+        tr = self._by_storage.get(sid)
+        if tr is None:
+            return None, None
+        before = tr.sids
+        tr.hold()
+        self._reindex(tr, before)
+        tr.written += t.numel()
+        if t.device.type != "meta":
+            return tr, None
+        real = tr.tensor.detach().as_strided(t.size(), t.stride(), t.storage_offset())
+        return tr, real
+
+    def blocked(self, b: Bound) -> Transient | None:
+        """A transient input of `b` that is released, so `b` cannot be computed now."""
+        for tr in self.of(b):
+            if not tr.held:
+                return tr
+        return None
+
+    def ready(self, candidates: Iterable[int], bound: list[Bound]) -> list[int]:
+        """Of `candidates`, the derivations whose transient inputs are all written.
+
+        Args:
+            candidates: Derivation indices.
+            bound: The bound derivations.
+
+        Returns:
+            The indices, sorted.
+        """
+        return sorted(
+            i for i in candidates if (trs := self.of(bound[i])) and all(t.complete for t in trs)
+        )
+
+    def release(self, which: Iterable[Transient] | None = None) -> None:
+        """Release `which` (all by default).
+
+        Args:
+            which: Transient inputs to release.
+        """
+        for tr in list(self if which is None else which):
+            before = tr.sids
+            tr.release()
+            self._reindex(tr, before)
+
+    def hold(self, tr: Transient) -> None:
+        """Hold `tr` (a `load_state_dict` about to copy into it).
+
+        Args:
+            tr: One of these transient inputs.
+        """
+        before = tr.sids
+        tr.hold()
+        self._reindex(tr, before)
+
+    def _reindex(self, tr: Transient, before: tuple[int, ...]) -> None:
+        for sid in before:
+            if self._by_storage.get(sid) is tr:
+                del self._by_storage[sid]
+        for sid in tr.sids:
+            self._by_storage[sid] = tr

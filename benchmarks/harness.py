@@ -259,7 +259,7 @@ class Row:
 
 
 def profile_per_item(
-    fn: Callable[[], Any], count: int, what: str, item: str, rounds: int = 5
+    fn: Callable[[], Any], count: int, what: str, item: str, rounds: int = 5, per: int = 1
 ) -> tuple[str, list[tuple[str, int, float]]]:
     """cProfile of `fn`, as self time per item (per derivation, per parameter, ...).
 
@@ -269,10 +269,12 @@ def profile_per_item(
         what: Name of `fn` for the heading.
         item: Name of one item for the heading.
         rounds: Calls profiled.
+        per: Report the self time of this many items (1000: per 1,000 inputs).
 
     Returns:
         The listing as text, and its top rows: (function, calls per call of `fn`, self
-        microseconds per item). A profiler inflates Python calls: read shares, not times.
+        microseconds per `per` items). A profiler inflates Python calls: read shares, not
+        times.
     """
     prof = cProfile.Profile()
     prof.enable()
@@ -282,14 +284,16 @@ def profile_per_item(
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     total = sum(v[2] for v in stats.values())
     rows = []
+    scale = per / count * 1e6 / rounds
     for (file, line, func), (_, ncalls, tottime, _, _) in stats.items():
         where = f"{file.rsplit('/', 1)[-1]}:{line}({func})" if line else func
-        rows.append((where, ncalls // rounds, tottime / rounds / count * 1e6))
+        rows.append((where, ncalls // rounds, tottime * scale))
     rows.sort(key=lambda x: -x[2])
     top = rows[:14]
-    lines = [f"cProfile of {what} over {count} {item}s (self time per {item}):"]
+    unit = item if per == 1 else f"{per:,} {item}s"
+    lines = [f"cProfile of {what} over {count:,} {item}s (self time per {unit}):"]
     lines += [f"  {us:7.2f} us  {calls:>7}x  {where}" for where, calls, us in top]
-    lines.append(f"  {total / rounds / count * 1e6:7.2f} us  total under the profiler")
+    lines.append(f"  {total * scale:7.2f} us  total under the profiler")
     return "\n".join(lines), [(w, c, round(us, 3)) for w, c, us in top]
 
 

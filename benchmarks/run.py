@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads on the CPU (default 1; 0: torch's default)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print the cProfile of figure 2's refresh")
+                        help="also print cProfiles: figure 2's refresh, 4's loads, 5c's guard")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -7,7 +7,7 @@ it happens, and an `out=` buffer that torch resized is put back on its own stora
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -145,12 +145,13 @@ def impurity_refusal(b: Bound, watch: dict[int, str]) -> Callable[[int, str], No
     return refuse
 
 
-def read_refusal(b: Bound, forbidden: dict[int, str]) -> Callable[[int, str], None]:
+def read_refusal(b: Bound, forbidden: Mapping[int, str]) -> Callable[[int, str], None]:
     """The `on_read` hook of a `ReadGuard` that refuses undeclared reads by `b`'s function.
 
     Args:
         b: The bound derivation about to run for the first time.
-        forbidden: Storage keys of model tensors that are not its inputs, to their paths.
+        forbidden: Storage keys of the model's tensors, to their paths (the guard calls
+            the hook only for those that are not inputs).
 
     Returns:
         A hook raising `RegistrationError` before the read happens.

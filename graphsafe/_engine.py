@@ -71,7 +71,7 @@ class Engine:
         self._frozen_identities: tuple[RawIdentity, ...] | None = None
         self._reallocated: set[int] = set()
         self._watch: dict[int, list[Input]] | None = None
-        self._buffer_checks: list[tuple[Any, ...]] | None = None
+        self._flat: _Flat | None = None
         self._keys: frozenset[int] | None = None
         self._site_owner: list[tuple[int, ...]] = []
         self._input_site: dict[int, int] = {}
@@ -133,20 +133,23 @@ class Engine:
         Returns:
             The moved inputs and buffers.
         """
+        flat = self._flat
+        if flat is None:
+            flat = self._flat = _Flat(self.inputs, self.bound)
+        if flat.unchanged():
+            moved_inputs = [inp for inp in flat.transient if inp.moved()]
+            return moved_inputs, []
         moved_inputs = [inp for inp in self.inputs if inp.moved()]
-        checks = self._buffer_checks
-        if checks is None:
-            checks = self._buffer_checks = [
-                (b.container, name, buf, ptr, shape, b, j)
-                for b in self.bound
-                for j, (name, buf, (ptr, shape, _)) in enumerate(
-                    zip(b.outputs, b.buffers or (), b.geometry)
-                )
-            ]
         moved_buffers = [
             (b, j)
-            for c, name, buf, ptr, shape, b, j in checks
-            if c.get(name) is not buf or buf.data_ptr() != ptr or buf.shape != shape
+            for b in self.bound
+            for j, (name, buf, (ptr, shape, stride)) in enumerate(
+                zip(b.outputs, b.buffers or (), b.geometry)
+            )
+            if b.container.get(name) is not buf
+            or buf.data_ptr() != ptr
+            or buf.shape != shape
+            or buf.stride() != stride
         ]
         return moved_inputs, moved_buffers
 
@@ -192,11 +195,12 @@ class Engine:
             # The derivation, not a module conversion, decides a buffer's dtype: make it
             # anew from the inputs (the old storage is no graph's: nothing is pinned).
             b.buffers = None
-            self._buffer_checks = None
+            self._flat = None
             self._reallocated.add(b.index)
             dirty.add(b.index)
         self._watch = None
         self._keys = None
+        self._flat = None
         self.witnesses = self.witnesses.rebuilt(self._sites())
         return dirty
 
@@ -375,6 +379,9 @@ class Engine:
             fresh: Indices of derivations that match their inputs now.
         """
         okset = set(fresh)
+        if len(okset) == len(self.bound):
+            self.witnesses.record_all()
+            return
         sites: list[int] = []
         for i in fresh:
             b = self.bound[i]
@@ -434,8 +441,7 @@ class Engine:
         assert module is not None
         args = [c[k] for c, k in b.in_refs]
         declared = {storage_key(t) for t in args}
-        forbidden = {k: p for k, p in watch.items() if k not in declared}
-        with ReadGuard(watch, impurity_refusal(b, watch), forbidden, read_refusal(b, forbidden)):
+        with ReadGuard(watch, impurity_refusal(b, watch), declared, read_refusal(b, watch)):
             ret = b.fn(module, *args)
         results = as_results(b, ret)
         buffers: list[torch.Tensor] = []
@@ -472,7 +478,7 @@ class Engine:
             buffers: One tensor per output.
         """
         b.set_buffers(buffers)
-        self._buffer_checks = None
+        self._flat = None
         self._identities[b.index] = (b.path, b.spec.name, b.out_paths, b.nbytes)
         self._frozen_identities = None
 
@@ -521,3 +527,51 @@ class Engine:
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else ""
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+
+
+class _Flat:
+    """Identity, pointer and stride of every resident input and buffer, as flat lists:
+    the every-load check that nothing was rebound is a few `map`s and `==`s. Shapes are
+    compared only once something differs (a `.data =` view of the same storage changes
+    its stride); transient inputs come and go by design and are checked one by one."""
+
+    __slots__ = ("containers", "ids", "keys", "ptrs", "strides", "transient")
+
+    def __init__(self, inputs: list[Input], bound: list[Bound]) -> None:
+        # What was recorded, not what is there now: a rebinding before this is built
+        # must still show.
+        rows: list[tuple[dict[str, Any], str, object, int, tuple[int, ...]]] = [
+            (inp.container, inp.key, inp.tensor, inp.geometry[0], inp.geometry[2])
+            for inp in inputs
+            if not inp.transient
+        ]
+        rows += [
+            (b.container, name, buf, ptr, tuple(stride))
+            for b in bound
+            for name, buf, (ptr, _, stride) in zip(b.outputs, b.buffers or (), b.geometry)
+        ]
+        self.containers = [r[0] for r in rows]
+        self.keys = [r[1] for r in rows]
+        self.ids = [id(r[2]) for r in rows]
+        self.ptrs = [r[3] for r in rows]
+        self.strides = [r[4] for r in rows]
+        self.transient = [inp for inp in inputs if inp.transient]
+
+    def _now(self) -> list[Any]:
+        return list(map(dict.get, self.containers, self.keys))
+
+    def unchanged(self) -> bool:
+        tensors = self._now()
+        if list(map(id, tensors)) != self.ids:
+            return False
+        try:
+            return (
+                list(map(_DATA_PTR, tensors)) == self.ptrs
+                and list(map(_STRIDE, tensors)) == self.strides
+            )
+        except (TypeError, AttributeError, RuntimeError):
+            return False

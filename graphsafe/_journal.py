@@ -218,6 +218,24 @@ class Witnesses:
             else:
                 self._ptrs[i] = self._versions[i] = self._skeys[i] = self._epochs[i] = 0
 
+    def record_all(self) -> None:
+        """`record` of every site, as flat passes (a full refresh)."""
+        tensors = list(map(dict.get, self.containers, self.keys))
+        ids = list(map(id, tensors))
+        try:
+            ptrs = list(map(_DATA_PTR, tensors))  # type: ignore[arg-type]
+            versions = list(map(_VERSION, tensors))
+        except (AttributeError, TypeError, RuntimeError):
+            self.record(range(len(tensors)))  # a site holds no tensor: one by one
+            return
+        # A storage key changes only with the tensor or its pointer.
+        skeys = [
+            k if i == oi and p == op else storage_key(t)
+            for t, i, p, oi, op, k in zip(tensors, ids, ptrs, self._ids, self._ptrs, self._skeys)
+        ]
+        self._ids, self._ptrs, self._versions, self._skeys = ids, ptrs, versions, skeys
+        self._epochs = list(map(JOURNAL.epochs.get, skeys, self._zeros))
+
     def unchanged(self) -> bool:
         """The flat check: same tensor objects, pointers, versions and epochs."""
         tensors = list(map(dict.get, self.containers, self.keys))

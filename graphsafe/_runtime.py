@@ -249,7 +249,7 @@ class Runtime:
                     "written so far",
                     fix="run the model after the `with gs.weight_update(model):` block exits",
                 )
-            engine = self._bound()
+            engine = self._engine or self._bound()  # module swaps: the ledger checks them
             if engine.stale or not engine.witnesses.unchanged() or JOURNAL.poisoned:
                 check_fresh(engine, self._keys, type(self.model), repair=repair)
 
@@ -474,7 +474,7 @@ class Runtime:
     def _end(
         self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False
     ) -> None:
-        engine = self._bound()
+        engine = self._engine or self._bound()  # the tree was checked when the load began
         try:
             end(engine, load, what, exc, pinned=self.pinned, model_tensors=self._tensors,
                 witnesses=witnesses, since=load.clock)

@@ -9,7 +9,7 @@ parameter's version counter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 import torch
@@ -122,21 +122,23 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
     as an input would leave its buffer stale whenever that tensor changes.
 
     Args:
-        watched: Storage keys whose writes are noted (and refused through `on_write`).
+        watched: Storage keys of the model's tensors: writes into them are noted (and
+            refused through `on_write`), and reads of them refused unless `allowed`.
         on_write: As for `WriteTracker`.
-        forbidden: Storage keys that must not be read.
-        on_read: Called as `on_read(key, op_name)` before an op reads a forbidden storage.
+        allowed: Storage keys that may be read (the declared inputs).
+        on_read: Called as `on_read(key, op_name)` before an op reads a model tensor that
+            is not allowed.
     """
 
     def __init__(
         self,
         watched: Mapping[int, object],
         on_write: Callable[[int, str], None] | None,
-        forbidden: Mapping[int, object],
+        allowed: Set[int],
         on_read: Callable[[int, str], None],
     ) -> None:
         super().__init__(watched, on_write)
-        self.forbidden = forbidden
+        self.allowed = allowed
         self.on_read = on_read
 
     def __torch_dispatch__(
@@ -150,12 +152,12 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
         self._check_writes(func, args, kwargs)  # an impure write is the first thing to refuse
         if getattr(func, "is_view", False):
             return func(*args, **kwargs)  # a view reads no data (what reads it is checked)
-        forbidden = self.forbidden
+        watched, allowed = self.watched, self.allowed
         for arg in (*args, *kwargs.values()):
             items = arg if isinstance(arg, (list, tuple)) else (arg,)
             for item in items:
                 if isinstance(item, torch.Tensor):
                     key = storage_key(item)
-                    if key and key in forbidden:
+                    if key and key in watched and key not in allowed:
                         self.on_read(key, str(func))
         return func(*args, **kwargs)

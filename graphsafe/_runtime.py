@@ -142,9 +142,9 @@ class Runtime:
             _HOOKED.add(model)
         for tr in engine.transients:
             owner = tr.input.owner()
-            if owner is not None and owner not in _HOOKED:
+            if owner is not None and owner not in _DROPPING:
                 owner.register_state_dict_post_hook(_drop_released)  # type: ignore[no-untyped-call]
-                _HOOKED.add(owner)
+                _DROPPING.add(owner)
         return engine
 
     def _own(self, module: nn.Module) -> None:
@@ -555,6 +555,7 @@ def _drop_released(module: nn.Module, state_dict: dict[str, Any], prefix: str, *
 
 _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
 _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_DROPPING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _CREATE = threading.Lock()

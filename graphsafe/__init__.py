@@ -14,6 +14,7 @@ from graphsafe._errors import WeightLoadError
 from graphsafe._graph import Graph
 from graphsafe._journal import mark_written
 from graphsafe._ledger import Ledger
+from graphsafe._load_into import load_into
 from graphsafe._registry import Registry
 from graphsafe._registry import default_registry
 from graphsafe._runtime import Runtime
@@ -47,6 +48,7 @@ __all__ = [
     "default_registry",
     "derive",
     "graphsafe",
+    "load_into",
     "mark_written",
     "runtime",
     "weight_update",

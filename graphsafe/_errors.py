@@ -7,6 +7,7 @@ attributes so that callers can act on them.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,7 +147,34 @@ class NotMaterializedError(StaleError, AttributeError):
 
 class CaptureError(GraphSafetyError):
     """A callable cannot be captured as a graph (for example it reads a tensor's value
-    into Python with `.item()`, which a captured graph cannot replay)."""
+    into Python with `.item()`, which a captured graph cannot replay).
+
+    `source` is the line of user code that did it (outside torch, graphsafe and
+    transformers), when the error comes from inside the captured body; the message
+    names it under `where:`.
+
+    Args:
+        summary: One line saying what went wrong.
+        source: The user code's frame: its `filename`, `lineno`, `name` and `line`.
+        **kwargs: As for `GraphSafetyError`.
+    """
+
+    def __init__(
+        self, summary: str, *, source: traceback.FrameSummary | None = None, **kwargs: Any
+    ) -> None:
+        self.source = source
+        super().__init__(summary, **kwargs)
+
+    def _message(self) -> str:
+        message = super()._message()
+        if self.source is None:
+            return message
+        src = self.source
+        where = f"{src.filename}:{src.lineno}, in {src.name}"
+        if src.line:
+            where += f": {src.line.strip()}"
+        head, sep, rest = message.partition("\n")
+        return f"{head}\n  {'where:':<12}{where}" + (sep + rest if sep else "")
 
 
 class WeightLoadError(GraphSafetyError):

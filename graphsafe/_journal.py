@@ -38,7 +38,7 @@ class Journal:
         (True, 'a load')
     """
 
-    __slots__ = ("_lock", "clock", "epochs", "how", "poisoned")
+    __slots__ = ("_dead", "_lock", "clock", "epochs", "how", "poisoned")
 
     def __init__(self) -> None:
         self.clock = 0
@@ -51,6 +51,7 @@ class Journal:
         self.poisoned: dict[int, str] = {}
         """Storage key -> why it must not be read by a replay."""
         self._lock = threading.Lock()
+        self._dead: list[int] = []  # keys whose storage died, forgotten at the next sweep
 
     def advance(self, keys: Iterable[int], how: str) -> None:
         """Record a write into each storage of `keys` (key 0 is ignored).
@@ -78,15 +79,19 @@ class Journal:
             why: The failure, for messages.
         """
         with self._lock:
+            self._sweep()
             for t in tensors:
                 key = storage_key(t)
                 if key and key not in self.poisoned:
                     self.poisoned[key] = why
-                    weakref.finalize(t.untyped_storage(), self._forget, key)
+                    weakref.finalize(t.untyped_storage(), self._dead.append, key)
 
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            self.poisoned.pop(key, None)
+    def _sweep(self) -> None:
+        # Finalizers run wherever the garbage collector runs, this journal's own code
+        # included: they only append (atomic), and the poison is forgotten here.
+        dead = self._dead
+        while dead:
+            self.poisoned.pop(dead.pop(), None)
 
     def heal(self, keys: Iterable[int]) -> None:
         """Clear the poison of storages that were refreshed or completely loaded.
@@ -97,6 +102,7 @@ class Journal:
         if not self.poisoned:
             return
         with self._lock:
+            self._sweep()
             for key in keys:
                 self.poisoned.pop(key, None)
 
@@ -109,10 +115,12 @@ class Journal:
         Returns:
             Key -> why, for each poisoned one.
         """
-        poisoned = self.poisoned
-        if not poisoned:
+        if not self.poisoned:
             return {}
-        return {k: poisoned[k] for k in keys.intersection(poisoned)}
+        with self._lock:
+            self._sweep()
+            poisoned = self.poisoned
+            return {k: poisoned[k] for k in keys.intersection(poisoned)}
 
 
 JOURNAL = Journal()

@@ -17,6 +17,7 @@ import torch
 
 from graphsafe._engine import Engine
 from graphsafe._journal import JOURNAL, storage_key
+from graphsafe._spec import RefreshReport
 from graphsafe._tracking import WriteTracker
 from graphsafe._transient import Transient, Transients
 
@@ -35,6 +36,7 @@ class Load:
         "done",
         "early",
         "lock",
+        "reports",
         "thread",
         "tracker",
         "transient_written",
@@ -51,6 +53,8 @@ class Load:
         self.tracker = WriteTracker(watch, transients=self.transients)
         self.written: set[int] = set()
         self.transient_written: set[Transient] = set()
+        self.reports: list[RefreshReport] = []
+        """Reports of the refreshes run in the middle of the load."""
         self.early: dict[int, frozenset[int]] = {}
         """Derivations refreshed in the middle of the load (their transient inputs were
         complete), with what the load had written by then."""
@@ -133,13 +137,16 @@ def refresh_ready(engine: Engine, load: Load) -> None:
     if not ready:
         return
     so_far = frozenset(load.written_so_far())
-    engine.run(ready)
     for i in ready:
+        # One at a time, with what reads its outputs, each input released as soon as
+        # its last reader ran: the least memory held at once.
+        load.reports.append(engine.run(engine.bound[i].downstream))
         load.early[i] = so_far
-    done = set(load.early)
-    transients.release(
-        tr for tr in written if done.issuperset(transients.readers[id(tr)])
-    )
+        done = set(load.early)
+        transients.release(
+            tr for tr in transients.of(engine.bound[i])
+            if tr.held and done.issuperset(transients.readers[id(tr)])
+        )
 
 
 def end(
@@ -216,9 +223,11 @@ def end(
         dirty.discard(i)
     transients.release(incomplete)  # so that nothing computes from half their values
     try:
-        engine.run(engine.closure(dirty))
+        final = engine.run(engine.closure(dirty))
     finally:
         transients.release()
+    if load.reports:  # the whole load's refreshes in one report
+        engine.last_report = RefreshReport.combined([*load.reports, final])
     if JOURNAL.poisoned:  # a completed load heals what a failed one poisoned
         JOURNAL.heal(storage_key(t) for t in model_tensors())
 

@@ -239,6 +239,27 @@ class RefreshReport(BaseModel):
         report._raw = raw
         return report
 
+    @classmethod
+    def combined(cls, reports: Sequence[RefreshReport]) -> RefreshReport:
+        """One report for refreshes run by one load or update, in parts (a derivation
+        whose transient inputs completed mid-update refreshes at that point).
+
+        Args:
+            reports: The parts, in the order they ran; the last one's identities hold.
+
+        Returns:
+            The report: each derivation's last entry, and the summed wall time.
+        """
+        if len(reports) == 1:
+            return reports[0]
+        last: dict[int, RawEntry] = {}
+        for r in reports:
+            for entry in r._raw:
+                last[entry[0]] = entry
+        return cls.from_raw(
+            reports[-1]._identities, tuple(last.values()), sum(r.seconds for r in reports)
+        )
+
     @computed_field  # type: ignore[prop-decorator]
     @cached_property
     def entries(self) -> tuple[DerivationReport, ...]:

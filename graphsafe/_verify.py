@@ -31,6 +31,7 @@ from graphsafe._runtime import runtime, weight_update
 __all__ = [
     "ControlRow",
     "RefitRow",
+    "SyncRow",
     "VerifyReport",
     "VerifyTarget",
     "load_target",
@@ -102,6 +103,35 @@ class ControlRow(BaseModel):
     """Whether the guard refused to replay stale memory."""
 
 
+class SyncRow(BaseModel):
+    """One pipeline stage's side of one weight sync (`graphsafe verify --pp N`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    refit: int
+    """1-based refit number."""
+    stage: int
+    """Pipeline rank (`pp_rank`) of the stage; its process is rank `stage + 1`."""
+    layers: str
+    """The global layer indices the stage holds, `start-stop` inclusive."""
+    accepted: int
+    """Checkpoint entries its loader took (the others belong to other stages)."""
+    bytes: int
+    """Bytes of the whole sync it received."""
+    buckets: int
+    """Buckets of the sync."""
+    seconds: float
+    """Wall time of `receive_weights` on the stage, refresh included."""
+    refresh_seconds: float
+    """Of which the one refresh of the derived buffers at the end."""
+    refreshed: tuple[str, ...]
+    """Derived buffers refreshed in place."""
+    storage_held: bool
+    """Whether every tensor of the stage kept its storage."""
+    error: str | None = None
+    """What the stage raised, if it raised."""
+
+
 class VerifyReport(BaseModel):
     """The whole verify run; `ok` is the exit status."""
 
@@ -125,6 +155,11 @@ class VerifyReport(BaseModel):
     """The naive variant's row."""
     ok: bool
     """Every managed refit exact and the control detected."""
+    pp: int | None = None
+    """Pipeline stages of the distributed mode (`--pp N`: a trainer process and N stage
+    processes over gloo); None for the single-process run."""
+    syncs: tuple[SyncRow, ...] = ()
+    """In the distributed mode, one row per refit and stage."""
 
 
 def load_target(spec: str) -> VerifyTarget:
@@ -351,9 +386,10 @@ def format_report(report: VerifyReport) -> str:
         Text for a terminal.
     """
     graph = "real CUDA graphs" if report.backend == "cuda" else "the CPU graph"
+    where = (f"a trainer and {report.pp} pipeline stage(s) over gloo, " if report.pp else "")
     lines = [
         f"graphsafe verify: {report.target} (preset {report.preset}) on {report.device}, "
-        f"{graph}, torch {report.torch_version}",
+        f"{where}{graph}, torch {report.torch_version}",
         "",
         f"{'refit':>5}  {'buckets':>7}  {'critical last':>13}  {'refreshed':>9}  "
         f"{'storage held':>12}  {'max|replay-eager|':>17}  {'max|new-old|':>12}  verdict",
@@ -362,6 +398,13 @@ def format_report(report: VerifyReport) -> str:
         "(buckets: load calls; critical last: derivation inputs came last; refreshed: "
         "derivations recomputed; storage held: no tensor moved; 0 replay-eager is exact)"
     )
+    if report.pp:
+        legend = (
+            "(buckets: broadcasts of the sync; critical last: derivation inputs came last; "
+            "refreshed: derivations recomputed on all stages; storage held: no tensor of any "
+            "stage moved; replay-eager: last stage's replayed logits against the trainer's "
+            "eager logits)"
+        )
     for r in report.refits:
         lines.append(
             f"{r.refit:>5}  {r.buckets:>7}  {'yes' if r.critical_last else 'no':>13}  "
@@ -370,8 +413,21 @@ def format_report(report: VerifyReport) -> str:
             + (r.verdict if r.error is None else f"{r.verdict}: {r.error}")
         )
     c = report.control
+    lines.append(legend)
+    if report.syncs:
+        lines += [
+            "",
+            f"{'refit':>5}  {'stage':>5}  {'layers':>6}  {'accepted':>8}  {'MiB':>8}  "
+            f"{'sync s':>8}  {'refresh s':>9}  {'refreshed':>9}  storage held",
+        ]
+        for y in report.syncs:
+            lines.append(
+                f"{y.refit:>5}  {y.stage:>5}  {y.layers:>6}  {y.accepted:>8}  "
+                f"{y.bytes / 2**20:>8.2f}  {y.seconds:>8.4f}  {y.refresh_seconds:>9.4f}  "
+                f"{len(y.refreshed):>9}  {'yes' if y.storage_held else 'NO'}"
+                + (f"  error: {y.error}" if y.error else "")
+            )
     lines += [
-        legend,
         "",
         "control: naive variant (binds a fresh derived tensor on every load)",
         f"  unguarded replay after refit: max|replay-eager| = {c.unguarded_max_abs_diff:.3e}"

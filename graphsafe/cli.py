@@ -24,9 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         "refit is exact and the control is detected.",
     )
     verify.add_argument(
-        "--target", default="deepseek_v4",
-        help="model family: an entry point of group graphsafe.targets, or module:attribute "
-        "(default: deepseek_v4)",
+        "--target", "--model", default="deepseek_v4",
+        help="model family: an entry point of group graphsafe.targets (deepseek_v4, llama), "
+        "or module:attribute (default: deepseek_v4)",
     )
     verify.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                         help="graph backend; auto: CUDA graphs when a GPU is present")
@@ -35,6 +35,16 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0, help="seed of weights and buckets")
     verify.add_argument("--json", action="store_true",
                         help="print the report as JSON on stdout, nothing else")
+    verify.add_argument(
+        "--pp", type=int, default=None, metavar="N",
+        help="distributed mode: a trainer process and N pipeline-stage processes on "
+        "loopback (gloo); the trainer syncs each refit's weights to the stages, which "
+        "replay their graphs in order, and the last stage's logits are compared with the "
+        "trainer's eager ones",
+    )
+    verify.add_argument("--timeout", type=float, default=600.0,
+                        help="with --pp: seconds a rank may wait for another before it fails "
+                        "(default 600; a rank that dies is noticed at once)")
     return parser
 
 
@@ -59,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.refits < 1:
         print("graphsafe verify: --refits must be at least 1", file=sys.stderr)
         return 2
+    if args.pp is not None and args.pp < 1:
+        print("graphsafe verify: --pp must be at least 1", file=sys.stderr)
+        return 2
     try:
         target = load_target(args.target)
         if args.preset not in target.presets:
@@ -75,11 +88,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("graphsafe verify: --backend cuda needs a GPU; none is visible",
                       file=sys.stderr)
                 return 2
-        report = run_verify(
-            target, preset=args.preset, backend=args.backend, refits=args.refits,
-            seed=args.seed,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
+        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        if args.pp is not None:
+            from graphsafe._verify_pp import run_verify_pp
+
+            report = run_verify_pp(
+                target, pp=args.pp, preset=args.preset, backend=args.backend,
+                refits=args.refits, seed=args.seed, timeout=args.timeout, progress=say,
+            )
+        else:
+            report = run_verify(
+                target, preset=args.preset, backend=args.backend, refits=args.refits,
+                seed=args.seed, progress=say,
+            )
     except GraphSafetyError as exc:
         print(f"graphsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 import graphsafe as gs
+from graphsafe import recipes
 from graphsafe._errors import WeightLoadError
 
 __all__ = [
@@ -415,6 +416,8 @@ def fold_streams(
 ) -> Tensor:
     """`hc_fn.view(mix, n, C).sum(1)`: the projection for `n` identical streams.
 
+    The recipe `graphsafe.recipes.fold_streams(hc_mult, hidden_size)` as a function.
+
     Args:
         hc_fn: `[mix, n*C]`.
         hc_mult: `n`.
@@ -428,7 +431,7 @@ def fold_streams(
         >>> fold_streams(torch.ones(24, 32), 4, 8)[0, 0]
         tensor(4.)
     """
-    return torch.sum(hc_fn.view(-1, hc_mult, hidden_size), dim=1, out=out)  # [mix, C]
+    return recipes.fold_streams(hc_mult, hidden_size)(None, hc_fn, out=out)  # [mix, C]
 
 
 # -----------------------------------------------------------------------------
@@ -740,23 +743,20 @@ class _Model(nn.Module):
                         got=repr(entry),
                         fix="rename the entry to the model's parameter name, or drop it",
                     )
-                owner = self.get_submodule(name.rpartition(".")[0])
-                for what, want, have in (
-                    ("shape", tuple(param.shape), tuple(w.shape)),
-                    ("dtype", param.dtype, w.dtype),
-                ):
-                    if want != have:
-                        raise WeightLoadError(
-                            f"checkpoint entry {entry!r} has the wrong {what}",
-                            name=entry,
-                            module_class=type(owner).__name__,
-                            path=name,
-                            expected=f"{what} {want}",
-                            got=f"{what} {have}",
-                            fix=f"convert the entry to {what} {want} before loading, or "
-                            "check that the config matches the checkpoint",
-                        )
-                param.data.copy_(w)  # in place: captured graphs keep reading this storage
+                try:
+                    # Checked, then in place: captured graphs keep reading this storage.
+                    gs.load_into(param, w, name=entry)
+                except gs.WeightLoadError as err:
+                    owner = self.get_submodule(name.rpartition(".")[0])
+                    raise gs.WeightLoadError(
+                        err.summary,
+                        name=entry,
+                        module_class=type(owner).__name__,
+                        path=name,
+                        expected=err.expected,
+                        got=err.got,
+                        fix=err.fix,
+                    ) from None
                 loaded.add(name)
         return loaded
 
@@ -797,8 +797,10 @@ class DeepseekV4Model(_Model):
             The parameter names loaded by this call (without the `model.` prefix).
 
         Raises:
-            WeightLoadError: An entry has an unknown name, the wrong shape or the wrong
-                dtype; `.name` is the entry and the parameter keeps its old value.
+            WeightLoadError: An entry has an unknown name, is not a tensor, or has the
+                wrong shape or dtype (checked by `gs.load_into`, which `copy_` would
+                broadcast or cast silently); `.name` is the entry and the parameter
+                keeps its old value.
 
         Examples:
             >>> model = DeepseekV4Model(DeepseekV4Config())

@@ -16,6 +16,7 @@ import torch
 
 from graphsafe._capture import CaptureState
 from graphsafe._errors import CaptureError
+from graphsafe._source import user_frame_of
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
@@ -135,6 +136,7 @@ class CUDABackend:
                     raise
                 raise CaptureError(
                     "the body did something a CUDA graph capture does not allow",
+                    source=user_frame_of(error),
                     expected="device work only, with no host synchronization",
                     got=reason,
                     fix="keep values on the device: no `.item()`, `.tolist()`, `print(t)`, "

@@ -36,6 +36,7 @@ class Load:
         "done",
         "early",
         "lock",
+        "moved",
         "reports",
         "thread",
         "tracker",
@@ -53,6 +54,8 @@ class Load:
         self.tracker = WriteTracker(watch, transients=self.transients)
         self.written: set[int] = set()
         self.transient_written: set[Transient] = set()
+        self.moved: set[int] = set()
+        """Derivations whose inputs were found rebound (and taken) when the load began."""
         self.reports: list[RefreshReport] = []
         """Reports of the refreshes run in the middle of the load."""
         self.early: dict[int, frozenset[int]] = {}
@@ -185,7 +188,7 @@ def end(
     touched = {tr for tr in load.transients_written() if tr.held}
     if exc is not None:
         why = f"{what} raised {type(exc).__name__}: {_first_line(exc)}"
-        dirty = engine.consumers_of(written)
+        dirty = engine.consumers_of(written) | load.moved
         dirty.update(i for inp in engine.find_moved()[0] for i in inp.consumers)
         dirty.update(i for tr in touched for i in transients.readers[id(tr)])
         engine.mark_stale(dirty, why)
@@ -198,7 +201,7 @@ def end(
             f"the last weight update failed ({why})",
         )
         return
-    dirty = engine.scan_moved(pinned) | engine.consumers_of(written)
+    dirty = engine.scan_moved(pinned) | engine.consumers_of(written) | load.moved
     if witnesses or (since is not None and JOURNAL.clock != since + 1):
         dirty.update(engine.witness_dirty())
     dirty.update(b.index for b in engine.bound if b.buffers is None)

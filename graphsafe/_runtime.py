@@ -456,6 +456,9 @@ class Runtime:
 
     def _begin(self, *, full_watch: bool) -> Load:
         engine = self._bound()
+        # Watch where the inputs are now: one rebound (before pin) through another model
+        # sharing it is taken here, so that this load's writes into it are seen.
+        moved = engine.scan_moved(self.pinned)
         watch: dict[int, Any] = engine.watch_map()
         if full_watch:
             # Watch every tensor of the model, not only derivation inputs, so that a
@@ -464,6 +467,7 @@ class Runtime:
             for key, path in self._model_tensors().items():
                 watch.setdefault(key, path)
         load = Load(watch, engine.transients)
+        load.moved = moved
         self._load = load
         return load
 
@@ -498,10 +502,10 @@ class Runtime:
         if not self._lock.acquire(blocking=False):
             return
         try:
-            engine = self._engine
-            if engine is None or self._load is not None:
+            if self._engine is None or self._load is not None:
                 return
-            dirty = engine.consumers_of(keys)
+            engine = self._bound()  # binds again if its tree changed (before pin)
+            dirty = engine.scan_moved(self.pinned) | engine.consumers_of(keys)
             if dirty:
                 engine.run(engine.closure(dirty))
         finally:

@@ -347,15 +347,15 @@ def _quantize_into(
             w = c1 - c0
             nf = w // bn  # full column blocks in this chunk
             K = nf * bn
-            srow = scales[i, c0 // bn : c0 // bn + nf + (K < w)]
+            srow = scales[i, c0 // bn : c0 // bn + nf + (w > K)]
             if nf:
                 srow[:nf].copy_(_abs_max(t[:, :K].view(r, nf, bn), dim=(0, 2)))  # [nf]
-            if K < w:  # the ragged last column block
+            if w > K:  # the ragged last column block
                 srow[nf:].copy_(_abs_max(t[:, K:]).reshape(1))
             _finish_scales(srow, fmax)
             if nf:
                 t[:, :K].view(r, nf, bn).div_(srow[:nf, None])
-            if K < w:
+            if w > K:
                 t[:, K:].div_(srow[nf:])
             t.clamp_(-fmax, fmax)
             q[start:stop, c0:c1].copy_(t)

@@ -168,3 +168,24 @@ def test_control_a_body_without_value_reads_captures() -> None:
     g.replay()
     with torch.no_grad():
         assert torch.equal(out, module.lin(x).abs())
+
+
+def test_the_frame_of_an_error_raised_inside_torch_is_the_users_line() -> None:
+    # What the CUDA backend names when stream capture refuses an op: the user's line in
+    # the traceback, past the library frames inside it.
+    from graphsafe._source import user_frame_of
+
+    def users_function() -> None:
+        torch.testing.assert_close(torch.zeros(2), torch.ones(2))  # raises inside torch
+
+    try:
+        users_function()
+    except AssertionError as err:
+        frame = user_frame_of(err)
+        assert frame is not None and frame.name == "users_function"
+        assert frame.filename == __file__
+        # Control: the innermost frame is torch's, which is what a bare traceback shows.
+        innermost = traceback.extract_tb(err.__traceback__)[-1]
+        assert innermost.filename != __file__ and "torch" in innermost.filename
+    else:
+        pytest.fail("assert_close did not raise")

@@ -130,12 +130,13 @@ JOURNAL = Journal()
 def mark_written(*tensors: torch.Tensor) -> None:
     """Declare writes graphsafe cannot see, so that derived buffers follow them.
 
-    Writes into parameter storage by c10d collectives (`dist.broadcast(p.data, src)`),
-    through NumPy views or raw storage copies bypass both the load-time tracker and
-    `_version`. Declaring them advances the journal: inside `gs.weight_update(model)`
-    the derived buffers reading them are refreshed when the block exits; outside one,
-    every runtime reading them reports them stale and a guarded replay refuses (or
-    repairs, with `on_stale="refresh"`).
+    Writes through NumPy views, by other processes or libraries' kernels, and (outside
+    any tracked load or update) by c10d collectives (`dist.broadcast(p.data, src)`) or
+    raw storage copies bypass both the load-time tracker and `_version`. Declaring them
+    advances the journal: inside `gs.weight_update(model)` the derived buffers reading
+    them are refreshed when the block exits; outside one, every runtime reading them
+    reports them stale and a guarded replay refuses (or repairs, with
+    `on_stale="refresh"`).
 
     Args:
         *tensors: The tensors written (any view of the storage will do).

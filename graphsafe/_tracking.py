@@ -27,11 +27,17 @@ _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
     found = _WRITES.get(func)
     if found is None:
+        schema = func._schema
         found = tuple(
             (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
+            for i, a in enumerate(schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write
         )
+        if not found and getattr(func, "namespace", "") == "c10d" and schema.name.endswith("_"):
+            # c10d's in-place collectives (broadcast_, recv_, scatter_, allreduce_, ...)
+            # write their first argument, tensors or lists of them, but their schemas do
+            # not mark it.
+            found = ((0, schema.arguments[0].name),)
         _WRITES[func] = found
     return found
 
@@ -99,6 +105,10 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     for item in arg:
                         if isinstance(item, torch.Tensor):
                             self._note(item, func)
+                        elif isinstance(item, (list, tuple)):  # Tensor[][] of collectives
+                            for t in item:
+                                if isinstance(t, torch.Tensor):
+                                    self._note(t, func)
         return args, kwargs
 
     def _note(self, t: torch.Tensor, func: Any) -> torch.Tensor | None:

@@ -771,7 +771,7 @@ def _receive(
                 fix="the sender died or timed out; see its log. The model refuses to replay "
                 "until a complete sync; recreate the process group before the next one",
             ) from exc
-        mark_written(staging)  # a c10d write, which no tracker sees
+        mark_written(staging)  # a c10d write: declared, whatever the tracker saw
         magic, sync, index, status = _trailer(staging, size).tolist()
         if (magic, sync, index) != (_MAGIC, plan.sync, b) or status not in (_DATA, _ABORT):
             raise WeightSyncError(

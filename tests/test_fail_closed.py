@@ -214,8 +214,8 @@ def test_a_c10d_write_declared_with_mark_written_is_refreshed_at_the_end_of_the_
     weight = net.attn.weight
     with gs.weight_update(net):
         # On a one-rank group a broadcast writes nothing; scatter is the collective that
-        # writes the received bytes into `param.data` here, through a c10d op whose
-        # schema, like broadcast's, marks no write: invisible to the write tracker.
+        # writes the received bytes into `param.data` here. Declaring it is harmless
+        # where the tracker saw it too.
         dist.broadcast(weight.data, src=0)
         dist.scatter(weight.data, scatter_list=[NEW.clone()], src=0)
         gs.mark_written(weight)
@@ -223,6 +223,29 @@ def test_a_c10d_write_declared_with_mark_written_is_refreshed_at_the_end_of_the_
     assert torch.equal(net.attn.weight_t, NEW.t() * 2.0)
     g.replay()
     assert torch.equal(out, _reference(net, x))
+
+
+@pytest.mark.usefixtures("gloo_group")
+def test_a_c10d_write_inside_an_update_is_tracked_without_being_declared() -> None:
+    # c10d's in-place collectives reach the write tracker; their schemas mark no write,
+    # so the tracker knows them by name.
+    net, x = _net(), _x()
+    g, out = _capture(net, x)
+    weight = net.attn.weight
+    with gs.weight_update(net):
+        dist.scatter(weight.data, scatter_list=[NEW.clone()], src=0)
+    assert torch.equal(net.attn.weight_t, NEW.t() * 2.0)
+    g.replay()
+    assert torch.equal(out, _reference(net, x))
+
+
+@pytest.mark.usefixtures("gloo_group")
+def test_control_the_same_collective_outside_any_update_is_the_documented_boundary() -> None:
+    net, x = _net(), _x()
+    g, out = _capture(net, x)
+    dist.scatter(net.attn.weight.data, scatter_list=[NEW.clone()], src=0)
+    g.replay()  # nothing tracked it: a stale replay, which gs.mark_written would prevent
+    assert not torch.equal(out, _reference(net, x))
 
 
 def test_a_numpy_write_declared_with_mark_written_makes_the_guard_refuse() -> None:

@@ -355,11 +355,13 @@ class Engine:
 
     def _settle(self, ran: Sequence[int], failed: set[int], sites_changed: bool) -> None:
         """After a run: clear what succeeded, take its witnesses, heal its buffers."""
-        ok = [i for i in ran if i not in failed]
+        ok = [i for i in ran if i not in failed] if failed else ran
         bound = self.bound
-        self.stale.difference_update(ok)
-        for i in ok:
-            self.reasons.pop(i, None)
+        if self.stale:
+            self.stale.difference_update(ok)
+        if self.reasons:
+            for i in ok:
+                self.reasons.pop(i, None)
         if sites_changed:
             self._keys = None
             self.witnesses = self.witnesses.rebuilt(self._sites())
@@ -539,7 +541,7 @@ class _Flat:
     compared only once something differs (a `.data =` view of the same storage changes
     its stride); transient inputs come and go by design and are checked one by one."""
 
-    __slots__ = ("containers", "ids", "keys", "ptrs", "strides", "transient")
+    __slots__ = ("containers", "ids", "keys", "n_inputs", "ptrs", "strides", "transient")
 
     def __init__(self, inputs: list[Input], bound: list[Bound]) -> None:
         # What was recorded, not what is there now: a rebinding before this is built
@@ -558,7 +560,10 @@ class _Flat:
         self.keys = [r[1] for r in rows]
         self.ids = [id(r[2]) for r in rows]
         self.ptrs = [r[3] for r in rows]
-        self.strides = [r[4] for r in rows]
+        # Strides of the inputs only: derived buffers are graphsafe's own, locked against
+        # resizing; a view bound to one changes its identity, which the ids see.
+        self.n_inputs = sum(1 for inp in inputs if not inp.transient)
+        self.strides = [r[4] for r in rows[: self.n_inputs]]
         self.transient = [inp for inp in inputs if inp.transient]
 
     def _now(self) -> list[Any]:
@@ -571,7 +576,7 @@ class _Flat:
         try:
             return (
                 list(map(_DATA_PTR, tensors)) == self.ptrs
-                and list(map(_STRIDE, tensors)) == self.strides
+                and list(map(_STRIDE, tensors[: self.n_inputs])) == self.strides
             )
         except (TypeError, AttributeError, RuntimeError):
             return False

@@ -238,10 +238,15 @@ class Witnesses:
             self.record(range(len(tensors)))  # a site holds no tensor: one by one
             return
         # A storage key changes only with the tensor or its pointer.
-        skeys = [
-            k if i == oi and p == op else storage_key(t)
-            for t, i, p, oi, op, k in zip(tensors, ids, ptrs, self._ids, self._ptrs, self._skeys)
-        ]
+        if ids == self._ids and ptrs == self._ptrs:
+            skeys = self._skeys
+        else:
+            skeys = [
+                k if i == oi and p == op else storage_key(t)
+                for t, i, p, oi, op, k in zip(
+                    tensors, ids, ptrs, self._ids, self._ptrs, self._skeys
+                )
+            ]
         self._ids, self._ptrs, self._versions, self._skeys = ids, ptrs, versions, skeys
         self._epochs = list(map(JOURNAL.epochs.get, skeys, self._zeros))
 

@@ -502,8 +502,9 @@ class Runtime:
         if not self._lock.acquire(blocking=False):
             return
         try:
-            if self._engine is None or self._load is not None:
-                return
+            engine = self._engine
+            if engine is None or self._load is not None or not engine.consumers_of(keys):
+                return  # reads none of it (a storage it took since is seen by its witnesses)
             engine = self._bound()  # binds again if its tree changed (before pin)
             dirty = engine.scan_moved(self.pinned) | engine.consumers_of(keys)
             if dirty:

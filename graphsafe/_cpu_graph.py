@@ -42,6 +42,7 @@ from graphsafe._cpu_codegen import (
 )
 from graphsafe._errors import CaptureError
 from graphsafe._source import user_frame as _user_frame
+from graphsafe._tracking import written_args
 
 __all__ = ["CPUBackend", "CompiledGraph"]
 
@@ -109,15 +110,6 @@ def _sig(t: torch.Tensor) -> tuple[int, torch.Size, tuple[int, ...], torch.dtype
 def _layout(sig: tuple[int, torch.Size, tuple[int, ...], torch.dtype]) -> str:
     ptr, shape, stride, dtype = sig
     return f"data_ptr 0x{ptr:x}, shape {tuple(shape)}, stride {stride}, {dtype}"
-
-
-def _written(func: Any) -> tuple[tuple[int, str], ...]:
-    """(position, name) of every argument the op writes, from its schema."""
-    return tuple(
-        (i, a.name)
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
 
 
 def _dynamic_shape_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -189,7 +181,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch st
         args_t = tuple(self._template(a) for a in args)
         kwargs_t = {k: self._template(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        written = _written(func)
+        written = written_args(func)
         if written:
             self._check_external_writes(func, written, args, kwargs)
         effectful = _effectful(func, written)

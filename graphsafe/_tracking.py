@@ -18,13 +18,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphsafe._transient import Transient, Transients
 from graphsafe._walk import storage_key
 
-__all__ = ["ReadGuard", "WriteTracker", "storage_key"]
+__all__ = ["ReadGuard", "WriteTracker", "storage_key", "written_args"]
 
 # Per op overload: (positional index, name) of every argument the op writes.
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
-def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
+def written_args(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument an op writes: from its schema, and for c10d's
+    in-place collectives, whose schemas mark none, their first argument."""
     found = _WRITES.get(func)
     if found is None:
         schema = func._schema
@@ -89,7 +91,7 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Note (or refuse) every write of the op; returns the arguments to run it with
         (a write into a released transient input goes to its new memory instead)."""
-        writes = _written_args(func)
+        writes = written_args(func)
         if writes:
             nargs = len(args)
             for index, name in writes:

@@ -39,7 +39,6 @@ from torch import Tensor, nn
 
 import graphsafe as gs
 from graphsafe import recipes
-from graphsafe._errors import WeightLoadError
 
 __all__ = [
     "PRESETS",
@@ -734,7 +733,7 @@ class _Model(nn.Module):
                 if param is None:
                     if self._owned_by_other_rank(name):
                         continue  # another pipeline rank loads it, as in vLLM
-                    raise WeightLoadError(
+                    raise gs.WeightLoadError(
                         f"unknown checkpoint entry {entry!r}",
                         name=entry,
                         module_class=type(self).__name__,

@@ -123,13 +123,16 @@ class Load:
                 self.lock.notify_all()
 
 
-def refresh_ready(engine: Engine, load: Load) -> None:
+def refresh_ready(engine: Engine, load: Load, *, within_call: bool = False) -> None:
     """In the middle of a load: refresh the derivations whose transient inputs are now
     completely written, then release those inputs (the layer-by-layer bound).
 
     Args:
         engine: The engine of the model's binding.
         load: The load in progress.
+        within_call: Called right after an op, inside a loader call: only derivations
+            that read nothing but transient inputs run now (a resident input may still
+            be written later in the same call); the rest wait for the call to end.
     """
     transients = engine.transients
     written = [tr for tr in load.transients_written() if tr.held and tr.complete]
@@ -137,6 +140,12 @@ def refresh_ready(engine: Engine, load: Load) -> None:
         return
     candidates = {i for tr in written for i in transients.readers[id(tr)]} - set(load.early)
     ready = transients.ready(candidates, engine.bound)
+    if within_call:
+        bound = engine.bound
+        ready = [
+            i for i in ready
+            if not bound[i].deps and all(inp.transient for inp in bound[i].leaf_inputs)
+        ]
     if not ready:
         return
     so_far = frozenset(load.written_so_far())

@@ -468,6 +468,10 @@ class Runtime:
                 watch.setdefault(key, path)
         load = Load(watch, engine.transients)
         load.moved = moved
+        if engine.transients:
+            # Derivations of transient inputs run as soon as an op completes their last
+            # input, in this thread (which holds the lock), not only between loader calls.
+            load.tracker.on_complete = lambda: refresh_ready(engine, load, within_call=True)
         self._load = load
         return load
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphsafe._transient import Transient, Transients
 from graphsafe._walk import storage_key
@@ -75,6 +75,9 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.written: set[int] = set()
         self.transients = transients
         self.transient_written: set[Transient] = set()
+        self.on_complete: Callable[[], None] | None = None
+        """Called after an op completed a transient input (the load's own thread only)."""
+        self._completed = False
 
     def __torch_dispatch__(
         self,
@@ -84,7 +87,15 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         args, kwargs = self._check_writes(func, args, kwargs or {})
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self._completed:
+            # A transient input is complete now that the write landed: its derivations
+            # run at once, outside this mode, so the layer's inputs need not all be held.
+            self._completed = False
+            if self.on_complete is not None:
+                with _disable_current_modes():
+                    self.on_complete()
+        return out
 
     def _check_writes(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -118,6 +129,7 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             tr, real = self.transients.on_write(t)  # a released input gets memory first
             if tr is not None:
                 self.transient_written.add(tr)
+                self._completed = self._completed or tr.complete
                 return real
         key = storage_key(t)
         if key and key in self.watched:

@@ -284,3 +284,54 @@ def test_state_dict_of_a_model_that_owns_its_transient_inputs_leaves_them_out() 
     layer.load_weights([("weight", torch.ones(D, D))])
     assert layer.weight.device.type == "meta"
     assert sorted(layer.state_dict()) == ["bias"]
+
+
+@gs.graphsafe
+class PureLayer(nn.Module):
+    """A kernel-format weight that reads nothing but its transient checkpoint weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(D, D), requires_grad=False)
+
+    @gs.derive("weight_k", inputs=["weight"], transient=["weight"])
+    def _weight_k(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.t().to(torch.float16).contiguous()
+
+
+@gs.graphsafe
+class Watching(nn.Module):
+    """A stack whose loader notes how many checkpoint weights are held after each write."""
+
+    def __init__(self, cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(cls() for _ in range(4))
+        self.held: list[int] = []
+
+    def load_weights(self, weights: Weights) -> None:
+        for name, t in weights:
+            self.get_parameter(name).data.copy_(t)
+            self.held.append(sum(_held(layer.weight) for layer in self.layers))
+
+
+def test_a_derivation_of_transient_inputs_only_runs_as_soon_as_its_input_is_complete() -> None:
+    # Within one loader call: each layer's weight is quantized and released right after
+    # its copy lands, so one layer's checkpoint weight is held at a time.
+    stack = Watching(PureLayer)
+    stack.load_weights([(f"layers.{i}.weight", torch.ones(D, D)) for i in range(4)])
+    stack.held.clear()
+    new = [(f"layers.{i}.weight", torch.full((D, D), float(i))) for i in range(4)]
+    stack.load_weights(new)
+    assert stack.held == [0, 0, 0, 0]
+    for i, layer in enumerate(stack.layers):
+        assert torch.equal(layer.weight_k, torch.full((D, D), float(i), dtype=torch.float16))
+
+
+def test_control_a_derivation_with_a_resident_input_waits_for_the_call_to_end() -> None:
+    # Its bias may still be written later in the same call: the weights stay held.
+    stack = Watching(Layer)
+    stack.load_weights([(f"layers.{i}.weight", torch.ones(D, D)) for i in range(4)])
+    stack.held.clear()
+    stack.load_weights([(f"layers.{i}.weight", torch.ones(D, D)) for i in range(4)])
+    assert stack.held == [1, 2, 3, 4]
+    assert not any(_held(layer.weight) for layer in stack.layers)  # released at the end

@@ -5,9 +5,11 @@
 1. Two processes on loopback. The same bytes three ways, interleaved in each repeat:
    one `dist.broadcast` of a flat tensor (the floor), a per-tensor broadcast loop into
    the receiver's parameters (what a hand-written refit loop does, with no graphsafe),
-   and `send_weights`/`receive_weights` into a graphsafe model, with one bucket and with
-   buckets of a quarter of the payload. Each time runs from a barrier to a barrier, so
-   it ends when the receiver has the data (and, for the sync, has loaded and refreshed).
+   and `send_weights`/`receive_weights` into a graphsafe model: with one bucket, with
+   buckets of a quarter of the payload (packing and loading overlapped with the
+   broadcasts, the default, and not, `overlap=False`), and with buckets of a sixteenth.
+   Each time runs from a barrier to a barrier, so it ends when the receiver has the
+   data (and, for the sync, has loaded and refreshed).
 2. A trainer and two pipeline stages of DeepSeek V4 (`--preset`, flash by default): the
    stages' refresh time against their whole sync time, and the staging memory.
 
@@ -75,6 +77,7 @@ def _figure1(rank: int, mib: int, repeats: int) -> dict[str, Any] | None:
     model = Flat(n) if rank else None
     params = dict(model.named_parameters()) if model is not None else {}
     quarter = max(_TENSOR, n * _TENSOR // 4)
+    sixteenth = max(_TENSOR, n * _TENSOR // 16)
 
     def raw() -> None:
         dist.broadcast(flat, src=0)
@@ -83,28 +86,30 @@ def _figure1(rank: int, mib: int, repeats: int) -> dict[str, Any] | None:
         for name, t in ck:
             dist.broadcast(t if rank == 0 else params[name].data, src=0)
 
-    def sync(bucket: int) -> Callable[[], None]:
+    def sync(bucket: int, overlap: bool = True) -> Callable[[], None]:
         def run() -> None:
             if rank == 0:
-                gsd.send_weights(ck, src=0, bucket_bytes=bucket)
+                gsd.send_weights(ck, src=0, bucket_bytes=bucket, overlap=overlap)
             else:
-                reports.append(gsd.receive_weights(model, src=0))  # type: ignore[arg-type]
+                reports.append(gsd.receive_weights(model, src=0,  # type: ignore[arg-type]
+                                                   overlap=overlap))
         return run
 
     reports: list[gsd.ReceiveReport] = []
     sync(256 << 20)()  # first sync: materialize the derived buffer, allocate staging
     sync(quarter)()
-    times: dict[str, list[float]] = {"raw": [], "loop": [], "one": [], "quarter": []}
+    runs = {"raw": raw, "loop": loop, "one": sync(256 << 20), "quarter": sync(quarter),
+            "quarter_serial": sync(quarter, overlap=False), "sixteenth": sync(sixteenth)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
-        times["raw"].append(_timed(raw))
-        times["loop"].append(_timed(loop))
-        times["one"].append(_timed(sync(256 << 20)))
-        times["quarter"].append(_timed(sync(quarter)))
+        for key, run in runs.items():
+            times[key].append(_timed(run))
     if rank == 0:
         return None
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "bytes": n * _TENSOR, "tensors": n, "quarter_bucket": quarter,
+        "sixteenth_bucket": sixteenth,
         "seconds": med,
         "refresh_seconds": statistics.median(r.refresh_seconds for r in reports[2:]),
         "staging_bytes": gsd.staging_buffer(model).numel(),  # type: ignore[union-attr]
@@ -226,11 +231,15 @@ def _table(f1: dict[str, Any], f2: dict[str, Any]) -> str:
         ("loop", "per-tensor dist.broadcast into param.data (no graphsafe)"),
         ("one", "send_weights/receive_weights, one bucket"),
         ("quarter", f"send_weights/receive_weights, {f1['quarter_bucket'] >> 20} MiB buckets"),
+        ("quarter_serial", "  the same, overlap=False (copies not overlapped)"),
+        ("sixteenth",
+         f"send_weights/receive_weights, {f1['sixteenth_bucket'] >> 20} MiB buckets"),
     ):
         rows.append(f"   {what:<58} {s[key]:>9.4f} {f1['bytes'] / s[key] / 2**30:>7.2f} "
                     f"{s[key] / s['raw']:>6.2f}x")
     rows.append(f"   receiver refresh (one derived buffer) {f1['refresh_seconds'] * 1e3:.2f} ms; "
-                f"staging {f1['staging_bytes'] / 2**20:.1f} MiB (one bucket + trailer)")
+                f"staging {f1['staging_bytes'] / 2**20:.1f} MiB (the one-bucket sync's; "
+                "the smaller buckets' two slots fit in it)")
     rows += [
         "",
         f"2. DeepSeek V4 {f2['preset']}: trainer + 2 pipeline stages, {f2['entries']} entries, "

@@ -26,10 +26,19 @@ with `gs.mark_written` (graphsafe cannot see c10d writes), and the derived buffe
 refreshed once, when the block exits. Any failure inside the block leaves the model
 failed closed: its guarded graphs refuse to replay until a later sync completes.
 
+The copies overlap the transfer (`overlap=True`, the default): the staging buffer holds
+two bucket slots, the sender packs bucket k+1 into one while bucket k's broadcast runs
+from the other, and the receiver has bucket k+1's broadcast posted into one slot while
+the loader copies bucket k out of the other. A slot is reused only after its broadcast
+completed (sender) or its loader call returned (receiver). Overlap is each side's own
+choice: the bytes on the wire are the same either way.
+
 The staging buffer is allocated once per (model, group) and reused by every later sync
-whose largest bucket fits in it (`staging_buffer`, `release_staging`); the sender keeps
-one per group likewise. With gloo the staging buffers live in CPU memory; with NCCL on
-the current CUDA device.
+whose buckets fit in it (`staging_buffer`, `release_staging`); the sender keeps one per
+group likewise. When the sync overlaps and has more than one bucket it holds two slots
+(the largest even bucket and the largest odd one, trailers included: at most two
+buckets), else one bucket; `overlap=False` keeps it at one.
+With gloo the staging buffers live in CPU memory; with NCCL on the current CUDA device.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import time
 import types
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -109,7 +118,10 @@ class SendReport(BaseModel):
     largest_bucket: int
     """Data bytes of the largest bucket."""
     staging_bytes: int
-    """Size of the sender's staging buffer (one bucket and its trailer)."""
+    """Size of the sender's staging buffer: two bucket slots (trailers included) when
+    `overlap` was on and the sync had several buckets, else one bucket."""
+    overlap: bool
+    """Whether packing overlapped the broadcasts (two staging slots in use)."""
     seconds: float
     """Wall time of the call, handshake included."""
     throughput: float
@@ -142,7 +154,9 @@ class ReceiveReport(BaseModel):
     throughput: float
     """`bytes / seconds`, in bytes per second."""
     staging_bytes: int
-    """Size of the staging buffer."""
+    """Size of the staging buffer (two bucket slots when `overlap`, else one)."""
+    overlap: bool
+    """Whether receiving overlapped loading (two staging slots in use)."""
     staging_reused: bool
     """Whether the staging buffer of an earlier sync was reused (no allocation)."""
     accepted: tuple[str, ...]
@@ -313,6 +327,25 @@ _RECV_STAGING: weakref.WeakKeyDictionary[nn.Module, dict[object, torch.Tensor]] 
 _SEND_STAGING: dict[object, torch.Tensor] = {}
 
 
+def _slots(wires: Sequence[int], overlap: bool) -> tuple[int, int]:
+    """The staging layout of a sync: (offset of the second slot, 0 for one slot; bytes).
+
+    Even buckets go to the first slot, odd ones to the second: each slot is as large as
+    the largest bucket it holds, so a sync of one large bucket and smaller ones needs
+    less than two large buckets.
+    """
+    if overlap and len(wires) > 1:
+        stride = _align(max(wires[0::2]))
+        return stride, stride + max(wires[1::2])
+    return 0, max(wires, default=0)
+
+
+def _slot(staging: torch.Tensor, stride: int, wires: Sequence[int], b: int) -> torch.Tensor:
+    """Bucket `b`'s slot: its data, padding and trailer."""
+    at = stride * (b % 2)
+    return staging[at : at + wires[b]]
+
+
 def _staging(
     table: dict[object, torch.Tensor], key: object, device: torch.device, need: int
 ) -> tuple[torch.Tensor, bool]:
@@ -436,9 +469,33 @@ def _first_line(exc: BaseException) -> str:
 class _SendProgress:
     meta_sent: bool = False
     bucket: int = -1
+    """The bucket being packed."""
     entry: str | None = None
     in_collective: bool = False
+    wire: int = -1
+    """The bucket whose broadcast is being posted or waited for; -1: none."""
     staging: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+    """The staging slot of the bucket being packed."""
+    pending: list[tuple[int, Any] | None] = field(default_factory=lambda: [None, None])
+    """Per slot: (bucket, work) of a broadcast not yet waited for."""
+
+    def wait(self, slot: int) -> None:
+        """Wait for the broadcast from `slot`, if one is in flight."""
+        item = self.pending[slot]
+        if item is None:
+            return
+        self.wire, work = item
+        self.in_collective = True
+        work.wait()
+        self.pending[slot] = None
+        self.in_collective = False
+        self.wire = -1
+
+    def drain(self) -> None:
+        """Wait for every broadcast in flight, in bucket order."""
+        for slot in sorted((0, 1), key=lambda s: p[0] if (p := self.pending[s]) else -1):
+            self.wait(slot)
 
 
 def send_weights(
@@ -447,13 +504,16 @@ def send_weights(
     src: int,
     group: dist.ProcessGroup | None = None,
     bucket_bytes: int = 256 << 20,
+    overlap: bool = True,
 ) -> SendReport:
     """Broadcast checkpoint entries to every other rank of `group`, bucket by bucket.
 
     Call it on rank `src` while every other rank of the group calls `receive_weights`.
     Entries are packed in the given order into flat buckets of at most `bucket_bytes`
     data bytes; a tensor larger than that is sent alone in a bucket of its own size.
-    Tensors may live on any device; they are copied into the staging buffer.
+    Tensors may live on any device; they are copied into the staging buffer. With
+    `overlap`, bucket k+1 is packed into one staging slot while bucket k is broadcast
+    from the other.
 
     Args:
         weights: `(name, tensor)` pairs in checkpoint names, or a mapping (a state dict).
@@ -461,6 +521,9 @@ def send_weights(
         group: The process group; the default group when None. Give it a timeout
             (`dist.new_group(timeout=...)`): a receiver that died is detected by it.
         bucket_bytes: Data bytes per bucket.
+        overlap: Pack the next bucket while the current one is broadcast; the staging
+            buffer then holds two buckets. False: one bucket, packing and broadcasts in
+            turn.
 
     Returns:
         The report.
@@ -491,31 +554,41 @@ def send_weights(
         state.in_collective = False
         state.meta_sent = True
         wires = plan.wires
-        staging, _ = _staging(_SEND_STAGING, _group_key(group), device, max(wires, default=0))
+        stride, need = _slots(wires, overlap)
+        staging, _ = _staging(_SEND_STAGING, _group_key(group), device, need)
         state.staging = staging
         tensors = dict(items)
         for b, size in enumerate(plan.sizes):
-            state.bucket = b
+            i = b % 2 if stride else 0
+            state.wait(i)  # the slot's previous broadcast has read it
+            state.bucket, state.slot = b, _slot(staging, stride, wires, b)
             with torch.no_grad():  # trainer parameters require grad; the copy is no op of it
                 for e in plan.bucket(b):
                     state.entry = e.name
-                    _view(staging, e).copy_(tensors[e.name])
+                    _view(state.slot, e).copy_(tensors[e.name])
             state.entry = None
-            _trailer(staging, size).copy_(torch.tensor([_MAGIC, sync, b, _DATA]))
-            state.in_collective = True
-            dist.broadcast(staging[: wires[b]], src=src, group=group)
-            state.in_collective = False
+            _trailer(state.slot, size).copy_(torch.tensor([_MAGIC, sync, b, _DATA]))
+            state.in_collective, state.wire = True, b
+            work = dist.broadcast(state.slot, src=src, group=group, async_op=True)
+            state.pending[i] = (b, work)
+            state.in_collective, state.wire = False, -1
+            if not stride:
+                state.wait(0)
+        state.drain()
         state.bucket = -1
         state.in_collective = True
         failed = _handshake(True, group, device)
         state.in_collective = False
     except BaseException as exc:
+        if any(state.pending) and _SEND_STAGING.get(_group_key(group)) is state.staging:
+            # A broadcast may still read it: no later sync may pack into it.
+            del _SEND_STAGING[_group_key(group)]
         if state.in_collective:
-            where = f"bucket {state.bucket}" if state.bucket >= 0 else (
+            where = f"bucket {state.wire}" if state.wire >= 0 else (
                 "the handshake" if state.meta_sent else "the metadata")
             raise WeightSyncError(
                 f"send_weights: the broadcast of {where} failed",
-                bucket=state.bucket if state.bucket >= 0 else None,
+                bucket=state.wire if state.wire >= 0 else None,
                 expected="every receiver taking part until the end of the sync",
                 got=_first_line(exc),
                 fix="a receiver died, timed out or called something else; see its log. "
@@ -530,7 +603,7 @@ def send_weights(
             group if group is not None else dist.group.WORLD)) - 1,
         entries=len(plan.entries), bytes=total, buckets=len(plan.sizes),
         bucket_bytes=bucket_bytes, largest_bucket=max(plan.sizes, default=0),
-        staging_bytes=staging.numel(), seconds=seconds,
+        staging_bytes=staging.numel(), overlap=stride > 0, seconds=seconds,
         throughput=total / seconds if seconds > 0 else 0.0,
     )
     if failed:
@@ -565,12 +638,13 @@ def _abort(
             return
         if not plan.sizes:
             return
+        state.drain()  # the buckets before the failure go out whole, then the abort
         b = max(state.bucket, 0)  # a failure before the first bucket aborts that one
-        staging = state.staging
-        if staging is None:
-            staging = torch.empty(plan.wires[b], dtype=torch.uint8, device=_device(group))
-        _trailer(staging, plan.sizes[b]).copy_(torch.tensor([_MAGIC, sync, b, _ABORT]))
-        dist.broadcast(staging[: plan.wires[b]], src=src, group=group)
+        slot = state.slot
+        if slot is None or state.bucket < 0:
+            slot = torch.empty(plan.wires[b], dtype=torch.uint8, device=_device(group))
+        _trailer(slot, plan.sizes[b]).copy_(torch.tensor([_MAGIC, sync, b, _ABORT]))
+        dist.broadcast(slot, src=src, group=group)
         dist.broadcast_object_list([what], src=src, group=group)
     except Exception:  # the receivers then fail by the group's timeout
         return
@@ -589,12 +663,14 @@ class _ReceiveProgress:
     loaded: float = 0.0
     staging_bytes: int = 0
     reused: bool = False
+    overlap: bool = False
     accepted: list[str] | None = None
     rejected: list[RejectedEntry] | None = None
 
 
 def receive_weights(
-    model: nn.Module, *, src: int, group: dist.ProcessGroup | None = None
+    model: nn.Module, *, src: int, group: dist.ProcessGroup | None = None,
+    overlap: bool = True,
 ) -> ReceiveReport:
     """Receive one sync from rank `src` and load it into `model`, graph-safely.
 
@@ -602,7 +678,9 @@ def receive_weights(
     one `gs.weight_update(model)` around the whole sync: each bucket is broadcast into
     the staging buffer, then `model.load_weights(pairs)` gets views of it (valid during
     the call only: the loader must copy, as loaders do). The loader decides what this
-    rank holds; the derived buffers are refreshed once, at the end.
+    rank holds; the derived buffers are refreshed once, at the end. With `overlap`, the
+    broadcast of bucket k+1 is posted into one staging slot before the loader runs on
+    bucket k in the other.
 
     Entries the loader refuses (`gs.WeightLoadError`) are collected, not fatal on the
     wire: the remaining entries of the bucket are retried and the later buckets still
@@ -614,6 +692,9 @@ def receive_weights(
         src: The sending rank (global).
         group: The process group; the default group when None. Give it a timeout: a
             sender that died is detected by it.
+        overlap: Receive the next bucket while the loader runs on the current one; the
+            staging buffer then holds two buckets. False: one bucket, receiving and
+            loading in turn.
 
     Returns:
         The report; `report.failed_ranks` names other receivers that failed.
@@ -634,7 +715,7 @@ def receive_weights(
     state = _ReceiveProgress()
     try:
         with weight_update(model):
-            _receive(model, src, group, device, state)
+            _receive(model, src, group, device, state, overlap)
             state.loaded = time.perf_counter()
             if state.rejected:
                 raise _rejected_error(model, state, rank, src)
@@ -671,7 +752,7 @@ def _receive_report(
         buckets=len(plan.sizes), seconds=seconds,
         refresh_seconds=max(0.0, end - state.loaded) if end else 0.0,
         throughput=total / seconds if seconds > 0 else 0.0,
-        staging_bytes=state.staging_bytes, staging_reused=state.reused,
+        staging_bytes=state.staging_bytes, staging_reused=state.reused, overlap=state.overlap,
         accepted=tuple(state.accepted or ()), rejected=tuple(state.rejected or ()),
         refresh=last if last is not before else None, failed_ranks=failed,
     )
@@ -716,6 +797,7 @@ def _receive(
     group: dist.ProcessGroup | None,
     device: torch.device,
     state: _ReceiveProgress,
+    overlap: bool,
 ) -> None:
     """The body of the sync: metadata, then each bucket into staging and the loader."""
     box: list[Any] = [None]
@@ -750,63 +832,97 @@ def _receive(
         )
     plan = state.plan = _Plan.from_record(record)
     wires = plan.wires
-    staging, state.reused = _staging(
-        _RECV_STAGING.setdefault(model, {}), _group_key(group), device, max(wires, default=0)
-    )
-    state.staging_bytes = staging.numel()
+    stride, need = _slots(wires, overlap)
+    table, key = _RECV_STAGING.setdefault(model, {}), _group_key(group)
+    staging, state.reused = _staging(table, key, device, need)
+    state.staging_bytes, state.overlap = staging.numel(), stride > 0
     loader = getattr(model, "load_weights", None)
     state.accepted, state.rejected = [], []
-    for b, size in enumerate(plan.sizes):
-        entries = plan.bucket(b)
+    pending: Any = None  # the work of the broadcast posted and not yet waited for
+
+    def post(b: int) -> Any:
         try:
-            dist.broadcast(staging[: wires[b]], src=src, group=group)
+            return dist.broadcast(_slot(staging, stride, wires, b), src=src, group=group,
+                                  async_op=True)
         except Exception as exc:
-            raise WeightSyncError(
-                f"receive_weights: bucket {b} of {len(plan.sizes)} did not arrive from rank "
-                f"{src}",
-                bucket=b,
-                entry=entries[0].name if entries else None,
-                expected=f"{wires[b]} bytes within the group's timeout",
-                got=_first_line(exc),
-                fix="the sender died or timed out; see its log. The model refuses to replay "
-                "until a complete sync; recreate the process group before the next one",
-            ) from exc
-        mark_written(staging)  # a c10d write: declared, whatever the tracker saw
-        magic, sync, index, status = _trailer(staging, size).tolist()
-        if (magic, sync, index) != (_MAGIC, plan.sync, b) or status not in (_DATA, _ABORT):
-            raise WeightSyncError(
-                f"receive_weights: bucket {b} arrived with a wrong trailer",
-                bucket=b,
-                expected=f"magic {_MAGIC:#x}, sync {plan.sync}, bucket {b}",
-                got=f"magic {magic:#x}, sync {sync}, bucket {index}, status {status}",
-                fix="every rank of the group must take part in the same sync: a rank called "
-                "another collective in between",
-            )
-        if status == _ABORT:
-            box = [None]
+            raise _lost(b, exc) from exc
+
+    def _lost(b: int, exc: BaseException) -> WeightSyncError:
+        entries = plan.bucket(b)
+        return WeightSyncError(
+            f"receive_weights: bucket {b} of {len(plan.sizes)} did not arrive from rank "
+            f"{src}",
+            bucket=b,
+            entry=entries[0].name if entries else None,
+            expected=f"{wires[b]} bytes within the group's timeout",
+            got=_first_line(exc),
+            fix="the sender died or timed out; see its log. The model refuses to replay "
+            "until a complete sync; recreate the process group before the next one",
+        )
+
+    try:
+        pending = post(0) if plan.sizes else None
+        for b, size in enumerate(plan.sizes):
+            entries = plan.bucket(b)
+            work, pending = pending, None
             try:
-                dist.broadcast_object_list(box, src=src, group=group)
+                work.wait()
             except Exception as exc:
-                box = [f"(its error did not arrive: {_first_line(exc)})"]
-            raise WeightSyncError(
-                f"receive_weights: the sender (rank {src}) aborted the sync at bucket {b} of "
-                f"{len(plan.sizes)}",
-                bucket=b,
-                entry=entries[0].name if entries else None,
-                expected="every bucket of the sync",
-                got=f"the sender raised {box[0]}",
-                fix="fix the error on the sender, then sync again; the model refuses to "
-                "replay until a complete sync",
-            )
-        pairs = [(e.name, _view(staging, e)) for e in entries]
-        if loader is None or not callable(loader):
-            state.rejected.extend(
-                RejectedEntry(name=n, bucket=b, error=f"{type(model).__name__} has no "
-                              "load_weights(pairs) method") for n, _ in pairs
-            )
-        else:
-            _load(loader, pairs, b, state.accepted, state.rejected)
+                raise _lost(b, exc) from exc
+            mark_written(staging)  # a c10d write: declared, whatever the tracker saw
+            slot = _slot(staging, stride, wires, b)
+            _check_trailer(slot, size, plan, b, src, group)
+            if stride and b + 1 < len(plan.sizes):
+                pending = post(b + 1)  # into the other slot, while the loader runs
+            pairs = [(e.name, _view(slot, e)) for e in entries]
+            if loader is None or not callable(loader):
+                state.rejected.extend(
+                    RejectedEntry(name=n, bucket=b, error=f"{type(model).__name__} has no "
+                                  "load_weights(pairs) method") for n, _ in pairs
+                )
+            else:
+                _load(loader, pairs, b, state.accepted, state.rejected)
+            if not stride and b + 1 < len(plan.sizes):
+                pending = post(b + 1)
+    finally:
+        if pending is not None and table.get(key) is staging:
+            # A broadcast still writes into it: no later sync may reuse it.
+            del table[key]
     state.completed = True
+
+
+def _check_trailer(
+    slot: torch.Tensor, size: int, plan: _Plan, b: int, src: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Check bucket `b`'s trailer; raise the sender's abort if it says so."""
+    magic, sync, index, status = _trailer(slot, size).tolist()
+    if (magic, sync, index) != (_MAGIC, plan.sync, b) or status not in (_DATA, _ABORT):
+        raise WeightSyncError(
+            f"receive_weights: bucket {b} arrived with a wrong trailer",
+            bucket=b,
+            expected=f"magic {_MAGIC:#x}, sync {plan.sync}, bucket {b}",
+            got=f"magic {magic:#x}, sync {sync}, bucket {index}, status {status}",
+            fix="every rank of the group must take part in the same sync: a rank called "
+            "another collective in between",
+        )
+    if status == _ABORT:
+        entries = plan.bucket(b)
+        box: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(box, src=src, group=group)
+        except Exception as exc:
+            box = [f"(its error did not arrive: {_first_line(exc)})"]
+        raise WeightSyncError(
+            f"receive_weights: the sender (rank {src}) aborted the sync at bucket {b} of "
+            f"{len(plan.sizes)}",
+            bucket=b,
+            entry=entries[0].name if entries else None,
+            expected="every bucket of the sync",
+            got=f"the sender raised {box[0]}",
+            fix="fix the error on the sender, then sync again; the model refuses to "
+            "replay until a complete sync",
+        )
 
 
 def _load(

@@ -209,6 +209,11 @@ def small_model(rank: int, ctx: dict[str, Any]) -> None:
             report = gsd.send_weights(_small_checkpoint(seed), src=0, group=group,
                                       bucket_bytes=256)
             assert report.buckets == 3 and report.largest_bucket == 40 * 30 * 4
+            assert report.overlap
+        for overlap in (False, True):  # each side chooses: the bytes on the wire are the same
+            report = gsd.send_weights(_small_checkpoint(4), src=0, group=group,
+                                      bucket_bytes=256, overlap=overlap)
+            assert report.overlap == overlap
         return
     model = Small()
     for seed in (1, 2):
@@ -222,6 +227,16 @@ def small_model(rank: int, ctx: dict[str, Any]) -> None:
         assert torch.equal(model.scaled, ck["a"] * ck["b"])
         assert sorted(report.accepted) == ["a", "b", "h", "steps"]
         assert report.buckets == 3 and report.bytes == 120 + 14 + 4800 + 24
+    for overlap in (True, False):
+        fresh = Small()
+        report = gsd.receive_weights(fresh, src=0, group=group, overlap=overlap)
+        assert report.overlap == overlap and not report.staging_reused
+        # Wires of the buckets [b, h], [a], [steps]: 224, 4832 and 96 bytes. Overlapped,
+        # the even buckets share a slot of 256 bytes (aligned), the odd one has its own.
+        assert report.staging_bytes == (256 + 4832 if overlap else 4832)
+        for name, t in _small_checkpoint(4):
+            assert torch.equal(getattr(fresh, name), t), name
+        assert torch.equal(fresh.scaled, fresh.a * fresh.b)
     # Control: the same buckets loaded one call each, without the sync's update block,
     # refresh after every bucket, and the first refresh reads half-updated inputs.
     old = dict(_small_checkpoint(2))

@@ -9,6 +9,7 @@ with the targets and prints them; tests only check that the script runs.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import dataclasses
 import gc
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "add_machine_args",
+    "machine",
     "Clock",
     "Row",
     "Stat",
@@ -315,3 +318,24 @@ def why(exc: BaseException) -> str:
     frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     where = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else ""
     return f"{type(exc).__name__}{where}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def add_machine_args(parser: argparse.ArgumentParser, *, device: bool = True) -> None:
+    """The options every benchmark script takes: --quick, --threads and (where it can
+    run on a GPU) --device."""
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    if device:
+        parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                            choices=["cpu", "cuda"], help="where to run (default: cuda if any)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads on the CPU (default 1; 0: torch's default)")
+
+
+def machine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> torch.device:
+    """Apply the options of `add_machine_args`: the thread count, and the device."""
+    device = torch.device(getattr(args, "device", "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    return device

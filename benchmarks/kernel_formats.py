@@ -39,7 +39,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from harness import Clock, Row, fmt_bytes, gbps, interleave, paired, peak_extra_bytes
+from harness import (
+    Clock,
+    Row,
+    add_machine_args,
+    fmt_bytes,
+    gbps,
+    interleave,
+    machine,
+    paired,
+    peak_extra_bytes,
+)
 from run import table
 from torch import Tensor, nn
 
@@ -245,13 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the options, measure, print the table or the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON only, on stdout")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads on the CPU (default 1; 0: torch's default)")
+    add_machine_args(parser, device=False)
     args = parser.parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cpu")
+    device = machine(args, parser)
     repeats = 3 if args.quick else 15
     rows = fp8_rows(device, 256 if args.quick else 4096, repeats)
     rows += memory_rows(device, args.quick)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from bench_models import fold_stack_class, untracked_load
-from harness import Clock, interleave
+from harness import Clock, add_machine_args, interleave, machine
 from torch import nn
 
 import graphsafe as gs
@@ -366,33 +366,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/img"),
                         help="folder for the PNGs (default docs/img)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=["cpu", "cuda"], help="where to run (default: cuda if any)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads on the CPU (default 1; 0: torch's default)")
+    add_machine_args(parser)
     parser.add_argument("--no-draw", action="store_true",
                         help="print the tables only (no matplotlib needed)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    device = machine(args, parser)
     sizes = PlotSizes.quick() if args.quick else PlotSizes.full()
     clock = Clock(device)
     _measure(clock, *_model(4, device), 2, 2.0, 1)  # one-time costs, before any figure
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     by_size = size_sweep(sizes, clock)
     by_fraction = fraction_sweep(sizes, clock)
-    machine = _machine(clock)
-    print(f"graphsafe refit figures: {machine}, torch {torch.__version__}, "
+    where = _machine(clock)
+    print(f"graphsafe refit figures: {where}, torch {torch.__version__}, "
           f"{sizes.repeats} repeats, loadavg {load:.2f} on {os.cpu_count()} cores")
     print(table("\nfigure 1: load of every weight", "x", by_size))
     print(table(f"\nfigure 2: load of a fraction of {sizes.fraction_count}", "fraction",
                 by_fraction))
     if not args.no_draw:
-        for path in draw(by_size, by_fraction, args.out, machine, device.type):
+        for path in draw(by_size, by_fraction, args.out, where, device.type):
             print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
     return 0
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from figures import FIGURES, Ctx, Sizes, warm
-from harness import Row, fmt_bytes, why
+from harness import Row, add_machine_args, fmt_bytes, machine, why
 
 import graphsafe
 
@@ -107,20 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the options, run the figures, print the table or the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON only, on stdout")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=["cpu", "cuda"], help="where to run (default: cuda if any)")
+    add_machine_args(parser)
     parser.add_argument("--only", default="", help="comma-separated figures, e.g. 1,4")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads on the CPU (default 1; 0: torch's default)")
     parser.add_argument("--profile", action="store_true",
                         help="also print cProfiles: figure 2's refresh, 4's loads, 5c's guard")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    device = machine(args, parser)
     sizes = Sizes.quick() if args.quick else Sizes.full()
     ctx = Ctx(device=device, sizes=sizes, profile=args.profile)
     wanted = [f.strip() for f in args.only.split(",") if f.strip()] or list(FIGURES)

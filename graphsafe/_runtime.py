@@ -84,7 +84,9 @@ class Runtime:
         self._engine: Engine | None = None
         self._holders: dict[object, int] = {}
         self._load: Load | None = None
-        self._keys: frozenset[int] = frozenset()
+        self._pinned_keys: frozenset[int] = frozenset()
+        """Storages of every model tensor while pinned: a failed load's poison on any of
+        them refuses the graphs' replays."""
         _LIVE.add(self)
 
     # -- binding ---------------------------------------------------------------------
@@ -131,7 +133,6 @@ class Runtime:
         model = self.model
         binding = bind(model, self._derivations_for, self._own)
         self._engine = engine = Engine(binding, self._model_tensors, strict=self._strict)
-        self._keys = engine.storage_keys()
         if model not in _HOOKED:
             model.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
                 _before_load_state_dict
@@ -251,7 +252,8 @@ class Runtime:
                 )
             engine = self._engine or self._bound()  # module swaps: the ledger checks them
             if engine.stale or not engine.witnesses.unchanged() or JOURNAL.poisoned:
-                check_fresh(engine, self._keys, type(self.model), repair=repair)
+                keys = engine.storage_keys() | self._pinned_keys
+                check_fresh(engine, keys, type(self.model), repair=repair)
 
     # -- refresh ---------------------------------------------------------------------
 
@@ -353,7 +355,7 @@ class Runtime:
                 if dirty:
                     engine.run(engine.closure(dirty))
             self._holders[holder] = self._holders.get(holder, 0) + 1
-            self._keys = engine.storage_keys() | frozenset(self._model_tensors())
+            self._pinned_keys = frozenset(self._model_tensors())
 
     def unpin(self, holder: object = _MANUAL) -> None:
         """Release `holder`'s pin (graphs captured under it must be re-captured).
@@ -367,6 +369,8 @@ class Runtime:
                 self._holders.pop(holder, None)
             else:
                 self._holders[holder] = count - 1
+            if not self._holders:
+                self._pinned_keys = frozenset()
 
     # -- loads -------------------------------------------------------------------------
 
@@ -440,19 +444,11 @@ class Runtime:
         with self._lock:
             if self._load is not None or self._engine is None:
                 return  # inside a tracked load or update: refreshed when it ends
-            engine = self._bound()
-            dirty = engine.scan_moved(self.pinned)
-            dirty.update(engine.witness_dirty())
-            dirty.update(b.index for b in engine.bound if b.buffers is None)
-            for tr in engine.transients:
-                if tr.held and tr.complete:
-                    dirty.update(engine.transients.readers[id(tr)])
-            try:
-                engine.run(engine.closure(dirty))
-            finally:
-                engine.transients.release()
-            if JOURNAL.poisoned:
-                JOURNAL.heal(self._model_tensors())  # the keys
+            # Ended as any load ends; what it wrote, the witnesses (versions) and the
+            # transient inputs the pre-hook gave memory to say what to refresh.
+            load = Load({}, self._bound().transients)
+            load.transient_written = {tr for tr in load.transients or () if tr.held}
+            self._end(load, "load_state_dict", None, witnesses=True)
 
     def _begin(self, *, full_watch: bool) -> Load:
         engine = self._bound()
@@ -488,10 +484,8 @@ class Runtime:
                 witnesses=witnesses, since=load.clock)
         finally:
             self._load = None
-        written = load.written_so_far()
         if exc is None:
-            self._keys = engine.storage_keys() | (self._keys if self._holders else frozenset())
-            _refresh_others(self, written)
+            _refresh_others(self, load.written_so_far())
 
     def _refresh_storages(self, keys: set[int]) -> None:
         """Refresh the derivations reading `keys`, if this runtime is free right now.

@@ -450,7 +450,7 @@ def _check_output_free(b: Bound, module: nn.Module, name: str) -> None:
         kind = "a submodule"
     elif name in module._buffers and name not in module._non_persistent_buffers_set:
         kind = "a persistent buffer"
-    elif module.__dict__.get(name) is not None:
+    elif module.__dict__.get(name) is not None and not _adoptable(module.__dict__[name]):
         kind = "an attribute"
     elif name not in module._buffers and hasattr(type(module), name):
         kind = "a class attribute"
@@ -463,6 +463,12 @@ def _check_output_free(b: Bound, module: nn.Module, name: str) -> None:
             got=f"{kind} {join(b.module_path, name)!r} already exists",
             fix="rename the output or the existing attribute",
         )
+
+
+def _adoptable(value: object) -> bool:
+    """A plain tensor the class's own code bound (vLLM binds some derived tensors on the
+    first load): the engine adopts it as the buffer at materialization if it fits."""
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
 
 
 def _walk(b: Bound, module: nn.Module, rel: str) -> tuple[nn.Module, str]:

@@ -13,16 +13,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._binding import Binding, Bound, Input, describe
+from graphsafe._binding import Binding, Bound, Input, describe, join
 from graphsafe._errors import (
     DerivationDriftError,
     ImpureDerivationError,
     RegistrationError,
     StorageMovedError,
 )
+from graphsafe._journal import storage_key
 from graphsafe._spec import Drift
 
 __all__ = [
+    "adoptee",
     "as_results",
     "check_results",
     "geometry_held",
@@ -171,6 +173,75 @@ def read_refusal(b: Bound, forbidden: Mapping[int, str]) -> Callable[[int, str],
         )
 
     return refuse
+
+
+def adoptee(
+    b: Bound, module: nn.Module, name: str, t: torch.Tensor, watch: Mapping[int, str]
+) -> torch.Tensor | None:
+    """The tensor the class's own code already bound as output `name`, if any.
+
+    vLLM's DeepSeek V4 binds `hc_attn_fn_broadcast` on its first load and writes into it
+    afterwards; a captured graph may already hold its address. The buffer keeps that
+    storage: the caller copies the derivation's first result into it and registers it.
+
+    Args:
+        b: The bound derivation.
+        module: The module that owns the output.
+        name: The output's attribute name.
+        t: The derivation's first result for it.
+        watch: Storage key to path of every model tensor.
+
+    Returns:
+        The plain tensor attribute to adopt, or None when there is none.
+
+    Raises:
+        RegistrationError: It does not fit the result (shape, dtype, device, layout) or
+            shares memory with a model tensor; nothing has been written.
+    """
+    have = module.__dict__.get(name)
+    if not isinstance(have, torch.Tensor):
+        return None
+    path = join(b.module_path, name)
+    problems = [
+        f"{what} {h} (the derivation gives {w})"
+        for what, h, w in (
+            ("shape", tuple(have.shape), tuple(t.shape)),
+            ("dtype", have.dtype, t.dtype),
+            ("device", have.device, t.device),
+            ("layout", have.layout, t.layout),
+        )
+        if h != w
+    ]
+    owner = watch.get(storage_key(have)) if have.device.type != "meta" else None
+    if owner is not None and owner != path:
+        problems.append(f"it shares memory with {owner}")
+    elif have.layout == torch.strided and not _dense(have):
+        problems.append("its elements overlap in memory")
+    if not problems:
+        return have
+    raise b.error(
+        RegistrationError,
+        f"the tensor already bound as {path!r} cannot be adopted as the derived buffer",
+        path=path,
+        expected=f"a tensor of shape {tuple(t.shape)}, {t.dtype} on {t.device}, "
+        "with memory of its own",
+        got="; ".join(problems),
+        fix=f"bind {name!r} to a tensor that fits, leave it unset (or None) for graphsafe "
+        "to allocate, or rename the output",
+    )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether no two elements of `t` share an address (writes through it are whole)."""
+    if t.numel() <= 1:
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    span = 1
+    for st, sz in dims:
+        if st < span:
+            return False
+        span = st * sz
+    return True
 
 
 def as_results(b: Bound, ret: Any) -> list[torch.Tensor]:

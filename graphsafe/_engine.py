@@ -18,6 +18,7 @@ import torch
 
 from graphsafe._binding import Binding, Bound, Input, join, pin_storage
 from graphsafe._checks import (
+    adoptee,
     as_results,
     check_results,
     geometry_held,
@@ -446,15 +447,25 @@ class Engine:
         with ReadGuard(watch, impurity_refusal(b, watch), declared, read_refusal(b, watch)):
             ret = b.fn(module, *args)
         results = as_results(b, ret)
-        buffers: list[torch.Tensor] = []
-        for name, r in zip(b.outputs, results):
+        fresh: list[torch.Tensor] = []
+        for r in results:
             t = r.detach()
             key = storage_key(t)
             if (key and key in watch) or t.untyped_storage().nbytes() != t.nbytes:
                 # Shares memory with a model tensor (a view of an input): own a copy.
                 t = t.clone(memory_format=torch.contiguous_format)
+            fresh.append(t)
+        # Every output is checked before any is written: a refusal leaves the module as is.
+        adopted = [adoptee(b, module, n, t, watch) for n, t in zip(b.outputs, fresh)]
+        buffers: list[torch.Tensor] = []
+        for name, t, have in zip(b.outputs, fresh, adopted):
             existing = module._buffers.get(name)
-            if (
+            if have is not None:
+                have.copy_(t)  # the class's own tensor: a graph may hold its address
+                del module.__dict__[name]
+                module.register_buffer(name, have, persistent=False)
+                t = have
+            elif (
                 isinstance(existing, torch.Tensor)
                 and existing.shape == t.shape
                 and existing.dtype == t.dtype

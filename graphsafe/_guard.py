@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
 
 from graphsafe._ledger import Ledger
 from graphsafe._runtime import Runtime, runtime
+from graphsafe._walk import Site
 
 __all__ = ["Guard"]
 
@@ -38,18 +39,26 @@ class Guard:
         model: The guarded model.
         owner: The graph; when it is garbage-collected, the pin is released.
         repair: Refresh stale derived buffers before a replay instead of refusing it.
+        keep: Which tensors the ledger pins (all by default).
     """
 
     __slots__ = ("_release", "_repair", "ledger", "runtime")
 
-    def __init__(self, model: nn.Module, owner: object, *, repair: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        owner: object,
+        *,
+        repair: bool,
+        keep: Callable[[Site], bool] | None = None,
+    ) -> None:
         rt = runtime(model)
         token = _Holder(id(owner))
         rt.pin(holder=token)
         self._release: weakref.finalize[Any, Any] = weakref.finalize(owner, rt.unpin, token)
         self._repair = repair
         self.runtime: Runtime = rt
-        self.ledger = Ledger.snapshot(model, label="graph capture")
+        self.ledger = Ledger.snapshot(model, label="graph capture", keep=keep)
 
     @staticmethod
     def check_capturable(model: nn.Module) -> None:

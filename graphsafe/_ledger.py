@@ -36,6 +36,7 @@ one `map` over all entries compared in one go. Only a mismatch pays for the deta
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -204,7 +205,13 @@ class Ledger:
         self._void_devices: list[torch.device] = list(map(_DEVICE, self._voids))
 
     @classmethod
-    def snapshot(cls, model: nn.Module, *, label: str = "the snapshot") -> Ledger:
+    def snapshot(
+        cls,
+        model: nn.Module,
+        *,
+        label: str = "the snapshot",
+        keep: Callable[[Site], bool] | None = None,
+    ) -> Ledger:
         """Pin every tensor reachable from `model`'s module tree, and every submodule.
 
         Parameters and buffers are pinned through `module._parameters` and
@@ -216,6 +223,8 @@ class Ledger:
             model: The root module.
             label: What the snapshot stands for, in error messages ("moved after
                 {label}"), e.g. `"graph capture"`.
+            keep: Which tensors to pin (all by default); an engine integration leaves
+                out tensors no graph reads by address.
 
         Returns:
             A ledger of every tensor and submodule found.
@@ -230,7 +239,11 @@ class Ledger:
             for s in walk_modules(model)
             if s.parent is not None
         )
-        pins = [_pin(s) for s in walk_tensors(model) if _has_storage(s.tensor)]
+        pins = [
+            _pin(s)
+            for s in walk_tensors(model)
+            if _has_storage(s.tensor) and (keep is None or keep(s))
+        ]
         # Entries without a chain first, so that `paths` lists them first.
         ordered = tuple(p for p in pins if not p.site.chain) + tuple(
             p for p in pins if p.site.chain

@@ -84,6 +84,9 @@ class Runtime:
         self._engine: Engine | None = None
         self._holders: dict[object, int] = {}
         self._load: Load | None = None
+        self._after_load: list[Callable[[], None]] = []
+        """Checks run when a load or update ends normally (an engine integration's
+        ledger), so that what it finds raises through that call."""
         self._pinned_keys: frozenset[int] = frozenset()
         """Storages of every model tensor while pinned: a failed load's poison on any of
         them refuses the graphs' replays."""
@@ -486,6 +489,8 @@ class Runtime:
             self._load = None
         if exc is None:
             _refresh_others(self, load.written_so_far())
+            for check in self._after_load:
+                check()
 
     def _refresh_storages(self, keys: set[int]) -> None:
         """Refresh the derivations reading `keys`, if this runtime is free right now.

@@ -1,0 +1,1 @@
+"""graphsafe attached to the engines users already run (`graphsafe.integrations.vllm`)."""

@@ -1,0 +1,123 @@
+"""The parts of `graphsafe.integrations.vllm` that need no vLLM, on plain torch models.
+
+The integration against vLLM's real engine and classes is tested in `tests_vllm/`
+(`scripts/test-vllm`, run by CI in an environment with vLLM's CPU build).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphsafe as gs
+from graphsafe.integrations import vllm as gsv
+
+registry = gs.Registry()
+
+
+@registry.derive(nn.Linear, "weight_t", inputs=["weight"])
+def weight_t(m: nn.Linear, w: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    return w.t().contiguous() if out is None else out.copy_(w.t())
+
+
+def make_registry() -> gs.Registry:
+    return registry
+
+
+class Model(nn.Module):
+    """vLLM-shaped: a `load_weights` that writes in place, and a host scalar attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.emb = nn.Parameter(torch.zeros(5, 4))
+        self.lin._k_scale_cpu = torch.tensor(1.0)  # as vLLM's Attention keeps it
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            params[name].data.copy_(w)
+        return {n for n, _ in weights}
+
+
+def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(p.shape, generator=g)) for n, p in Model().named_parameters()]
+
+
+def test_registries_resolve_by_name_object_or_factory() -> None:
+    name = f"{__name__}:registry"
+    assert gsv.registries_from(name) == [registry]
+    assert gsv.registries_from(f"{__name__}:make_registry, {name}") == [registry, registry]
+    assert gsv.registries_from([registry]) == [registry]
+
+
+@pytest.mark.parametrize("spec", ["no_such_module:registry", f"{__name__}:Model", "x"])
+def test_a_name_that_is_no_registry_is_refused_naming_it(spec: str) -> None:
+    with pytest.raises(gs.RegistrationError, match="GRAPHSAFE_VLLM_REGISTRIES names") as e:
+        gsv.registries_from(spec)
+    assert repr(spec) in str(e.value)
+
+
+def test_attach_materializes_and_load_weights_is_one_update_each() -> None:
+    model = Model()
+    model.load_weights(checkpoint(0))
+    att = gsv.attach(model, registry)
+    assert gsv.attach(model, registry) is att and gsv.attachment(model) is att
+    assert torch.equal(model.lin.weight_t, model.lin.weight.t())
+    att.pin()
+    ptr = model.lin.weight_t.data_ptr()
+    model.load_weights(checkpoint(1))  # the instance's wrapper: a graphsafe update
+    assert att.updates == 1 and model.lin.weight_t.data_ptr() == ptr
+    assert torch.equal(model.lin.weight_t, model.lin.weight.t())
+    assert att.status() == {
+        "pinned": True,
+        "stale": [],
+        "updates": 1,
+        "derived": ["lin.weight_t"],
+        "last_refresh_bytes": 48,
+    }
+
+
+def test_a_rebinding_in_an_update_raises_at_its_end_for_any_pinned_tensor() -> None:
+    model = Model()
+    model.load_weights(checkpoint(0))
+    att = gsv.attach(model, registry)
+    att.pin()
+    with pytest.raises(gs.StorageMovedError, match=r"\bemb\b"), gs.weight_update(model):
+        model.emb.data = model.emb.data.clone()  # no derivation reads it: the ledger does
+
+
+def test_control_unpinned_the_same_rebinding_passes_the_update() -> None:
+    model = Model()
+    model.load_weights(checkpoint(0))
+    gsv.attach(model, registry)  # attached, not pinned: nothing to hold still yet
+    with gs.weight_update(model):
+        model.emb.data = model.emb.data.clone()
+
+
+def test_host_scalar_attributes_are_not_pinned_but_everything_else_is() -> None:
+    model = Model()
+    model.load_weights(checkpoint(0))
+    att = gsv.attach(model, registry)
+    att.pin()
+    assert att.guard is not None
+    paths = att.guard.ledger.paths
+    assert "lin._k_scale_cpu" not in paths
+    assert {"lin.weight", "lin.bias", "emb", "lin.weight_t"} <= set(paths)
+    model.lin._k_scale_cpu = torch.tensor(1.0)  # vLLM's reload binds it anew
+    with att.guard.replaying():
+        pass
+
+
+def test_control_a_plain_graph_guard_pins_the_host_scalar_too() -> None:
+    model = Model()
+    model.load_weights(checkpoint(0))
+    gs.runtime(model, registry).refresh()
+    ledger = gs.Ledger.snapshot(model)
+    assert "lin._k_scale_cpu" in ledger.paths
+    model.lin._k_scale_cpu = torch.tensor(1.0)
+    with pytest.raises(gs.StorageMovedError, match="_k_scale_cpu"):
+        ledger.assert_stable()
+

@@ -1,0 +1,94 @@
+"""A tiny random Llama (Hugging Face format) served by vLLM's offline engine on a CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+PROMPT = list(range(3, 43))  # token ids: more than one 32-token KV block
+N_NEW = 8
+
+
+def hf_model(path: Path, seed: int) -> LlamaForCausalLM:
+    """Random weights saved with `save_pretrained`; head_dim 64 (CPU attention needs it)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        vocab_size=256,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        torch_dtype="float32",
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    m.save_pretrained(path)
+    return m
+
+
+def hf_greedy(m: LlamaForCausalLM) -> list[int]:
+    gc = GenerationConfig(
+        max_new_tokens=N_NEW,
+        min_new_tokens=N_NEW,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    with torch.no_grad():
+        out = m.generate(torch.tensor([PROMPT]), generation_config=gc)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def qkv_weight_t(m: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """What the derived buffer must hold: the fused [q; k; v] weight, transposed."""
+    sd = m.state_dict()
+    return {
+        f"model.layers.{i}.self_attn.qkv_proj": torch.cat(
+            [sd[f"model.layers.{i}.self_attn.{k}_proj.weight"] for k in "qkv"]
+        ).t()
+        for i in range(m.config.num_hidden_layers)
+    }
+
+
+def weights(m: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p.detach().clone()) for n, p in m.state_dict().items()]
+
+
+def engine(path: Path, **kw: Any) -> Any:
+    """vLLM's offline engine, as small and fast to start as it goes on a CPU."""
+    from vllm import LLM
+
+    # On a GPU with GRAPHSAFE_VLLM_CUDA_GRAPHS=1 (scripts/gpu-check), vLLM captures its
+    # own CUDA graphs; on a CPU it captures none.
+    graphs = os.environ.get("GRAPHSAFE_VLLM_CUDA_GRAPHS") == "1" and torch.cuda.is_available()
+    return LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=not graphs,
+        compilation_config={} if graphs else {"mode": 0},
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        kv_cache_memory_bytes=16 << 20,
+        block_size=32,
+        seed=0,
+        worker_extension_cls="vllm_ext.Extension",
+        **kw,
+    )
+
+
+def generate(llm: Any) -> list[int]:
+    from vllm import SamplingParams
+
+    llm.reset_prefix_cache()  # new weights: cached KV blocks of the prompt are stale
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, detokenize=False, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)

@@ -1,0 +1,37 @@
+"""vLLM's default layout: the engine core and its worker in processes of their own.
+
+The plugin reaches the worker process through vLLM's entry point and the environment.
+Errors cross the process boundary as vLLM reports them: the text of graphsafe's error
+(what moved, where, the fix) inside vLLM's own exception type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import engine_util as eu
+import pytest
+
+
+@pytest.fixture
+def llm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    eu.hf_model(tmp_path / "ckpt", 0)
+    llm = eu.engine(tmp_path / "ckpt")
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_the_plugin_follows_a_worker_in_another_process(llm: Any, tmp_path: Path) -> None:
+    (status,) = llm.collective_rpc("graphsafe_status")
+    assert status["pinned"] and status["updates"] == 0 and len(status["derived"]) == 2
+    new = eu.hf_model(tmp_path / "new", 2)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path / "new")})
+    (status,) = llm.collective_rpc("graphsafe_status")
+    assert status["updates"] == 1 and not status["stale"]
+    assert eu.generate(llm) == eu.hf_greedy(new)
+    with pytest.raises(Exception, match=r"model\.embed_tokens\.weight was rebound") as e:
+        llm.collective_rpc("t_rebind_in_update", args=("model.embed_tokens.weight",))
+    assert "fix:" in str(e.value)

@@ -8,6 +8,7 @@ walking, no signature inspection and no path resolution.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -398,11 +399,27 @@ def swapped_modules(binding: Binding) -> list[str]:
     Returns:
         The module paths, in tree order; empty when the tree is the one bound.
     """
+    mods = binding.modules
+    if not mods:
+        return []
+    parents, keys, children, _ = zip(*mods)
+    try:
+        # One flat pass: every parent's `_modules` entry, compared by identity (a list
+        # compares its items by identity first, and modules define no `__eq__`).
+        now = list(map(dict.get, map(_MODULES, map(_CALL, parents)), keys))
+    except AttributeError:  # a parent is gone: find which, one by one
+        now = None
+    if now is not None and now == list(map(_CALL, children)):
+        return []
     return [
         path
-        for parent, key, child, path in binding.modules
+        for parent, key, child, path in mods
         if _child(parent(), key) is not child()
     ]
+
+
+_MODULES = operator.attrgetter("_modules")
+_CALL = weakref.ref.__call__
 
 
 def _child(parent: nn.Module | None, key: str) -> nn.Module | None:

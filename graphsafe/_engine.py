@@ -28,7 +28,7 @@ from graphsafe._checks import (
     refuse_resized,
 )
 from graphsafe._errors import DerivationDriftError
-from graphsafe._journal import JOURNAL, Witnesses, storage_key
+from graphsafe._journal import JOURNAL, Seen, Witnesses, storage_key
 from graphsafe._spec import RawEntry, RawIdentity, RefreshReport
 from graphsafe._tracking import ReadGuard, WriteTracker
 from graphsafe._transient import Transients
@@ -383,7 +383,10 @@ class Engine:
         """
         okset = set(fresh)
         if len(okset) == len(self.bound):
-            self.witnesses.record_all()
+            flat, seen = self._flat, None
+            if flat is not None:
+                seen, flat.seen = flat.seen, None
+            self.witnesses.record_all(seen)
             return
         sites: list[int] = []
         for i in fresh:
@@ -552,7 +555,16 @@ class _Flat:
     compared only once something differs (a `.data =` view of the same storage changes
     its stride); transient inputs come and go by design and are checked one by one."""
 
-    __slots__ = ("containers", "ids", "keys", "n_inputs", "ptrs", "strides", "transient")
+    __slots__ = (
+        "containers",
+        "ids",
+        "keys",
+        "n_inputs",
+        "ptrs",
+        "seen",
+        "strides",
+        "transient",
+    )
 
     def __init__(self, inputs: list[Input], bound: list[Bound]) -> None:
         # What was recorded, not what is there now: a rebinding before this is built
@@ -576,6 +588,8 @@ class _Flat:
         self.n_inputs = sum(1 for inp in inputs if not inp.transient)
         self.strides = [r[4] for r in rows[: self.n_inputs]]
         self.transient = [inp for inp in inputs if inp.transient]
+        self.seen: Seen | None = None
+        """What the last passing check read; a full refresh's witnesses reuse it."""
 
     def _now(self) -> list[Any]:
         return list(map(dict.get, self.containers, self.keys))
@@ -585,9 +599,12 @@ class _Flat:
         if list(map(id, tensors)) != self.ids:
             return False
         try:
-            return (
+            ok = (
                 list(map(_DATA_PTR, tensors)) == self.ptrs
                 and list(map(_STRIDE, tensors[: self.n_inputs])) == self.strides
             )
         except (TypeError, AttributeError, RuntimeError):
             return False
+        if ok:
+            self.seen = Seen(self.containers, self.keys, tensors, self.ids, self.ptrs)
+        return ok

@@ -19,13 +19,13 @@ import operator
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from graphsafe._walk import storage_key
 
-__all__ = ["JOURNAL", "Journal", "Witnesses", "mark_written", "storage_key"]
+__all__ = ["JOURNAL", "Journal", "Seen", "Witnesses", "mark_written", "storage_key"]
 
 
 class Journal:
@@ -154,6 +154,16 @@ _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+class Seen(NamedTuple):
+    """Sites as one flat check read them: `tensors[i]` is `containers[i][keys[i]]`."""
+
+    containers: list[dict[str, Any]]
+    keys: list[str]
+    tensors: list[Any]
+    ids: list[int]
+    ptrs: list[int]
+
+
 class Witnesses:
     """What each watched tensor looked like when its dependents were last refreshed.
 
@@ -227,12 +237,29 @@ class Witnesses:
             else:
                 self._ptrs[i] = self._versions[i] = self._skeys[i] = self._epochs[i] = 0
 
-    def record_all(self) -> None:
-        """`record` of every site, as flat passes (a full refresh)."""
-        tensors = list(map(dict.get, self.containers, self.keys))
-        ids = list(map(id, tensors))
+    def record_all(self, seen: Seen | None = None) -> None:
+        """`record` of every site, as flat passes (a full refresh).
+
+        Args:
+            seen: What the engine's rebinding check read at the start of this refresh,
+                over the same sites: its tensors, ids and pointers are taken as they are
+                (a tensor rebound since then shows at the next check, as rebound).
+        """
+        if (
+            seen is not None
+            and seen.containers == self.containers
+            and seen.keys == self.keys
+        ):
+            tensors, ids, ptrs = seen.tensors, seen.ids, seen.ptrs
+        else:
+            tensors = list(map(dict.get, self.containers, self.keys))
+            ids = list(map(id, tensors))
+            try:
+                ptrs = list(map(_DATA_PTR, tensors))
+            except (AttributeError, TypeError, RuntimeError):
+                self.record(range(len(tensors)))  # a site holds no tensor: one by one
+                return
         try:
-            ptrs = list(map(_DATA_PTR, tensors))  # type: ignore[arg-type]
             versions = list(map(_VERSION, tensors))
         except (AttributeError, TypeError, RuntimeError):
             self.record(range(len(tensors)))  # a site holds no tensor: one by one

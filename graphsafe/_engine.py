@@ -28,7 +28,8 @@ from graphsafe._checks import (
     refuse_resized,
 )
 from graphsafe._errors import DerivationDriftError
-from graphsafe._journal import JOURNAL, Seen, Witnesses, storage_key
+from graphsafe._flat import Flat
+from graphsafe._journal import JOURNAL, Witnesses, storage_key
 from graphsafe._spec import RawEntry, RawIdentity, RefreshReport
 from graphsafe._tracking import ReadGuard, WriteTracker
 from graphsafe._transient import Transients
@@ -72,7 +73,7 @@ class Engine:
         self._frozen_identities: tuple[RawIdentity, ...] | None = None
         self._reallocated: set[int] = set()
         self._watch: dict[int, list[Input]] | None = None
-        self._flat: _Flat | None = None
+        self._flat: Flat | None = None
         self._keys: frozenset[int] | None = None
         self._site_owner: list[tuple[int, ...]] = []
         self._input_site: dict[int, int] = {}
@@ -136,7 +137,7 @@ class Engine:
         """
         flat = self._flat
         if flat is None:
-            flat = self._flat = _Flat(self.inputs, self.bound)
+            flat = self._flat = Flat(self.inputs, self.bound)
         if flat.unchanged():
             moved_inputs = [inp for inp in flat.transient if inp.moved()]
             return moved_inputs, []
@@ -543,68 +544,3 @@ class Engine:
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else ""
-
-
-_DATA_PTR = torch.Tensor.data_ptr
-_STRIDE = torch.Tensor.stride
-
-
-class _Flat:
-    """Identity, pointer and stride of every resident input and buffer, as flat lists:
-    the every-load check that nothing was rebound is a few `map`s and `==`s. Shapes are
-    compared only once something differs (a `.data =` view of the same storage changes
-    its stride); transient inputs come and go by design and are checked one by one."""
-
-    __slots__ = (
-        "containers",
-        "ids",
-        "keys",
-        "n_inputs",
-        "ptrs",
-        "seen",
-        "strides",
-        "transient",
-    )
-
-    def __init__(self, inputs: list[Input], bound: list[Bound]) -> None:
-        # What was recorded, not what is there now: a rebinding before this is built
-        # must still show.
-        rows: list[tuple[dict[str, Any], str, object, int, tuple[int, ...]]] = [
-            (inp.container, inp.key, inp.tensor, inp.geometry[0], inp.geometry[2])
-            for inp in inputs
-            if not inp.transient
-        ]
-        rows += [
-            (b.container, name, buf, ptr, tuple(stride))
-            for b in bound
-            for name, buf, (ptr, _, stride) in zip(b.outputs, b.buffers or (), b.geometry)
-        ]
-        self.containers = [r[0] for r in rows]
-        self.keys = [r[1] for r in rows]
-        self.ids = [id(r[2]) for r in rows]
-        self.ptrs = [r[3] for r in rows]
-        # Strides of the inputs only: derived buffers are graphsafe's own, locked against
-        # resizing; a view bound to one changes its identity, which the ids see.
-        self.n_inputs = sum(1 for inp in inputs if not inp.transient)
-        self.strides = [r[4] for r in rows[: self.n_inputs]]
-        self.transient = [inp for inp in inputs if inp.transient]
-        self.seen: Seen | None = None
-        """What the last passing check read; a full refresh's witnesses reuse it."""
-
-    def _now(self) -> list[Any]:
-        return list(map(dict.get, self.containers, self.keys))
-
-    def unchanged(self) -> bool:
-        tensors = self._now()
-        if list(map(id, tensors)) != self.ids:
-            return False
-        try:
-            ok = (
-                list(map(_DATA_PTR, tensors)) == self.ptrs
-                and list(map(_STRIDE, tensors[: self.n_inputs])) == self.strides
-            )
-        except (TypeError, AttributeError, RuntimeError):
-            return False
-        if ok:
-            self.seen = Seen(self.containers, self.keys, tensors, self.ids, self.ptrs)
-        return ok

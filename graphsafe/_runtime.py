@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._binding import bind, derivations_for, swapped_modules, tensor_at
+from graphsafe._binding import bind
 from graphsafe._checks import swapped_error
 from graphsafe._declare import class_registries, set_load_runner
 from graphsafe._engine import Engine
@@ -39,6 +39,8 @@ from graphsafe._loads import (
 )
 from graphsafe._registry import Registry, default_registry
 from graphsafe._spec import Derivation, DerivationInfo, RefreshReport
+from graphsafe._state_dict import hook_state_dict
+from graphsafe._tree import derivations_for, swapped_modules, tensor_at
 from graphsafe._walk import storage_key, storage_paths, walk_tensors
 
 __all__ = ["Runtime", "runtime", "weight_update"]
@@ -136,20 +138,12 @@ class Runtime:
         model = self.model
         binding = bind(model, self._derivations_for, self._own)
         self._engine = engine = Engine(binding, self._model_tensors, strict=self._strict)
-        if model not in _HOOKED:
-            model.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-                _before_load_state_dict
-            )
-            model.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                _after_load_state_dict
-            )
-            _HOOKED.add(model)
-        for tr in engine.transients:
-            owner = tr.input.owner()
-            if owner is not None and owner not in _DROPPING:
-                owner.register_state_dict_post_hook(_drop_released)  # type: ignore[no-untyped-call]
-                _DROPPING.add(owner)
+        hook_state_dict(model, engine, self._find)
         return engine
+
+    @staticmethod
+    def _find(module: nn.Module) -> Runtime | None:
+        return _RUNTIMES.get(module) or _OWNERS.get(module)
 
     def _own(self, module: nn.Module) -> None:
         _OWNERS[module] = self
@@ -525,45 +519,7 @@ def _refresh_others(origin: Runtime, written: set[int]) -> None:
                 rt._refresh_storages(written)
 
 
-def _before_load_state_dict(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
-) -> None:
-    # Transient inputs the state dict holds get their bytes back before torch copies
-    # into them; the post-hook refreshes their readers and releases them again.
-    rt = _RUNTIMES.get(module) or _OWNERS.get(module)
-    engine = rt._engine if rt is not None else None
-    if engine is None or rt is None or rt.model is not module:
-        return
-    for tr in engine.transients:
-        if prefix + tr.input.path in state_dict:
-            engine.transients.hold(tr)
-            tr.written = tr.numel
-
-
-def _after_load_state_dict(module: nn.Module, incompatible: Any) -> None:
-    rt = _RUNTIMES.get(module) or _OWNERS.get(module)
-    if rt is not None:
-        engine = rt._engine
-        if engine is not None and rt.model is module:
-            # What a transient input's model cannot give back, it does not ask for either.
-            released = {tr.input.path for tr in engine.transients}
-            incompatible.missing_keys[:] = [
-                k for k in incompatible.missing_keys if k not in released
-            ]
-        rt._after_state_dict_load()
-
-
-def _drop_released(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    # A released transient input lives on the meta device: it holds no weights any more.
-    for container in (module._parameters, module._buffers):
-        for name, t in container.items():
-            if t is not None and t.device.type == "meta":
-                state_dict.pop(prefix + name, None)
-
-
 _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
-_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_DROPPING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _CREATE = threading.Lock()

@@ -534,8 +534,11 @@ class Engine:
     def storage_keys(self) -> frozenset[int]:
         """Storage keys of every input and buffer, for the journal's poison check."""
         if self._keys is None:
-            keys = {storage_key(inp.tensor) for inp in self.inputs if inp.tensor is not None}
-            keys.update(storage_key(t) for b in self.bound for t in b.buffers or ())
+            with torch._C.DisableTorchFunctionSubclass():  # metadata: no subclass hooks
+                keys = {
+                    storage_key(inp.tensor) for inp in self.inputs if inp.tensor is not None
+                }
+                keys.update(storage_key(t) for b in self.bound for t in b.buffers or ())
             keys.discard(0)
             self._keys = frozenset(keys)
         return self._keys

@@ -16,6 +16,7 @@ from graphsafe._journal import Seen
 
 __all__ = ["Flat"]
 
+_PLAIN = torch._C.DisableTorchFunctionSubclass
 _DATA_PTR = torch.Tensor.data_ptr
 _STRIDE = torch.Tensor.stride
 
@@ -70,10 +71,11 @@ class Flat:
         if list(map(id, tensors)) != self.ids:
             return False
         try:
-            ok = (
-                list(map(_DATA_PTR, tensors)) == self.ptrs
-                and list(map(_STRIDE, tensors[: self.n_inputs])) == self.strides
-            )
+            with _PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+                ok = (
+                    list(map(_DATA_PTR, tensors)) == self.ptrs
+                    and list(map(_STRIDE, tensors[: self.n_inputs])) == self.strides
+                )
         except (TypeError, AttributeError, RuntimeError):
             return False
         if ok:

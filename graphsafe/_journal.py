@@ -151,6 +151,7 @@ def mark_written(*tensors: torch.Tensor) -> None:
 
 
 _VERSION = operator.attrgetter("_version")
+_PLAIN = torch._C.DisableTorchFunctionSubclass
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -283,10 +284,11 @@ class Witnesses:
         if list(map(id, tensors)) != self._ids:
             return False
         try:
-            if list(map(_VERSION, tensors)) != self._versions:
-                return False
-            if list(map(_DATA_PTR, tensors)) != self._ptrs:  # type: ignore[arg-type]
-                return False
+            with _PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+                if list(map(_VERSION, tensors)) != self._versions:
+                    return False
+                if list(map(_DATA_PTR, tensors)) != self._ptrs:  # type: ignore[arg-type]
+                    return False
         except (AttributeError, TypeError, RuntimeError):
             return False
         clock = JOURNAL.clock

@@ -67,6 +67,7 @@ _CHECK_ERRORS = (*_RESOLVE_ERRORS, RuntimeError)
 
 # The flat check reads one field of all tensors at a time: `map` over a C method or
 # getter is faster than a comprehension building a tuple per tensor.
+_PLAIN = torch._C.DisableTorchFunctionSubclass
 _DATA_PTR = torch.Tensor.data_ptr
 _STRIDE = torch.Tensor.stride
 _SHAPE = operator.attrgetter("shape")
@@ -288,13 +289,16 @@ class Ledger:
                 if value is not tensor:
                     return False
             tensors = self._tensors
-            return (
-                list(map(_DATA_PTR, tensors)) == self._ptrs
-                and list(map(_STRIDE, tensors)) == self._strides
-                and list(map(_SHAPE, tensors)) == self._shapes
-                and list(map(_DTYPE, tensors)) == self._dtypes
-                and list(map(_DEVICE, self._voids)) == self._void_devices
-            )
+            # Metadata reads only: a parameter subclass's __torch_function__ (vLLM's
+            # parameters have one) would cost microseconds per field and say nothing.
+            with _PLAIN():
+                return (
+                    list(map(_DATA_PTR, tensors)) == self._ptrs
+                    and list(map(_STRIDE, tensors)) == self._strides
+                    and list(map(_SHAPE, tensors)) == self._shapes
+                    and list(map(_DTYPE, tensors)) == self._dtypes
+                    and list(map(_DEVICE, self._voids)) == self._void_devices
+                )
         except _CHECK_ERRORS:
             return False  # a path holds nothing now, or a tensor without storage
 

@@ -248,9 +248,15 @@ class Runtime:
                     fix="run the model after the `with gs.weight_update(model):` block exits",
                 )
             engine = self._engine or self._bound()  # module swaps: the ledger checks them
-            if engine.stale or not engine.witnesses.unchanged() or JOURNAL.poisoned:
+            if engine.stale or not engine.witnesses.unchanged() or self._poisoned(engine):
                 keys = engine.storage_keys() | self._pinned_keys
                 check_fresh(engine, keys, type(self.model), repair=repair)
+
+    def _poisoned(self, engine: Engine) -> bool:
+        """Whether a failure poisoned storage this model reads (not another model's)."""
+        if not JOURNAL.poisoned:
+            return False
+        return bool(JOURNAL.poisoned_among(engine.storage_keys() | self._pinned_keys))
 
     # -- refresh ---------------------------------------------------------------------
 

@@ -121,3 +121,40 @@ def test_control_a_plain_graph_guard_pins_the_host_scalar_too() -> None:
     with pytest.raises(gs.StorageMovedError, match="_k_scale_cpu"):
         ledger.assert_stable()
 
+
+
+class CountingParameter(nn.Parameter):
+    """A parameter subclass with a `__torch_function__`, as vLLM's parameters have."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        CountingParameter.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_step_check_reads_subclass_parameters_without_their_torch_function() -> None:
+    model = Model()
+    model.load_weights(checkpoint(0))
+    model.lin.weight = CountingParameter(model.lin.weight.detach().clone())
+    att = gsv.attach(model, registry)
+    att.pin()
+    assert att.guard is not None
+    # Another model's failed load poisons its own storage; this model's check is
+    # still the flat one.
+    from graphsafe._journal import JOURNAL
+
+    foreign = torch.zeros(3)
+    JOURNAL.poison([foreign], "a failed load of another model")
+    CountingParameter.calls = 0
+    with att.guard.replaying():
+        pass
+    assert CountingParameter.calls == 0
+    # Control: the same metadata read outside the check does go through it.
+    model.lin.weight.data_ptr()
+    assert CountingParameter.calls == 1
+    # And the check still sees a rebinding of that parameter.
+    model.lin.weight.data = model.lin.weight.data.clone()
+    with pytest.raises(gs.StorageMovedError, match=r"lin\.weight"), att.guard.replaying():
+        pass

@@ -1,5 +1,6 @@
-"""A worker extension that rebinds a parameter (`param.data = new`) is caught, through the
-engine call that did it or the next one that would serve from it."""
+"""A worker extension that rebinds a parameter (`param.data = new`), or writes one in place
+outside any update, is caught, through the engine call that did it or the next one that
+would serve from it."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def test_a_rebinding_outside_any_update_is_refused_at_the_next_step(llm: Any) ->
     llm.collective_rpc("t_rebind", args=(name,))
     with pytest.raises(gs.StorageMovedError, match=name.replace(".", r"\.")):
         eu.generate(llm)
+
+
+def test_an_in_place_write_outside_any_update_is_refused_as_stale(llm: Any) -> None:
+    assert eu.generate(llm)
+    llm.collective_rpc("t_scale_in_place", args=("model.layers.1.self_attn.qkv_proj.weight",))
+    with pytest.raises(gs.StaleError, match=r"model\.layers\.1\.self_attn\.qkv_proj") as e:
+        eu.generate(llm)
+    assert "qkv_weight_t" in str(e.value)
 
 
 def test_control_without_the_guard_the_rebinding_serves_silently(llm: Any) -> None:

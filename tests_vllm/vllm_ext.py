@@ -61,6 +61,11 @@ class Extension(gsv.WorkerExtension):
         p = self.model_runner.get_model().get_parameter(name)
         p.data = p.data.clone()
 
+    def t_scale_in_place(self, name: str) -> None:
+        """An in-place write outside any update: the derived buffers it feeds go stale."""
+        with torch.no_grad():
+            self.model_runner.get_model().get_parameter(name).mul_(2)
+
     def t_rebind_in_update(self, name: str) -> None:
         model = self.model_runner.get_model()
         with gs.weight_update(model):

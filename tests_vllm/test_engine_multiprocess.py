@@ -13,6 +13,7 @@ from typing import Any
 
 import engine_util as eu
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -35,3 +36,31 @@ def test_the_plugin_follows_a_worker_in_another_process(llm: Any, tmp_path: Path
     with pytest.raises(Exception, match=r"model\.embed_tokens\.weight was rebound") as e:
         llm.collective_rpc("t_rebind_in_update", args=("model.embed_tokens.weight",))
     assert "fix:" in str(e.value)
+
+
+def test_every_tensor_parallel_worker_refreshes_its_own_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers (tensor parallel 2), each with its shard of the fused QKV weight."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
+    eu.hf_model(tmp_path / "old", 0)
+    new = eu.hf_model(tmp_path / "new", 2)
+    llm = eu.engine(tmp_path / "old", tensor_parallel_size=2)
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path / "new")})
+        statuses = llm.collective_rpc("graphsafe_status")
+        assert [(s["pinned"], s["updates"], s["stale"]) for s in statuses] == [(True, 1, [])] * 2
+        # Rank r holds query head r and the one key/value head, replicated.
+        sd = new.state_dict()
+        for rank, derived in enumerate(llm.collective_rpc("t_derived_lists")):
+            for i in (0, 1):
+                attn = f"model.layers.{i}.self_attn"
+                q = sd[f"{attn}.q_proj.weight"][rank * 64 : (rank + 1) * 64]
+                k, v = sd[f"{attn}.k_proj.weight"], sd[f"{attn}.v_proj.weight"]
+                want = torch.cat([q, k, v]).t()
+                got = torch.tensor(derived[f"{attn}.qkv_proj"])
+                assert torch.equal(got, want)
+        assert eu.generate(llm) == eu.hf_greedy(new)
+    finally:
+        llm.llm_engine.engine_core.shutdown()

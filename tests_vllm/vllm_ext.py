@@ -56,6 +56,10 @@ class Extension(gsv.WorkerExtension):
             if isinstance(m, QKVParallelLinear)
         }
 
+    def t_derived_lists(self) -> dict[str, list[Any]]:
+        """`t_derived` as nested lists: tensors do not cross processes in an RPC's result."""
+        return {n: t.tolist() for n, t in self.t_derived().items()}
+
     def t_rebind(self, name: str) -> None:
         """`param.data = new`: the rebinding a captured graph never sees."""
         p = self.model_runner.get_model().get_parameter(name)

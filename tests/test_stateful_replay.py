@@ -41,7 +41,7 @@ import pytest
 import torch
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.errors import FlakyStrategyDefinition
+from hypothesis.errors import FlakyFailure, FlakyStrategyDefinition
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -913,6 +913,11 @@ def test_control_the_machine_catches_a_broken_guard(
         run_state_machine_as_test(machine, settings=CONTROL)
     except AssertionError as e:
         assert re.search(message, str(e)), str(e)
+    except FlakyFailure as e:
+        # The failure did not repeat when hypothesis replayed it (a load racing a replay
+        # in another thread): it was found all the same.
+        found = [x for x in e.exceptions if isinstance(x, AssertionError)]
+        assert any(re.search(message, str(x)) for x in found), e.exceptions
     except FlakyStrategyDefinition:
         # Hypothesis replays only an example that failed; this one failed again, at
         # another step (state the last examples left behind differs between the runs),

@@ -275,8 +275,9 @@ def attach(model: nn.Module, *registries: Registry | str) -> Attachment:
     if have is not None:
         return have
     _patch_layerwise()
-    att = Attachment(model, registries_from(registries))
-    _refuse_packed_inputs(att)
+    regs = registries_from(registries)
+    _refuse_packed_inputs(model, regs)
+    att = Attachment(model, regs)
     att.runtime.refresh()
     _ATTACHED[model] = att
     load: Callable[..., Any] = getattr(model, "load_weights")  # noqa: B009 (a vLLM method)
@@ -290,27 +291,31 @@ def attach(model: nn.Module, *registries: Registry | str) -> Attachment:
     return att
 
 
-def _refuse_packed_inputs(att: Attachment) -> None:
-    """Name a derivation input that vLLM's CPU backend emptied after packing it."""
-    model = att.model
-    for info in att.runtime.derivations:
-        for path in info.inputs:
-            owner, _, name = path.rpartition(".")
-            module = model.get_submodule(owner)
-            t = getattr(module, name, None)
-            if isinstance(t, torch.Tensor) and t.numel() == 0 and hasattr(module, "cpu_linear"):
-                raise RegistrationError(
-                    f"vLLM's CPU backend packed {path!r} into a kernel and left an empty "
-                    "tensor, so a derivation cannot read it",
-                    module_class=type(module).__name__,
-                    path=path,
-                    derivation=info.derivation,
-                    expected="the weight itself",
-                    got=f"shape {tuple(t.shape)}",
-                    fix="start the engine with the plugin on (graphsafe.integrations.vllm"
-                    ".enable(...)) so layers read by derivations keep their weights, or "
-                    "derive from another tensor",
-                )
+def _refuse_packed_inputs(model: nn.Module, registries: list[Registry]) -> None:
+    """Name a derivation input that vLLM's CPU backend emptied after packing it, before
+    the registries are added to the model's runtime."""
+    for mpath, module in model.named_modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        for reg in registries:
+            for d in reg.derivations_for(type(module)):
+                for rel in d.inputs:
+                    t = getattr(module, rel, None) if "." not in rel else None
+                    if not (isinstance(t, torch.Tensor) and t.numel() == 0):
+                        continue
+                    path = f"{mpath}.{rel}" if mpath else rel
+                    raise RegistrationError(
+                        f"vLLM's CPU backend packed {path!r} into a kernel and left an "
+                        "empty tensor, so a derivation cannot read it",
+                        module_class=type(module).__name__,
+                        path=path,
+                        derivation=d.name,
+                        expected="the weight itself",
+                        got=f"shape {tuple(t.shape)}",
+                        fix="start the engine with the plugin on (graphsafe.integrations"
+                        ".vllm.enable(...)) so layers read by derivations keep their "
+                        "weights, or derive from another tensor",
+                    )
 
 
 # -- the worker ------------------------------------------------------------------------
@@ -438,6 +443,30 @@ class WorkerExtension:
         a = state.get("model")
         return None if a is None else a.status()
 
+    def graphsafe_attach(self, registries: list[str]) -> dict[str, Any] | None:
+        """Attach graphsafe to this running worker: the one call, without the plugin.
+
+        The engine has loaded its model and captured its graphs: the worker's update
+        entry points and steps are wrapped as the plugin wraps them, the model is
+        attached (tensors vLLM's code bound, such as DeepSeek V4's
+        `hc_attn_fn_broadcast`, are adopted in place) and pinned at once. Derived
+        buffers that did not exist when the graphs were captured are not read by them;
+        to have graphs read new buffers, use the plugin, which attaches before capture.
+
+        Args:
+            registries: `module:attribute` names of the registries.
+
+        Returns:
+            `graphsafe_status()` after attaching.
+        """
+        state = getattr(self, "_graphsafe", None)
+        if state is None or "model" not in state:
+            instrument(self, registries)
+            state = self._graphsafe  # type: ignore[attr-defined]
+            state["model"] = attach(self.model_runner.get_model(), *registries)  # type: ignore[attr-defined]
+        state["model"].pin()
+        return self.graphsafe_status()
+
 
 # -- plugin and patches ------------------------------------------------------------------
 
@@ -458,25 +487,35 @@ def plugin() -> None:
 
         @functools.wraps(init_device)
         def init_device_instrumented(self: Any, *args: Any, **kwargs: Any) -> Any:
-            instrument(self.worker, spec)  # the worker exists; its model not yet
+            now = os.environ.get(ENV, "").strip()  # an engine started with it unset: off
+            if now:
+                instrument(self.worker, now)  # the worker exists; its model not yet
             return init_device(self, *args, **kwargs)
 
         WorkerWrapperBase.init_device = init_device_instrumented
-        _keep_cpu_weights(registries_from(spec))
+        registries_from(spec)  # a name that does not resolve fails here, loudly
+        _keep_cpu_weights()
 
 
-def _keep_cpu_weights(registries: list[Registry]) -> None:
-    """On vLLM's CPU backend, keep the weights of linear layers derivations read."""
+def _keep_cpu_weights() -> None:
+    """On vLLM's CPU backend, keep the weights of linear layers that derivations of the
+    registries named now (`GRAPHSAFE_VLLM_REGISTRIES`) read."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
     process = UnquantizedLinearMethod.process_weights_after_loading
+    named: dict[str, list[Registry]] = {}
 
     def reads_weight(layer: nn.Module) -> bool:
+        spec = os.environ.get(ENV, "").strip()
+        if not spec:
+            return False
+        if spec not in named:
+            named[spec] = registries_from(spec)
         return any(
-            "weight" in d.inputs for r in registries for d in r.derivations_for(type(layer))
+            "weight" in d.inputs for r in named[spec] for d in r.derivations_for(type(layer))
         )
 
     @functools.wraps(process)

@@ -98,11 +98,13 @@ def test_broadcast_path_equals_expanded_path(variant, n, C, T, seed, scale):
 
 
 # Inputs of at most unit size: for |x| >> 1 the residual, which the trap leaves alone,
-# dominates the layer output and hides any mixing error under RTOL.
+# dominates the layer output and hides any mixing error under RTOL. At least two channels:
+# with one, tiny inputs can leave the trap's error under ATOL (about 1 seed in 200 at
+# scale 0.01; seen at n=2, C=1, T=1, seed=134: 7e-7).
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(2, 6),
-    C=st.integers(1, 64),
+    C=st.integers(2, 64),
     T=st.integers(1, 8),
     seed=st.integers(0, 2**31 - 1),
     scale=st.sampled_from([1e-2, 1.0]),

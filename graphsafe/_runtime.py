@@ -254,9 +254,10 @@ class Runtime:
 
     def _poisoned(self, engine: Engine) -> bool:
         """Whether a failure poisoned storage this model reads (not another model's)."""
-        if not JOURNAL.poisoned:
-            return False
-        return bool(JOURNAL.poisoned_among(engine.storage_keys() | self._pinned_keys))
+        poisoned = JOURNAL.poisoned  # few keys: each is looked up, nothing is built
+        return bool(poisoned) and not (
+            engine.storage_keys().isdisjoint(poisoned) and self._pinned_keys.isdisjoint(poisoned)
+        )
 
     # -- refresh ---------------------------------------------------------------------
 

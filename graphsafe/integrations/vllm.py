@@ -216,19 +216,6 @@ class Attachment:
             # update ends, so a rebinding raises through the call that made it.
             self.runtime._after_load.append(guard.ledger.assert_stable)
 
-    def checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` (a forward step) run behind the guard once the model is pinned."""
-
-        @functools.wraps(fn)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            guard = self.guard
-            if guard is None:
-                return fn(*args, **kwargs)
-            with guard.replaying():
-                return fn(*args, **kwargs)
-
-        return step
-
     def status(self) -> dict[str, Any]:
         """What graphsafe holds for this model, as plain data (for `collective_rpc`)."""
         rt = self.runtime
@@ -420,7 +407,11 @@ def instrument(worker: Any, registries: Iterable[Registry | str]) -> None:
         @functools.wraps(fn)
         def execute_model(*args: Any, **kwargs: Any) -> Any:
             a = att()
-            return fn(*args, **kwargs) if a is None else a.checked(fn)(*args, **kwargs)
+            guard = None if a is None else a.guard  # set once the model is pinned
+            if guard is None:
+                return fn(*args, **kwargs)
+            with guard.replaying():
+                return fn(*args, **kwargs)
 
         return execute_model
 

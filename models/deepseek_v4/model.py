@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 import graphsafe as gs
 from graphsafe import recipes
+from graphsafe.models._target import PresetTarget
 
 __all__ = [
     "PRESETS",
@@ -904,14 +905,8 @@ def random_checkpoint(
 # target of `graphsafe verify`
 
 
-def _config_of(model: nn.Module) -> DeepseekV4Config:
-    if not isinstance(model, _Model):
-        raise TypeError(f"expected a DeepSeek V4 model from build(), got {type(model).__name__}")
-    return model.config
-
-
 @dataclasses.dataclass(frozen=True)
-class DeepseekV4Target:
+class DeepseekV4Target(PresetTarget):
     """What `graphsafe verify` needs to build, load and run DeepSeek V4.
 
     Examples:
@@ -929,47 +924,12 @@ class DeepseekV4Target:
     """Suffixes of parameter names whose refit a derived buffer must follow; verify
     loads them in the last bucket."""
 
-    def build(self, preset: str, naive: bool, device: torch.device) -> nn.Module:
-        """An unloaded model of `preset` (one pipeline rank) on `device`.
-
-        Args:
-            preset: A key of `PRESETS`.
-            naive: Build the pre-fix control `NaiveDeepseekV4Model` instead.
-            device: Where to allocate the parameters.
-
-        Returns:
-            The model; call `load_weights` before running it.
-        """
-        cls = NaiveDeepseekV4Model if naive else DeepseekV4Model
-        with torch.device(device):
-            return cls(DeepseekV4Config.preset(preset))
-
-    def checkpoint(self, model: nn.Module, seed: int) -> list[tuple[str, Tensor]]:
-        """`random_checkpoint` for `model`'s config, on `model`'s device.
-
-        Args:
-            model: A model from `build`.
-            seed: Seed of the weights.
-
-        Returns:
-            `(name, tensor)` pairs.
-        """
-        device = next(model.parameters()).device
-        return random_checkpoint(_config_of(model), seed, device=device)
-
-    def example_input(self, model: nn.Module, seed: int) -> tuple[Tensor, ...]:
-        """Eight random token ids on `model`'s device.
-
-        Args:
-            model: A model from `build`.
-            seed: Seed of the ids.
-
-        Returns:
-            `(input_ids [8],)`.
-        """
-        g = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(_config_of(model).vocab_size, (8,), generator=g)  # [8]
-        return (input_ids.to(next(model.parameters()).device),)
+    label: ClassVar[str] = "DeepSeek V4"
+    model_cls: ClassVar[type[nn.Module]] = DeepseekV4Model
+    naive_cls: ClassVar[type[nn.Module]] = NaiveDeepseekV4Model
+    base_cls: ClassVar[type[nn.Module]] = _Model
+    config_cls: ClassVar[Any] = DeepseekV4Config
+    make_checkpoint = staticmethod(random_checkpoint)
 
 
 verify_target = DeepseekV4Target()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 import graphsafe as gs
 from graphsafe import recipes
+from graphsafe.models._target import PresetTarget
 
 __all__ = [
     "PRESETS",
@@ -865,14 +866,8 @@ def random_checkpoint(
 # target of `graphsafe verify`
 
 
-def _config_of(model: nn.Module) -> LlamaConfig:
-    if not isinstance(model, _LlamaForCausalLM):
-        raise TypeError(f"expected a Llama model from build(), got {type(model).__name__}")
-    return model.config
-
-
 @dataclasses.dataclass(frozen=True)
-class LlamaTarget:
+class LlamaTarget(PresetTarget):
     """What `graphsafe verify --model llama` needs to build, load and run Llama.
 
     Examples:
@@ -889,47 +884,12 @@ class LlamaTarget:
     critical: tuple[str, ...] = ("k_proj.weight", "up_proj.weight")
     """Inputs of the fused weights; verify loads them in the last bucket of one refit."""
 
-    def build(self, preset: str, naive: bool, device: torch.device) -> nn.Module:
-        """An unloaded model of `preset` on `device`.
-
-        Args:
-            preset: A key of `PRESETS`.
-            naive: Build the control `NaiveLlamaForCausalLM` instead.
-            device: Where to allocate the parameters.
-
-        Returns:
-            The model; call `load_weights` before running it.
-        """
-        cls = NaiveLlamaForCausalLM if naive else LlamaForCausalLM
-        with torch.device(device):
-            return cls(LlamaConfig.preset(preset))
-
-    def checkpoint(self, model: nn.Module, seed: int) -> list[tuple[str, Tensor]]:
-        """`random_checkpoint` for `model`'s config, on `model`'s device.
-
-        Args:
-            model: A model from `build`.
-            seed: Seed of the weights.
-
-        Returns:
-            `(name, tensor)` pairs.
-        """
-        device = next(model.parameters()).device
-        return random_checkpoint(_config_of(model), seed, device=device)
-
-    def example_input(self, model: nn.Module, seed: int) -> tuple[Tensor, ...]:
-        """Eight random token ids on `model`'s device.
-
-        Args:
-            model: A model from `build`.
-            seed: Seed of the ids.
-
-        Returns:
-            `(input_ids [8],)`.
-        """
-        g = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(_config_of(model).vocab_size, (8,), generator=g)  # [8]
-        return (input_ids.to(next(model.parameters()).device),)
+    label: ClassVar[str] = "Llama"
+    model_cls: ClassVar[type[nn.Module]] = LlamaForCausalLM
+    naive_cls: ClassVar[type[nn.Module]] = NaiveLlamaForCausalLM
+    base_cls: ClassVar[type[nn.Module]] = _LlamaForCausalLM
+    config_cls: ClassVar[Any] = LlamaConfig
+    make_checkpoint = staticmethod(random_checkpoint)
 
 
 verify_target = LlamaTarget()

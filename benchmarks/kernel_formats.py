@@ -30,7 +30,6 @@ allocated, and dropped after its load.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -50,7 +49,7 @@ from harness import (
     paired,
     peak_extra_bytes,
 )
-from run import table
+from run import emit
 from torch import Tensor, nn
 
 import graphsafe as gs
@@ -263,12 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += memory_rows(device, args.quick)
     meta = {"device": f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
             "mode": "quick" if args.quick else "full", "repeats": repeats}
-    if args.json:
-        json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, sys.stdout, indent=1,
-                  default=str)
-        sys.stdout.write("\n")
-    else:
-        print(table(rows, meta))
+    emit(rows, meta, as_json=args.json)
     return 0
 
 

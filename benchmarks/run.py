@@ -51,6 +51,16 @@ def _verdict(row: Row) -> str:
     return "pass" if row.passed else "MISS"
 
 
+def emit(rows: list[Row], meta: dict[str, Any], *, as_json: bool) -> None:
+    """Print the rows: as JSON and nothing else, or as the table."""
+    if as_json:
+        json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, sys.stdout, indent=1,
+                  default=str)
+        sys.stdout.write("\n")
+    else:
+        print(table(rows, meta))
+
+
 def table(rows: list[Row], meta: dict[str, Any]) -> str:
     """The results as one text table, then each row's absolute numbers and notes."""
     head = ("fig", "measure", "graphsafe", "baseline", "baseline is", "ratio =", "ratio",
@@ -141,12 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         # Other processes' load before / after (1-minute average; vs the core count).
         "loadavg": f"{load_before} / {_loadavg()} on {os.cpu_count()} cores",
     }
-    if args.json:
-        json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, sys.stdout, indent=1,
-                  default=str)
-        sys.stdout.write("\n")
-    else:
-        print(table(rows, meta))
+    emit(rows, meta, as_json=args.json)
+    if not args.json:
         for text in ctx.profiles if args.profile else ():
             print()
             print(text)

@@ -14,7 +14,6 @@ import json
 import multiprocessing
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -30,6 +29,7 @@ from torch import nn
 import graphsafe as gs
 import graphsafe.distributed as gsd
 from graphsafe._verify import VerifyReport
+from graphsafe._verify_pp import _free_port
 from graphsafe.cli import main
 from graphsafe.models.deepseek_v4 import (
     DeepseekV4Config,
@@ -54,11 +54,6 @@ def _context() -> Any:
                                 "graphsafe.distributed", "graphsafe.models.deepseek_v4"])
     return ctx
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -----------------------------------------------------------------------------

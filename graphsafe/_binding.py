@@ -82,6 +82,7 @@ class Input:
         self.container = container
         self.key = key
         self.tensor: torch.Tensor | None = container.get(key)
+        refuse_unversioned(self.tensor, path, owner)
         self.geometry = geometry(self.tensor)
         self.consumers: list[int] = []
         self.transient = False
@@ -116,9 +117,30 @@ class Input:
                 "(write new values into it in place) or remove the derivation's class "
                 "registration before changing the module",
             )
+        refuse_unversioned(found[name], self.path, owner)
         self.container = found
         self.tensor = found[name]
         self.geometry = geometry(self.tensor)
+
+
+def refuse_unversioned(t: object, path: str, owner: nn.Module | None) -> None:
+    """Refuse an inference tensor as a derivation input: torch keeps no version for it, so
+    an in-place write into it would be invisible to the guard.
+
+    Raises:
+        RegistrationError: `t` is an inference tensor.
+    """
+    if isinstance(t, torch.Tensor) and t.is_inference():
+        raise RegistrationError(
+            f"derivation input {path!r} is an inference tensor",
+            module_class=type(owner).__name__ if owner is not None else None,
+            path=path,
+            expected="a tensor created outside torch.inference_mode(), whose in-place "
+            "writes the guard can see",
+            got=f"an inference tensor ({describe(t)}): torch keeps no version counter for it",
+            fix="build and load the model under torch.no_grad() instead of "
+            "torch.inference_mode() (graphs may still replay under inference_mode)",
+        )
 
 
 def geometry(t: torch.Tensor | None) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:

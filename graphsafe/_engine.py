@@ -458,6 +458,9 @@ class Engine:
             if (key and key in watch) or t.untyped_storage().nbytes() != t.nbytes:
                 # Shares memory with a model tensor (a view of an input): own a copy.
                 t = t.clone(memory_format=torch.contiguous_format)
+            if t.is_inference():  # computed under inference_mode: keep a versioned copy
+                with torch.inference_mode(False):
+                    t = t.clone()
             fresh.append(t)
         # Every output is checked before any is written: a refusal leaves the module as is.
         adopted = [adoptee(b, module, n, t, watch) for n, t in zip(b.outputs, fresh)]

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from graphsafe import _native
 from graphsafe._walk import storage_key
 
 __all__ = ["JOURNAL", "Journal", "Seen", "Witnesses", "mark_written", "storage_key"]
@@ -176,8 +177,8 @@ class Witnesses:
         sites: `(container, key)` per tensor, e.g. `(module._parameters, "weight")`.
     """
 
-    __slots__ = ("_clock", "_epochs", "_ids", "_ptrs", "_skeys", "_versions", "_zeros",
-                 "containers", "keys")
+    __slots__ = ("_clock", "_epochs", "_ids", "_native", "_ptrs", "_skeys", "_versions",
+                 "_zeros", "containers", "keys")
 
     def __init__(self, sites: Sequence[tuple[dict[str, Any], str]]) -> None:
         self.containers = [c for c, _ in sites]
@@ -190,6 +191,7 @@ class Witnesses:
         self._skeys = [0] * n
         self._epochs = [0] * n
         self._clock = -1
+        self._native = _native.get() if all(type(c) is dict for c in self.containers) else None
         self.record(range(n))
 
     def __len__(self) -> int:
@@ -232,7 +234,7 @@ class Witnesses:
             self._ids[i] = id(t)
             if isinstance(t, torch.Tensor):
                 self._ptrs[i] = _ptr(t)
-                self._versions[i] = t._version
+                self._versions[i] = _version(t)
                 key = self._skeys[i] = storage_key(t)
                 self._epochs[i] = epochs.get(key, 0)
             else:
@@ -280,6 +282,13 @@ class Witnesses:
 
     def unchanged(self) -> bool:
         """The flat check: same tensor objects, pointers, versions and epochs."""
+        native = self._native
+        if native is not None:
+            if not native.same_witnesses(
+                self.containers, self.keys, self._ids, self._ptrs, self._versions
+            ):
+                return False
+            return self._epochs_hold()
         tensors = list(map(dict.get, self.containers, self.keys))
         if list(map(id, tensors)) != self._ids:
             return False
@@ -291,6 +300,11 @@ class Witnesses:
                     return False
         except (AttributeError, TypeError, RuntimeError):
             return False
+        return self._epochs_hold()
+
+    def _epochs_hold(self) -> bool:
+        """Whether no recorded write reached a watched storage (only looked at when the
+        journal's clock moved since the last look)."""
         clock = JOURNAL.clock
         if clock != self._clock:
             if list(map(JOURNAL.epochs.get, self._skeys, self._zeros)) != self._epochs:
@@ -314,12 +328,20 @@ class Witnesses:
                 out.append((i, "rebound"))
             elif _ptr(t) != self._ptrs[i]:
                 out.append((i, "rebound to new storage"))
-            elif t._version != self._versions[i]:
+            elif _version(t) != self._versions[i]:
                 out.append((i, "written in place outside a tracked load (its version moved)"))
             elif epochs.get(self._skeys[i], 0) != self._epochs[i]:
                 how = JOURNAL.how.get(self._skeys[i], "a recorded write")
                 out.append((i, f"written by {how}"))
         return out
+
+
+def _version(t: torch.Tensor) -> int:
+    """`t._version`, or -1 for an inference tensor (torch keeps none for it)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
 
 
 def _ptr(t: object) -> int:

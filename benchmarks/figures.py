@@ -636,6 +636,19 @@ def _guard_many(ctx: Ctx, graph_mod: Any) -> Row:
         sites = len(witnesses)
     except Exception:  # renamed: no split of the freshness check
         sites = None
+    path = "python"
+    try:  # internals: the same two flat checks on the compiled path and the Python one
+        from graphsafe import _journal, _ledger, _native
+
+        if _native.get() is not None:
+            path = "native"
+            with _native.using(False):
+                py_ledger = _ledger.Ledger.snapshot(model)
+                py_witnesses = _journal.Witnesses(_engine(rt)._sites())
+            cases["python_ledger"] = ctx.timer(py_ledger._unchanged, number=20)
+            cases["python_witnesses"] = ctx.timer(py_witnesses.unchanged, number=20)
+    except Exception:  # renamed: no side-by-side of the two paths
+        pass
     stats = interleave(cases, ctx.sizes.repeats)
     per = {k: round(v.median / inputs * 1000 * 1e6, 2) for k, v in stats.items()}
     g = stats["guard"]
@@ -644,6 +657,7 @@ def _guard_many(ctx: Ctx, graph_mod: Any) -> Row:
         "inputs": inputs,
         "pinned_tensors": len(ledger),
         "witness_sites": sites,
+        "checks": path,
         "per_1000_inputs_us": per,
         "rest_us": round(per["guard"] - per["ledger"] - per["freshness"] - per["empty"], 2),
         "spread": [round(g.spread, 3)],

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from graphsafe import _native
 from graphsafe._errors import StorageMovedError
 from graphsafe._spec import Drift, DriftKind
 from graphsafe._walk import Site, storage_key, walk_modules, walk_tensors
@@ -139,10 +140,12 @@ class Ledger:
         "_bindings",
         "_chained",
         "_dtypes",
+        "_geometry",
         "_held",
         "_holders",
         "_keys",
         "_label",
+        "_native",
         "_objects",
         "_pins",
         "_ptrs",
@@ -204,6 +207,9 @@ class Ledger:
         self._dtypes: list[torch.dtype] = list(map(_DTYPE, tensors))
         self._voids = [t for t, ptr in zip(tensors, self._ptrs) if ptr == 0]
         self._void_devices: list[torch.device] = list(map(_DEVICE, self._voids))
+        # The compiled check, when built: the same comparisons in one call each.
+        self._native = _native.get()
+        self._geometry = None if self._native is None else self._native.geometry(tensors)
 
     @classmethod
     def snapshot(
@@ -277,17 +283,20 @@ class Ledger:
         """The flat check: True when every pinned object is still in place and every
         pinned tensor has its pinned data pointer, stride, shape and dtype (see the
         module docstring for why that is complete)."""
+        native, geometry = self._native, self._geometry
+        if native is not None and geometry is not None:
+            return (
+                native.same_items(self._holders, self._keys, self._objects)
+                and self._chains_hold()
+                and native.same_geometry(self._tensors, geometry)
+            )
         try:
             if not all(
                 map(operator.is_, map(operator.getitem, self._holders, self._keys), self._objects)
             ):
                 return False
-            for container, key, chain, tensor in self._chained:
-                value = container[key]
-                for k in chain:
-                    value = value[k]
-                if value is not tensor:
-                    return False
+            if not self._chains_hold():
+                return False
             tensors = self._tensors
             # Metadata reads only: a parameter subclass's __torch_function__ (vLLM's
             # parameters have one) would cost microseconds per field and say nothing.
@@ -301,6 +310,19 @@ class Ledger:
                 )
         except _CHECK_ERRORS:
             return False  # a path holds nothing now, or a tensor without storage
+
+    def _chains_hold(self) -> bool:
+        """Whether every tensor inside a list, tuple or dict attribute is still there."""
+        try:
+            for container, key, chain, tensor in self._chained:
+                value = container[key]
+                for k in chain:
+                    value = value[k]
+                if value is not tensor:
+                    return False
+        except _CHECK_ERRORS:
+            return False
+        return True
 
     def verify(self) -> tuple[Drift, ...]:
         """Compare every pinned tensor and submodule with its snapshot.

@@ -24,6 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from graphsafe import _native
 from graphsafe._errors import GraphSafetyError
 from graphsafe._graph import Graph
 from graphsafe._runtime import runtime, weight_update
@@ -160,6 +161,9 @@ class VerifyReport(BaseModel):
     processes over gloo); None for the single-process run."""
     syncs: tuple[SyncRow, ...] = ()
     """In the distributed mode, one row per refit and stage."""
+    guard: str = ""
+    """Which path the guard's checks took in this process: `native (...)` (compiled,
+    `graphsafe native build`) or `python (...)`, with the reason."""
 
 
 def load_target(spec: str) -> VerifyTarget:
@@ -369,6 +373,7 @@ def run_verify(
         backend=graph.backend,
         device=str(device),
         torch_version=torch.__version__,
+        guard=_native.describe(),
         tolerance=tol,
         refits=tuple(rows),
         control=control,
@@ -435,6 +440,7 @@ def format_report(report: VerifyReport) -> str:
         "  guarded replay after refit:   "
         + (f"refused ({c.guard_error})" if c.caught else "replayed stale memory: NOT caught"),
         "",
+        *([f"guard checks: {report.guard}"] if report.guard else []),
         f"tolerance {report.tolerance:.0e}; "
         + ("PASS: every refit exact, control detected" if report.ok else "FAIL"),
     ]

@@ -1,0 +1,230 @@
+// The guard's flat checks in C++: the same comparisons as the Python path in
+// graphsafe/_ledger.py and graphsafe/_journal.py, without a Python call per field.
+//
+// Every function answers True only when it is sure nothing changed; anything it cannot
+// read (a site that holds no tensor, a tensor without storage, an inference tensor's
+// version) answers False, and the caller's Python path then finds and names the change.
+// Nothing here raises for a model's state; it raises TypeError only for arguments of the
+// wrong kind, which is a bug in the caller.
+
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace {
+
+// A real tensor object (torch.Tensor or a subclass), without `isinstance`'s
+// `__instancecheck__` lookups: only such an object can be unpacked.
+inline bool is_tensor(PyObject* obj) {
+  return THPVariableClass != nullptr &&
+         PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
+}
+
+// One record per tensor: data pointer, dtype and device in one word, dimensions, sizes,
+// strides. Compared word by word, so the layout only has to agree with itself.
+bool append_geometry(PyObject* obj, std::vector<int64_t>& out) {
+  if (!is_tensor(obj)) {
+    return false;
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (!impl->has_storage() || impl->layout() != c10::kStrided) {
+    return false;
+  }
+  try {
+    out.push_back(reinterpret_cast<int64_t>(t.const_data_ptr()));
+  } catch (...) {
+    return false;
+  }
+  const c10::Device device = impl->device();
+  out.push_back(static_cast<int64_t>(impl->dtype().toScalarType()) |
+                (static_cast<int64_t>(device.type()) << 16) |
+                ((static_cast<int64_t>(device.index()) + 1) << 32));
+  const int64_t dim = impl->dim();
+  out.push_back(dim);
+  for (int64_t d : impl->sizes()) {
+    out.push_back(d);
+  }
+  for (int64_t s : impl->strides()) {
+    out.push_back(s);
+  }
+  return true;
+}
+
+bool check_list(PyObject* obj, const char* what) {
+  if (!PyList_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a list", what);
+    return false;
+  }
+  return true;
+}
+
+// geometry(tensors: list) -> bytes | None
+PyObject* geometry(PyObject* /*self*/, PyObject* tensors) {
+  if (!check_list(tensors, "tensors")) {
+    return nullptr;
+  }
+  std::vector<int64_t> out;
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  out.reserve(static_cast<size_t>(n) * 8);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!append_geometry(PyList_GET_ITEM(tensors, i), out)) {
+      Py_RETURN_NONE;
+    }
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
+                                   static_cast<Py_ssize_t>(out.size() * sizeof(int64_t)));
+}
+
+// same_geometry(tensors: list, expected: bytes) -> bool
+PyObject* same_geometry(PyObject* /*self*/, PyObject* args) {
+  PyObject* tensors = nullptr;
+  PyObject* expected = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &tensors, &PyBytes_Type, &expected)) {
+    return nullptr;
+  }
+  const auto* want = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(expected));
+  const size_t total = static_cast<size_t>(PyBytes_GET_SIZE(expected)) / sizeof(int64_t);
+  std::vector<int64_t> got;
+  got.reserve(16);
+  size_t at = 0;
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    got.clear();
+    if (!append_geometry(PyList_GET_ITEM(tensors, i), got) || at + got.size() > total ||
+        std::memcmp(got.data(), want + at, got.size() * sizeof(int64_t)) != 0) {
+      Py_RETURN_FALSE;
+    }
+    at += got.size();
+  }
+  if (at != total) {
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+// Borrowed `holder[key]`, or nullptr with no error set when it is absent. Dicts are read
+// as dicts (as `dict.get` reads them); anything else through `__getitem__`.
+PyObject* item(PyObject* holder, PyObject* key, PyObject** owned) {
+  *owned = nullptr;
+  if (PyDict_Check(holder)) {
+    PyObject* value = PyDict_GetItemWithError(holder, key);
+    if (value == nullptr) {
+      PyErr_Clear();
+    }
+    return value;
+  }
+  PyObject* value = PyObject_GetItem(holder, key);
+  if (value == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  *owned = value;
+  return value;
+}
+
+// same_items(holders: list, keys: list, objects: list) -> bool: `holders[i][keys[i]] is
+// objects[i]` for every i.
+PyObject* same_items(PyObject* /*self*/, PyObject* args) {
+  PyObject* holders = nullptr;
+  PyObject* keys = nullptr;
+  PyObject* objects = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &holders, &PyList_Type, &keys,
+                        &PyList_Type, &objects)) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(holders);
+  if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(objects) != n) {
+    PyErr_SetString(PyExc_TypeError, "holders, keys and objects differ in length");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* owned = nullptr;
+    PyObject* value = item(PyList_GET_ITEM(holders, i), PyList_GET_ITEM(keys, i), &owned);
+    const bool same = value == PyList_GET_ITEM(objects, i);
+    Py_XDECREF(owned);
+    if (!same) {
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+// same_witnesses(containers, keys, ids, ptrs, versions: list) -> bool: each
+// `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data pointer
+// `ptrs[i]` and version `versions[i]`.
+PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
+  PyObject* lists[5] = {};
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyList_Type, &lists[0], &PyList_Type,
+                        &lists[1], &PyList_Type, &lists[2], &PyList_Type, &lists[3],
+                        &PyList_Type, &lists[4])) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(lists[0]);
+  for (PyObject* list : lists) {
+    if (PyList_GET_SIZE(list) != n) {
+      PyErr_SetString(PyExc_TypeError, "witness lists differ in length");
+      return nullptr;
+    }
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* container = PyList_GET_ITEM(lists[0], i);
+    if (!PyDict_Check(container)) {
+      Py_RETURN_FALSE;
+    }
+    PyObject* obj = PyDict_GetItemWithError(container, PyList_GET_ITEM(lists[1], i));
+    if (obj == nullptr) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    const auto id = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[2], i));
+    if (id != reinterpret_cast<uintptr_t>(obj) || !is_tensor(obj)) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (!impl->has_storage() || impl->is_inference()) {
+      Py_RETURN_FALSE;
+    }
+    uintptr_t ptr = 0;
+    try {
+      ptr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    } catch (...) {
+      Py_RETURN_FALSE;
+    }
+    const auto want_ptr = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[3], i));
+    const auto want_version = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[4], i));
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    if (ptr != want_ptr || impl->version_counter().current_version() != want_version) {
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef methods[] = {
+    {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
+    {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
+    {"same_items", same_items, METH_VARARGS, "Whether holders[i][keys[i]] is objects[i]."},
+    {"same_witnesses", same_witnesses, METH_VARARGS, "Whether the witnessed tensors hold."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, GRAPHSAFE_NATIVE_NAME, nullptr, -1, methods};
+
+}  // namespace
+
+#define GRAPHSAFE_CAT2(a, b) a##b
+#define GRAPHSAFE_CAT(a, b) GRAPHSAFE_CAT2(a, b)
+
+extern "C" PyMODINIT_FUNC GRAPHSAFE_CAT(PyInit_, GRAPHSAFE_NATIVE_ID)(void) {
+  return PyModule_Create(&module);
+}

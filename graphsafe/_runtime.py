@@ -4,7 +4,8 @@ One `Runtime` per model instance (`gs.runtime(model)`). It decides *when* derive
 follow the weights: it binds the registered derivations to the module tree (and binds
 again when the tree changed before pin), runs every load and `weight_update` block as one
 tracked write, records those writes in the journal, holds the pins graphs take, and
-answers the guard. What to recompute, and the recomputing, is the engine's.
+answers the guard. What to recompute, and the recomputing, is the engine's; how a load
+begins and ends, `_load_cycle`'s.
 """
 
 from __future__ import annotations
@@ -29,14 +30,8 @@ from graphsafe._errors import (
 )
 from graphsafe._fresh import check_fresh, fresh_fix, stale_map
 from graphsafe._journal import JOURNAL
-from graphsafe._loads import (
-    Load,
-    end,
-    refresh_ready,
-    tracked_block,
-    tracked_call,
-    tracked_generator,
-)
+from graphsafe._load_cycle import LIVE, after_state_dict_load, begin, between_loads, end_load
+from graphsafe._loads import Load, tracked_block, tracked_call, tracked_generator
 from graphsafe._registry import Registry, default_registry
 from graphsafe._spec import Derivation, DerivationInfo, RefreshReport
 from graphsafe._state_dict import hook_state_dict
@@ -86,13 +81,14 @@ class Runtime:
         self._engine: Engine | None = None
         self._holders: dict[object, int] = {}
         self._load: Load | None = None
+        """The load in progress; `_load_cycle` begins and ends it."""
         self._after_load: list[Callable[[], None]] = []
         """Checks run when a load or update ends normally (an engine integration's
         ledger), so that what it finds raises through that call."""
         self._pinned_keys: frozenset[int] = frozenset()
         """Storages of every model tensor while pinned: a failed load's poison on any of
         them refuses the graphs' replays."""
-        _LIVE.add(self)
+        LIVE.add(self)
 
     # -- binding ---------------------------------------------------------------------
 
@@ -443,90 +439,13 @@ class Runtime:
         with tracked_block(self):
             yield self
 
-    def _after_state_dict_load(self) -> None:
-        """Refresh what `load_state_dict` wrote (its in-place copies move versions)."""
-        with self._lock:
-            if self._load is not None or self._engine is None:
-                return  # inside a tracked load or update: refreshed when it ends
-            # Ended as any load ends; what it wrote, the witnesses (versions) and the
-            # transient inputs the pre-hook gave memory to say what to refresh.
-            load = Load({}, self._bound().transients)
-            load.transient_written = {tr for tr in load.transients or () if tr.held}
-            self._end(load, "load_state_dict", None, witnesses=True)
-
-    def _begin(self, *, full_watch: bool) -> Load:
-        engine = self._bound()
-        # Watch where the inputs are now: one rebound (before pin) through another model
-        # sharing it is taken here, so that this load's writes into it are seen.
-        moved = engine.scan_moved(self.pinned)
-        watch: dict[int, Any] = engine.watch_map()
-        if full_watch:
-            # Watch every tensor of the model, not only derivation inputs, so that a
-            # replay inside the block is refused as soon as anything was written.
-            watch = dict(watch)
-            for key, path in self._model_tensors().items():
-                watch.setdefault(key, path)
-        load = Load(watch, engine.transients)
-        load.moved = moved
-        if engine.transients:
-            # Derivations of transient inputs run as soon as an op completes their last
-            # input, in this thread (which holds the lock), not only between loader calls.
-            load.tracker.on_complete = lambda: refresh_ready(engine, load, within_call=True)
-        self._load = load
-        return load
-
-    def _between_loads(self, load: Load) -> None:
-        if self._engine is not None and self._engine.transients:
-            refresh_ready(self._engine, load)
-
-    def _end(
-        self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False
-    ) -> None:
-        engine = self._engine or self._bound()  # the tree was checked when the load began
-        try:
-            end(engine, load, what, exc, pinned=self.pinned, model_tensors=self._tensors,
-                witnesses=witnesses, since=load.clock)
-        finally:
-            self._load = None
-        if exc is None:
-            _refresh_others(self, load.written_so_far())
-            for check in self._after_load:
-                check()
-
-    def _refresh_storages(self, keys: set[int]) -> None:
-        """Refresh the derivations reading `keys`, if this runtime is free right now.
-
-        Called when a load through another model wrote storages this one reads (a tied
-        or shared parameter). A runtime busy in another thread is skipped: its witnesses
-        still see the write.
-
-        Args:
-            keys: Storage keys written.
-        """
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            engine = self._engine
-            if engine is None or self._load is not None or not engine.consumers_of(keys):
-                return  # reads none of it (a storage it took since is seen by its witnesses)
-            engine = self._bound()  # binds again if its tree changed (before pin)
-            dirty = engine.scan_moved(self.pinned) | engine.consumers_of(keys)
-            if dirty:
-                engine.run(engine.closure(dirty))
-        finally:
-            self._lock.release()
+    # The hooks a load calls (`_loads`, `_state_dict`): how it begins and ends.
+    _begin = begin
+    _between_loads = between_loads
+    _end = end_load
+    _after_state_dict_load = after_state_dict_load
 
 
-def _refresh_others(origin: Runtime, written: set[int]) -> None:
-    if not written:
-        return
-    for rt in list(_LIVE):
-        if rt is not origin and rt._engine is not None:
-            with contextlib.suppress(GraphSafetyError):  # left stale: its guard reports it
-                rt._refresh_storages(written)
-
-
-_LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
 _CREATE = threading.Lock()

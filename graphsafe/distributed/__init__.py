@@ -1,0 +1,99 @@
+"""Weight sync over `torch.distributed`: one rank sends, the others load, graph-safe.
+
+The trainer calls `send_weights` with checkpoint-named tensors; every other rank of the
+group calls `receive_weights` with its own model, collectively. The sender never needs
+the receivers' models: each receiver's own loader (`model.load_weights(pairs)`) decides
+what it holds, so a pipeline rank skips the layers another rank owns.
+
+The wire protocol, in order:
+
+1. **Metadata**, one `broadcast_object_list`: a sync id, the protocol version, and per
+   entry its name, shape, dtype, bucket and byte offset; the byte size of every bucket.
+   A sender that fails before this point broadcasts an abort record instead.
+2. **Buckets**, one `broadcast` each, of a flat byte buffer: the entries of the bucket,
+   each at an offset aligned to 64 bytes, then a 32-byte trailer (a magic number, the
+   sync id, the bucket index, a status). A bucket holds at most `bucket_bytes` of data;
+   a tensor larger than that travels alone in a bucket of its own size (never split, so
+   the loader always gets whole tensors). A sender that fails while packing a bucket
+   broadcasts that bucket with the status *abort* in its trailer, then the error text.
+3. **Handshake**, one `all_gather` of one integer per rank: every rank says whether it
+   applied the sync, so the sender learns which receivers failed.
+
+A receiver runs the whole sync inside one `gs.weight_update(model)`: collectives write
+into its staging buffer (never into parameters), the loader copies from views of that
+buffer with its tracked `copy_`, the staging buffer's writes are declared to the journal
+with `gs.mark_written` (graphsafe cannot see c10d writes), and the derived buffers are
+refreshed once, when the block exits. Any failure inside the block leaves the model
+failed closed: its guarded graphs refuse to replay until a later sync completes.
+
+The copies overlap the transfer (`overlap=True`, the default): the staging buffer holds
+two bucket slots, the sender packs bucket k+1 into one while bucket k's broadcast runs
+from the other, and the receiver has bucket k+1's broadcast posted into one slot while
+the loader copies bucket k out of the other. A slot is reused only after its broadcast
+completed (sender) or its loader call returned (receiver). Overlap is each side's own
+choice: the bytes on the wire are the same either way.
+
+The staging buffer is allocated once per (model, group) and reused by every later sync
+whose buckets fit in it (`staging_buffer`, `release_staging`); the sender keeps one per
+group likewise. When the sync overlaps and has more than one bucket it holds two slots
+(the largest even bucket and the largest odd one, trailers included: at most two
+buckets), else one bucket; `overlap=False` keeps it at one.
+With gloo the staging buffers live in CPU memory; with NCCL on the current CUDA device.
+"""
+
+from __future__ import annotations
+
+from graphsafe.distributed._reports import RejectedEntry
+from graphsafe.distributed._reports import SendReport
+from graphsafe.distributed._reports import ReceiveReport
+from graphsafe.distributed._reports import WeightSyncError
+from graphsafe.distributed._buffers import staging_buffer
+from graphsafe.distributed._buffers import release_staging
+from graphsafe.distributed._sender import send_weights
+from graphsafe.distributed._receiver import receive_weights
+
+# The internals stay reachable from here (`gsd._Plan`, `gsd._plan`, ...).
+from graphsafe.distributed._buffers import _RECV_STAGING as _RECV_STAGING
+from graphsafe.distributed._buffers import _SEND_STAGING as _SEND_STAGING
+from graphsafe.distributed._buffers import _group_key as _group_key
+from graphsafe.distributed._buffers import _staging as _staging
+from graphsafe.distributed._layout import _ABORT as _ABORT
+from graphsafe.distributed._layout import _ALIGN as _ALIGN
+from graphsafe.distributed._layout import _DATA as _DATA
+from graphsafe.distributed._layout import _MAGIC as _MAGIC
+from graphsafe.distributed._layout import _PROTOCOL as _PROTOCOL
+from graphsafe.distributed._layout import _TRAILER as _TRAILER
+from graphsafe.distributed._layout import _Entry as _Entry
+from graphsafe.distributed._layout import _Plan as _Plan
+from graphsafe.distributed._layout import _align as _align
+from graphsafe.distributed._layout import _dtype as _dtype
+from graphsafe.distributed._layout import _dtype_name as _dtype_name
+from graphsafe.distributed._layout import _plan as _plan
+from graphsafe.distributed._layout import _slot as _slot
+from graphsafe.distributed._layout import _slots as _slots
+from graphsafe.distributed._layout import _trailer as _trailer
+from graphsafe.distributed._layout import _view as _view
+from graphsafe.distributed._receiver import _ReceiveProgress as _ReceiveProgress
+from graphsafe.distributed._receiver import _check_trailer as _check_trailer
+from graphsafe.distributed._receiver import _handshake_error as _handshake_error
+from graphsafe.distributed._receiver import _load as _load
+from graphsafe.distributed._receiver import _receive as _receive
+from graphsafe.distributed._receiver import _receive_report as _receive_report
+from graphsafe.distributed._receiver import _rejected_error as _rejected_error
+from graphsafe.distributed._sender import _SendProgress as _SendProgress
+from graphsafe.distributed._sender import _abort as _abort
+from graphsafe.distributed._wire import _check as _check
+from graphsafe.distributed._wire import _device as _device
+from graphsafe.distributed._wire import _first_line as _first_line
+from graphsafe.distributed._wire import _handshake as _handshake
+
+__all__ = [
+    "ReceiveReport",
+    "RejectedEntry",
+    "SendReport",
+    "WeightSyncError",
+    "receive_weights",
+    "release_staging",
+    "send_weights",
+    "staging_buffer",
+]

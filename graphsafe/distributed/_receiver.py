@@ -1,0 +1,342 @@
+"""The receiving side of a sync: `receive_weights`, its loader calls and its errors."""
+
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphsafe._errors import WeightLoadError
+from graphsafe._journal import mark_written
+from graphsafe._runtime import runtime, weight_update
+from graphsafe._spec import RefreshReport
+from graphsafe.distributed._buffers import _RECV_STAGING, _group_key, _staging
+from graphsafe.distributed._layout import (
+    _ABORT,
+    _DATA,
+    _MAGIC,
+    _PROTOCOL,
+    _Plan,
+    _slot,
+    _slots,
+    _trailer,
+    _view,
+)
+from graphsafe.distributed._reports import ReceiveReport, RejectedEntry, WeightSyncError
+from graphsafe.distributed._wire import _check, _device, _first_line, _handshake
+
+__all__ = ["receive_weights"]
+
+
+@dataclass
+class _ReceiveProgress:
+    plan: _Plan | None = None
+    started: float = 0.0
+    completed: bool = False
+    """Every bucket arrived and the sender reached the handshake."""
+    loaded: float = 0.0
+    staging_bytes: int = 0
+    reused: bool = False
+    overlap: bool = False
+    accepted: list[str] | None = None
+    rejected: list[RejectedEntry] | None = None
+
+
+def receive_weights(
+    model: nn.Module, *, src: int, group: dist.ProcessGroup | None = None,
+    overlap: bool = True,
+) -> ReceiveReport:
+    """Receive one sync from rank `src` and load it into `model`, graph-safely.
+
+    Call it on every rank of `group` but `src` while `src` calls `send_weights`. Runs
+    one `gs.weight_update(model)` around the whole sync: each bucket is broadcast into
+    the staging buffer, then `model.load_weights(pairs)` gets views of it (valid during
+    the call only: the loader must copy, as loaders do). The loader decides what this
+    rank holds; the derived buffers are refreshed once, at the end. With `overlap`, the
+    broadcast of bucket k+1 is posted into one staging slot before the loader runs on
+    bucket k in the other.
+
+    Entries the loader refuses (`gs.WeightLoadError`) are collected, not fatal on the
+    wire: the remaining entries of the bucket are retried and the later buckets still
+    load, so that every refusal is named; then the call raises `WeightSyncError` with
+    `.rejected`, and the model stays failed closed.
+
+    Args:
+        model: The model to load into; it needs a `load_weights(pairs)` method.
+        src: The sending rank (global).
+        group: The process group; the default group when None. Give it a timeout: a
+            sender that died is detected by it.
+        overlap: Receive the next bucket while the loader runs on the current one; the
+            staging buffer then holds two buckets. False: one bucket, receiving and
+            loading in turn.
+
+    Returns:
+        The report; `report.failed_ranks` names other receivers that failed.
+
+    Raises:
+        WeightSyncError: The sender aborted or died, a collective failed, the model has
+            no loader, or the loader refused entries. The model's guarded graphs refuse
+            to replay until a later sync completes.
+
+    Examples:
+        >>> # on every rollout rank, while rank 0 calls send_weights:
+        >>> # report = receive_weights(model, src=0, group=group)
+    """
+    rank = _check(src, group, sending=False)
+    device = _device(group)
+    rt = runtime(model)
+    before = rt.last_report
+    state = _ReceiveProgress()
+    try:
+        with weight_update(model):
+            _receive(model, src, group, device, state, overlap)
+            state.loaded = time.perf_counter()
+            if state.rejected:
+                raise _rejected_error(model, state, rank, src)
+    except BaseException as exc:
+        if state.completed and isinstance(exc, Exception):
+            try:
+                _handshake(False, group, device)
+            except Exception as hs:
+                raise _handshake_error(src, hs, applied=False) from exc
+        raise
+    end = time.perf_counter()
+    try:
+        failed = _handshake(True, group, device)
+    except Exception as exc:
+        raise _handshake_error(src, exc, applied=True) from exc
+    return _receive_report(state, rank, src, rt.last_report, before, end, failed)
+
+
+def _receive_report(
+    state: _ReceiveProgress,
+    rank: int,
+    src: int,
+    last: RefreshReport | None,
+    before: RefreshReport | None,
+    end: float,
+    failed: tuple[int, ...],
+) -> ReceiveReport:
+    plan = state.plan
+    assert plan is not None
+    seconds = (end if end else time.perf_counter()) - state.started
+    total = sum(e.nbytes for e in plan.entries)
+    return ReceiveReport(
+        rank=rank, src=src, sync=plan.sync, entries=len(plan.entries), bytes=total,
+        buckets=len(plan.sizes), seconds=seconds,
+        refresh_seconds=max(0.0, end - state.loaded) if end else 0.0,
+        throughput=total / seconds if seconds > 0 else 0.0,
+        staging_bytes=state.staging_bytes, staging_reused=state.reused, overlap=state.overlap,
+        accepted=tuple(state.accepted or ()), rejected=tuple(state.rejected or ()),
+        refresh=last if last is not before else None, failed_ranks=failed,
+    )
+
+
+def _rejected_error(
+    model: nn.Module, state: _ReceiveProgress, rank: int, src: int
+) -> WeightSyncError:
+    rejected = tuple(state.rejected or ())
+    shown = "\n".join(f"    {r.name!r} (bucket {r.bucket}): {r.error}" for r in rejected[:8])
+    more = f"\n    ... and {len(rejected) - 8} more" if len(rejected) > 8 else ""
+    return WeightSyncError(
+        f"rank {rank}: the loader of {type(model).__name__} rejected {len(rejected)} "
+        f"entr{'y' if len(rejected) == 1 else 'ies'} of the sync",
+        entry=rejected[0].name,
+        bucket=rejected[0].bucket,
+        rejected=rejected,
+        report=_receive_report(state, rank, src, None, None, 0.0, ()),
+        module_class=type(model).__name__,
+        expected="every entry loaded, or skipped as held by another rank",
+        got=f"rejected:\n{shown}{more}",
+        fix="the model refuses to replay until a complete sync: fix these entries' names, "
+        "shapes or dtypes on the sender (or the receiver's config), then sync again",
+    )
+
+
+def _handshake_error(src: int, exc: BaseException, *, applied: bool) -> WeightSyncError:
+    held = ("this rank's model holds the complete new weights" if applied
+            else "this rank's model refuses to replay until a complete sync")
+    return WeightSyncError(
+        "receive_weights: the end-of-sync handshake failed",
+        expected=f"every rank of the group, rank {src} included, at the handshake",
+        got=_first_line(exc),
+        fix=f"{held}; another rank died or timed out: see its log, and recreate the "
+        "process group before the next sync",
+    )
+
+
+def _receive(
+    model: nn.Module,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    state: _ReceiveProgress,
+    overlap: bool,
+) -> None:
+    """The body of the sync: metadata, then each bucket into staging and the loader."""
+    box: list[Any] = [None]
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    except Exception as exc:
+        raise WeightSyncError(
+            f"receive_weights: the metadata of the sync did not arrive from rank {src}",
+            expected="the sender's metadata within the group's timeout",
+            got=_first_line(exc),
+            fix="the sender died, timed out or called something else; see its log. The "
+            "model refuses to replay until a complete sync; recreate the process group",
+        ) from exc
+    record = box[0]
+    state.started = time.perf_counter()
+    if not isinstance(record, dict) or record.get("protocol") != _PROTOCOL:
+        got = record.get("protocol") if isinstance(record, dict) else type(record).__name__
+        raise WeightSyncError(
+            "receive_weights: the sender speaks another sync protocol",
+            expected=f"protocol {_PROTOCOL}",
+            got=got,
+            fix="run the same graphsafe version on the sender and the receivers",
+        )
+    if record["abort"] is not None:
+        raise WeightSyncError(
+            f"receive_weights: the sender (rank {src}) aborted the sync before sending any "
+            "weights",
+            expected="the weights",
+            got=f"the sender raised {record['abort']}",
+            fix="fix the error on the sender, then sync again; the model refuses to "
+            "replay until a complete sync",
+        )
+    plan = state.plan = _Plan.from_record(record)
+    wires = plan.wires
+    stride, need = _slots(wires, overlap)
+    table, key = _RECV_STAGING.setdefault(model, {}), _group_key(group)
+    staging, state.reused = _staging(table, key, device, need)
+    state.staging_bytes, state.overlap = staging.numel(), stride > 0
+    loader = getattr(model, "load_weights", None)
+    state.accepted, state.rejected = [], []
+    pending: Any = None  # the work of the broadcast posted and not yet waited for
+
+    def post(b: int) -> Any:
+        try:
+            return dist.broadcast(_slot(staging, stride, wires, b), src=src, group=group,
+                                  async_op=True)
+        except Exception as exc:
+            raise _lost(b, exc) from exc
+
+    def _lost(b: int, exc: BaseException) -> WeightSyncError:
+        entries = plan.bucket(b)
+        return WeightSyncError(
+            f"receive_weights: bucket {b} of {len(plan.sizes)} did not arrive from rank "
+            f"{src}",
+            bucket=b,
+            entry=entries[0].name if entries else None,
+            expected=f"{wires[b]} bytes within the group's timeout",
+            got=_first_line(exc),
+            fix="the sender died or timed out; see its log. The model refuses to replay "
+            "until a complete sync; recreate the process group before the next one",
+        )
+
+    try:
+        pending = post(0) if plan.sizes else None
+        for b, size in enumerate(plan.sizes):
+            entries = plan.bucket(b)
+            work, pending = pending, None
+            try:
+                work.wait()
+            except Exception as exc:
+                raise _lost(b, exc) from exc
+            mark_written(staging)  # a c10d write: declared, whatever the tracker saw
+            slot = _slot(staging, stride, wires, b)
+            _check_trailer(slot, size, plan, b, src, group)
+            if stride and b + 1 < len(plan.sizes):
+                pending = post(b + 1)  # into the other slot, while the loader runs
+            pairs = [(e.name, _view(slot, e)) for e in entries]
+            if loader is None or not callable(loader):
+                state.rejected.extend(
+                    RejectedEntry(name=n, bucket=b, error=f"{type(model).__name__} has no "
+                                  "load_weights(pairs) method") for n, _ in pairs
+                )
+            else:
+                _load(loader, pairs, b, state.accepted, state.rejected)
+            if not stride and b + 1 < len(plan.sizes):
+                pending = post(b + 1)
+    finally:
+        if pending is not None and table.get(key) is staging:
+            # A broadcast still writes into it: no later sync may reuse it.
+            del table[key]
+    state.completed = True
+
+
+def _check_trailer(
+    slot: torch.Tensor, size: int, plan: _Plan, b: int, src: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Check bucket `b`'s trailer; raise the sender's abort if it says so."""
+    magic, sync, index, status = _trailer(slot, size).tolist()
+    if (magic, sync, index) != (_MAGIC, plan.sync, b) or status not in (_DATA, _ABORT):
+        raise WeightSyncError(
+            f"receive_weights: bucket {b} arrived with a wrong trailer",
+            bucket=b,
+            expected=f"magic {_MAGIC:#x}, sync {plan.sync}, bucket {b}",
+            got=f"magic {magic:#x}, sync {sync}, bucket {index}, status {status}",
+            fix="every rank of the group must take part in the same sync: a rank called "
+            "another collective in between",
+        )
+    if status == _ABORT:
+        entries = plan.bucket(b)
+        box: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(box, src=src, group=group)
+        except Exception as exc:
+            box = [f"(its error did not arrive: {_first_line(exc)})"]
+        raise WeightSyncError(
+            f"receive_weights: the sender (rank {src}) aborted the sync at bucket {b} of "
+            f"{len(plan.sizes)}",
+            bucket=b,
+            entry=entries[0].name if entries else None,
+            expected="every bucket of the sync",
+            got=f"the sender raised {box[0]}",
+            fix="fix the error on the sender, then sync again; the model refuses to "
+            "replay until a complete sync",
+        )
+
+
+def _load(
+    loader: Any,
+    pairs: list[tuple[str, torch.Tensor]],
+    bucket: int,
+    accepted: list[str],
+    rejected: list[RejectedEntry],
+) -> None:
+    """Load one bucket; a refused entry is recorded and the others are loaded anyway."""
+    queue = [pairs]
+    while queue:
+        chunk = queue.pop()
+        try:
+            result = loader(chunk)
+            if isinstance(result, types.GeneratorType):
+                result = list(result)
+        except WeightLoadError as exc:
+            names = [n for n, _ in chunk]
+            if exc.name not in names:
+                rejected.extend(RejectedEntry(name=n, bucket=bucket, error=_first_line(exc))
+                                for n in names)
+                continue
+            i = names.index(exc.name)
+            rejected.append(RejectedEntry(name=exc.name, bucket=bucket, error=_first_line(exc)))
+            # The entries before it may or may not have been written: load them again.
+            queue.extend(part for part in (chunk[i + 1 :], chunk[:i]) if part)
+            continue
+        except Exception as exc:
+            rejected.extend(RejectedEntry(name=n, bucket=bucket, error=_first_line(exc))
+                            for n, _ in chunk)
+            continue
+        if isinstance(result, (set, frozenset, list, tuple)) and all(
+            isinstance(n, str) for n in result
+        ):
+            accepted.extend(sorted(result) if isinstance(result, (set, frozenset)) else result)
+        else:
+            accepted.extend(n for n, _ in chunk)

@@ -1,0 +1,142 @@
+"""What a weight sync reports, and the error it raises.
+
+`SendReport` and `ReceiveReport` are what `send_weights` and `receive_weights` return (a
+failed call carries its report on `WeightSyncError.report`); `RejectedEntry` names one
+entry a receiver's loader refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from graphsafe._errors import GraphSafetyError
+from graphsafe._spec import RefreshReport
+
+__all__ = ["ReceiveReport", "RejectedEntry", "SendReport", "WeightSyncError"]
+
+
+class RejectedEntry(BaseModel):
+    """A checkpoint entry the receiver's loader refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    """The entry's checkpoint name."""
+    bucket: int
+    """The bucket it arrived in (0-based)."""
+    error: str
+    """What the loader raised: class and message."""
+
+
+class SendReport(BaseModel):
+    """What one `send_weights` call did, on the sending rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int
+    """The sending rank (global)."""
+    sync: int
+    """The id drawn for this sync; every receiver's report carries the same one."""
+    receivers: int
+    """How many other ranks of the group took part."""
+    entries: int
+    """Checkpoint entries sent."""
+    bytes: int
+    """Tensor bytes sent (without alignment padding and trailers)."""
+    buckets: int
+    """Broadcasts of data: one per bucket."""
+    bucket_bytes: int
+    """The bucket limit asked for; a tensor larger than it travelled alone."""
+    largest_bucket: int
+    """Data bytes of the largest bucket."""
+    staging_bytes: int
+    """Size of the sender's staging buffer: two bucket slots (trailers included) when
+    `overlap` was on and the sync had several buckets, else one bucket."""
+    overlap: bool
+    """Whether packing overlapped the broadcasts (two staging slots in use)."""
+    seconds: float
+    """Wall time of the call, handshake included."""
+    throughput: float
+    """`bytes / seconds`, in bytes per second."""
+
+
+class ReceiveReport(BaseModel):
+    """What one `receive_weights` call did, on one receiving rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    rank: int
+    """This rank (global)."""
+    src: int
+    """The sending rank."""
+    sync: int
+    """The id the sender drew for this sync."""
+    entries: int
+    """Checkpoint entries in the sync (all of them, held here or not)."""
+    bytes: int
+    """Tensor bytes received."""
+    buckets: int
+    """Buckets received."""
+    seconds: float
+    """Wall time from the metadata's arrival to the end of the refresh (time spent
+    waiting for the sender to start is not counted)."""
+    refresh_seconds: float
+    """Wall time of the end of the `weight_update` block: the one refresh of the derived
+    buffers, and the journal's bookkeeping."""
+    throughput: float
+    """`bytes / seconds`, in bytes per second."""
+    staging_bytes: int
+    """Size of the staging buffer (two bucket slots when `overlap`, else one)."""
+    overlap: bool
+    """Whether receiving overlapped loading (two staging slots in use)."""
+    staging_reused: bool
+    """Whether the staging buffer of an earlier sync was reused (no allocation)."""
+    accepted: tuple[str, ...]
+    """Names the loader reported loading (its own naming: what `load_weights` returned;
+    the entries given, for a loader that returns None)."""
+    rejected: tuple[RejectedEntry, ...]
+    """Entries the loader refused; when not empty the call raised `WeightSyncError`."""
+    refresh: RefreshReport | None
+    """`gs.runtime(model).last_report` of the refresh this sync ran; None when the sync
+    did not complete or ran no refresh."""
+    failed_ranks: tuple[int, ...]
+    """Receivers that did not apply this sync (from the handshake); empty on success."""
+
+
+class WeightSyncError(GraphSafetyError):
+    """A weight sync did not complete: the sender failed or died, a collective failed,
+    or the receiver's loader refused entries.
+
+    On a receiver the model is left failed closed (guarded replays raise `StaleError`)
+    until a later sync completes.
+
+    Args:
+        summary: One line saying what went wrong.
+        bucket: The bucket (0-based) being sent or received, if any.
+        entry: The checkpoint entry involved, if one is known.
+        rejected: Entries the loader refused.
+        failed_ranks: Ranks that did not apply the sync.
+        report: The report of the call, where the sync reached its end.
+        **kwargs: As for `gs.GraphSafetyError`.
+    """
+
+    def __init__(
+        self,
+        summary: str,
+        *,
+        bucket: int | None = None,
+        entry: str | None = None,
+        rejected: Sequence[RejectedEntry] = (),
+        failed_ranks: Sequence[int] = (),
+        report: SendReport | ReceiveReport | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.bucket = bucket
+        self.entry = entry
+        self.rejected = tuple(rejected)
+        self.failed_ranks = tuple(failed_ranks)
+        self.report = report
+        super().__init__(summary, **kwargs)

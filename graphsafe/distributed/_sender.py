@@ -1,0 +1,215 @@
+"""The sending side of a sync: `send_weights`, and the abort it sends when it fails."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphsafe.distributed._buffers import _SEND_STAGING, _group_key, _staging
+from graphsafe.distributed._layout import (
+    _ABORT,
+    _DATA,
+    _MAGIC,
+    _PROTOCOL,
+    _Plan,
+    _plan,
+    _slot,
+    _slots,
+    _trailer,
+    _view,
+)
+from graphsafe.distributed._reports import SendReport, WeightSyncError
+from graphsafe.distributed._wire import _check, _device, _first_line, _handshake
+
+__all__ = ["send_weights"]
+
+
+@dataclass
+class _SendProgress:
+    meta_sent: bool = False
+    bucket: int = -1
+    """The bucket being packed."""
+    entry: str | None = None
+    in_collective: bool = False
+    wire: int = -1
+    """The bucket whose broadcast is being posted or waited for; -1: none."""
+    staging: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+    """The staging slot of the bucket being packed."""
+    pending: list[tuple[int, Any] | None] = field(default_factory=lambda: [None, None])
+    """Per slot: (bucket, work) of a broadcast not yet waited for."""
+
+    def wait(self, slot: int) -> None:
+        """Wait for the broadcast from `slot`, if one is in flight."""
+        item = self.pending[slot]
+        if item is None:
+            return
+        self.wire, work = item
+        self.in_collective = True
+        work.wait()
+        self.pending[slot] = None
+        self.in_collective = False
+        self.wire = -1
+
+    def drain(self) -> None:
+        """Wait for every broadcast in flight, in bucket order."""
+        for slot in sorted((0, 1), key=lambda s: p[0] if (p := self.pending[s]) else -1):
+            self.wait(slot)
+
+
+def send_weights(
+    weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    *,
+    src: int,
+    group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = 256 << 20,
+    overlap: bool = True,
+) -> SendReport:
+    """Broadcast checkpoint entries to every other rank of `group`, bucket by bucket.
+
+    Call it on rank `src` while every other rank of the group calls `receive_weights`.
+    Entries are packed in the given order into flat buckets of at most `bucket_bytes`
+    data bytes; a tensor larger than that is sent alone in a bucket of its own size.
+    Tensors may live on any device; they are copied into the staging buffer. With
+    `overlap`, bucket k+1 is packed into one staging slot while bucket k is broadcast
+    from the other.
+
+    Args:
+        weights: `(name, tensor)` pairs in checkpoint names, or a mapping (a state dict).
+        src: This rank (global), the source of the broadcasts.
+        group: The process group; the default group when None. Give it a timeout
+            (`dist.new_group(timeout=...)`): a receiver that died is detected by it.
+        bucket_bytes: Data bytes per bucket.
+        overlap: Pack the next bucket while the current one is broadcast; the staging
+            buffer then holds two buckets. False: one bucket, packing and broadcasts in
+            turn.
+
+    Returns:
+        The report.
+
+    Raises:
+        WeightSyncError: A collective failed (a receiver died or timed out), or some
+            receivers did not apply the sync (`.failed_ranks`; their errors say why).
+        Exception: Whatever reading or packing the weights raised, after the receivers
+            were told to abort (they raise `WeightSyncError`).
+
+    Examples:
+        >>> # on the trainer, rank 0, while ranks 1.. call receive_weights:
+        >>> # report = send_weights(model.state_dict(), src=0, group=group)
+    """
+    start = time.perf_counter()
+    rank = _check(src, group, sending=True)
+    device = _device(group)
+    sync = secrets.randbits(62) + 1
+    state = _SendProgress()
+    plan: _Plan | None = None
+    try:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        plan = _plan(items, bucket_bytes, sync)
+        state.in_collective = True
+        dist.broadcast_object_list([plan.record()], src=src, group=group)
+        state.in_collective = False
+        state.meta_sent = True
+        wires = plan.wires
+        stride, need = _slots(wires, overlap)
+        staging, _ = _staging(_SEND_STAGING, _group_key(group), device, need)
+        state.staging = staging
+        tensors = dict(items)
+        for b, size in enumerate(plan.sizes):
+            i = b % 2 if stride else 0
+            state.wait(i)  # the slot's previous broadcast has read it
+            state.bucket, state.slot = b, _slot(staging, stride, wires, b)
+            with torch.no_grad():  # trainer parameters require grad; the copy is no op of it
+                for e in plan.bucket(b):
+                    state.entry = e.name
+                    _view(state.slot, e).copy_(tensors[e.name])
+            state.entry = None
+            _trailer(state.slot, size).copy_(torch.tensor([_MAGIC, sync, b, _DATA]))
+            state.in_collective, state.wire = True, b
+            work = dist.broadcast(state.slot, src=src, group=group, async_op=True)
+            state.pending[i] = (b, work)
+            state.in_collective, state.wire = False, -1
+            if not stride:
+                state.wait(0)
+        state.drain()
+        state.bucket = -1
+        state.in_collective = True
+        failed = _handshake(True, group, device)
+        state.in_collective = False
+    except BaseException as exc:
+        if any(state.pending) and _SEND_STAGING.get(_group_key(group)) is state.staging:
+            # A broadcast may still read it: no later sync may pack into it.
+            del _SEND_STAGING[_group_key(group)]
+        if state.in_collective:
+            where = f"bucket {state.wire}" if state.wire >= 0 else (
+                "the handshake" if state.meta_sent else "the metadata")
+            raise WeightSyncError(
+                f"send_weights: the broadcast of {where} failed",
+                bucket=state.wire if state.wire >= 0 else None,
+                expected="every receiver taking part until the end of the sync",
+                got=_first_line(exc),
+                fix="a receiver died, timed out or called something else; see its log. "
+                "Recreate the process group before the next sync",
+            ) from exc
+        _abort(exc, state, plan, src, group, sync)
+        raise
+    seconds = time.perf_counter() - start
+    total = sum(e.nbytes for e in plan.entries)
+    report = SendReport(
+        rank=rank, sync=sync, receivers=len(dist.get_process_group_ranks(
+            group if group is not None else dist.group.WORLD)) - 1,
+        entries=len(plan.entries), bytes=total, buckets=len(plan.sizes),
+        bucket_bytes=bucket_bytes, largest_bucket=max(plan.sizes, default=0),
+        staging_bytes=staging.numel(), overlap=stride > 0, seconds=seconds,
+        throughput=total / seconds if seconds > 0 else 0.0,
+    )
+    if failed:
+        raise WeightSyncError(
+            f"receiver rank(s) {', '.join(map(str, failed))} did not apply the sync",
+            failed_ranks=failed,
+            report=report,
+            expected="every receiver to load every entry it holds",
+            got=f"{len(failed)} receiver(s) failed; each raised WeightSyncError naming why",
+            fix="read the receivers' errors (rejected entries name the checkpoint names to "
+            "fix), then sync again: until then those models refuse to replay",
+        )
+    return report
+
+
+def _abort(
+    exc: BaseException,
+    state: _SendProgress,
+    plan: _Plan | None,
+    src: int,
+    group: dist.ProcessGroup | None,
+    sync: int,
+) -> None:
+    """Tell the receivers that the sender failed, so that they raise instead of waiting."""
+    what = _first_line(exc)
+    if state.entry is not None:
+        what = f"{what} (while packing entry {state.entry!r})"
+    try:
+        if not state.meta_sent or plan is None:
+            record = {"protocol": _PROTOCOL, "sync": sync, "abort": what}
+            dist.broadcast_object_list([record], src=src, group=group)
+            return
+        if not plan.sizes:
+            return
+        state.drain()  # the buckets before the failure go out whole, then the abort
+        b = max(state.bucket, 0)  # a failure before the first bucket aborts that one
+        slot = state.slot
+        if slot is None or state.bucket < 0:
+            slot = torch.empty(plan.wires[b], dtype=torch.uint8, device=_device(group))
+        _trailer(slot, plan.sizes[b]).copy_(torch.tensor([_MAGIC, sync, b, _ABORT]))
+        dist.broadcast(slot, src=src, group=group)
+        dist.broadcast_object_list([what], src=src, group=group)
+    except Exception:  # the receivers then fail by the group's timeout
+        return

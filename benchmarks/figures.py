@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphsafe as gs
 from graphsafe._ledger import Ledger
-from graphsafe._tracking import WriteTracker, storage_key
+from graphsafe._tracking import storage_key, write_tracker
 
 __all__ = ["FIGURES", "Ctx", "Sizes"]
 
@@ -325,7 +325,7 @@ def _incremental(
         return t
 
     def tracker_only() -> None:
-        with WriteTracker(watched):  # the same tracking, without graphsafe's bookkeeping
+        with write_tracker(watched):  # the tracking loads use, without the bookkeeping
             untracked_load(model, bucket)
 
     stats = interleave(

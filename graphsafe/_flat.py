@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from graphsafe import _native
 from graphsafe._binding import Bound, Input
 from graphsafe._journal import Seen
 
@@ -32,6 +33,7 @@ class Flat:
         "ids",
         "keys",
         "n_inputs",
+        "native",
         "ptrs",
         "seen",
         "strides",
@@ -62,11 +64,22 @@ class Flat:
         self.transient = [inp for inp in inputs if inp.transient]
         self.seen: Seen | None = None
         """What the last passing check read; a full refresh's witnesses reuse it."""
+        self.native = (
+            _native.get() if all(type(c) is dict for c in self.containers) else None
+        )
 
     def _now(self) -> list[Any]:
         return list(map(dict.get, self.containers, self.keys))
 
     def unchanged(self) -> bool:
+        if self.native is not None:  # the same comparisons, compiled
+            now = self.native.same_bindings(
+                self.containers, self.keys, self.ids, self.ptrs, self.strides
+            )
+            if now is None:
+                return False
+            self.seen = Seen(self.containers, self.keys, now, self.ids, self.ptrs)
+            return True
         tensors = self._now()
         if list(map(id, tensors)) != self.ids:
             return False

@@ -18,7 +18,7 @@ import torch
 from graphsafe._engine import Engine
 from graphsafe._journal import JOURNAL, storage_key
 from graphsafe._spec import RefreshReport
-from graphsafe._tracking import WriteTracker
+from graphsafe._tracking import write_tracker
 from graphsafe._transient import Transient, Transients
 
 __all__ = ["Load", "LoadOwner", "end", "tracked_block", "tracked_call", "tracked_generator"]
@@ -51,7 +51,7 @@ class Load:
         self.thread = threading.get_ident()
         self.watch = watch
         self.transients = transients or None
-        self.tracker = WriteTracker(watch, transients=self.transients)
+        self.tracker = write_tracker(watch, self.transients)
         self.written: set[int] = set()
         self.transient_written: set[Transient] = set()
         self.moved: set[int] = set()
@@ -111,7 +111,7 @@ class Load:
         Returns:
             What the loader returned.
         """
-        tracker = WriteTracker(self.watch, transients=self.transients)
+        tracker = write_tracker(self.watch, self.transients)
         try:
             with tracker:
                 return fn(module, *args, **kwargs)

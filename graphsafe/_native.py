@@ -25,7 +25,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, cast
@@ -47,6 +47,15 @@ class Native(Protocol):
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
         versions: list[int], /,
     ) -> bool: ...
+    def same_bindings(
+        self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
+        strides: list[tuple[int, ...]], /,
+    ) -> list[Any] | None: ...
+    def tracker_new(self, watched: Iterable[int], /) -> int: ...
+    def tracker_push(self, tracker: int, /) -> None: ...
+    def tracker_pop(self, tracker: int, /) -> bool: ...
+    def tracker_written(self, tracker: int, /) -> set[int]: ...
+    def tracker_free(self, tracker: int, /) -> None: ...
 
 
 class NativeBuildError(RuntimeError):
@@ -117,7 +126,9 @@ def build(*, force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
         cmd = [
-            cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+            # NDEBUG as torch was built: its headers' debug-only members and asserts
+            # must match the library's.
+            cxx, "-O2", "-DNDEBUG", "-std=c++17", "-shared", "-fPIC", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-DGRAPHSAFE_NATIVE_ID={name}", f'-DGRAPHSAFE_NATIVE_NAME="{name}"',
             *(f"-I{d}" for d in includes), str(_SOURCE), "-o", str(out),
@@ -147,6 +158,20 @@ def _check(module: Any) -> None:
     b.add_(1)
     ok = ok and not module.same_witnesses([d], ["w"], [id(b)], [b.data_ptr()], [b._version - 1])
     ok = ok and module.same_items([d], ["w"], [b]) and not module.same_items([d], ["w"], [a])
+    got = module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [b.stride()])
+    ok = ok and got == [b] and got[0] is b
+    ok = ok and module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [(2,)]) is None
+    c = torch.zeros(4)
+    tracker = module.tracker_new([b.untyped_storage().data_ptr(), c.untyped_storage().data_ptr()])
+    module.tracker_push(tracker)
+    try:
+        with torch.no_grad():
+            b.mul_(2)
+            a.add_(1)  # not watched
+    finally:
+        ok = module.tracker_pop(tracker) and ok
+    ok = ok and module.tracker_written(tracker) == {b.untyped_storage().data_ptr()}
+    module.tracker_free(tracker)
     if not ok:
         raise NativeBuildError("the built extension fails its self-check; not used")
 

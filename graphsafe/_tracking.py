@@ -9,16 +9,25 @@ parameter's version counter.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from graphsafe import _native
 from graphsafe._transient import Transient, Transients
 from graphsafe._walk import storage_key
 
-__all__ = ["ReadGuard", "WriteTracker", "storage_key", "written_args"]
+__all__ = [
+    "NativeWriteTracker",
+    "ReadGuard",
+    "WriteTracker",
+    "storage_key",
+    "write_tracker",
+    "written_args",
+]
 
 # Per op overload: (positional index, name) of every argument the op writes.
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
@@ -185,3 +194,70 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
                     if key and key in watched and key not in allowed:
                         self.on_read(key, str(func))
         return func(*args, **kwargs)
+
+
+class NativeWriteTracker:
+    """`WriteTracker`'s noting of writes, in C++ (`graphsafe native build`).
+
+    A RecordFunction callback of the thread that enters it sees each op before it runs
+    and notes the watched storages its schema says it writes: the same ops and the same
+    arguments as `WriteTracker`, without a Python call per op. It only notes: loads with
+    transient inputs, whose writes are redirected, keep `WriteTracker`. If torch's
+    RecordFunction was turned off while it tracked, writes may have gone unseen, and it
+    reports every watched storage as written (so everything is refreshed).
+
+    Args:
+        watched: Storage keys to watch (read once, at the first entry).
+        native: The compiled module.
+    """
+
+    def __init__(self, watched: Mapping[int, object], native: _native.Native) -> None:
+        self.watched = watched
+        self.transients: Transients | None = None
+        self.transient_written: set[Transient] = set()
+        self.on_complete: Callable[[], None] | None = None
+        self._native = native
+        self._id: int | None = None
+        self._depth = 0
+        self._blind = False
+
+    @property
+    def written(self) -> set[int]:
+        """Storage keys written so far (any thread may ask, also while it tracks)."""
+        if self._id is None:
+            return set()
+        if self._blind:
+            return set(self.watched)
+        return self._native.tracker_written(self._id)
+
+    def __enter__(self) -> NativeWriteTracker:
+        if self._id is None:
+            self._id = self._native.tracker_new(self.watched)
+            weakref.finalize(self, self._native.tracker_free, self._id)
+        self._native.tracker_push(self._id)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._id is not None
+        self._depth -= 1
+        if not self._native.tracker_pop(self._id):
+            self._blind = True
+
+
+def write_tracker(
+    watched: Mapping[int, object], transients: Transients | None = None
+) -> WriteTracker | NativeWriteTracker:
+    """The tracker of a load: the compiled one where it can do the job, else the Python one.
+
+    Args:
+        watched: Storage keys to watch.
+        transients: The model's transient inputs (their writes are redirected: Python).
+
+    Returns:
+        A tracker to enter around the loader's code.
+    """
+    native = _native.get()
+    if native is not None and not transients:
+        return NativeWriteTracker(watched, native)
+    return WriteTracker(watched, transients=transients)

@@ -236,6 +236,7 @@ def test_without_a_build_the_command_line_says_python_and_the_guard_still_refuse
     """A fresh process with an empty cache: the status names the Python path, and a
     guarded replay after an in-place write is still refused."""
     env = {**os.environ, "GRAPHSAFE_CACHE": str(tmp_path)}
+    env.pop("GRAPHSAFE_NATIVE", None)
     status = subprocess.run(
         [sys.executable, "-m", "graphsafe", "native", "status"],
         env=env, capture_output=True, text=True, check=True,
@@ -274,3 +275,22 @@ def test_the_native_switch_turns_it_off(tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, check=True,
     )
     assert done.stdout.strip() == "guard: python (GRAPHSAFE_NATIVE=0)"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_rebound_input_is_found_at_the_next_load_on_either_path(native: bool) -> None:
+    """The every-load rebinding check (identity, pointer, stride of every input and
+    buffer): before pin the new tensor is taken, after pin the load is refused."""
+    with _native.using(native):
+        model, graph, x, _ = _guarded(native)
+        graph.reset()  # unpinned: a rebinding is taken
+        model.w.data = model.w.data.t().contiguous().t()  # same values, new strides
+        gs.runtime(model).refresh()
+        assert torch.equal(model.w_t, model.w.t())
+        graph = gs.Graph(backend="cpu", guard=model)
+        with torch.no_grad(), graph.capture():
+            _ = x @ model.w_t.t()
+        model.w.data = torch.randn(8, 4)  # pinned: refused at the next load
+        with pytest.raises(gs.StorageMovedError, match="w"):
+            gs.runtime(model).refresh()
+        graph.reset()

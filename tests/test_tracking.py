@@ -1,26 +1,51 @@
-"""Write tracking at the dispatcher (`graphsafe._tracking`)."""
+"""Write tracking at the dispatcher (`graphsafe._tracking`).
+
+Each test of what a tracker sees runs with both trackers: `WriteTracker` (a Python
+dispatch mode) and `NativeWriteTracker` (a compiled RecordFunction callback, used by
+loads when `graphsafe native build` has run).
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
-from graphsafe._tracking import WriteTracker, storage_key
+from graphsafe import _native
+from graphsafe._tracking import NativeWriteTracker, WriteTracker, storage_key
+
+Tracker = WriteTracker | NativeWriteTracker
+
+
+@pytest.fixture(params=["python", "native"])
+def tracker(request: pytest.FixtureRequest) -> Callable[[dict[int, str]], Tracker]:
+    """Makes a tracker of either kind over the watched storage keys."""
+    if request.param == "python":
+        return WriteTracker
+    try:
+        _native.build()
+    except _native.NativeBuildError as exc:  # no C++ compiler on this machine
+        pytest.skip(f"the compiled tracker cannot be built here: {exc}")
+    native = _native._load()
+    assert native is not None
+    return lambda watched: NativeWriteTracker(watched, native)  # type: ignore[arg-type]
 
 
 def _param() -> nn.Parameter:
     return nn.Parameter(torch.arange(6.0).reshape(2, 3))
 
 
-def test_param_data_copy_is_seen_although_version_does_not_move() -> None:
+def test_param_data_copy_is_seen_although_version_does_not_move(
+    tracker: Callable[[dict[int, str]], Tracker],
+) -> None:
     p = _param()
     version = p._version
-    with WriteTracker({storage_key(p): "p"}) as tracker:
+    with tracker({storage_key(p): "p"}) as seen:
         p.data.copy_(torch.ones(2, 3))
-    assert tracker.written == {storage_key(p)}
+    assert seen.written == {storage_key(p)}
     assert torch.equal(p, torch.ones(2, 3))
     # Why graphsafe cannot track by version counter: this real write left it unchanged.
     assert p._version == version
@@ -50,31 +75,106 @@ WRITES: dict[str, Callable[[torch.Tensor], object]] = {
 
 
 @pytest.mark.parametrize("op", sorted(WRITES))
-def test_every_kind_of_write_is_seen(op: str) -> None:
+def test_every_kind_of_write_is_seen(
+    op: str, tracker: Callable[[dict[int, str]], Tracker]
+) -> None:
     p = _param()
     key = storage_key(p)
-    with WriteTracker({key: "p"}) as tracker:
+    with tracker({key: "p"}) as seen:
         WRITES[op](p)
-    assert tracker.written == {key}
+    assert seen.written == {key}
 
 
-def test_reads_and_unwatched_writes_are_not_reported() -> None:
+def test_reads_and_unwatched_writes_are_not_reported(
+    tracker: Callable[[dict[int, str]], Tracker],
+) -> None:
     p = _param()
     other = torch.zeros(2, 3)
-    with WriteTracker({storage_key(p): "p"}) as tracker:
+    with tracker({storage_key(p): "p"}) as seen:
         _ = p.sum(), p + 1, p.clone(), p.t().contiguous()
         torch.add(p.detach(), 1.0, out=other)  # reads p, writes other
         other.mul_(3.0)
-    assert tracker.written == set()
+    assert seen.written == set()
 
 
-def test_control_the_same_writes_into_a_watched_tensor_are_reported() -> None:
+def test_control_the_same_writes_into_a_watched_tensor_are_reported(
+    tracker: Callable[[dict[int, str]], Tracker],
+) -> None:
     # Pairs the test above: the tracker is not simply blind.
     p = _param()
     other = torch.zeros(2, 3)
-    with WriteTracker({storage_key(other): "other"}) as tracker:
+    with tracker({storage_key(other): "other"}) as seen:
         torch.add(p.detach(), 1.0, out=other)
-    assert tracker.written == {storage_key(other)}
+    assert seen.written == {storage_key(other)}
+
+
+def test_writes_in_another_thread_are_not_this_trackers(
+    tracker: Callable[[dict[int, str]], Tracker],
+) -> None:
+    """Both trackers are the thread's own (a load's worker threads join it with a
+    tracker of their own); control: the same write in this thread is seen."""
+    p = _param()
+    key = storage_key(p)
+    with tracker({key: "p"}) as seen:
+        worker = threading.Thread(target=lambda: p.data.mul_(2.0))
+        worker.start()
+        worker.join()
+        assert seen.written == set()
+        p.data.mul_(2.0)
+    assert seen.written == {key}
+
+
+def test_an_overload_that_writes_is_told_from_one_that_does_not(
+    tracker: Callable[[dict[int, str]], Tracker],
+) -> None:
+    """`aten::add.Tensor` writes nothing and `aten::add.out` writes its `out`: an op seen
+    first must not decide for its other overloads. Control: the functional add alone
+    is not reported."""
+    p = _param()
+    key = storage_key(p)
+    with tracker({key: "p"}) as seen:
+        _ = torch.add(p.data, 1.0)
+    assert seen.written == set()
+    with tracker({key: "p"}) as seen:
+        _ = torch.add(p.data, 1.0)
+        torch.add(p.data, 1.0, out=p.data)
+    assert seen.written == {key}
+
+
+def test_nested_trackers_both_see_a_write(
+    tracker: Callable[[dict[int, str]], Tracker],
+) -> None:
+    p, q = _param(), _param()
+    with tracker({storage_key(p): "p"}) as outer, tracker({storage_key(q): "q"}) as inner:
+        p.data.zero_()
+        q.data.zero_()
+    assert outer.written == {storage_key(p)} and inner.written == {storage_key(q)}
+
+
+def test_the_compiled_tracker_fails_closed_when_record_function_is_off() -> None:
+    """With torch's RecordFunction off, the compiled tracker cannot see ops: it reports
+    every watched storage as written, so a load refreshes everything rather than miss a
+    write. Control: with it on, only what was written is reported."""
+    try:
+        _native.build()
+    except _native.NativeBuildError as exc:
+        pytest.skip(f"the compiled tracker cannot be built here: {exc}")
+    native = _native._load()
+    assert native is not None
+    p, q = _param(), _param()
+    watched = {storage_key(p): "p", storage_key(q): "q"}
+    on = NativeWriteTracker(watched, native)  # type: ignore[arg-type]
+    with on:
+        p.data.zero_()
+    assert on.written == {storage_key(p)}
+    off = NativeWriteTracker(watched, native)  # type: ignore[arg-type]
+    torch.autograd._enable_record_function(False)
+    try:
+        with off:
+            p.data.zero_()
+    finally:
+        torch.autograd._enable_record_function(True)
+    assert off.written == set(watched)
 
 
 def test_on_write_runs_before_the_write_and_can_refuse_it() -> None:

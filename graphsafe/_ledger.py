@@ -43,23 +43,11 @@ import torch
 from torch import nn
 
 from graphsafe import _native
-from graphsafe._errors import StorageMovedError
+from graphsafe._moved import moved_error
 from graphsafe._spec import Drift, DriftKind
 from graphsafe._walk import Site, storage_key, walk_modules, walk_tensors
 
 __all__ = ["Ledger"]
-
-_FIX = (
-    "write new values into the existing tensor with `copy_` (e.g. "
-    "`module.weight.data.copy_(new)`, or `module.x.copy_(new)` under `torch.no_grad()`) "
-    "instead of rebinding it; if the tensor must change storage, re-capture the graph "
-    "(which takes a new snapshot)"
-)
-_FIX_MODULE = (
-    "load new weights into the module already there (`module.load_state_dict(new)`, or "
-    "`copy_` into its tensors) instead of replacing it; if the module must change, "
-    "re-capture the graph (which takes a new snapshot)"
-)
 
 # Raised while re-resolving a path whose container entry is gone or is no tensor.
 _RESOLVE_ERRORS = (KeyError, IndexError, TypeError, AttributeError)
@@ -367,6 +355,7 @@ class Ledger:
         Examples:
             >>> import torch
             >>> from torch import nn
+            >>> from graphsafe import StorageMovedError
             >>> model = nn.Linear(2, 2)
             >>> ledger = Ledger.snapshot(model)
             >>> model.bias = nn.Parameter(torch.zeros(2))
@@ -378,7 +367,7 @@ class Ledger:
         """
         drifts = self.verify()
         if drifts:
-            raise _moved_error(drifts, self._label)
+            raise moved_error(drifts, self._label)
 
 
 def _pin(s: Site) -> _Pin:
@@ -502,65 +491,3 @@ def _fmt(what: DriftKind, value: object) -> str:
     if what == "storage" and isinstance(value, int):
         return f"0x{value:x}"
     return str(value)
-
-
-def _values(d: Drift) -> tuple[str, str]:
-    """The expected and got lines of one drift."""
-    if d.what in ("removed", "object", "module"):
-        return d.old, d.new
-    return f"{d.what} {d.old}", f"{d.what} {d.new}"
-
-
-def _summary(d: Drift, label: str) -> str:
-    if d.what == "removed":
-        return f"{d.path} was removed after {label}"
-    if d.what == "module":
-        return f"module {d.path} was replaced after {label}"
-    if d.what == "object":
-        return f"{d.path} was rebound after {label}: it holds another tensor object"
-    return f"{d.path} was rebound after {label}: its {d.what} moved"
-
-
-def _change(d: Drift) -> str:
-    """What happened to one path, in the list of several drifts."""
-    if d.what in ("removed", "module"):
-        return "removed" if d.what == "removed" else "module replaced"
-    return "another tensor object" if d.what == "object" else f"{d.what} moved"
-
-
-def _fix(drifts: tuple[Drift, ...]) -> str:
-    modules = any(d.what == "module" for d in drifts)
-    tensors = any(d.what != "module" for d in drifts)
-    if modules and tensors:
-        return f"{_FIX}; for a replaced module, {_FIX_MODULE}"
-    return _FIX_MODULE if modules else _FIX
-
-
-def _moved_error(drifts: tuple[Drift, ...], label: str) -> StorageMovedError:
-    paths = list(dict.fromkeys(d.path for d in drifts))
-    if len(drifts) == 1:
-        (d,) = drifts
-        expected, got = _values(d)
-        return StorageMovedError(
-            _summary(d, label),
-            drifts=drifts,
-            module_class=d.module_class,
-            path=d.path,
-            expected=expected,
-            got=got,
-            fix=_fix(drifts),
-        )
-    noun = "path" if any(d.what == "module" for d in drifts) else "tensor"
-    noun += "" if len(paths) == 1 else "s"
-    lines = [f"{len(paths)} pinned {noun} moved after {label} ({len(drifts)} drifts):"]
-    for d in drifts:
-        expected, got = _values(d)
-        lines.append(f"  {d.path} ({d.module_class}): {_change(d)}")
-        lines.append(f"    expected: {expected}")
-        lines.append(f"    got:      {got}")
-    return StorageMovedError(
-        "\n".join(lines),
-        drifts=drifts,
-        path=paths[0] if len(paths) == 1 else None,
-        fix=_fix(drifts),
-    )

@@ -294,3 +294,18 @@ def test_a_rebound_input_is_found_at_the_next_load_on_either_path(native: bool) 
         with pytest.raises(gs.StorageMovedError, match="w"):
             gs.runtime(model).refresh()
         graph.reset()
+
+
+def test_build_on_first_use_when_asked(tmp_path: Path) -> None:
+    """`GRAPHSAFE_NATIVE=build` compiles the extension at the first guard when it is
+    missing. Control: the same fresh cache without it stays on the Python path."""
+    env = {**os.environ, "GRAPHSAFE_CACHE": str(tmp_path)}
+    script = "from graphsafe import _native; print(_native.describe())"
+    env["GRAPHSAFE_NATIVE"] = "1"
+    plain = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, check=True)
+    assert plain.stdout.startswith("python (not built")
+    env["GRAPHSAFE_NATIVE"] = "build"
+    built = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, check=True)
+    assert built.stdout.startswith(f"native ({tmp_path}")

@@ -39,17 +39,15 @@ from torch import nn
 import graphsafe as gs
 import graphsafe.distributed as gsd
 
-_TENSOR = 1 << 20  # bytes per tensor of figure 1: [256, 1024] float32
-
 
 @gs.graphsafe
 class Flat(nn.Module):
-    """`n` weights of [256, 1024] and one derived buffer, loaded by name."""
+    """`n` weights of [256, cols] and one derived buffer, loaded by name."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, cols: int) -> None:
         super().__init__()
         for i in range(n):
-            self.register_parameter(f"w{i}", nn.Parameter(torch.zeros(256, 1024),
+            self.register_parameter(f"w{i}", nn.Parameter(torch.zeros(256, cols),
                                                           requires_grad=False))
 
     @gs.derive("w0_t", inputs=["w0"])
@@ -72,15 +70,17 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _figure1(rank: int, mib: int, repeats: int) -> dict[str, Any] | None:
-    n = mib * (1 << 20) // _TENSOR
+def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, Any] | None:
+    tensor = tensor_mib << 20  # bytes per tensor: [256, 1024 * tensor_mib] float32
+    cols = 1024 * tensor_mib
+    n = max(1, mib * (1 << 20) // tensor)
     g = torch.Generator().manual_seed(0)
-    ck = [(f"w{i}", torch.randn(256, 1024, generator=g)) for i in range(n)]
-    flat = torch.cat([t.view(-1) for _, t in ck]) if rank == 0 else torch.empty(n * 256 * 1024)
-    model = Flat(n) if rank else None
+    ck = [(f"w{i}", torch.randn(256, cols, generator=g)) for i in range(n)]
+    flat = torch.cat([t.view(-1) for _, t in ck]) if rank == 0 else torch.empty(n * 256 * cols)
+    model = Flat(n, cols) if rank else None
     params = dict(model.named_parameters()) if model is not None else {}
-    quarter = max(_TENSOR, n * _TENSOR // 4)
-    sixteenth = max(_TENSOR, n * _TENSOR // 16)
+    quarter = max(tensor, n * tensor // 4)
+    sixteenth = max(tensor, n * tensor // 16)
 
     def raw() -> None:
         dist.broadcast(flat, src=0)
@@ -111,10 +111,11 @@ def _figure1(rank: int, mib: int, repeats: int) -> dict[str, Any] | None:
                 for (name, _), part in zip(ck, packed.split(sizes)):
                     params[name].data.copy_(part.view_as(params[name]))
 
-    def sync(bucket: int, overlap: bool = True) -> Callable[[], None]:
+    def sync(bucket: int, overlap: bool = True, direct: bool = True) -> Callable[[], None]:
         def run() -> None:
             if rank == 0:
-                gsd.send_weights(ck, src=0, bucket_bytes=bucket, overlap=overlap)
+                gsd.send_weights(ck, src=0, bucket_bytes=bucket, overlap=overlap,
+                                 direct_bytes=16 << 20 if direct else None)
             else:
                 reports.append(gsd.receive_weights(model, src=0,  # type: ignore[arg-type]
                                                    overlap=overlap))
@@ -124,7 +125,7 @@ def _figure1(rank: int, mib: int, repeats: int) -> dict[str, Any] | None:
     sync(256 << 20)()  # first sync: materialize the derived buffer, allocate staging
     sync(quarter)()
     runs = {"raw": raw, "loop": loop, "loop_async": loop_async, "copies": copies,
-            "one": sync(256 << 20),
+            "one": sync(256 << 20), "one_packed": sync(256 << 20, direct=False),
             "quarter": sync(quarter), "quarter_serial": sync(quarter, overlap=False),
             "sixteenth": sync(sixteenth)}
     times: dict[str, list[float]] = {k: [] for k in runs}
@@ -135,7 +136,7 @@ def _figure1(rank: int, mib: int, repeats: int) -> dict[str, Any] | None:
         return None
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "bytes": n * _TENSOR, "tensors": n, "quarter_bucket": quarter,
+        "bytes": n * tensor, "tensors": n, "tensor_bytes": tensor, "quarter_bucket": quarter,
         "sixteenth_bucket": sixteenth,
         "seconds": med,
         "refresh_seconds": statistics.median(r.refresh_seconds for r in reports[2:]),
@@ -197,7 +198,7 @@ def _child(rank: int, world: int, port: int, figure: str, args: dict[str, Any],
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
         if figure == "1":
-            out = _figure1(rank, args["mib"], args["repeats"])
+            out = _figure1(rank, args["mib"], args["repeats"], args["tensor_mib"])
         else:
             out = _figure2(rank, args["preset"], args["repeats"])
         if out is not None:
@@ -238,19 +239,25 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="payload of figure 1 (MiB)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
     parser.add_argument("--preset", default="flash", help="DeepSeek V4 preset of figure 2")
+    parser.add_argument("--tensor-mib", default="1,16",
+                        help="tensor sizes of figure 1 (MiB, comma-separated): one run each")
     parser.add_argument("--json", action="store_true", help="print JSON, nothing else")
     a = parser.parse_args()
-    f1 = _run("1", 2, {"mib": a.mib, "repeats": a.repeats})
+    f1s = [_run("1", 2, {"mib": a.mib, "repeats": a.repeats, "tensor_mib": int(t)})
+           for t in a.tensor_mib.split(",")]
     f2 = _run("2", 3, {"preset": a.preset, "repeats": a.repeats})
-    print(json.dumps({"figure1": f1, "figure2": f2}, indent=2) if a.json else _table(f1, f2))
+    if a.json:
+        print(json.dumps({"figure1": f1s, "figure2": f2}, indent=2))
+    else:
+        print("\n\n".join([*(_table1(f1) for f1 in f1s), _table2(f2)]))
 
 
-def _table(f1: dict[str, Any], f2: dict[str, Any]) -> str:
+def _table1(f1: dict[str, Any]) -> str:
     s = f1["seconds"]
     mib = f1["bytes"] / 2**20
     rows = [
-        f"1. gloo, 2 processes, {mib:.0f} MiB in {f1['tensors']} tensors of 1 MiB "
-        "(median of barrier-to-barrier times)",
+        f"1. gloo, 2 processes, {mib:.0f} MiB in {f1['tensors']} tensors of "
+        f"{f1['tensor_bytes'] >> 20} MiB (median of barrier-to-barrier times)",
         f"   {'path':<58} {'seconds':>9} {'GiB/s':>7} {'/ raw':>7}",
     ]
     for key, what in (
@@ -259,6 +266,7 @@ def _table(f1: dict[str, Any], f2: dict[str, Any]) -> str:
         ("loop_async", "  the same, async_op=True, all posted then waited for"),
         ("copies", "pack, one broadcast, unpack, by hand (no graphsafe)"),
         ("one", "send_weights/receive_weights, one bucket"),
+        ("one_packed", "  the same, direct_bytes=None (every tensor packed)"),
         ("quarter", f"send_weights/receive_weights, {f1['quarter_bucket'] >> 20} MiB buckets"),
         ("quarter_serial", "  the same, overlap=False (copies not overlapped)"),
         ("sixteenth",
@@ -266,14 +274,17 @@ def _table(f1: dict[str, Any], f2: dict[str, Any]) -> str:
     ):
         rows.append(f"   {what:<58} {s[key]:>9.4f} {f1['bytes'] / s[key] / 2**30:>7.2f} "
                     f"{s[key] / s['raw']:>6.2f}x")
-    best = min(s["one"], s["quarter"], s["sixteenth"])
+    best = min(s["one"], s["one_packed"], s["quarter"], s["sixteenth"])
     rows.append(f"   fastest sync / hand-written pack-broadcast-unpack: {best / s['copies']:.2f}x "
                 "(the packing and unpacking copies are what separates a sync from raw)")
     rows.append(f"   receiver refresh (one derived buffer) {f1['refresh_seconds'] * 1e3:.2f} ms; "
                 f"staging {f1['staging_bytes'] / 2**20:.1f} MiB (the one-bucket sync's; "
                 "the smaller buckets' two slots fit in it)")
-    rows += [
-        "",
+    return "\n".join(rows)
+
+
+def _table2(f2: dict[str, Any]) -> str:
+    rows = [
         f"2. DeepSeek V4 {f2['preset']}: trainer + 2 pipeline stages, {f2['entries']} entries, "
         f"{f2['bytes'] / 2**20:.1f} MiB, {f2['buckets']} bucket(s) of at most 256 MiB",
         f"   sync {f2['sync_seconds']:.4f} s vs raw flat broadcast {f2['raw_seconds']:.4f} s "

@@ -226,9 +226,10 @@ def small_model(rank: int, ctx: dict[str, Any]) -> None:
         fresh = Small()
         report = gsd.receive_weights(fresh, src=0, group=group, overlap=overlap)
         assert report.overlap == overlap and not report.staging_reused
-        # Wires of the buckets [b, h], [a], [steps]: 224, 4832 and 96 bytes. Overlapped,
-        # the even buckets share a slot of 256 bytes (aligned), the odd one has its own.
-        assert report.staging_bytes == (256 + 4832 if overlap else 4832)
+        # Wires of the buckets [b, h], [a], [steps]: 224, 4832 and 96 bytes, 256, 4864
+        # and 128 aligned. Overlapped, staging holds what fits in two of the largest: here
+        # all three at once; otherwise the largest alone.
+        assert report.staging_bytes == (256 + 4864 + 128 if overlap else 4864)
         for name, t in _small_checkpoint(4):
             assert torch.equal(getattr(fresh, name), t), name
         assert torch.equal(fresh.scaled, fresh.a * fresh.b)
@@ -347,6 +348,76 @@ def rejection(rank: int, ctx: dict[str, Any]) -> None:
     assert torch.equal(out, call())
 
 
+def direct_round_trip(rank: int, ctx: dict[str, Any]) -> None:
+    """Entries of 8 KiB and more go as they are (no packing copy), the rest packed: the
+    stages load exactly what they hold and the replay reads it. Control: the same sync
+    with `direct_bytes=None` packs every entry, with the same result."""
+    group = ctx["group"]
+    cks = {seed: _checkpoint(seed) for seed in (10, 11)}
+    if rank == 0:
+        first = gsd.send_weights(cks[10], src=0, group=group, bucket_bytes=_BUCKET,
+                                 direct_bytes=8 << 10)
+        assert 3 < first.direct_buckets < first.buckets
+        second = gsd.send_weights(cks[11], src=0, group=group, bucket_bytes=_BUCKET,
+                                  direct_bytes=None)
+        assert second.direct_buckets == 0
+        return
+    model, graph, out, call = ctx["model"], ctx["graph"], ctx["out"], ctx["call"]
+    params = dict(model.named_parameters())
+    for seed, direct in ((10, True), (11, False)):
+        report = gsd.receive_weights(model, src=0, group=group)
+        assert (report.direct_buckets > 3) == direct
+        new = dict(cks[seed])
+        assert all(torch.equal(p, new[n]) for n, p in params.items())
+        graph.replay()
+        assert torch.equal(out, call()) and torch.equal(out, _reference(rank, cks[seed]))
+
+
+class _Interrupted(BaseException):
+    """Stands for a KeyboardInterrupt on the trainer in the middle of a sync."""
+
+
+def direct_abort(rank: int, ctx: dict[str, Any]) -> None:
+    """The sender stops in a run of direct buckets (nothing is packed there, so no
+    trailer follows at once): it sends zeros for the direct buckets the receivers wait
+    for and the abort in the next trailer. The receivers raise naming it, fail closed,
+    and the next complete sync heals them."""
+    group = ctx["group"]
+    from graphsafe.distributed import _sender
+
+    if rank == 0:
+        real, calls = _sender._wire_of, [0]
+
+        def interrupted(t: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise _Interrupted("stopped by the operator")
+            return real(t)
+
+        _sender._wire_of = interrupted  # type: ignore[assignment]
+        try:
+            with pytest.raises(_Interrupted):
+                gsd.send_weights(_checkpoint(12), src=0, group=group, bucket_bytes=_BUCKET,
+                                 direct_bytes=8 << 10)
+        finally:
+            _sender._wire_of = real  # type: ignore[assignment]
+        gsd.send_weights(_checkpoint(13), src=0, group=group, bucket_bytes=_BUCKET,
+                         direct_bytes=8 << 10)
+        return
+    model, graph, out, call = ctx["model"], ctx["graph"], ctx["out"], ctx["call"]
+    with pytest.raises(gsd.WeightSyncError,
+                       match=r"aborted the sync at bucket \d+ of \d+") as caught:
+        gsd.receive_weights(model, src=0, group=group)
+    assert "_Interrupted: stopped by the operator" in str(caught.value)
+    with pytest.raises(gs.StaleError, match="failed"):
+        graph.replay()  # fail closed
+    gsd.receive_weights(model, src=0, group=group)  # a complete sync heals
+    params, new = dict(model.named_parameters()), dict(_checkpoint(13))
+    assert all(torch.equal(p, new[n]) for n, p in params.items())
+    graph.replay()
+    assert torch.equal(out, call())
+
+
 def dead_sender(rank: int, ctx: dict[str, Any]) -> None:
     """The sender dies (os._exit) while packing a bucket: the receivers raise at once,
     or at the latest by the group's timeout, and fail closed. The world ends here."""
@@ -365,7 +436,7 @@ def dead_sender(rank: int, ctx: dict[str, Any]) -> None:
 
 
 _SCENARIOS = (pp_round_trip, small_model, naive_broadcast_control, sender_raises, rejection,
-              dead_sender)
+              direct_round_trip, direct_abort, dead_sender)
 
 
 def _child(rank: int, port: int, results: Any) -> None:
@@ -456,6 +527,14 @@ def test_sender_that_raises_makes_receivers_raise_and_fail_closed_until_a_comple
 
 def test_loader_rejections_are_named_collected_and_fail_closed_and_the_sender_knows(world):
     world.check("rejection")
+
+
+def test_direct_entries_go_without_the_packing_copy_and_control_packed(world):
+    world.check("direct_round_trip")
+
+
+def test_sender_stopped_in_a_run_of_direct_entries_makes_receivers_raise_and_fail_closed(world):
+    world.check("direct_abort")
 
 
 def test_sender_that_dies_makes_receivers_raise_and_every_process_ends(world):

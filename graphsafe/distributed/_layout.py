@@ -2,8 +2,11 @@
 
 Every rank agrees on a `_Plan` (broadcast as the sync's metadata) before any data moves:
 each entry's bucket and its byte offset, aligned to `_ALIGN`, and each bucket's data
-size; a bucket travels with a `_TRAILER` after its data. A staging buffer holds one
-bucket slot, or two when the transfer overlaps the copies (`_slots`, `_slot`).
+size. A packed bucket travels with a `_TRAILER` after its data. A direct bucket is one
+large entry broadcast straight from the sender's tensor, with no copy into staging and
+no trailer; the next packed bucket's trailer (the plan ends with one) says whether the
+sender held up, so a failure in a run of direct buckets is still told. A staging buffer
+holds one bucket slot, or two when the transfer overlaps the copies (`_slots`, `_slot`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from graphsafe.distributed._reports import WeightSyncError
 
-_PROTOCOL = 1
+_PROTOCOL = 2
 _MAGIC = 0x6773_5359_4E43  # "gsSYNC"
 _ALIGN = 64
 _TRAILER = 32  # four int64: magic, sync id, bucket index, status
@@ -40,23 +43,30 @@ class _Plan:
     entries: tuple[_Entry, ...]
     sizes: tuple[int, ...]
     """Data bytes per bucket."""
+    direct: tuple[bool, ...]
+    """Per bucket: one entry sent from the sender's own tensor, without a trailer."""
+    bucket_bytes: int = 0
+    """The sender's bucket size: what a receiver may hold in flight at once."""
 
     @property
     def wires(self) -> tuple[int, ...]:
-        """Bytes broadcast per bucket: data, padding, trailer."""
-        return tuple(_align(s) + _TRAILER for s in self.sizes)
+        """Bytes broadcast per bucket: data, then padding and trailer unless direct."""
+        return tuple(s if d else _align(s) + _TRAILER for s, d in zip(self.sizes, self.direct))
 
     def bucket(self, index: int) -> tuple[_Entry, ...]:
         return tuple(e for e in self.entries if e.bucket == index)
 
     def record(self) -> dict[str, Any]:
         return {"protocol": _PROTOCOL, "sync": self.sync, "abort": None,
-                "entries": [tuple(e) for e in self.entries], "sizes": list(self.sizes)}
+                "entries": [tuple(e) for e in self.entries], "sizes": list(self.sizes),
+                "direct": list(self.direct), "bucket_bytes": self.bucket_bytes}
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> _Plan:
         entries = tuple(_Entry(n, tuple(s), d, b, o, nb) for n, s, d, b, o, nb in record["entries"])
-        return cls(sync=record["sync"], entries=entries, sizes=tuple(record["sizes"]))
+        return cls(sync=record["sync"], entries=entries, sizes=tuple(record["sizes"]),
+                   direct=tuple(bool(d) for d in record["direct"]),
+                   bucket_bytes=int(record["bucket_bytes"]))
 
 
 def _align(n: int) -> int:
@@ -79,12 +89,39 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _plan(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, sync: int) -> _Plan:
-    """Pack entries in order into buckets of at most `bucket_bytes` data bytes."""
+def _sendable(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` can be broadcast as it is: a plain dense tensor, contiguous, on the
+    group's device (a subclass may run code on reads: it is copied like the rest)."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.device == device
+        and t.is_contiguous()
+        and t.numel() > 0
+    )
+
+
+def _plan(
+    items: Sequence[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    sync: int,
+    direct_bytes: int | None = None,
+    device: torch.device | None = None,
+) -> _Plan:
+    """Pack entries in order into buckets of at most `bucket_bytes` data bytes; entries
+    of `direct_bytes` and more that can be broadcast as they are go in direct buckets."""
     entries: list[_Entry] = []
     sizes: list[int] = []
+    direct: list[bool] = []
     seen: set[str] = set()
     fill = -1  # data bytes of the open bucket; -1: none open
+
+    def close() -> None:
+        nonlocal fill
+        if fill >= 0:
+            sizes.append(fill)
+            direct.append(False)
+        fill = -1
+
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2):
             raise TypeError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
@@ -100,20 +137,30 @@ def _plan(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, sync: in
             raise ValueError(f"entry {name!r} appears twice in one sync")
         seen.add(name)
         nbytes = t.numel() * t.element_size()
-        if fill < 0 or (fill > 0 and _align(fill) + nbytes > bucket_bytes):
-            if fill >= 0:
-                sizes.append(fill)
+        dtype = _dtype_name(t.dtype)
+        if (direct_bytes is not None and device is not None and nbytes >= direct_bytes
+                and _sendable(t, device)):
+            close()
+            entries.append(_Entry(name, tuple(t.shape), dtype, len(sizes), 0, nbytes))
+            sizes.append(nbytes)
+            direct.append(True)
+            continue
+        if fill > 0 and _align(fill) + nbytes > bucket_bytes:
+            close()
+        if fill < 0:
             fill = 0
         offset = _align(fill) if fill else 0
-        entries.append(_Entry(name, tuple(t.shape), _dtype_name(t.dtype), len(sizes), offset,
-                              nbytes))
+        entries.append(_Entry(name, tuple(t.shape), dtype, len(sizes), offset, nbytes))
         fill = offset + nbytes
         if fill >= bucket_bytes:  # full, or one tensor larger than a bucket: close it
-            sizes.append(fill)
-            fill = -1
-    if fill >= 0:
-        sizes.append(fill)
-    return _Plan(sync=sync, entries=tuple(entries), sizes=tuple(sizes))
+            close()
+    close()
+    if direct and direct[-1]:
+        # The trailer after the last direct bucket: it says whether the sender held up.
+        sizes.append(0)
+        direct.append(False)
+    return _Plan(sync=sync, entries=tuple(entries), sizes=tuple(sizes), direct=tuple(direct),
+                 bucket_bytes=bucket_bytes)
 
 
 def _view(staging: torch.Tensor, e: _Entry) -> torch.Tensor:
@@ -142,3 +189,46 @@ def _slot(staging: torch.Tensor, stride: int, wires: Sequence[int], b: int) -> t
     """Bucket `b`'s slot: its data, padding and trailer."""
     at = stride * (b % 2)
     return staging[at : at + wires[b]]
+
+
+class _Ring:
+    """Where a receiver puts each bucket in its staging buffer: in order, wrapping
+    around, never over a bucket still held (posted and not yet loaded). Many small
+    buckets can then be in flight at once, in the memory of one large one.
+
+    Args:
+        wires: Bytes of each bucket on the wire.
+        capacity: Bytes of staging.
+    """
+
+    def __init__(self, wires: Sequence[int], capacity: int) -> None:
+        self.wires = wires
+        self.capacity = capacity
+        self.cursor = 0
+        self.held: list[tuple[int, int]] = []  # (start, end) of buckets held, oldest first
+
+    @staticmethod
+    def size(wires: Sequence[int], bucket_bytes: int, overlap: bool) -> int:
+        """Staging bytes: the largest bucket, or with `overlap` two of them, or as many
+        buckets as one of the sender's buckets holds, whichever is more (never more than
+        the whole sync)."""
+        largest = _align(max(wires, default=0))
+        if not overlap or len(wires) < 2:
+            return largest
+        total = sum(_align(w) for w in wires)
+        return max(min(2 * largest, total), min(bucket_bytes, total))
+
+    def place(self, b: int) -> int | None:
+        """The offset of bucket `b`, now held; None while it does not fit yet."""
+        w = _align(self.wires[b])
+        start = self.cursor if self.cursor + w <= self.capacity else 0
+        end = start + w
+        if any(start < e and s < end for s, e in self.held):
+            return None
+        self.held.append((start, end))
+        self.cursor = end
+        return start
+
+    def release(self) -> None:
+        """The oldest bucket held was loaded: its memory may take another."""
+        self.held.pop(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 import types
 from dataclasses import dataclass
@@ -22,8 +23,7 @@ from graphsafe.distributed._layout import (
     _MAGIC,
     _PROTOCOL,
     _Plan,
-    _slot,
-    _slots,
+    _Ring,
     _trailer,
     _view,
 )
@@ -71,9 +71,9 @@ def receive_weights(
         src: The sending rank (global).
         group: The process group; the default group when None. Give it a timeout: a
             sender that died is detected by it.
-        overlap: Receive the next bucket while the loader runs on the current one; the
-            staging buffer then holds two buckets. False: one bucket, receiving and
-            loading in turn.
+        overlap: Receive the next buckets while the loader runs on the current one (see
+            above for the staging this takes). False: one bucket, receiving and loading
+            in turn.
 
     Returns:
         The report; `report.failed_ranks` names other receivers that failed.
@@ -128,7 +128,7 @@ def _receive_report(
     total = sum(e.nbytes for e in plan.entries)
     return ReceiveReport(
         rank=rank, src=src, sync=plan.sync, entries=len(plan.entries), bytes=total,
-        buckets=len(plan.sizes), seconds=seconds,
+        buckets=len(plan.sizes), direct_buckets=sum(plan.direct), seconds=seconds,
         refresh_seconds=max(0.0, end - state.loaded) if end else 0.0,
         throughput=total / seconds if seconds > 0 else 0.0,
         staging_bytes=state.staging_bytes, staging_reused=state.reused, overlap=state.overlap,
@@ -211,26 +211,20 @@ def _receive(
         )
     plan = state.plan = _Plan.from_record(record)
     wires = plan.wires
-    stride, need = _slots(wires, overlap)
+    buckets = len(plan.sizes)
+    ring = _Ring(wires, _Ring.size(wires, plan.bucket_bytes, overlap))
     table, key = _RECV_STAGING.setdefault(model, {}), _group_key(group)
-    staging, state.reused = _staging(table, key, device, need)
-    state.staging_bytes, state.overlap = staging.numel(), stride > 0
+    staging, state.reused = _staging(table, key, device, ring.capacity)
+    state.staging_bytes, state.overlap = staging.numel(), overlap and buckets > 1
     loader = getattr(model, "load_weights", None)
     state.accepted, state.rejected = [], []
-    pending: Any = None  # the work of the broadcast posted and not yet waited for
-
-    def post(b: int) -> Any:
-        try:
-            return dist.broadcast(_slot(staging, stride, wires, b), src=src, group=group,
-                                  async_op=True)
-        except Exception as exc:
-            raise _lost(b, exc) from exc
+    # Buckets posted and not yet loaded, oldest first: (bucket, its slot, its work).
+    inflight: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
 
     def _lost(b: int, exc: BaseException) -> WeightSyncError:
         entries = plan.bucket(b)
         return WeightSyncError(
-            f"receive_weights: bucket {b} of {len(plan.sizes)} did not arrive from rank "
-            f"{src}",
+            f"receive_weights: bucket {b} of {buckets} did not arrive from rank {src}",
             bucket=b,
             entry=entries[0].name if entries else None,
             expected=f"{wires[b]} bytes within the group's timeout",
@@ -239,32 +233,81 @@ def _receive(
             "until a complete sync; recreate the process group before the next one",
         )
 
-    try:
-        pending = post(0) if plan.sizes else None
-        for b, size in enumerate(plan.sizes):
-            entries = plan.bucket(b)
-            work, pending = pending, None
+    def post_ahead(next_b: int) -> int:
+        """Post the broadcasts of the buckets from `next_b` on that fit in staging now
+        (one at a time without `overlap`); returns the first bucket not posted.
+
+        Never past a packed bucket whose trailer is not read yet: if it says the sender
+        aborted, the sender sends nothing after it but its error, and a broadcast posted
+        beyond it would take that error's place."""
+        while (
+            next_b < buckets
+            and (overlap or not inflight)
+            and all(plan.direct[i] for i, _, _ in inflight)
+        ):
+            at = ring.place(next_b)
+            if at is None:
+                break
+            slot = staging[at : at + wires[next_b]]
             try:
-                work.wait()
+                work = dist.broadcast(slot, src=src, group=group, async_op=True)
             except Exception as exc:
-                raise _lost(b, exc) from exc
-            mark_written(staging)  # a c10d write: declared, whatever the tracker saw
-            slot = _slot(staging, stride, wires, b)
-            _check_trailer(slot, size, plan, b, src, group)
-            if stride and b + 1 < len(plan.sizes):
-                pending = post(b + 1)  # into the other slot, while the loader runs
-            pairs = [(e.name, _view(slot, e)) for e in entries]
-            if loader is None or not callable(loader):
+                raise _lost(next_b, exc) from exc
+            inflight.append((next_b, slot, work))
+            next_b += 1
+        return next_b
+
+    by_bucket: list[list[Any]] = [[] for _ in plan.sizes]
+    for e in plan.entries:
+        by_bucket[e.bucket].append(e)
+    group_bytes = ring.capacity // 2  # one group loads while the next one arrives
+
+    def arrived() -> tuple[int, torch.Tensor]:
+        """Wait for the oldest bucket in flight; check its trailer if it has one."""
+        b, slot, work = inflight.popleft()
+        try:
+            work.wait()
+        except Exception as exc:
+            raise _lost(b, exc) from exc
+        if not plan.direct[b]:  # a direct bucket has none: the next trailer tells
+            _check_trailer(slot, plan.sizes[b], plan, b, src, group)
+        return b, slot
+
+    try:
+        next_b = post_ahead(0)
+        done = 0
+        while done < buckets:
+            # One bucket, or a run of direct buckets loaded in one loader call: a call
+            # of a model's loader has a cost of its own.
+            b, slot = arrived()
+            loaded = [(b, slot)]
+            size = wires[b]
+            while (
+                plan.direct[b] and inflight and plan.direct[inflight[0][0]]
+                and size + wires[inflight[0][0]] <= group_bytes
+            ):
+                b, slot = arrived()
+                loaded.append((b, slot))
+                size += wires[b]
+            mark_written(staging)  # c10d writes: declared, whatever the tracker saw
+            next_b = post_ahead(next_b)  # the next buckets arrive while the loader runs
+            pairs = [(e.name, _view(s, e)) for b, s in loaded for e in by_bucket[b]]
+            where = {e.name: b for b, _ in loaded for e in by_bucket[b]}
+            if not pairs:
+                pass  # the trailer closing a run of direct buckets
+            elif loader is None or not callable(loader):
                 state.rejected.extend(
-                    RejectedEntry(name=n, bucket=b, error=f"{type(model).__name__} has no "
-                                  "load_weights(pairs) method") for n, _ in pairs
+                    RejectedEntry(name=n, bucket=where[n], error=f"{type(model).__name__} "
+                                  "has no load_weights(pairs) method") for n, _ in pairs
                 )
             else:
-                _load(loader, pairs, b, state.accepted, state.rejected)
-            if not stride and b + 1 < len(plan.sizes):
-                pending = post(b + 1)
+                _load(loader, pairs, where, state.accepted, state.rejected)
+            for _ in loaded:
+                ring.release()
+            done += len(loaded)
+            next_b = post_ahead(next_b)
     finally:
-        if pending is not None and table.get(key) is staging:
+        if inflight and table.get(key) is staging:
             # A broadcast still writes into it: no later sync may reuse it.
             del table[key]
     state.completed = True
@@ -307,11 +350,12 @@ def _check_trailer(
 def _load(
     loader: Any,
     pairs: list[tuple[str, torch.Tensor]],
-    bucket: int,
+    bucket: dict[str, int],
     accepted: list[str],
     rejected: list[RejectedEntry],
 ) -> None:
-    """Load one bucket; a refused entry is recorded and the others are loaded anyway."""
+    """Load buckets' entries (`bucket`: each entry's bucket); a refused entry is recorded
+    and the others are loaded anyway."""
     queue = [pairs]
     while queue:
         chunk = queue.pop()
@@ -322,16 +366,17 @@ def _load(
         except WeightLoadError as exc:
             names = [n for n, _ in chunk]
             if exc.name not in names:
-                rejected.extend(RejectedEntry(name=n, bucket=bucket, error=_first_line(exc))
+                rejected.extend(RejectedEntry(name=n, bucket=bucket[n], error=_first_line(exc))
                                 for n in names)
                 continue
             i = names.index(exc.name)
-            rejected.append(RejectedEntry(name=exc.name, bucket=bucket, error=_first_line(exc)))
+            rejected.append(RejectedEntry(name=exc.name, bucket=bucket[exc.name],
+                                          error=_first_line(exc)))
             # The entries before it may or may not have been written: load them again.
             queue.extend(part for part in (chunk[i + 1 :], chunk[:i]) if part)
             continue
         except Exception as exc:
-            rejected.extend(RejectedEntry(name=n, bucket=bucket, error=_first_line(exc))
+            rejected.extend(RejectedEntry(name=n, bucket=bucket[n], error=_first_line(exc))
                             for n, _ in chunk)
             continue
         if isinstance(result, (set, frozenset, list, tuple)) and all(

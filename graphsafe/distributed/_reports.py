@@ -48,6 +48,8 @@ class SendReport(BaseModel):
     """Tensor bytes sent (without alignment padding and trailers)."""
     buckets: int
     """Broadcasts of data: one per bucket."""
+    direct_buckets: int = 0
+    """Of those, entries broadcast from the caller's tensor as it was, with no copy."""
     bucket_bytes: int
     """The bucket limit asked for; a tensor larger than it travelled alone."""
     largest_bucket: int
@@ -80,6 +82,8 @@ class ReceiveReport(BaseModel):
     """Tensor bytes received."""
     buckets: int
     """Buckets received."""
+    direct_buckets: int = 0
+    """Of those, entries the sender broadcast from its own tensor, with no copy."""
     seconds: float
     """Wall time from the metadata's arrival to the end of the refresh (time spent
     waiting for the sender to start is not counted)."""
@@ -89,9 +93,12 @@ class ReceiveReport(BaseModel):
     throughput: float
     """`bytes / seconds`, in bytes per second."""
     staging_bytes: int
-    """Size of the staging buffer (two bucket slots when `overlap`, else one)."""
+    """Size of the staging buffer: with `overlap`, what holds two of the largest buckets
+    or one of the sender's buckets (`bucket_bytes`), whichever is more; else the largest
+    bucket."""
     overlap: bool
-    """Whether receiving overlapped loading (two staging slots in use)."""
+    """Whether receiving overlapped loading (the next buckets posted while the loader
+    ran)."""
     staging_reused: bool
     """Whether the staging buffer of an earlier sync was reused (no allocation)."""
     accepted: tuple[str, ...]

@@ -44,6 +44,11 @@ class _SendProgress:
     """The staging slot of the bucket being packed."""
     pending: list[tuple[int, Any] | None] = field(default_factory=lambda: [None, None])
     """Per slot: (bucket, work) of a broadcast not yet waited for."""
+    direct: list[tuple[int, Any]] = field(default_factory=list)
+    """(bucket, work) of direct broadcasts not yet waited for (they read the caller's
+    tensors, not staging: nothing waits for them before the end)."""
+    posted: int = -1
+    """The last bucket whose broadcast was posted."""
 
     def wait(self, slot: int) -> None:
         """Wait for the broadcast from `slot`, if one is in flight."""
@@ -59,8 +64,14 @@ class _SendProgress:
 
     def drain(self) -> None:
         """Wait for every broadcast in flight, in bucket order."""
-        for slot in sorted((0, 1), key=lambda s: p[0] if (p := self.pending[s]) else -1):
-            self.wait(slot)
+        works = [(b, w) for b, w in self.direct]
+        works += [item for item in self.pending if item is not None]
+        for b, work in sorted(works, key=lambda item: item[0]):
+            self.wire, self.in_collective = b, True
+            work.wait()
+            self.in_collective, self.wire = False, -1
+        self.direct.clear()
+        self.pending = [None, None]
 
 
 def send_weights(
@@ -70,6 +81,7 @@ def send_weights(
     group: dist.ProcessGroup | None = None,
     bucket_bytes: int = 256 << 20,
     overlap: bool = True,
+    direct_bytes: int | None = 16 << 20,
 ) -> SendReport:
     """Broadcast checkpoint entries to every other rank of `group`, bucket by bucket.
 
@@ -78,7 +90,10 @@ def send_weights(
     data bytes; a tensor larger than that is sent alone in a bucket of its own size.
     Tensors may live on any device; they are copied into the staging buffer. With
     `overlap`, bucket k+1 is packed into one staging slot while bucket k is broadcast
-    from the other.
+    from the other. A contiguous tensor of `direct_bytes` or more on the group's device
+    is broadcast as it is, with no copy (the receivers still receive it into staging),
+    and the sender does not wait for it before the next bucket: keep the tensors
+    unchanged until the call returns.
 
     Args:
         weights: `(name, tensor)` pairs in checkpoint names, or a mapping (a state dict).
@@ -89,6 +104,9 @@ def send_weights(
         overlap: Pack the next bucket while the current one is broadcast; the staging
             buffer then holds two buckets. False: one bucket, packing and broadcasts in
             turn.
+        direct_bytes: Entries of at least this many bytes that can be sent as they are
+            go without the packing copy (each costs a collective of its own, so small
+            entries are packed); None packs every entry.
 
     Returns:
         The report.
@@ -112,18 +130,35 @@ def send_weights(
     try:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if direct_bytes is not None and (
+            isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int)
+            or direct_bytes < 1
+        ):
+            raise ValueError(f"direct_bytes must be a positive int or None, got {direct_bytes!r}")
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
-        plan = _plan(items, bucket_bytes, sync)
+        plan = _plan(items, bucket_bytes, sync, direct_bytes, device)
         state.in_collective = True
         dist.broadcast_object_list([plan.record()], src=src, group=group)
         state.in_collective = False
         state.meta_sent = True
         wires = plan.wires
-        stride, need = _slots(wires, overlap)
+        # Direct buckets are sent from the caller's tensors: no staging for them.
+        stride, need = _slots([0 if d else w for w, d in zip(wires, plan.direct)], overlap)
         staging, _ = _staging(_SEND_STAGING, _group_key(group), device, need)
         state.staging = staging
         tensors = dict(items)
         for b, size in enumerate(plan.sizes):
+            if plan.direct[b]:
+                (e,) = plan.bucket(b)
+                state.bucket, state.entry = b, e.name
+                wire = _wire_of(tensors[e.name])
+                state.entry = None
+                state.in_collective, state.wire = True, b
+                work = dist.broadcast(wire, src=src, group=group, async_op=True)
+                state.direct.append((b, work))
+                state.posted = b
+                state.in_collective, state.wire = False, -1
+                continue
             i = b % 2 if stride else 0
             state.wait(i)  # the slot's previous broadcast has read it
             state.bucket, state.slot = b, _slot(staging, stride, wires, b)
@@ -136,6 +171,7 @@ def send_weights(
             state.in_collective, state.wire = True, b
             work = dist.broadcast(state.slot, src=src, group=group, async_op=True)
             state.pending[i] = (b, work)
+            state.posted = b
             state.in_collective, state.wire = False, -1
             if not stride:
                 state.wait(0)
@@ -145,7 +181,9 @@ def send_weights(
         failed = _handshake(True, group, device)
         state.in_collective = False
     except BaseException as exc:
-        if any(state.pending) and _SEND_STAGING.get(_group_key(group)) is state.staging:
+        if (any(state.pending) or state.direct) and _SEND_STAGING.get(
+            _group_key(group)
+        ) is state.staging:
             # A broadcast may still read it: no later sync may pack into it.
             del _SEND_STAGING[_group_key(group)]
         if state.in_collective:
@@ -167,7 +205,8 @@ def send_weights(
         rank=rank, sync=sync, receivers=len(dist.get_process_group_ranks(
             group if group is not None else dist.group.WORLD)) - 1,
         entries=len(plan.entries), bytes=total, buckets=len(plan.sizes),
-        bucket_bytes=bucket_bytes, largest_bucket=max(plan.sizes, default=0),
+        direct_buckets=sum(plan.direct), bucket_bytes=bucket_bytes,
+        largest_bucket=max(plan.sizes, default=0),
         staging_bytes=staging.numel(), overlap=stride > 0, seconds=seconds,
         throughput=total / seconds if seconds > 0 else 0.0,
     )
@@ -182,6 +221,11 @@ def send_weights(
             "fix), then sync again: until then those models refuse to replay",
         )
     return report
+
+
+def _wire_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a direct entry, as they are: a view, no copy."""
+    return t.detach().view(-1).view(torch.uint8)
 
 
 def _abort(
@@ -204,10 +248,19 @@ def _abort(
         if not plan.sizes:
             return
         state.drain()  # the buckets before the failure go out whole, then the abort
-        b = max(state.bucket, 0)  # a failure before the first bucket aborts that one
-        slot = state.slot
-        if slot is None or state.bucket < 0:
-            slot = torch.empty(plan.wires[b], dtype=torch.uint8, device=_device(group))
+        device = _device(group)
+        b = state.posted + 1  # the first bucket the receivers still wait for
+        while b < len(plan.sizes) and plan.direct[b]:
+            # No trailer to carry the abort: the receivers take zeros into staging (the
+            # sync fails anyway) and learn of it at the next trailer.
+            dist.broadcast(torch.zeros(plan.wires[b], dtype=torch.uint8, device=device),
+                           src=src, group=group)
+            b += 1
+        if b >= len(plan.sizes):
+            return  # every bucket went out: the receivers learn of it at the handshake
+        slot = state.slot if state.bucket == b and state.slot is not None else None
+        if slot is None:
+            slot = torch.empty(plan.wires[b], dtype=torch.uint8, device=device)
         _trailer(slot, plan.sizes[b]).copy_(torch.tensor([_MAGIC, sync, b, _ABORT]))
         dist.broadcast(slot, src=src, group=group)
         dist.broadcast_object_list([what], src=src, group=group)

@@ -163,6 +163,39 @@ PyObject* same_items(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
+// `container.get(key)` when it is still the object of id `want_id`, a strided tensor
+// with storage at data pointer `want_ptr`; else nullptr. Leaves no error set.
+PyObject* still_bound(PyObject* container, PyObject* key, PyObject* want_id,
+                      PyObject* want_ptr) {
+  if (!PyDict_Check(container)) {
+    return nullptr;
+  }
+  PyObject* obj = PyDict_GetItemWithError(container, key);
+  if (obj == nullptr ||
+      PyLong_AsUnsignedLongLongMask(want_id) != reinterpret_cast<uintptr_t>(obj) ||
+      !is_tensor(obj)) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (!impl->has_storage() || impl->layout() != c10::kStrided) {
+    return nullptr;
+  }
+  uintptr_t ptr = 0;
+  try {
+    ptr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  } catch (...) {
+    return nullptr;
+  }
+  const auto want = PyLong_AsUnsignedLongLongMask(want_ptr);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  return ptr == want ? obj : nullptr;
+}
+
 // same_witnesses(containers, keys, ids, ptrs, versions: list) -> bool: each
 // `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data pointer
 // `ptrs[i]` and version `versions[i]`.
@@ -181,38 +214,18 @@ PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
     }
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* container = PyList_GET_ITEM(lists[0], i);
-    if (!PyDict_Check(container)) {
-      Py_RETURN_FALSE;
-    }
-    PyObject* obj = PyDict_GetItemWithError(container, PyList_GET_ITEM(lists[1], i));
+    PyObject* obj = still_bound(PyList_GET_ITEM(lists[0], i), PyList_GET_ITEM(lists[1], i),
+                                PyList_GET_ITEM(lists[2], i), PyList_GET_ITEM(lists[3], i));
     if (obj == nullptr) {
-      PyErr_Clear();
       Py_RETURN_FALSE;
     }
-    const auto id = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[2], i));
-    if (id != reinterpret_cast<uintptr_t>(obj) || !is_tensor(obj)) {
-      PyErr_Clear();
-      Py_RETURN_FALSE;
-    }
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    if (!impl->has_storage() || impl->is_inference()) {
-      Py_RETURN_FALSE;
-    }
-    uintptr_t ptr = 0;
-    try {
-      ptr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-    } catch (...) {
-      Py_RETURN_FALSE;
-    }
-    const auto want_ptr = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[3], i));
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
     const auto want_version = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[4], i));
     if (PyErr_Occurred()) {
       PyErr_Clear();
       Py_RETURN_FALSE;
     }
-    if (ptr != want_ptr || impl->version_counter().current_version() != want_version) {
+    if (impl->is_inference() || impl->version_counter().current_version() != want_version) {
       Py_RETURN_FALSE;
     }
   }
@@ -481,32 +494,12 @@ PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* container = PyList_GET_ITEM(lists[0], i);
-    PyObject* obj = PyDict_Check(container)
-                        ? PyDict_GetItemWithError(container, PyList_GET_ITEM(lists[1], i))
-                        : nullptr;
-    if (obj == nullptr ||
-        PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[2], i)) !=
-            reinterpret_cast<uintptr_t>(obj) ||
-        !is_tensor(obj)) {
-      PyErr_Clear();
-      Py_DECREF(out);
-      Py_RETURN_NONE;
-    }
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    bool same = impl->has_storage() && impl->layout() == c10::kStrided;
-    if (same) {
-      try {
-        same = reinterpret_cast<uintptr_t>(t.const_data_ptr()) ==
-               PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[3], i));
-      } catch (...) {
-        same = false;
-      }
-    }
+    PyObject* obj = still_bound(PyList_GET_ITEM(lists[0], i), PyList_GET_ITEM(lists[1], i),
+                                PyList_GET_ITEM(lists[2], i), PyList_GET_ITEM(lists[3], i));
+    bool same = obj != nullptr;
     if (same && i < n_strided) {
       PyObject* want = PyList_GET_ITEM(lists[4], i);
-      const c10::IntArrayRef strides = impl->strides();
+      const c10::IntArrayRef strides = THPVariable_Unpack(obj).unsafeGetTensorImpl()->strides();
       same = PyTuple_Check(want) &&
              PyTuple_GET_SIZE(want) == static_cast<Py_ssize_t>(strides.size());
       for (size_t d = 0; same && d < strides.size(); ++d) {

@@ -191,11 +191,14 @@ def get() -> Native | None:
     if _forced:
         return cast(Native, _load()) if _forced[-1] else None
     if _loaded is _UNSET:
-        setting = os.environ.get("GRAPHSAFE_NATIVE", "1").strip().lower()
-        _loaded = None if setting in ("0", "off", "false", "no") else _load(
-            build_missing=setting == "build"
-        )
+        _loaded = None if _setting() == "off" else _load(build_missing=_setting() == "build")
     return cast("Native | None", _loaded)
+
+
+def _setting() -> str:
+    """`GRAPHSAFE_NATIVE`: "off" (0, off, false, no), "build", or "on" (anything else)."""
+    value = os.environ.get("GRAPHSAFE_NATIVE", "1").strip().lower()
+    return "off" if value in ("0", "off", "false", "no") else value if value == "build" else "on"
 
 
 _modules: dict[Path, ModuleType | None] = {}
@@ -251,7 +254,7 @@ def describe() -> str:
     lib = path()
     if get() is not None:
         return f"native ({lib})"
-    if os.environ.get("GRAPHSAFE_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+    if _setting() == "off":
         return "python (GRAPHSAFE_NATIVE=0)"
     if not lib.exists():
         return "python (not built: run `graphsafe native build`)"

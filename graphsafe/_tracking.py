@@ -218,7 +218,6 @@ class NativeWriteTracker:
         self.on_complete: Callable[[], None] | None = None
         self._native = native
         self._id: int | None = None
-        self._depth = 0
         self._blind = False
 
     @property
@@ -235,12 +234,10 @@ class NativeWriteTracker:
             self._id = self._native.tracker_new(self.watched)
             weakref.finalize(self, self._native.tracker_free, self._id)
         self._native.tracker_push(self._id)
-        self._depth += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._id is not None
-        self._depth -= 1
         if not self._native.tracker_pop(self._id):
             self._blind = True
 

@@ -64,8 +64,7 @@ class _SendProgress:
 
     def drain(self) -> None:
         """Wait for every broadcast in flight, in bucket order."""
-        works = [(b, w) for b, w in self.direct]
-        works += [item for item in self.pending if item is not None]
+        works = self.direct + [item for item in self.pending if item is not None]
         for b, work in sorted(works, key=lambda item: item[0]):
             self.wire, self.in_collective = b, True
             work.wait()

@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphsafe as gs
-from graphsafe._ledger import Ledger
-from graphsafe._tracking import storage_key, write_tracker
+from graphsafe._memory.ledger import Ledger
+from graphsafe._runtime.tracking import storage_key, write_tracker
 
 __all__ = ["FIGURES", "Ctx", "Sizes"]
 
@@ -525,7 +525,7 @@ def _capture(ctx: Ctx, graph: Any, model: nn.Module, x: tuple[torch.Tensor, ...]
 def fig5(ctx: Ctx) -> list[Row]:
     """The guard a guarded replay runs: tiny flagship, 2,000 inputs; Ledger.verify alone."""
     rows: list[Row] = []
-    graph_mod, missing = _import("graphsafe._graph")
+    graph_mod, missing = _import("graphsafe._graphs.graph")
     guards = (
         ("5a", "guard before replay, tiny flagship", _guard_flagship),
         ("5c", f"guard, {ctx.sizes.fig5_inputs} small derivations", _guard_many),
@@ -638,7 +638,9 @@ def _guard_many(ctx: Ctx, graph_mod: Any) -> Row:
         sites = None
     path = "python"
     try:  # internals: the same two flat checks on the compiled path and the Python one
-        from graphsafe import _journal, _ledger, _native
+        from graphsafe import _native
+        from graphsafe._memory import journal as _journal
+        from graphsafe._memory import ledger as _ledger
 
         if _native.get() is not None:
             path = "native"
@@ -721,7 +723,7 @@ def fig7(ctx: Ctx) -> list[Row]:
     """Refit in 8 buckets inside gs.weight_update, vs capturing the graph again."""
     preset = ctx.sizes.fig7_preset
     name = f"refit+refresh vs capture, {preset}"
-    graph_mod, missing = _import("graphsafe._graph")
+    graph_mod, missing = _import("graphsafe._graphs.graph")
     if graph_mod is None:
         return [Row("7a", name, skipped=missing)]
     try:

@@ -1,7 +1,7 @@
 """graphsafe: derived buffers that stay correct under captured CUDA graphs across reloads."""
 
-from graphsafe._declare import derive
-from graphsafe._declare import graphsafe
+from graphsafe._declare.decorators import derive
+from graphsafe._declare.decorators import graphsafe
 from graphsafe._errors import CaptureError
 from graphsafe._errors import DerivationDriftError
 from graphsafe._errors import GraphSafetyError
@@ -11,20 +11,20 @@ from graphsafe._errors import RegistrationError
 from graphsafe._errors import StaleError
 from graphsafe._errors import StorageMovedError
 from graphsafe._errors import WeightLoadError
-from graphsafe._graph import Graph
-from graphsafe._journal import mark_written
-from graphsafe._ledger import Ledger
-from graphsafe._load_into import load_into
-from graphsafe._registry import Registry
-from graphsafe._registry import default_registry
-from graphsafe._runtime import Runtime
-from graphsafe._runtime import runtime
-from graphsafe._runtime import weight_update
-from graphsafe._spec import Derivation
-from graphsafe._spec import DerivationInfo
-from graphsafe._spec import DerivationReport
-from graphsafe._spec import Drift
-from graphsafe._spec import RefreshReport
+from graphsafe._graphs.graph import Graph
+from graphsafe._memory.journal import mark_written
+from graphsafe._memory.ledger import Ledger
+from graphsafe._runtime.load_into import load_into
+from graphsafe._declare.registry import Registry
+from graphsafe._declare.registry import default_registry
+from graphsafe._runtime.runtime import Runtime
+from graphsafe._runtime.runtime import runtime
+from graphsafe._runtime.runtime import weight_update
+from graphsafe._declare.spec import Derivation
+from graphsafe._declare.spec import DerivationInfo
+from graphsafe._declare.spec import DerivationReport
+from graphsafe._declare.spec import Drift
+from graphsafe._declare.spec import RefreshReport
 
 __all__ = [
     "CaptureError",

@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _native(args.action)
     # Imported late: `graphsafe --help` should not pay for importing torch.
     from graphsafe._errors import GraphSafetyError
-    from graphsafe._verify import format_report, load_target, run_verify
+    from graphsafe._verify.run import format_report, load_target, run_verify
 
     if args.refits < 1:
         print("graphsafe verify: --refits must be at least 1", file=sys.stderr)
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
         say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         if args.pp is not None:
-            from graphsafe._verify_pp import run_verify_pp
+            from graphsafe._verify.pipeline import run_verify_pp
 
             report = run_verify_pp(
                 target, pp=args.pp, preset=args.preset, backend=args.backend,

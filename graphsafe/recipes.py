@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from graphsafe._declare import derive as _derive
+from graphsafe._declare.decorators import derive as _derive
 from graphsafe._errors import DerivationDriftError
 
 __all__ = [

@@ -173,7 +173,7 @@ def test_control_a_body_without_value_reads_captures() -> None:
 def test_the_frame_of_an_error_raised_inside_torch_is_the_users_line() -> None:
     # What the CUDA backend names when stream capture refuses an op: the user's line in
     # the traceback, past the library frames inside it.
-    from graphsafe._source import user_frame_of
+    from graphsafe._graphs.source import user_frame_of
 
     def users_function() -> None:
         torch.testing.assert_close(torch.zeros(2), torch.ones(2))  # raises inside torch

@@ -1,4 +1,4 @@
-"""The CPU graph backend replays with a CUDA graph's semantics (`graphsafe._cpu_graph`).
+"""The CPU graph backend replays with a CUDA graph's semantics (`graphsafe._graphs.cpu`).
 
 Every case is checked against eager: writes into captured memory are seen, rebinding
 is reproduced as the stale read a CUDA graph would give, outputs keep their memory.
@@ -17,9 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from graphsafe._cpu_graph import CPUBackend
 from graphsafe._errors import CaptureError
-from graphsafe._graph import Graph
+from graphsafe._graphs.cpu import CPUBackend
+from graphsafe._graphs.graph import Graph
 
 
 class Tiny(nn.Module):

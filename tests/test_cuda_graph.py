@@ -1,4 +1,4 @@
-"""The CUDA backend: real `torch.cuda.CUDAGraph` capture and replay (`graphsafe._cuda_graph`).
+"""The CUDA backend: real `torch.cuda.CUDAGraph` capture and replay (`graphsafe._graphs.cuda`).
 
 The same capture -> write -> replay checks as the CPU backend's, on a GPU. Skipped where
 CUDA is absent; every test has "cuda" in its name so `pytest -k cuda` (scripts/gpu-check)
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from graphsafe._errors import CaptureError, StorageMovedError
-from graphsafe._graph import Graph
+from graphsafe._graphs.graph import Graph
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -230,7 +230,7 @@ def test_cuda_item_during_capture_raises_capture_error() -> None:
         import os
         import torch
         from graphsafe._errors import CaptureError
-        from graphsafe._graph import Graph
+        from graphsafe._graphs.graph import Graph
         x = torch.ones(4, device="cuda")
         g = Graph(backend="cuda")
         status = 1

@@ -1,4 +1,4 @@
-"""Declaring derivations on classes: `gs.derive` and `gs.graphsafe` (`graphsafe._declare`)."""
+"""Declaring derivations on classes: `gs.derive` and `gs.graphsafe`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from helpers import expected_scaled, identities, scaled_layer_class, write
 from torch import nn
 
 import graphsafe as gs
-from graphsafe._declare import is_marked
+from graphsafe._declare.decorators import is_marked
 
 DERIVED = ("w_scaled", "col_sum", "bias2")
 

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from graphsafe._cpu_graph import CPUBackend
 from graphsafe._errors import WeightLoadError
+from graphsafe._graphs.cpu import CPUBackend
 from graphsafe.models.deepseek_v4 import (
     PRESETS,
     DeepseekV4Config,

@@ -1,4 +1,4 @@
-"""`Graph(guard=model)`: refuse to replay stale memory (`graphsafe._graph`).
+"""`Graph(guard=model)`: refuse to replay stale memory (`graphsafe._graphs.graph`).
 
 Each guarded test has an unguarded control: the same rebinding replays silently stale,
 so it is the guard that catches it.
@@ -15,7 +15,7 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe._errors import CaptureError, StaleError, StorageMovedError
-from graphsafe._graph import Graph
+from graphsafe._graphs.graph import Graph
 
 
 class Layer(nn.Module):

@@ -143,7 +143,7 @@ def test_the_step_check_reads_subclass_parameters_without_their_torch_function()
     assert att.guard is not None
     # Another model's failed load poisons its own storage; this model's check is
     # still the flat one.
-    from graphsafe._journal import JOURNAL
+    from graphsafe._memory.journal import JOURNAL
 
     foreign = torch.zeros(3)
     JOURNAL.poison([foreign], "a failed load of another model")

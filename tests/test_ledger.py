@@ -1,4 +1,4 @@
-"""The storage ledger: every way a pinned tensor can move is reported (`graphsafe._ledger`)."""
+"""The storage ledger: every way a pinned tensor can move is reported."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from graphsafe._errors import StorageMovedError
-from graphsafe._ledger import Drift, Ledger
-from graphsafe._walk import storage_key, walk_modules, walk_tensors
+from graphsafe._memory.ledger import Drift, Ledger
+from graphsafe._memory.walk import storage_key, walk_modules, walk_tensors
 
 
 class Block(nn.Module):
@@ -548,7 +548,7 @@ def test_a_zero_byte_tensor_moved_to_another_device_is_caught() -> None:
     assert _kinds(ledger.verify()) == {("e", "device")}
 
 
-# The walker (`graphsafe._walk`), which the ledger pins from.
+# The walker (`graphsafe._memory.walk`), which the ledger pins from.
 
 
 def test_every_site_resolves_to_its_tensor_through_container_key_and_chain() -> None:

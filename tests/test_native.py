@@ -25,8 +25,8 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
-from graphsafe._journal import Witnesses
-from graphsafe._ledger import Ledger
+from graphsafe._memory.journal import Witnesses
+from graphsafe._memory.ledger import Ledger
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -220,7 +220,7 @@ def test_a_failed_build_says_why_and_the_guard_keeps_its_python_path(
 ) -> None:
     monkeypatch.setenv("GRAPHSAFE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
-    with pytest.raises(_native.NativeBuildError, match=r"compiling _native.cpp failed \(exit 1\)"):
+    with pytest.raises(_native.NativeBuildError, match=r"compiling native.cpp failed \(exit 1\)"):
         _native.build()
     assert not _native.path().exists()
     with (

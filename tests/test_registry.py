@@ -1,4 +1,4 @@
-"""The registry and the `Derivation` spec (`graphsafe._registry`, `graphsafe._spec`)."""
+"""The registry and the `Derivation` spec."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import graphsafe as gs
-from graphsafe._registry import accepts_out
+from graphsafe._declare.registry import accepts_out
 
 
 def _t(module: nn.Module, w: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The runtime: materialize once, refresh in place, fail closed (`graphsafe._runtime`)."""
+"""The runtime: materialize once, refresh in place, fail closed (`graphsafe._runtime.runtime`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Write tracking at the dispatcher (`graphsafe._tracking`).
+"""Write tracking at the dispatcher (`graphsafe._runtime.tracking`).
 
 Each test of what a tracker sees runs with both trackers: `WriteTracker` (a Python
 dispatch mode) and `NativeWriteTracker` (a compiled RecordFunction callback, used by
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from graphsafe import _native
-from graphsafe._tracking import NativeWriteTracker, WriteTracker, storage_key
+from graphsafe._runtime.tracking import NativeWriteTracker, WriteTracker, storage_key
 
 Tracker = WriteTracker | NativeWriteTracker
 
@@ -29,7 +29,7 @@ def tracker(request: pytest.FixtureRequest) -> Callable[[dict[int, str]], Tracke
         _native.build()
     except _native.NativeBuildError as exc:  # no C++ compiler on this machine
         pytest.skip(f"the compiled tracker cannot be built here: {exc}")
-    native = _native._load()
+    native = _native.loader._load()
     assert native is not None
     return lambda watched: NativeWriteTracker(watched, native)  # type: ignore[arg-type]
 
@@ -159,7 +159,7 @@ def test_the_compiled_tracker_fails_closed_when_record_function_is_off() -> None
         _native.build()
     except _native.NativeBuildError as exc:
         pytest.skip(f"the compiled tracker cannot be built here: {exc}")
-    native = _native._load()
+    native = _native.loader._load()
     assert native is not None
     p, q = _param(), _param()
     watched = {storage_key(p): "p", storage_key(q): "q"}

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import WeightLoadError
-from graphsafe._journal import mark_written
-from graphsafe._runtime import runtime, weight_update
-from graphsafe._spec import RefreshReport
+from graphsafe._memory.journal import mark_written
+from graphsafe._runtime.runtime import runtime, weight_update
 from graphsafe.distributed._buffers import _RECV_STAGING, _group_key, _staging
 from graphsafe.distributed._layout import (
     _ABORT,

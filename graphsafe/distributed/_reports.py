@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import GraphSafetyError
-from graphsafe._spec import RefreshReport
 
 __all__ = ["ReceiveReport", "RejectedEntry", "SendReport", "WeightSyncError"]
 

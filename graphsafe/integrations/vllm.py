@@ -42,11 +42,11 @@ import torch
 from torch import nn
 
 from graphsafe import recipes
+from graphsafe._declare.registry import Registry
 from graphsafe._errors import GraphSafetyError, RegistrationError
-from graphsafe._guard import Guard
-from graphsafe._registry import Registry
-from graphsafe._runtime import Runtime, runtime
-from graphsafe._walk import Site
+from graphsafe._graphs.guard import Guard
+from graphsafe._memory.walk import Site
+from graphsafe._runtime.runtime import Runtime, runtime
 
 __all__ = [
     "ENV",

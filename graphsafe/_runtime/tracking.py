@@ -17,8 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphsafe import _native
-from graphsafe._transient import Transient, Transients
-from graphsafe._walk import storage_key
+from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.transient import Transient, Transients
 
 __all__ = [
     "NativeWriteTracker",

@@ -26,8 +26,8 @@ from torch import nn
 
 from graphsafe import _native
 from graphsafe._errors import GraphSafetyError
-from graphsafe._graph import Graph
-from graphsafe._runtime import runtime, weight_update
+from graphsafe._graphs.graph import Graph
+from graphsafe._runtime.runtime import runtime, weight_update
 
 __all__ = [
     "ControlRow",

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from graphsafe._engine import Engine
+from graphsafe._runtime.engine import Engine
 
 __all__ = ["hook_state_dict"]
 

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from graphsafe._declare.spec import Derivation
 from graphsafe._errors import RegistrationError
-from graphsafe._spec import Derivation
 
 __all__ = ["Registry", "accepts_out", "default_registry"]
 

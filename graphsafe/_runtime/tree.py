@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._binding import Binding
-from graphsafe._declare import class_registries
+from graphsafe._declare.decorators import class_registries
+from graphsafe._declare.registry import Registry
+from graphsafe._declare.spec import Derivation
 from graphsafe._errors import GraphSafetyError, RegistrationError
-from graphsafe._registry import Registry
-from graphsafe._spec import Derivation
+from graphsafe._runtime.binding import Binding
 
 __all__ = ["derivations_for", "swapped_modules", "tensor_at"]
 

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 
 import torch
 
-from graphsafe._engine import Engine
-from graphsafe._journal import JOURNAL, storage_key
-from graphsafe._spec import RefreshReport
-from graphsafe._tracking import write_tracker
-from graphsafe._transient import Transient, Transients
+from graphsafe._declare.spec import RefreshReport
+from graphsafe._memory.journal import JOURNAL, storage_key
+from graphsafe._runtime.engine import Engine
+from graphsafe._runtime.tracking import write_tracker
+from graphsafe._runtime.transient import Transient, Transients
 
 __all__ = ["Load", "LoadOwner", "end", "tracked_block", "tracked_call", "tracked_generator"]
 

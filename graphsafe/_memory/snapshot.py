@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from graphsafe import _native
-from graphsafe._binding import Bound, Input
-from graphsafe._journal import Seen
+from graphsafe._memory.journal import Seen
+from graphsafe._runtime.binding import Bound, Input
 
 __all__ = ["Flat"]
 

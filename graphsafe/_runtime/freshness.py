@@ -8,10 +8,10 @@ the journal holds poisoned by a failure.
 
 from __future__ import annotations
 
-from graphsafe._declare import is_wrapped_loader
-from graphsafe._engine import Engine
+from graphsafe._declare.decorators import is_wrapped_loader
 from graphsafe._errors import StaleError
-from graphsafe._journal import JOURNAL, storage_key
+from graphsafe._memory.journal import JOURNAL, storage_key
+from graphsafe._runtime.engine import Engine
 
 __all__ = ["check_fresh", "fresh_fix", "stale_map"]
 

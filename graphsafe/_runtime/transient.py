@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from graphsafe._binding import Bound, Input
+from graphsafe._runtime.binding import Bound, Input
 
 __all__ = ["Transient", "Transients"]
 

@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._binding import Binding, Bound, Input, describe, join
+from graphsafe._declare.spec import Drift
 from graphsafe._errors import (
     DerivationDriftError,
     ImpureDerivationError,
     RegistrationError,
     StorageMovedError,
 )
-from graphsafe._journal import storage_key
-from graphsafe._spec import Drift
+from graphsafe._memory.journal import storage_key
+from graphsafe._runtime.binding import Binding, Bound, Input, describe, join
 
 __all__ = [
     "adoptee",

@@ -7,8 +7,8 @@ for a replaced module, how to load into the module already there.
 
 from __future__ import annotations
 
+from graphsafe._declare.spec import Drift
 from graphsafe._errors import StorageMovedError
-from graphsafe._spec import Drift
 
 __all__ = ["moved_error"]
 

@@ -2,7 +2,7 @@
 
 `generate` writes the source of a function that reruns the recorded ops in order, with
 every tensor from outside the capture bound to the storage it had at capture time, and
-returns it as a `CompiledGraph`. The recorder (`graphsafe._cpu_graph`) produces the ops.
+returns it as a `CompiledGraph`. The recorder (`graphsafe._graphs.cpu`) produces the ops.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class CompiledGraph:
 
         Examples:
             >>> import torch
-            >>> from graphsafe._cpu_graph import CPUBackend
+            >>> from graphsafe._graphs.cpu import CPUBackend
             >>> g = CPUBackend()
             >>> with g.capture():
             ...     y = torch.ones(2) * 3
@@ -261,7 +261,7 @@ class CompiledGraph:
 
         Examples:
             >>> import torch
-            >>> from graphsafe._cpu_graph import CPUBackend
+            >>> from graphsafe._graphs.cpu import CPUBackend
             >>> g = CPUBackend()
             >>> with g.capture():
             ...     y = torch.ones(2) * 3
@@ -275,7 +275,7 @@ class CompiledGraph:
 
         Examples:
             >>> import torch
-            >>> from graphsafe._cpu_graph import CPUBackend
+            >>> from graphsafe._graphs.cpu import CPUBackend
             >>> g = CPUBackend()
             >>> with g.capture():
             ...     y = torch.ones(2) * 3

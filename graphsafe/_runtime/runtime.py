@@ -19,24 +19,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._binding import bind
-from graphsafe._checks import swapped_error
-from graphsafe._declare import class_registries, set_load_runner
-from graphsafe._engine import Engine
+from graphsafe._declare.decorators import class_registries, set_load_runner
+from graphsafe._declare.registry import Registry, default_registry
+from graphsafe._declare.spec import Derivation, DerivationInfo, RefreshReport
 from graphsafe._errors import (
     GraphSafetyError,
     StaleError,
     StorageMovedError,
 )
-from graphsafe._fresh import check_fresh, fresh_fix, stale_map
-from graphsafe._journal import JOURNAL
-from graphsafe._load_cycle import LIVE, after_state_dict_load, begin, between_loads, end_load
-from graphsafe._loads import Load, tracked_block, tracked_call, tracked_generator
-from graphsafe._registry import Registry, default_registry
-from graphsafe._spec import Derivation, DerivationInfo, RefreshReport
-from graphsafe._state_dict import hook_state_dict
-from graphsafe._tree import derivations_for, swapped_modules, tensor_at
-from graphsafe._walk import storage_key, storage_paths, walk_tensors
+from graphsafe._memory.journal import JOURNAL
+from graphsafe._memory.walk import storage_key, storage_paths, walk_tensors
+from graphsafe._runtime.binding import bind
+from graphsafe._runtime.checks import swapped_error
+from graphsafe._runtime.engine import Engine
+from graphsafe._runtime.freshness import check_fresh, fresh_fix, stale_map
+from graphsafe._runtime.load import Load, tracked_block, tracked_call, tracked_generator
+from graphsafe._runtime.load_cycle import (
+    LIVE,
+    after_state_dict_load,
+    begin,
+    between_loads,
+    end_load,
+)
+from graphsafe._runtime.state_dict import hook_state_dict
+from graphsafe._runtime.tree import derivations_for, swapped_modules, tensor_at
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 

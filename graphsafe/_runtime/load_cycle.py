@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import torch
 
-from graphsafe._engine import Engine
 from graphsafe._errors import GraphSafetyError
-from graphsafe._loads import Load, end, refresh_ready
+from graphsafe._runtime.engine import Engine
+from graphsafe._runtime.load import Load, end, refresh_ready
 
 __all__ = ["LIVE", "after_state_dict_load", "begin", "between_loads", "end_load"]
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphsafe import _native
-from graphsafe._walk import storage_key
+from graphsafe._memory.walk import storage_key
 
 __all__ = ["JOURNAL", "Journal", "Seen", "Witnesses", "mark_written", "storage_key"]
 

@@ -29,8 +29,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from graphsafe._capture import CaptureState
-from graphsafe._cpu_codegen import (
+from graphsafe._errors import CaptureError
+from graphsafe._graphs.capture import CaptureState
+from graphsafe._graphs.cpu_codegen import (
     CompiledGraph,
     Recorded,
     Ref,
@@ -40,9 +41,8 @@ from graphsafe._cpu_codegen import (
     static_aliases,
     storage_alias,
 )
-from graphsafe._errors import CaptureError
-from graphsafe._source import user_frame as _user_frame
-from graphsafe._tracking import written_args
+from graphsafe._graphs.source import user_frame as _user_frame
+from graphsafe._runtime.tracking import written_args
 
 __all__ = ["CPUBackend", "CompiledGraph"]
 

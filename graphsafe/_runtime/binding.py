@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils.dlpack import from_dlpack
 
-from graphsafe._declare import is_marked
+from graphsafe._declare.decorators import is_marked
+from graphsafe._declare.registry import accepts_out, check_signature
+from graphsafe._declare.spec import Derivation, DerivationInfo
 from graphsafe._errors import GraphSafetyError, RegistrationError
-from graphsafe._registry import accepts_out, check_signature
-from graphsafe._spec import Derivation, DerivationInfo
-from graphsafe._walk import walk_modules
+from graphsafe._memory.walk import walk_modules
 
 __all__ = [
     "Binding",

@@ -43,9 +43,9 @@ import torch
 from torch import nn
 
 from graphsafe import _native
-from graphsafe._moved import moved_error
-from graphsafe._spec import Drift, DriftKind
-from graphsafe._walk import Site, storage_key, walk_modules, walk_tensors
+from graphsafe._declare.spec import Drift, DriftKind
+from graphsafe._memory.drift import moved_error
+from graphsafe._memory.walk import Site, storage_key, walk_modules, walk_tensors
 
 __all__ = ["Ledger"]
 

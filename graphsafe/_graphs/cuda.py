@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphsafe._capture import CaptureState
 from graphsafe._errors import CaptureError
-from graphsafe._source import user_frame_of
+from graphsafe._graphs.capture import CaptureState
+from graphsafe._graphs.source import user_frame_of
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle

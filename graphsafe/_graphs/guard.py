@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from graphsafe._ledger import Ledger
-from graphsafe._runtime import Runtime, runtime
-from graphsafe._walk import Site
+from graphsafe._memory.ledger import Ledger
+from graphsafe._memory.walk import Site
+from graphsafe._runtime.runtime import Runtime, runtime
 
 __all__ = ["Guard"]
 

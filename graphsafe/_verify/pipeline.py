@@ -43,8 +43,8 @@ from pydantic import BaseModel, ValidationError
 from torch import nn
 
 from graphsafe._errors import GraphSafetyError
-from graphsafe._graph import Graph
-from graphsafe._verify import (
+from graphsafe._graphs.graph import Graph
+from graphsafe._verify.run import (
     ControlRow,
     RefitRow,
     SyncRow,
@@ -164,7 +164,7 @@ def _context() -> Any:
     # Ignored once the server runs; fork-safe, since importing starts no worker threads.
     # `torch._dynamo` is what building a model on the meta device imports (seconds).
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                "graphsafe.distributed", "graphsafe._verify_pp"])
+                                "graphsafe.distributed", "graphsafe._verify.pipeline"])
     return ctx
 
 

@@ -8,7 +8,7 @@ Shaped like `torch.cuda.CUDAGraph` with `torch.cuda.graph`:
     static_x.copy_(new_x)
     g.replay()  # out now holds model(new_x)
 
-The CPU backend (`graphsafe._cpu_graph`) replays with a CUDA graph's semantics, so a
+The CPU backend (`graphsafe._graphs.cpu`) replays with a CUDA graph's semantics, so a
 refit bug that would corrupt a CUDA graph shows up, reproducibly, without a GPU.
 
 With `guard=model`, capture pins the model (the pin is the graph's own: released when the
@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from graphsafe._capture import CaptureState
-from graphsafe._cpu_graph import CPUBackend
-from graphsafe._guard import Guard
-from graphsafe._ledger import Ledger
+from graphsafe._graphs.capture import CaptureState
+from graphsafe._graphs.cpu import CPUBackend
+from graphsafe._graphs.guard import Guard
+from graphsafe._memory.ledger import Ledger
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
 
-    from graphsafe._cuda_graph import CUDABackend
+    from graphsafe._graphs.cuda import CUDABackend
 
 __all__ = ["BackendName", "Graph"]
 
@@ -129,7 +129,7 @@ class Graph:
 
     def _make_impl(self) -> CPUBackend | CUDABackend:
         if self._backend == "cuda":
-            from graphsafe._cuda_graph import CUDABackend  # only where CUDA is wanted
+            from graphsafe._graphs.cuda import CUDABackend  # only where CUDA is wanted
 
             return CUDABackend(pool=self._pool)
         return CPUBackend()

@@ -16,8 +16,12 @@ from typing import Any
 
 import torch
 
-from graphsafe._binding import Binding, Bound, Input, join, pin_storage
-from graphsafe._checks import (
+from graphsafe._declare.spec import RawEntry, RawIdentity, RefreshReport
+from graphsafe._errors import DerivationDriftError
+from graphsafe._memory.journal import JOURNAL, Witnesses, storage_key
+from graphsafe._memory.snapshot import Flat
+from graphsafe._runtime.binding import Binding, Bound, Input, join, pin_storage
+from graphsafe._runtime.checks import (
     adoptee,
     as_results,
     check_results,
@@ -27,12 +31,8 @@ from graphsafe._checks import (
     read_refusal,
     refuse_resized,
 )
-from graphsafe._errors import DerivationDriftError
-from graphsafe._flat import Flat
-from graphsafe._journal import JOURNAL, Witnesses, storage_key
-from graphsafe._spec import RawEntry, RawIdentity, RefreshReport
-from graphsafe._tracking import ReadGuard, WriteTracker
-from graphsafe._transient import Transients
+from graphsafe._runtime.tracking import ReadGuard, WriteTracker
+from graphsafe._runtime.transient import Transients
 
 __all__ = ["Engine"]
 

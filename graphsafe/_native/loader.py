@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["Native", "NativeBuildError", "build", "describe", "get", "path", "timed_build", "using"]
 
-_SOURCE = Path(__file__).with_name("_native.cpp")
+_SOURCE = Path(__file__).with_name("native.cpp")
 
 
 class Native(Protocol):

@@ -12,9 +12,9 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast, overload
 
+from graphsafe._declare.registry import Registry, default_registry
+from graphsafe._declare.spec import Derivation
 from graphsafe._errors import NotMaterializedError, RegistrationError
-from graphsafe._registry import Registry, default_registry
-from graphsafe._spec import Derivation
 
 __all__ = [
     "class_registries",

@@ -1,0 +1,1 @@
+"""Declaring derivations: the specs, the registry and the class decorators."""

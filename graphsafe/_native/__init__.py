@@ -1,0 +1,23 @@
+"""The compiled checks: C++ for the guard's flat checks and the load-time write tracker."""
+
+from graphsafe._native.loader import (
+    Native,
+    NativeBuildError,
+    build,
+    describe,
+    get,
+    path,
+    timed_build,
+    using,
+)
+
+__all__ = [
+    "Native",
+    "NativeBuildError",
+    "build",
+    "describe",
+    "get",
+    "path",
+    "timed_build",
+    "using",
+]

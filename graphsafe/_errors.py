@@ -21,7 +21,20 @@ __all__ = [
     "StaleError",
     "StorageMovedError",
     "WeightLoadError",
+    "first_line",
+    "one_line",
 ]
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of `exc`'s message, for one-line summaries."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def one_line(exc: BaseException) -> str:
+    """`exc` as `Type: first line of its message`."""
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 class GraphSafetyError(Exception):

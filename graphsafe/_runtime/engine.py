@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from graphsafe._declare.spec import RawEntry, RawIdentity, RefreshReport
-from graphsafe._errors import DerivationDriftError
+from graphsafe._errors import DerivationDriftError, one_line
 from graphsafe._memory.journal import JOURNAL, Witnesses, storage_key
 from graphsafe._memory.snapshot import Flat
 from graphsafe._runtime.binding import Binding, Bound, Input, join, pin_storage
@@ -322,7 +322,7 @@ class Engine:
         realloc.clear()
         self._settle(plan, failed, sites_changed)
         if first_error is not None:
-            self.mark_stale(failed, f"{type(first_error).__name__}: {_first_line(first_error)}")
+            self.mark_stale(failed, one_line(first_error))
             raise first_error
         if self._frozen_identities is None:
             self._frozen_identities = tuple(self._identities)
@@ -546,7 +546,3 @@ class Engine:
             self._keys = frozenset(keys)
         return self._keys
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else ""

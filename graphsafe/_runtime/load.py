@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from graphsafe._declare.spec import RefreshReport
+from graphsafe._errors import one_line
 from graphsafe._memory.journal import JOURNAL, storage_key
 from graphsafe._runtime.engine import Engine
 from graphsafe._runtime.tracking import write_tracker
@@ -196,7 +197,7 @@ def end(
     # Those refreshed and released in the middle of the load are done with.
     touched = {tr for tr in load.transients_written() if tr.held}
     if exc is not None:
-        why = f"{what} raised {type(exc).__name__}: {_first_line(exc)}"
+        why = f"{what} raised {one_line(exc)}"
         dirty = engine.consumers_of(written) | load.moved
         dirty.update(i for inp in engine.find_moved()[0] for i in inp.consumers)
         dirty.update(i for tr in touched for i in transients.readers[id(tr)])
@@ -243,10 +244,6 @@ def end(
     if JOURNAL.poisoned:  # a completed load heals what a failed one poisoned
         JOURNAL.heal(storage_key(t) for t in model_tensors())
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else ""
 
 
 class LoadOwner(Protocol):

@@ -185,6 +185,16 @@ class Runtime:
             self.registries.append(registry)
             self._engine = None  # rebound on next use; existing buffers keep their storage
 
+    def add_load_check(self, check: Callable[[], None]) -> None:
+        """Run `check` whenever a load or update of this model ends normally, so that
+        what it finds raises through the call that made the load (an engine's ledger).
+
+        Args:
+            check: Raises to refuse the load's result.
+        """
+        with self._lock:
+            self._after_load.append(check)
+
     # -- what the user reads -----------------------------------------------------------
 
     @property

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
-from graphsafe._errors import GraphSafetyError
+from graphsafe._errors import GraphSafetyError, one_line
 from graphsafe._graphs.graph import Graph
 from graphsafe._verify.run import (
     ControlRow,
@@ -50,7 +50,6 @@ from graphsafe._verify.run import (
     SyncRow,
     VerifyReport,
     VerifyTarget,
-    _first_line,
     _Phases,
     _pointers,
 )
@@ -477,7 +476,7 @@ def _stage(rank: int, job: _Job) -> None:
             try:
                 graph.replay()
             except GraphSafetyError as exc:
-                error = _first_line(exc)
+                error = one_line(exc)
         _send_stream(out if error is None else None, nxt)
         return error
 
@@ -493,7 +492,7 @@ def _stage(rank: int, job: _Job) -> None:
         try:
             report = receive_weights(pipe.model, src=0)
         except GraphSafetyError as exc:
-            error = _first_line(exc)
+            error = one_line(exc)
         error = forward(graph, out, pipe, error)
         _gather({
             "stage": pp_rank, "layers": layers,
@@ -520,5 +519,5 @@ def _stage(rank: int, job: _Job) -> None:
     try:
         guarded.replay()
     except GraphSafetyError as exc:
-        refused = _first_line(exc)
+        refused = one_line(exc)
     _gather({"stage": pp_rank, "error": refused})

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from graphsafe import _native
-from graphsafe._errors import GraphSafetyError
+from graphsafe._errors import GraphSafetyError, one_line
 from graphsafe._graphs.graph import Graph
 from graphsafe._runtime.runtime import runtime, weight_update
 
@@ -241,10 +241,6 @@ class _Phases:
                   f"{time.perf_counter() - t0:.2f}s")
 
 
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-
-
 def run_verify(
     target: VerifyTarget,
     *,
@@ -318,10 +314,10 @@ def run_verify(
                     RefitRow(
                         refit=k + 1, buckets=0, critical_last=critical_last, refreshed=(),
                         storage_held=False, max_abs_diff=float("inf"), weights_effect=0.0,
-                        verdict="error", error=_first_line(exc),
+                        verdict="error", error=one_line(exc),
                     )
                 )
-                say(f"refit {k + 1}: {_first_line(exc)}")
+                say(f"refit {k + 1}: {one_line(exc)}")
                 continue
             diff = (out - eager).abs().max().item()
             effect = (eager - previous).abs().max().item()
@@ -358,7 +354,7 @@ def run_verify(
             try:
                 guarded.replay()
             except GraphSafetyError as exc:
-                guard_error = _first_line(exc)
+                guard_error = one_line(exc)
             control = ControlRow(
                 unguarded_max_abs_diff=ndiff,
                 stale_read=ndiff > tol,

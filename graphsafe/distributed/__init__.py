@@ -84,7 +84,6 @@ from graphsafe.distributed._sender import _SendProgress as _SendProgress
 from graphsafe.distributed._sender import _abort as _abort
 from graphsafe.distributed._wire import _check as _check
 from graphsafe.distributed._wire import _device as _device
-from graphsafe.distributed._wire import _first_line as _first_line
 from graphsafe.distributed._wire import _handshake as _handshake
 
 __all__ = [

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphsafe._declare.spec import RefreshReport
-from graphsafe._errors import WeightLoadError
+from graphsafe._errors import WeightLoadError, one_line
 from graphsafe._memory.journal import mark_written
 from graphsafe._runtime.runtime import runtime, weight_update
 from graphsafe.distributed._buffers import _RECV_STAGING, _group_key, _staging
@@ -28,7 +28,7 @@ from graphsafe.distributed._layout import (
     _view,
 )
 from graphsafe.distributed._reports import ReceiveReport, RejectedEntry, WeightSyncError
-from graphsafe.distributed._wire import _check, _device, _first_line, _handshake
+from graphsafe.distributed._wire import _check, _device, _handshake
 
 __all__ = ["receive_weights"]
 
@@ -164,7 +164,7 @@ def _handshake_error(src: int, exc: BaseException, *, applied: bool) -> WeightSy
     return WeightSyncError(
         "receive_weights: the end-of-sync handshake failed",
         expected=f"every rank of the group, rank {src} included, at the handshake",
-        got=_first_line(exc),
+        got=one_line(exc),
         fix=f"{held}; another rank died or timed out: see its log, and recreate the "
         "process group before the next sync",
     )
@@ -186,7 +186,7 @@ def _receive(
         raise WeightSyncError(
             f"receive_weights: the metadata of the sync did not arrive from rank {src}",
             expected="the sender's metadata within the group's timeout",
-            got=_first_line(exc),
+            got=one_line(exc),
             fix="the sender died, timed out or called something else; see its log. The "
             "model refuses to replay until a complete sync; recreate the process group",
         ) from exc
@@ -228,7 +228,7 @@ def _receive(
             bucket=b,
             entry=entries[0].name if entries else None,
             expected=f"{wires[b]} bytes within the group's timeout",
-            got=_first_line(exc),
+            got=one_line(exc),
             fix="the sender died or timed out; see its log. The model refuses to replay "
             "until a complete sync; recreate the process group before the next one",
         )
@@ -334,7 +334,7 @@ def _check_trailer(
         try:
             dist.broadcast_object_list(box, src=src, group=group)
         except Exception as exc:
-            box = [f"(its error did not arrive: {_first_line(exc)})"]
+            box = [f"(its error did not arrive: {one_line(exc)})"]
         raise WeightSyncError(
             f"receive_weights: the sender (rank {src}) aborted the sync at bucket {b} of "
             f"{len(plan.sizes)}",
@@ -366,17 +366,17 @@ def _load(
         except WeightLoadError as exc:
             names = [n for n, _ in chunk]
             if exc.name not in names:
-                rejected.extend(RejectedEntry(name=n, bucket=bucket[n], error=_first_line(exc))
+                rejected.extend(RejectedEntry(name=n, bucket=bucket[n], error=one_line(exc))
                                 for n in names)
                 continue
             i = names.index(exc.name)
             rejected.append(RejectedEntry(name=exc.name, bucket=bucket[exc.name],
-                                          error=_first_line(exc)))
+                                          error=one_line(exc)))
             # The entries before it may or may not have been written: load them again.
             queue.extend(part for part in (chunk[i + 1 :], chunk[:i]) if part)
             continue
         except Exception as exc:
-            rejected.extend(RejectedEntry(name=n, bucket=bucket[n], error=_first_line(exc))
+            rejected.extend(RejectedEntry(name=n, bucket=bucket[n], error=one_line(exc))
                             for n, _ in chunk)
             continue
         if isinstance(result, (set, frozenset, list, tuple)) and all(

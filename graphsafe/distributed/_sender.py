@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from graphsafe._errors import one_line
 from graphsafe.distributed._buffers import _SEND_STAGING, _group_key, _staging
 from graphsafe.distributed._layout import (
     _ABORT,
@@ -25,7 +26,7 @@ from graphsafe.distributed._layout import (
     _view,
 )
 from graphsafe.distributed._reports import SendReport, WeightSyncError
-from graphsafe.distributed._wire import _check, _device, _first_line, _handshake
+from graphsafe.distributed._wire import _check, _device, _handshake
 
 __all__ = ["send_weights"]
 
@@ -192,7 +193,7 @@ def send_weights(
                 f"send_weights: the broadcast of {where} failed",
                 bucket=state.wire if state.wire >= 0 else None,
                 expected="every receiver taking part until the end of the sync",
-                got=_first_line(exc),
+                got=one_line(exc),
                 fix="a receiver died, timed out or called something else; see its log. "
                 "Recreate the process group before the next sync",
             ) from exc
@@ -236,7 +237,7 @@ def _abort(
     sync: int,
 ) -> None:
     """Tell the receivers that the sender failed, so that they raise instead of waiting."""
-    what = _first_line(exc)
+    what = one_line(exc)
     if state.entry is not None:
         what = f"{what} (while packing entry {state.entry!r})"
     try:

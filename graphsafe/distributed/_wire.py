@@ -59,7 +59,3 @@ def _handshake(
     dist.all_gather(every, mine, group=group)
     return tuple(r for r, flag in zip(ranks, torch.cat(every).tolist()) if flag)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -214,7 +214,7 @@ class Attachment:
             guard = self.guard = Guard(self.model, self, repair=False, keep=_read_by_address)
             # Every pinned tensor, not only derivation inputs, is checked when a load or
             # update ends, so a rebinding raises through the call that made it.
-            self.runtime._after_load.append(guard.ledger.assert_stable)
+            self.runtime.add_load_check(guard.ledger.assert_stable)
 
     def status(self) -> dict[str, Any]:
         """What graphsafe holds for this model, as plain data (for `collective_rpc`)."""

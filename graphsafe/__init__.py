@@ -1,7 +1,6 @@
 """graphsafe: derived buffers that stay correct under captured CUDA graphs across reloads."""
 
 from graphsafe._declare.decorators import derive
-from graphsafe._declare.decorators import graphsafe
 from graphsafe._errors import CaptureError
 from graphsafe._errors import DerivationDriftError
 from graphsafe._errors import GraphSafetyError
@@ -20,6 +19,7 @@ from graphsafe._declare.registry import default_registry
 from graphsafe._runtime.runtime import Runtime
 from graphsafe._runtime.runtime import runtime
 from graphsafe._runtime.runtime import weight_update
+from graphsafe._runtime.decorator import graphsafe
 from graphsafe._declare.spec import Derivation
 from graphsafe._declare.spec import DerivationInfo
 from graphsafe._declare.spec import DerivationReport

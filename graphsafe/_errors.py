@@ -1,9 +1,5 @@
-"""Errors raised by graphsafe.
-
-Every error says what went wrong, where (module class, dotted tensor path, derivation),
-what was expected against what was found, and how to fix it. The same facts are kept as
-attributes so that callers can act on them.
-"""
+"""Errors raised by graphsafe: each says what, where, expected against got, and the fix,
+and keeps the same facts as attributes so that callers can act on them."""
 
 from __future__ import annotations
 
@@ -40,9 +36,12 @@ def one_line(exc: BaseException) -> str:
 class GraphSafetyError(Exception):
     """Base class of every error graphsafe raises.
 
+    Each argument is kept as an attribute of the same name; subclasses take the same
+    arguments, and may add their own.
+
     Args:
         summary: One line saying what went wrong.
-        module_class: Name of the class of the module involved.
+        module_class: Class name of the module involved.
         path: Dotted path of the tensor involved, from the model root.
         derivation: Qualified name of the derivation involved.
         expected: What graphsafe expected to find.
@@ -50,11 +49,9 @@ class GraphSafetyError(Exception):
         fix: How to fix it.
 
     Examples:
-        >>> try:
-        ...     raise GraphSafetyError("boom", path="layers.0.w", fix="do not")
-        ... except GraphSafetyError as e:
-        ...     e.path
-        'layers.0.w'
+        >>> e = GraphSafetyError("boom", path="layers.0.w", fix="do not")
+        >>> e.path, str(e).splitlines()[1]
+        ('layers.0.w', '  tensor:     layers.0.w')
     """
 
     def __init__(
@@ -94,32 +91,22 @@ class GraphSafetyError(Exception):
 
 
 class RegistrationError(GraphSafetyError):
-    """A derivation cannot be registered or bound.
-
-    Raised for an unknown input path, a duplicate or colliding output name, a dependency
-    cycle, or a function whose signature does not fit its inputs.
-    """
+    """A derivation cannot be registered or bound: an unknown input path, a duplicate or
+    colliding output name, a dependency cycle, or a signature that does not fit."""
 
 
 class DerivationDriftError(GraphSafetyError):
-    """A new result does not fit the buffer materialized for it.
-
-    Its shape, dtype, device or layout differs from the buffer's, so writing it would
-    either corrupt the buffer or force a reallocation that captured graphs would not see.
-    Nothing is written; the buffer is marked stale.
-    """
+    """A new result's shape, dtype, device or layout differs from its buffer's: writing it
+    would corrupt the buffer or reallocate it behind captured graphs. Nothing is written;
+    the buffer is marked stale."""
 
 
 class StorageMovedError(GraphSafetyError):
-    """A pinned tensor was rebound to new storage.
-
-    After `Runtime.pin()` or a graph capture, every tensor a graph reads must keep its
-    storage. `drifts` lists each tensor that moved.
+    """A pinned tensor or submodule was rebound after `Runtime.pin()` or a graph capture:
+    a captured graph would read its old memory.
 
     Args:
-        summary: One line saying what went wrong.
-        drifts: One entry per moved tensor (see `graphsafe._ledger.Drift`).
-        **kwargs: As for `GraphSafetyError`.
+        drifts: One `Drift` per way a pinned tensor or submodule moved.
     """
 
     def __init__(self, summary: str, *, drifts: Sequence[object] = (), **kwargs: Any) -> None:
@@ -128,22 +115,16 @@ class StorageMovedError(GraphSafetyError):
 
 
 class ImpureDerivationError(GraphSafetyError):
-    """A derivation wrote into one of its inputs or another tensor of the model.
-
-    Derivations must be pure functions of their inputs: a write into a parameter (for
-    example folding a scale with `mul_`) makes every later load give different results.
-    """
+    """A derivation wrote into one of its inputs or another tensor of the model. It must be
+    pure: a write into a parameter (folding a scale with `mul_`, say) makes every later
+    load give different results."""
 
 
 class StaleError(GraphSafetyError):
     """The model is used while derived buffers do not match their inputs.
 
-    `paths` lists the stale derived buffers.
-
     Args:
-        summary: One line saying what went wrong.
-        paths: Dotted paths of the stale buffers.
-        **kwargs: As for `GraphSafetyError`.
+        paths: Dotted paths of the stale derived buffers.
     """
 
     def __init__(self, summary: str, *, paths: Sequence[str] = (), **kwargs: Any) -> None:
@@ -152,24 +133,17 @@ class StaleError(GraphSafetyError):
 
 
 class NotMaterializedError(StaleError, AttributeError):
-    """A derived buffer is read before a first load materialized it.
-
-    Also an `AttributeError`, so `hasattr(module, name)` stays False until then.
-    """
+    """A derived buffer is read before a first load materialized it; an `AttributeError`
+    too, so that `hasattr(module, name)` stays False until then."""
 
 
 class CaptureError(GraphSafetyError):
     """A callable cannot be captured as a graph (for example it reads a tensor's value
     into Python with `.item()`, which a captured graph cannot replay).
 
-    `source` is the line of user code that did it (outside torch, graphsafe and
-    transformers), when the error comes from inside the captured body; the message
-    names it under `where:`.
-
     Args:
-        summary: One line saying what went wrong.
-        source: The user code's frame: its `filename`, `lineno`, `name` and `line`.
-        **kwargs: As for `GraphSafetyError`.
+        source: The frame of user code (outside torch, graphsafe and transformers) that
+            did it, when known; the message names it under `where:`.
     """
 
     def __init__(
@@ -193,12 +167,8 @@ class CaptureError(GraphSafetyError):
 class WeightLoadError(GraphSafetyError):
     """A checkpoint entry cannot be loaded: unknown name, wrong shape or wrong dtype.
 
-    `name` is the checkpoint entry.
-
     Args:
-        summary: One line saying what went wrong.
         name: The checkpoint entry's name.
-        **kwargs: As for `GraphSafetyError`.
     """
 
     def __init__(self, summary: str, *, name: str, **kwargs: Any) -> None:

@@ -189,3 +189,16 @@ def test_the_frame_of_an_error_raised_inside_torch_is_the_users_line() -> None:
         assert innermost.filename != __file__ and "torch" in innermost.filename
     else:
         pytest.fail("assert_close did not raise")
+
+
+def test_every_stage_of_graphsafe_is_library_code_and_the_tests_are_not() -> None:
+    # graphsafe's stages live in subpackages: a frame in any of them is graphsafe's own,
+    # never the user's line a capture error names.
+    from graphsafe._graphs import source
+
+    root = Path(gs.__file__).parent
+    for stage in ("_runtime/runtime.py", "_memory/ledger.py", "_declare/spec.py",
+                  "_graphs/cpu.py", "__init__.py"):
+        assert source._is_library(str(root / stage)), stage
+    # Control: this test's own file is user code.
+    assert not source._is_library(__file__)

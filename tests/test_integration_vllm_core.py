@@ -6,6 +6,11 @@ The integration against vLLM's real engine and classes is tested in `tests_vllm/
 
 from __future__ import annotations
 
+import importlib
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -158,3 +163,97 @@ def test_the_step_check_reads_subclass_parameters_without_their_torch_function()
     model.lin.weight.data = model.lin.weight.data.clone()
     with pytest.raises(gs.StorageMovedError, match=r"lin\.weight"), att.guard.replaying():
         pass
+
+
+class Worker:
+    """vLLM-shaped worker: the methods `instrument` wraps, over a `Model`."""
+
+    def __init__(self) -> None:
+        self.model = Model()
+        self.model_runner = SimpleNamespace(get_model=lambda: self.model)
+
+    def load_model(self) -> None:
+        self.model.load_weights(checkpoint(0))
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    def reload_weights(self, seed: int) -> None:
+        self.model.load_weights(checkpoint(seed))
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, seed: int | None) -> None:
+        if seed is None:
+            raise RuntimeError("the transfer broke")
+        self.model.load_weights(checkpoint(seed))
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def execute_model(self) -> torch.Tensor:
+        return self.model.lin(torch.ones(4))
+
+
+def started(instrumented: bool = True) -> Worker:
+    worker = Worker()
+    if instrumented:
+        gsv.instrument(worker, [registry])
+    worker.load_model()
+    worker.compile_or_warm_up_model()
+    return worker
+
+
+def test_an_instrumented_worker_attaches_pins_and_counts_each_update_once() -> None:
+    worker = Worker()
+    gsv.instrument(worker, [registry])
+    worker.load_model()
+    att = gsv.attachment(worker.model)
+    assert att is not None and att.guard is None
+    worker.compile_or_warm_up_model()
+    assert att.guard is not None
+    worker.reload_weights(1)
+    assert att.updates == 1
+    worker.start_weight_update()
+    worker.update_weights(2)
+    worker.update_weights(3)
+    assert att.updates == 1  # the session is one update, still open
+    worker.finish_weight_update()
+    assert att.updates == 2
+    assert torch.equal(worker.model.lin.weight_t, worker.model.lin.weight.t())
+    worker.execute_model()
+    assert gsv.WorkerExtension.graphsafe_status(worker) == att.status()  # type: ignore[arg-type]
+
+
+def test_a_failed_transfer_fails_closed_until_a_session_completes() -> None:
+    worker = started()
+    worker.start_weight_update()
+    with pytest.raises(RuntimeError, match="the transfer broke"):
+        worker.update_weights(None)
+    worker.finish_weight_update()
+    with pytest.raises(gs.StaleError):
+        worker.execute_model()
+    worker.start_weight_update()
+    worker.update_weights(2)
+    worker.finish_weight_update()
+    worker.execute_model()
+
+
+def test_control_uninstrumented_the_failed_transfer_serves_on() -> None:
+    worker = started(instrumented=False)
+    worker.start_weight_update()
+    with pytest.raises(RuntimeError, match="the transfer broke"):
+        worker.update_weights(None)
+    worker.finish_weight_update()
+    worker.execute_model()
+
+
+def test_the_names_vllm_resolves_are_the_package_objects() -> None:
+    """vLLM imports the worker extension and the plugin entry point by qualified name."""
+    mod, _, name = gsv.EXTENSION.rpartition(".")
+    assert getattr(importlib.import_module(mod), name) is gsv.WorkerExtension
+    eps: Any = entry_points(group="vllm.general_plugins", name="graphsafe")
+    if not eps:
+        pytest.skip("graphsafe is not installed: no entry point to resolve")
+    assert next(iter(eps)).load() is gsv.plugin

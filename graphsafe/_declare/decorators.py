@@ -1,32 +1,30 @@
-"""Declaring derivations on model classes: `gs.derive` and `gs.graphsafe`.
+"""Declaring derivations on model classes: `gs.derive` marks, `declare` registers.
 
-`gs.derive` only marks a method. `gs.graphsafe` discovers the marks when the class is
-created, validates them all at once and registers them; on a class with a loading method
-it also wraps that method so that derived buffers follow every load.
+`gs.derive` only marks a method. `declare` (what `gs.graphsafe` calls when the class is
+created) discovers the marks, validates them all at once and registers them, for the
+class and each subclass; wrapping the loading method is the runtime's part of
+`gs.graphsafe` (`graphsafe._runtime.decorator`).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar, cast, overload
+from typing import Any, NamedTuple, TypeVar, cast
 
-from graphsafe._declare.registry import Registry, default_registry
+from graphsafe._declare.registry import Registry
 from graphsafe._declare.spec import Derivation
 from graphsafe._errors import NotMaterializedError, RegistrationError
 
 __all__ = [
     "class_registries",
+    "declare",
     "derive",
-    "graphsafe",
     "is_marked",
     "is_wrapped_loader",
-    "set_load_runner",
+    "mark_wrapped",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-C = TypeVar("C", bound=type)
 
 _MARK = "__graphsafe_derive__"
 _WRAPPED = "__graphsafe_load__"
@@ -100,52 +98,14 @@ def derive(
     return decorate
 
 
-# (loader, module, args, kwargs) -> result: set by the runtime when it is imported, so
-# that declaring stays below running in the import graph.
-_LoadRunner = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
-_RUNNERS: list[_LoadRunner] = []
-
-
-def set_load_runner(run: _LoadRunner, run_generator: _LoadRunner) -> None:
-    """Install what wrapped loaders call (the runtime does, on import).
-
-    Args:
-        run: Runs a plain loading method as a tracked load.
-        run_generator: Returns a generator that runs a generator loader as one.
-    """
-    _RUNNERS[:] = [run, run_generator]
-
-
-def _wrap_loader(fn: Callable[..., Any]) -> Callable[..., Any]:
-    # No registry is passed: the runtime finds the one each class was decorated with
-    # when it binds. A generator loader runs nothing until iterated: the load is tracked
-    # over its iteration, and ends when it is exhausted.
-    if inspect.isgeneratorfunction(fn):
-
-        @functools.wraps(fn)
-        def load_gen(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return _RUNNERS[1](fn, self, args, kwargs)
-
-        setattr(load_gen, _WRAPPED, True)
-        return load_gen
-
-    @functools.wraps(fn)
-    def load(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return _RUNNERS[0](fn, self, args, kwargs)
-
-    setattr(load, _WRAPPED, True)
-    return load
+def mark_wrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `fn` as a loading method wrapped by `gs.graphsafe`; returns it."""
+    setattr(fn, _WRAPPED, True)
+    return fn
 
 
 def is_wrapped_loader(fn: object) -> bool:
-    """Whether `fn` is a loading method wrapped by `gs.graphsafe`.
-
-    Args:
-        fn: Any object.
-
-    Returns:
-        True for wrapped loaders.
-    """
+    """Whether `fn` is a loading method wrapped by `gs.graphsafe`."""
     return bool(getattr(fn, _WRAPPED, False))
 
 
@@ -189,77 +149,18 @@ def _install_getattr(klass: type) -> None:
     type.__setattr__(klass, "__getattr__", __getattr__)
 
 
-@overload
-def graphsafe(cls: C, /) -> C: ...
-
-
-@overload
-def graphsafe(
-    *, load: str = "load_weights", registry: Registry | None = None
-) -> Callable[[C], C]: ...
-
-
-def graphsafe(
-    cls: C | None = None,
-    /,
-    *,
-    load: str = "load_weights",
-    registry: Registry | None = None,
-) -> C | Callable[[C], C]:
-    """Class decorator: register the class's derivations and wrap its loading method.
-
-    Usable bare (`@gs.graphsafe`) or with arguments (`@gs.graphsafe(load="load")`).
-    Derivations marked with `gs.derive` in the class body are validated and registered.
-    If the class has the loading method (defined or inherited), calls to it are wrapped:
-    the first call materializes the derived buffers of the instance's whole module tree,
-    and every later call refreshes, in place, those whose inputs it wrote.
+def declare(klass: type, reg: Registry, then: Callable[[type], None]) -> None:
+    """Register `klass`'s marked methods in `reg`, then call `then(klass)`; every subclass,
+    when it is created, is declared the same way (it behaves like its decorated base).
 
     Args:
-        cls: The class (when used bare).
-        load: Name of the loading method to wrap.
-        registry: Where to register; `gs.default_registry` by default.
-
-    Returns:
-        The same class, with derivations registered and the loader wrapped.
+        klass: A module class.
+        reg: Where to register.
+        then: What the caller adds to each declared class (the runtime wraps its loader).
 
     Raises:
-        RegistrationError: If a derivation is invalid, or `load` was given explicitly and
-            the class has no such method.
-
-    Examples:
-        >>> import torch
-        >>> from torch import nn
-        >>> @graphsafe
-        ... class Layer(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.w = nn.Parameter(torch.ones(2, 3))
-        ...     @derive("w_sum", inputs=["w"])
-        ...     def _w_sum(self, w, *, out=None):
-        ...         return torch.sum(w, dim=0, out=out)
-        ...     def load_weights(self, weights):
-        ...         for name, t in weights:
-        ...             self.get_parameter(name).data.copy_(t)
-        >>> layer = Layer()
-        >>> layer.load_weights([("w", torch.full((2, 3), 2.0))])
-        >>> layer.w_sum
-        tensor([4., 4., 4.])
+        RegistrationError: A derivation is invalid.
     """
-    explicit_load = load != "load_weights"
-    reg = registry if registry is not None else default_registry
-
-    def apply(klass: C) -> C:
-        _apply(klass, load, reg, explicit_load)
-        return klass
-
-    if cls is not None:
-        return apply(cls)
-    return apply
-
-
-def _apply(klass: type, load: str, reg: Registry, explicit_load: bool) -> None:
-    """Register `klass`'s marked methods, wrap its loader, and do the same for every
-    subclass when it is created (a subclass behaves like its decorated base)."""
     if _APPLIED not in vars(klass):
         for attr_name, attr in list(vars(klass).items()):
             target = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
@@ -287,22 +188,11 @@ def _apply(klass: type, load: str, reg: Registry, explicit_load: bool) -> None:
                     name=f"{klass.__name__}.{attr_name}",
                 ),
             )
-        type.__setattr__(klass, _APPLIED, (load, reg))
+        type.__setattr__(klass, _APPLIED, (reg, then))
         _hook_subclasses(klass)
         if not getattr(klass.__getattr__, "__graphsafe_getattr__", False):  # type: ignore[attr-defined]
             _install_getattr(klass)
-    loader = getattr(klass, load, None)
-    if loader is None:
-        if explicit_load:
-            raise RegistrationError(
-                f"{klass.__name__} has no loading method {load!r}",
-                module_class=klass.__name__,
-                expected=f"a method {klass.__name__}.{load}(...)",
-                got="no such attribute",
-                fix="pass the name of the method that writes the weights as `load=`",
-            )
-    elif not getattr(loader, _WRAPPED, False):
-        setattr(klass, load, _wrap_loader(loader))
+    then(klass)
 
 
 def _hook_subclasses(klass: type) -> None:
@@ -313,8 +203,8 @@ def _hook_subclasses(klass: type) -> None:
             own.__get__(None, sub)(**kwargs)
         else:
             super(cast(Any, klass), sub).__init_subclass__(**kwargs)
-        load, reg = getattr(sub, _APPLIED)
-        _apply(sub, load, reg, explicit_load=False)
+        reg, then = getattr(sub, _APPLIED)
+        declare(sub, reg, then)
 
     type.__setattr__(klass, "__init_subclass__", classmethod(__init_subclass__))
 
@@ -331,8 +221,8 @@ def class_registries(cls: type) -> list[Registry]:
     found: list[Registry] = []
     for klass in cls.__mro__:
         applied = vars(klass).get(_APPLIED)
-        if applied is not None and applied[1] not in found:
-            found.append(applied[1])
+        if applied is not None and applied[0] not in found:
+            found.append(applied[0])
     return found
 
 

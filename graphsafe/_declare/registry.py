@@ -21,18 +21,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def accepts_out(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` takes an `out` keyword (the fast path).
-
-    Args:
-        fn: A derivation function.
-
-    Returns:
-        True when `fn` has a parameter named `out` that can be passed by keyword, or
-        takes `**kwargs`.
+    """Whether `fn` can take `out=` (the fast path): an `out` parameter, or `**kwargs`.
 
     Examples:
-        >>> accepts_out(lambda m, w, *, out=None: w)
-        True
+        >>> accepts_out(lambda m, w, *, out=None: w), accepts_out(lambda m, w: w)
+        (True, False)
     """
     try:
         params = inspect.signature(fn).parameters.values()
@@ -47,16 +40,11 @@ def accepts_out(fn: Callable[..., Any]) -> bool:
 
 
 def check_signature(fn: Callable[..., Any], derivation: Derivation, cls: type) -> None:
-    """Check that `fn(module, *inputs, out=None)` can be called as graphsafe calls it.
-
-    Args:
-        fn: The function to call.
-        derivation: The derivation it implements.
-        cls: The module class it is registered for.
+    """Check that graphsafe can call `fn(module, *inputs, out=None)`.
 
     Raises:
-        RegistrationError: If the number of positional parameters does not fit the
-            inputs, or another parameter has no default.
+        RegistrationError: The positional parameters do not fit the module and inputs, or
+            another parameter has no default.
     """
     try:
         sig = inspect.signature(fn)
@@ -118,10 +106,8 @@ def _class_cycle(derivations: Sequence[Derivation]) -> list[str] | None:
 
 
 class Registry:
-    """Derivations declared per module class.
-
-    A class's derivations are those registered for it and for its bases; a subclass may
-    redeclare a base derivation's outputs to replace it.
+    """Derivations declared per module class: an instance has those of its class and its
+    bases, where a subclass may redeclare a base derivation's outputs to replace it.
 
     Examples:
         >>> import torch
@@ -210,25 +196,18 @@ class Registry:
         when: Callable[[Any], bool] | None = None,
         transient: Sequence[str] = (),
     ) -> Callable[[F], F]:
-        """Decorator form of `register` for a free function `fn(module, *inputs, out=None)`.
+        """Decorator form of `register` for a free function `fn(module, *inputs, out=None)`
+        (see the class example).
 
         Args:
             cls: The module class that owns the derived buffers.
             outputs: One buffer name or several.
             inputs: Dotted paths relative to the owning module.
             when: Optional `when(module) -> bool` deciding ownership per instance.
-            transient: Inputs held only while a load writes them (see `gs.derive`).
+            transient: Inputs held only while a load writes them.
 
         Returns:
             A decorator that registers the function and returns it unchanged.
-
-        Examples:
-            >>> import torch
-            >>> from torch import nn
-            >>> reg = Registry()
-            >>> @reg.derive(nn.Linear, "w2", inputs=["weight"])
-            ... def w2(module, weight, *, out=None):
-            ...     return torch.mul(weight, 2, out=out)
         """
 
         def decorate(fn: F) -> F:
@@ -247,15 +226,13 @@ class Registry:
         return decorate
 
     def derivations_for(self, cls: type) -> tuple[Derivation, ...]:
-        """The derivations an instance of `cls` has: its own and its bases'.
-
-        A derivation of a subclass replaces a base's that produces the same outputs.
+        """The derivations an instance of `cls` has: its own and its bases', bases first.
 
         Args:
             cls: A module class.
 
         Returns:
-            The derivations, bases first.
+            The derivations; a subclass's replaces a base's with the same outputs.
 
         Raises:
             RegistrationError: If a subclass derivation overlaps a base derivation's

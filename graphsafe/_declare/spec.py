@@ -1,8 +1,5 @@
-"""Specs: what a derivation is, and what a refresh reports.
-
-All specs are frozen pydantic models. `Derivation` is what `gs.derive`, `gs.graphsafe`
-and `Registry.register` produce; `RefreshReport` is what `Runtime.refresh` returns.
-"""
+"""Specs, all frozen pydantic models: what a derivation is (`Derivation`), what a refresh
+reports (`RefreshReport`), and how a pinned tensor moved (`Drift`)."""
 
 from __future__ import annotations
 
@@ -37,20 +34,13 @@ def _check_name(name: str, what: str) -> str:
 
 
 class Derivation(BaseModel):
-    """A tensor, or several, computed from tensors of the module that owns it.
-
-    The function is called as `fn(module, *inputs, out=...)` and must be pure: it reads
-    its inputs and writes nothing but `out`.
+    """A tensor, or several, computed from tensors of the module that owns it by a pure
+    function: `fn` reads its inputs and writes nothing but `out`.
 
     Examples:
-        >>> import torch
-        >>> d = Derivation(
-        ...     outputs="w_t",
-        ...     inputs=["weight"],
-        ...     fn=lambda m, w, *, out=None: torch.transpose(w, 0, 1).contiguous(),
-        ... )
-        >>> d.outputs
-        ('w_t',)
+        >>> d = Derivation(outputs="w_t", inputs=["weight"], fn=lambda m, w, *, out=None: w.t())
+        >>> d.outputs, d.name
+        (('w_t',), '<lambda>')
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -59,28 +49,26 @@ class Derivation(BaseModel):
     """Names of the buffers produced, registered on the owning module in this order."""
 
     inputs: tuple[str, ...]
-    """Dotted paths, relative to the owning module, of the tensors read: parameters,
-    buffers, plain tensor attributes, or outputs of other derivations."""
+    """Dotted paths, from the owning module, of the tensors read (parameters, buffers,
+    plain attributes, or outputs of other derivations)."""
 
     fn: Callable[..., Any]
-    """`fn(module, *inputs, out=None)`: returns one tensor per output (a tuple for
-    several). When it accepts `out`, refreshes pass the existing buffers there."""
+    """`fn(module, *inputs, out=None)`: one tensor per output (a tuple for several);
+    refreshes pass the existing buffers as `out` where it takes one."""
 
     when: Callable[[Any], bool] | None = None
-    """`when(module) -> bool`: whether this module instance owns the buffers at all.
-    Evaluated once, at materialization. Where false the attributes stay `None`."""
+    """`when(module)`: whether this instance owns the buffers (else they stay `None`);
+    evaluated once, at materialization."""
 
     method: str | None = None
-    """For derivations declared with `gs.derive` on a class: the method's name, so that a
-    subclass overriding the method is honoured."""
+    """For `gs.derive` on a class: the method's name, so that an override is honoured."""
 
     name: str = ""
-    """Qualified name used in reports and errors; defaults to the function's."""
+    """Name in reports and errors; defaults to the function's qualified name."""
 
     transient: tuple[str, ...] = ()
     """Inputs held only while a load or weight update writes them (checkpoint-format
-    weights whose kernel-format outputs are all the model keeps): released once every
-    derivation reading them has refreshed, so they hold no memory between updates."""
+    weights kept only in kernel format): released once every reader has refreshed."""
 
     @field_validator("outputs", mode="before")
     @classmethod
@@ -202,15 +190,8 @@ RawEntry = tuple[int, int, int, float, bool]
 
 
 class RefreshReport(BaseModel):
-    """What one refresh did.
-
-    Entries are built on first access, so that the refresh itself stays cheap.
-
-    Examples:
-        >>> report = RefreshReport()
-        >>> report.entries
-        ()
-    """
+    """What one refresh did. Entries are built on first access, so that the refresh itself
+    stays cheap."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -224,16 +205,9 @@ class RefreshReport(BaseModel):
     def from_raw(
         cls, identities: Sequence[RawIdentity], raw: Sequence[RawEntry], seconds: float
     ) -> RefreshReport:
-        """Build a report from the runtime's raw records (cheap: no validation per entry).
-
-        Args:
-            identities: Per bound derivation: path, name, output paths, bytes.
-            raw: Per derivation that ran: index, action code, path code, seconds, held.
-            seconds: Wall time of the refresh.
-
-        Returns:
-            The report; entries are expanded when first read.
-        """
+        """Build a report from the runtime's raw records, without validating each entry:
+        `identities` per bound derivation (`RawIdentity`), `raw` per one that ran
+        (`RawEntry`)."""
         report = cls(seconds=seconds)
         report._identities = identities
         report._raw = raw
@@ -241,14 +215,15 @@ class RefreshReport(BaseModel):
 
     @classmethod
     def combined(cls, reports: Sequence[RefreshReport]) -> RefreshReport:
-        """One report for refreshes run by one load or update, in parts (a derivation
-        whose transient inputs completed mid-update refreshes at that point).
+        """One report for a load or update that refreshed in parts (a derivation whose
+        transient inputs completed mid-update refreshes then).
 
         Args:
-            reports: The parts, in the order they ran; the last one's identities hold.
+            reports: The parts, in the order they ran.
 
         Returns:
-            The report: each derivation's last entry, and the summed wall time.
+            Each derivation's last entry, with the last part's identities and the summed
+            wall time.
         """
         if len(reports) == 1:
             return reports[0]
@@ -288,14 +263,8 @@ class RefreshReport(BaseModel):
         return tuple(out)
 
     def by_action(self, action: str) -> tuple[DerivationReport, ...]:
-        """Entries whose action is `action` ('materialized', 'refreshed', ...).
-
-        Args:
-            action: The action to select.
-
-        Returns:
-            The matching entries.
-        """
+        """Entries whose action is `action`: `"materialized"`, `"refreshed"`, `"skipped"`
+        or `"failed"`."""
         return tuple(e for e in self.entries if e.action == action)
 
     @property
@@ -333,30 +302,21 @@ class Drift(BaseModel):
 
     A tensor that moved in several ways (a `.to(torch.float16)` copy changes both its
     storage and its dtype) gives one `Drift` per way.
-
-    Examples:
-        >>> d = Drift(path="layers.0.weight", module_class="Linear", what="storage",
-        ...           old="0x1000", new="0x2000")
-        >>> d.what
-        'storage'
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: str
-    """Dotted path of the tensor from the model root (`layers.0.cache.1` for a list item,
-    `layers.0.tables.k` for a dict entry), or of the module for a `module` drift."""
+    """Dotted path of the tensor (`layers.0.cache.1` for a list item), or of the module."""
 
     module_class: str
-    """Class name of the module that holds the tensor (for a `module` drift, the module
-    that holds the replaced one)."""
+    """Class name of the module that holds the tensor or the replaced module."""
 
     what: DriftKind
-    """What moved: `storage` (the storage's data pointer), `offset`, `shape`, `stride`,
-    `dtype`, `device`; `object` (the path holds another tensor object, though one with
-    the same memory and geometry); `module` (another module, or none, is bound at the
-    path; the tensors of a module the model no longer holds are not reported); or
-    `removed` (the path no longer holds a tensor)."""
+    """What moved: `storage` (data pointer), `offset`, `shape`, `stride`, `dtype`,
+    `device`; `object` (another tensor object, same memory and geometry); `module`
+    (another module, or none, is bound there; tensors of a module the model no longer
+    holds are not reported); or `removed` (no tensor there now)."""
 
     old: str
     """The value at snapshot time."""

@@ -1,8 +1,6 @@
-"""The life of one capture: new, capturing, then captured or failed.
-
-Shared by `Graph` and its backends, which all refuse a second capture and a replay
-before a successful one, with the same errors.
-"""
+"""The life of one capture: new, capturing, then captured or failed. Shared by `Graph`
+and its backends, so that all refuse a second capture, and a replay before a successful
+one, with the same errors."""
 
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ class CaptureState:
         >>> state = CaptureState()
         >>> with state.capturing():
         ...     pass
-        >>> state.captured
-        True
+        >>> state.captured, state.state
+        (True, 'captured')
     """
 
     __slots__ = ("state",)
@@ -39,11 +37,7 @@ class CaptureState:
         return self.state == "captured"
 
     def check_new(self) -> None:
-        """Refuse a second capture.
-
-        Raises:
-            CaptureError: A capture already began, succeeded or failed.
-        """
+        """Raise `CaptureError` if a capture already began, succeeded or failed."""
         if self.state != "new":
             raise CaptureError(
                 "this graph was already captured"
@@ -56,14 +50,7 @@ class CaptureState:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Mark the body as the capture: captured if it exits normally, else failed.
-
-        Yields:
-            None.
-
-        Raises:
-            CaptureError: A capture already began, succeeded or failed.
-        """
+        """Mark the body as the capture: captured if it exits normally, else failed."""
         self.check_new()
         self.state = "capturing"
         try:
@@ -74,11 +61,7 @@ class CaptureState:
         self.state = "captured"
 
     def check_replay(self) -> None:
-        """Refuse a replay before a successful capture.
-
-        Raises:
-            CaptureError: Nothing was captured, or the capture failed.
-        """
+        """Raise `CaptureError` unless a capture succeeded."""
         if self.state != "captured":
             raise CaptureError(
                 "replay() before a successful capture",

@@ -320,10 +320,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch st
 
 
 class CPUBackend:
-    """Captures a callable by recording its aten ops; replays them with CUDA graph
-    semantics (see the module docstring).
-
-    Use it through `graphsafe._graph.Graph(backend="cpu")`; it can also be used alone.
+    """Captures a callable by recording its aten ops and replays them with CUDA graph
+    semantics (see the module docstring), for `Graph(backend="cpu")`.
 
     Examples:
         >>> import torch
@@ -345,37 +343,18 @@ class CPUBackend:
         self._state = CaptureState()
 
     def warmup(self, fn: Callable[[], object], iters: int) -> None:
-        """Run `fn` eagerly `iters` times before capture.
-
-        Args:
-            fn: Zero-argument callable.
-            iters: How many times to run it.
-
-        Examples:
-            >>> CPUBackend().warmup(lambda: None, 3)
-        """
+        """Run `fn` eagerly `iters` times before capture."""
         for _ in range(iters):
             fn()
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """Record every aten op the body runs.
-
-        The body runs eagerly, so its results are available at once; the outputs it
-        leaves bound are the graph's static outputs.
-
-        Yields:
-            None.
+        """Record every aten op the body runs, eagerly; the tensors it leaves bound are
+        the graph's static outputs.
 
         Raises:
             CaptureError: The backend already captured, or the body read a tensor's
                 value into Python or ran an op whose output shape depends on values.
-
-        Examples:
-            >>> import torch
-            >>> g = CPUBackend()
-            >>> with g.capture():
-            ...     y = torch.ones(2) + 1
         """
         with self._state.capturing():
             recorder = _Recorder()
@@ -384,31 +363,12 @@ class CPUBackend:
             self._compiled = recorder.compile()
 
     def replay(self) -> None:
-        """Replay the captured ops.
-
-        Raises:
-            CaptureError: Nothing was captured, or the capture failed.
-
-        Examples:
-            >>> import torch
-            >>> g = CPUBackend()
-            >>> with g.capture():
-            ...     y = torch.zeros(1) + 1
-            >>> g.replay()
-        """
+        """Replay the captured ops (`CaptureError` if no capture succeeded)."""
         self._state.check_replay()
         assert self._compiled is not None
         self._compiled.replay()
 
     @property
     def compiled(self) -> CompiledGraph | None:
-        """The compiled program, once captured.
-
-        Returns:
-            The program, or None before a successful capture.
-
-        Examples:
-            >>> CPUBackend().compiled is None
-            True
-        """
+        """The compiled program; None before a successful capture."""
         return self._compiled

@@ -1,8 +1,8 @@
 """The CPU graph's compiled form: recorded aten ops turned into one Python function.
 
-`generate` writes the source of a function that reruns the recorded ops in order, with
-every tensor from outside the capture bound to the storage it had at capture time, and
-returns it as a `CompiledGraph`. The recorder (`graphsafe._graphs.cpu`) produces the ops.
+`generate` writes and compiles a function that reruns the recorded ops in order, with
+every tensor from outside the capture bound to the storage it had at capture time; the
+recorder (`graphsafe._graphs.cpu`) produces the ops and wraps it in a `CompiledGraph`.
 """
 
 from __future__ import annotations
@@ -53,10 +53,8 @@ class Recorded(NamedTuple):
 
 
 def storage_alias(t: torch.Tensor) -> torch.Tensor:
-    """A new tensor bound to `t`'s storage, offset, shape and stride, not to `t`.
-
-    Rebinding `t` later leaves the alias on the old memory, which it keeps alive.
-    """
+    """A new tensor bound to `t`'s storage, offset, shape and stride, not to `t`: rebinding
+    `t` later leaves the alias on the old memory, which it keeps alive."""
     if t.layout is not torch.strided:
         # No storage to bind (sparse and the like): hold the object itself.
         return t
@@ -170,10 +168,10 @@ def generate(
     externals: list[tuple[int, torch.Tensor]],
     statics: tuple[tuple[int, torch.Tensor], ...],
 ) -> Callable[[], None]:
-    """Compile the program into one Python function, one line per op.
+    """Compile the ops into one Python function, one line per op.
 
-    Each env entry is a local variable `v<index>`, so replay pays only for the op
-    calls: no per-op template patching or pytree work.
+    Each env entry is a local variable `v<index>`, so replay pays only for the op calls:
+    no per-op template patching or pytree work.
     """
     src = _Source()
     body = src.lines
@@ -215,13 +213,22 @@ def _describe(t: torch.Tensor) -> str:
 
 
 class CompiledGraph:
-    """A recorded capture, ready to replay. Built by `CPUBackend.capture`.
+    """A recorded capture, ready to replay; built by `CPUBackend.capture`.
 
     Args:
         fn: The generated replay function (see `code`).
         num_ops: How many ops it runs.
         inference: Whether capture ran under `torch.inference_mode()`; replay then does
             too, since its aliases and outputs are inference tensors.
+
+    Examples:
+        >>> import torch
+        >>> from graphsafe._graphs.cpu import CPUBackend
+        >>> g = CPUBackend()
+        >>> with g.capture():
+        ...     y = torch.ones(2) * 3
+        >>> g.compiled.num_ops, "# aten.mul.Tensor" in g.compiled.code  # ones, mul
+        (2, True)
     """
 
     __slots__ = ("_fn", "_inference", "_num_ops")
@@ -233,55 +240,16 @@ class CompiledGraph:
 
     @property
     def num_ops(self) -> int:
-        """Number of ops each replay runs (after dropping ops whose results are unused).
-
-        Returns:
-            The op count.
-
-        Examples:
-            >>> import torch
-            >>> from graphsafe._graphs.cpu import CPUBackend
-            >>> g = CPUBackend()
-            >>> with g.capture():
-            ...     y = torch.ones(2) * 3
-            >>> g.compiled.num_ops  # ones, mul
-            2
-        """
+        """Number of ops each replay runs, once ops whose results are unused are dropped."""
         return self._num_ops
 
     @property
     def code(self) -> str:
-        """The generated replay function's source, one line per aten op.
-
-        Tensors bound at capture are `v<n> = x<n>` lines, static outputs are copied into
-        at the end; tracebacks from a failing replay point into these lines.
-
-        Returns:
-            Python source.
-
-        Examples:
-            >>> import torch
-            >>> from graphsafe._graphs.cpu import CPUBackend
-            >>> g = CPUBackend()
-            >>> with g.capture():
-            ...     y = torch.ones(2) * 3
-            >>> "# aten.mul.Tensor" in g.compiled.code
-            True
-        """
+        """The replay function's source, one line per aten op; a failing replay's traceback
+        points into it."""
         return inspect.getsource(self._fn)
 
     def replay(self) -> None:
-        """Rerun the recorded ops and write the results into the static outputs.
-
-        Examples:
-            >>> import torch
-            >>> from graphsafe._graphs.cpu import CPUBackend
-            >>> g = CPUBackend()
-            >>> with g.capture():
-            ...     y = torch.ones(2) * 3
-            >>> g.compiled.replay()
-        """
+        """Rerun the recorded ops and write the results into the static outputs."""
         with torch.inference_mode() if self._inference else torch.no_grad():
             self._fn()
-
-

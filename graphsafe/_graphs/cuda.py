@@ -1,9 +1,7 @@
 """The CUDA graph backend: a real `torch.cuda.CUDAGraph`.
 
-Warm-up runs on a side stream (lazy initialisation, cuBLAS workspaces and autotuning
-happen there, not in the graph), then the body is captured with `torch.cuda.graph` and
-`replay()` launches the whole graph at once. Several graphs can share one memory pool
-(`pool=other.pool()`), as with `torch.cuda.graph`.
+Warm-up runs on a side stream, so that lazy initialisation, cuBLAS workspaces and
+autotuning happen there and not in the graph.
 """
 
 from __future__ import annotations
@@ -29,10 +27,10 @@ _CAPTURE_ERROR_MARKS = ("captur", "not permitted")
 
 
 def _capture_failure(error: BaseException) -> str | None:
-    """The first line of the capture error in `error`'s chain, or None if it has none.
+    """The first line of the original capture error in `error`'s chain, or None.
 
-    When the body fails inside a capture, `capture_end()` fails too and its error
-    hides the original one in `__context__`; report the original.
+    When the body fails inside a capture, `capture_end()` fails too and its error hides
+    the original one in `__context__`; report the original.
     """
     found: str | None = None
     seen: set[int] = set()
@@ -47,27 +45,14 @@ def _capture_failure(error: BaseException) -> str | None:
 
 
 class CUDABackend:
-    """Captures CUDA work into a `torch.cuda.CUDAGraph` and replays it.
-
-    Use it through `graphsafe._graph.Graph(backend="cuda")`; it can also be used alone.
+    """Captures CUDA work into a `torch.cuda.CUDAGraph` and replays it, for
+    `Graph(backend="cuda")`.
 
     Args:
-        pool: Memory pool to capture into, from `other.pool()` or
-            `torch.cuda.graph_pool_handle()`; None gives the graph a pool of its own.
+        pool: Memory pool to capture into; None gives the graph a pool of its own.
 
     Raises:
         CaptureError: CUDA is not available.
-
-    Examples:
-        >>> import torch
-        >>> if torch.cuda.is_available():
-        ...     x = torch.ones(4, device="cuda")
-        ...     g = CUDABackend()
-        ...     g.warmup(lambda: x * 2, 3)
-        ...     with g.capture():
-        ...         y = x * 2
-        ...     _ = x.fill_(3.0)
-        ...     g.replay()
     """
 
     __slots__ = ("_graph", "_pool", "_state")
@@ -85,17 +70,7 @@ class CUDABackend:
         self._state = CaptureState()
 
     def warmup(self, fn: Callable[[], object], iters: int) -> None:
-        """Run `fn` `iters` times on a side stream, then join the current stream.
-
-        Args:
-            fn: Zero-argument callable, usually the body about to be captured.
-            iters: How many times to run it.
-
-        Examples:
-            >>> import torch
-            >>> if torch.cuda.is_available():
-            ...     CUDABackend().warmup(lambda: torch.ones(1, device="cuda") + 1, 3)
-        """
+        """Run `fn` `iters` times on a side stream, then join the current stream."""
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch stubs
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -105,25 +80,11 @@ class CUDABackend:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """Capture the CUDA work of the body into the graph.
-
-        The body's kernels are recorded, not run: its outputs hold meaningful values only
-        after the first `replay()`.
-
-        Yields:
-            None.
+        """Record the body's kernels (not run: outputs hold values after the first replay).
 
         Raises:
             CaptureError: The graph was already captured, or the body did something a
                 stream capture does not allow (`.item()`, a blocking copy to the CPU).
-
-        Examples:
-            >>> import torch
-            >>> if torch.cuda.is_available():
-            ...     x = torch.ones(4, device="cuda")
-            ...     g = CUDABackend()
-            ...     with g.capture():
-            ...         y = x + 1
         """
         with self._state.capturing():
             torch.cuda.synchronize()
@@ -145,39 +106,12 @@ class CUDABackend:
                 ) from error
 
     def replay(self) -> None:
-        """Launch the captured graph on the current stream.
-
-        Raises:
-            CaptureError: Nothing was captured, or the capture failed.
-
-        Examples:
-            >>> import torch
-            >>> if torch.cuda.is_available():
-            ...     g = CUDABackend()
-            ...     with g.capture():
-            ...         y = torch.ones(1, device="cuda") + 1
-            ...     g.replay()
-        """
+        """Launch the captured graph on the current stream (`CaptureError` if none succeeded)."""
         self._state.check_replay()
         self._graph.replay()
 
     def pool(self) -> PoolHandle:
-        """The graph's memory pool, to share with graphs captured later.
-
-        Returns:
-            An opaque pool handle for `Graph(pool=...)` or `torch.cuda.graph(pool=...)`.
-
-        Raises:
-            CaptureError: Called before a capture began.
-
-        Examples:
-            >>> import torch
-            >>> if torch.cuda.is_available():
-            ...     g = CUDABackend()
-            ...     with g.capture():
-            ...         y = torch.ones(1, device="cuda") + 1
-            ...     g2 = CUDABackend(pool=g.pool())
-        """
+        """The graph's memory pool, for later graphs to share (`CaptureError` before capture)."""
         if self._state.state == "new":
             raise CaptureError(
                 "pool() before capture",
@@ -189,14 +123,5 @@ class CUDABackend:
 
     @property
     def cuda_graph(self) -> torch.cuda.CUDAGraph:
-        """The underlying `torch.cuda.CUDAGraph`.
-
-        Returns:
-            The graph object.
-
-        Examples:
-            >>> import torch
-            >>> if torch.cuda.is_available():
-            ...     isinstance(CUDABackend().cuda_graph, torch.cuda.CUDAGraph)
-        """
+        """The underlying `torch.cuda.CUDAGraph`."""
         return self._graph

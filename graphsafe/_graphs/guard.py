@@ -1,9 +1,9 @@
 """The guard: what stands between a captured graph and a replay of stale or moved memory.
 
 A `Guard` holds a graph's pin on the model (released with the guard, or when the graph it
-belongs to is garbage-collected), the ledger snapshot of every tensor and submodule the
-graph may read, and runs, before each replay and under the model's lock, the ledger's
-flat check and the runtime's freshness check (witnesses and journal).
+belongs to is garbage-collected) and the ledger snapshot of every tensor and submodule the
+graph may read. Before each replay the runtime, under the model's lock, runs the ledger's
+flat check and its own freshness check (witnesses and journal).
 """
 
 from __future__ import annotations
@@ -62,14 +62,8 @@ class Guard:
 
     @staticmethod
     def check_capturable(model: nn.Module) -> None:
-        """Refuse, before any warm-up runs the model, a model whose buffers do not exist.
-
-        Args:
-            model: The model to guard.
-
-        Raises:
-            StaleError: The derived buffers were never materialized.
-        """
+        """Refuse, before any warm-up runs the model, a model whose buffers were never
+        materialized (`StaleError`)."""
         runtime(model).check_pinnable()
 
     def release(self) -> None:
@@ -78,20 +72,13 @@ class Guard:
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
-        """Check the model, then hold it still while the body replays.
-
-        Loads of the guarded model wait for the replay, and the replay for loads.
-
-        Yields:
-            None, once every check passed.
+        """Check the model, then hold it still while the body replays (loads of the model
+        wait for the replay, and the replay for loads).
 
         Raises:
             StorageMovedError: A tensor or submodule the graph reads was rebound.
             StaleError: Derived buffers are stale (and not repaired), or the last weight
                 update failed or has not ended.
         """
-        rt = self.runtime
-        with rt._lock:
-            self.ledger.assert_stable()
-            rt.assert_fresh(repair=self._repair)
+        with self.runtime.replaying(self.ledger.assert_stable, repair=self._repair):
             yield

@@ -22,7 +22,7 @@ def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...], str]:
     The models shipped as `graphsafe.models` count as user code; transformers is looked
     up apart, since it may be imported after the first capture.
     """
-    here = os.path.dirname(os.path.abspath(__file__))  # graphsafe/
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # graphsafe/
     packages = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, here + os.sep)
     paths = sysconfig.get_paths()
     stdlib = {os.path.abspath(p) + os.sep for k in ("stdlib", "platstdlib") if (p := paths[k])}
@@ -30,8 +30,6 @@ def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...], str]:
 
 
 def _is_library(filename: str) -> bool:
-    """Whether code in `filename` belongs to torch, graphsafe, transformers or the
-    standard library rather than to the user."""
     if filename.startswith("<"):  # <frozen importlib._bootstrap>, FX's <eval_with_key>
         return not filename.startswith(("<stdin>", "<ipython"))
     path = os.path.abspath(filename)
@@ -60,14 +58,7 @@ def user_frame() -> traceback.FrameSummary | None:
 
 
 def user_frame_of(error: BaseException) -> traceback.FrameSummary | None:
-    """The innermost user frame of `error`'s traceback (where it was raised from).
-
-    Args:
-        error: An exception that was raised.
-
-    Returns:
-        The frame, or None when every frame is library code.
-    """
+    """The innermost user frame of `error`'s traceback; None when all are library code."""
     for summary in reversed(traceback.extract_tb(error.__traceback__)):
         if not _is_library(summary.filename):
             return summary

@@ -58,15 +58,8 @@ def _fix(drifts: tuple[Drift, ...]) -> str:
 
 
 def moved_error(drifts: tuple[Drift, ...], label: str) -> StorageMovedError:
-    """The error naming every drift, each with its expected and got values, and the fix.
-
-    Args:
-        drifts: What moved, in the ledger's order.
-        label: What took the snapshot ("graph capture").
-
-    Returns:
-        The error (not raised).
-    """
+    """The error (not raised) naming every drift with its expected and got values, and the
+    fix; `label` is what took the snapshot ("graph capture")."""
     paths = list(dict.fromkeys(d.path for d in drifts))
     if len(drifts) == 1:
         (d,) = drifts

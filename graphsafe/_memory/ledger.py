@@ -87,11 +87,8 @@ class _Bound(NamedTuple):
 
 
 def _has_storage(t: torch.Tensor) -> bool:
-    """Whether `t` has a storage to pin: sparse and other storage-less tensors have none.
-
-    Such tensors are not pinned (a graph reads their parts, which are tensors of their
-    own).
-    """
+    """Whether `t` has a storage to pin. Sparse and other storage-less tensors are not
+    pinned: a graph reads their parts, which are tensors of their own."""
     if t.layout is not torch.strided:
         return False
     try:
@@ -104,22 +101,22 @@ def _has_storage(t: torch.Tensor) -> bool:
 class Ledger:
     """Pins every tensor reachable from a module tree, and every module along the way.
 
-    Build it with `Ledger.snapshot(model)`. The ledger holds the pinned modules, module
-    containers and tensor objects: every verify checks that the model still holds those
-    very objects, then that each still has the pinned storage and geometry. It also keeps
-    the pinned storages alive: no later allocation can then reuse one of their addresses,
-    so a tensor given new memory always shows a new data pointer (and a graph that still
-    reads the old memory reads valid, if stale, memory). All of it is released with the
-    ledger.
+    Build it with `Ledger.snapshot(model)`. It holds the pinned modules, containers and
+    tensor objects, and keeps the pinned storages alive: no later allocation can reuse
+    their addresses, so a tensor given new memory always shows a new data pointer (and a
+    graph still reading the old memory reads valid, if stale, memory). All of it is
+    released with the ledger.
 
     Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Linear(4, 4)
         >>> ledger = Ledger.snapshot(model)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.mul_(2)  # new values in the same memory: no drift
         >>> ledger.verify()
         ()
-        >>> model.weight.data = torch.zeros(4, 4)
+        >>> model.weight.data = torch.zeros(4, 4)  # new memory
         >>> [(d.path, d.what) for d in ledger.verify()]
         [('weight', 'storage')]
     """
@@ -153,15 +150,7 @@ class Ledger:
         held: tuple[torch.UntypedStorage, ...],
         label: str,
     ) -> None:
-        """Use `Ledger.snapshot`; this constructor is internal.
-
-        Args:
-            root: The model.
-            pins: One pin per tensor site, entries without a chain first.
-            bindings: Every submodule binding (the root excluded).
-            held: The pinned storages, kept alive with the ledger.
-            label: What took the snapshot, for messages.
-        """
+        """Internal: use `Ledger.snapshot`."""
         self._root = root
         self._pins = pins
         self._bindings = bindings
@@ -209,25 +198,18 @@ class Ledger:
     ) -> Ledger:
         """Pin every tensor reachable from `model`'s module tree, and every submodule.
 
-        Parameters and buffers are pinned through `module._parameters` and
-        `module._buffers`; plain tensor attributes through `module.__dict__`, following
-        lists, tuples and dicts. `None` entries are skipped. A module shared by several
-        parents is walked once, under its first path, and pinned at each binding.
+        Tensors are pinned through the container that holds them (`_parameters`,
+        `_buffers`, or `__dict__` and the lists, tuples and dicts in it); a module shared
+        by several parents is walked once and pinned at each binding.
 
         Args:
             model: The root module.
-            label: What the snapshot stands for, in error messages ("moved after
-                {label}"), e.g. `"graph capture"`.
+            label: What the snapshot stands for in messages ("moved after {label}").
             keep: Which tensors to pin (all by default); an engine integration leaves
                 out tensors no graph reads by address.
 
         Returns:
             A ledger of every tensor and submodule found.
-
-        Examples:
-            >>> from torch import nn
-            >>> Ledger.snapshot(nn.Linear(2, 3)).paths
-            ('weight', 'bias')
         """
         bindings = tuple(
             _Bound(s.path, s.parent, s.key, s.module)
@@ -251,16 +233,14 @@ class Ledger:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        """The dotted path of every pinned tensor.
-
-        Returns:
-            Paths in pin order: parameters, buffers and direct attributes first, then
-            tensors inside lists, tuples and dicts.
+        """The dotted path of every pinned tensor; those inside lists, tuples and dicts last.
 
         Examples:
-            >>> from torch import nn
-            >>> len(Ledger.snapshot(nn.Linear(2, 3)).paths)
-            2
+            >>> m = nn.Linear(2, 3)
+            >>> m.cache = [torch.zeros(1)]
+            >>> m.scale = torch.ones(1)
+            >>> Ledger.snapshot(m).paths
+            ('weight', 'bias', 'scale', 'cache.0')
         """
         return tuple(p.site.path for p in self._pins)
 
@@ -268,9 +248,8 @@ class Ledger:
         return len(self._pins)
 
     def _unchanged(self) -> bool:
-        """The flat check: True when every pinned object is still in place and every
-        pinned tensor has its pinned data pointer, stride, shape and dtype (see the
-        module docstring for why that is complete)."""
+        """The flat check: every pinned object in place, with its pinned data pointer,
+        stride, shape and dtype (the module docstring says why that is complete)."""
         native, geometry = self._native, self._geometry
         if native is not None and geometry is not None:
             return (
@@ -315,20 +294,11 @@ class Ledger:
     def verify(self) -> tuple[Drift, ...]:
         """Compare every pinned tensor and submodule with its snapshot.
 
-        Returns:
-            Every drift found: replaced modules first, then tensors in pin order; empty
-            when nothing moved. Writing new values into a tensor (`copy_`, `mul_`,
-            `x[...] = v`) is not a drift.
+        Writing new values into a tensor (`copy_`, `mul_`, `x[...] = v`) is not a drift.
 
-        Examples:
-            >>> import torch
-            >>> from torch import nn
-            >>> model = nn.Linear(2, 2)
-            >>> ledger = Ledger.snapshot(model)
-            >>> with torch.no_grad():
-            ...     _ = model.weight.copy_(torch.ones(2, 2))
-            >>> ledger.verify()
-            ()
+        Returns:
+            Every drift: replaced modules first, then tensors in pin order; empty when
+            nothing moved.
         """
         if self._unchanged():
             return ()
@@ -349,21 +319,8 @@ class Ledger:
         """Raise unless every pinned tensor and submodule is where the snapshot found it.
 
         Raises:
-            StorageMovedError: Naming every drift, each with its expected and got
-                values, and how to fix it. `.drifts` holds the `Drift`s.
-
-        Examples:
-            >>> import torch
-            >>> from torch import nn
-            >>> from graphsafe import StorageMovedError
-            >>> model = nn.Linear(2, 2)
-            >>> ledger = Ledger.snapshot(model)
-            >>> model.bias = nn.Parameter(torch.zeros(2))
-            >>> try:
-            ...     ledger.assert_stable()
-            ... except StorageMovedError as e:
-            ...     e.drifts[0].path
-            'bias'
+            StorageMovedError: Naming every drift with its expected and got values, and
+                the fix; `.drifts` holds the `Drift`s.
         """
         drifts = self.verify()
         if drifts:
@@ -432,15 +389,9 @@ def _resolve(p: _Pin) -> Any:
 
 
 def _resolve_loose(p: _Pin) -> tuple[object, str]:
-    """What the path holds now, looked up through the container, then by attribute.
-
-    A plain attribute that became a parameter (`m.x = nn.Parameter(...)`) leaves
-    `__dict__` but is still reachable as `m.x`; describing what is there now beats
-    reporting it removed.
-
-    Returns:
-        The value (None when there is none) and, when there is none, why.
-    """
+    """What the path holds now (or None, and why), through the container, then by
+    attribute: a plain attribute that became a parameter (`m.x = nn.Parameter(...)`)
+    leaves `__dict__` but is still `m.x`, and describing it beats reporting it removed."""
     try:
         return _resolve(p), ""
     except _RESOLVE_ERRORS:

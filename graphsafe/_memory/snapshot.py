@@ -1,96 +1,324 @@
-"""The flat rebinding check: have any inputs or derived buffers been rebound?
+"""Flat snapshots of sites: what a holder held under a key, compared in one pass.
 
-It runs on every load and refresh, so it is a few `map`s and `==`s over flat lists
-rather than a walk: identity, pointer and (inputs only) stride of every resident input
-and buffer, as recorded at the last refresh.
+A site is a holder and a key: a dict and its key (`module._parameters`, `"weight"`; an
+object's attribute is its `__dict__` and the name), a closure cell (key None) or an
+object's slot (`Slot(name)`). `Sites` reads them all at once; `Bindings` (identity,
+pointer, stride: the every-load rebinding check) and `Witnesses` (also version and journal
+epoch: the guard's freshness check) compare what they read with what they recorded. Where
+every holder is a dict, the compiled checks (`graphsafe native build`) read and compare in
+C++; other holders are read in Python, with the same answers.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from collections.abc import Iterable, Sequence
+from types import CellType
+from typing import Any, NamedTuple
 
 import torch
 
 from graphsafe import _native
-from graphsafe._memory.journal import Seen
-from graphsafe._runtime.binding import Bound, Input
+from graphsafe._memory.journal import Journal
+from graphsafe._memory.walk import storage_key
 
-__all__ = ["Flat"]
+__all__ = ["Bindings", "Seen", "Sites", "Slot", "Witnesses"]
 
-_PLAIN = torch._C.DisableTorchFunctionSubclass
+PLAIN = torch._C.DisableTorchFunctionSubclass
+"""Metadata reads without subclass `__torch_function__` (vLLM's parameters have one)."""
 _DATA_PTR = torch.Tensor.data_ptr
 _STRIDE = torch.Tensor.stride
+_VERSION = operator.attrgetter("_version")
 
 
-class Flat:
-    """Identity, pointer and stride of every resident input and buffer, as flat lists:
-    the every-load check that nothing was rebound is a few `map`s and `==`s. Shapes are
-    compared only once something differs (a `.data =` view of the same storage changes
-    its stride); transient inputs come and go by design and are checked one by one."""
+class Slot(NamedTuple):
+    """The key of a site held in an object's `__slots__` attribute `name`."""
 
-    __slots__ = (
-        "containers",
-        "ids",
-        "keys",
-        "n_inputs",
-        "native",
-        "ptrs",
-        "seen",
-        "strides",
-        "transient",
-    )
+    name: str
 
-    def __init__(self, inputs: list[Input], bound: list[Bound]) -> None:
-        # What was recorded, not what is there now: a rebinding before this is built
-        # must still show.
-        rows: list[tuple[dict[str, Any], str, object, int, tuple[int, ...]]] = [
-            (inp.container, inp.key, inp.tensor, inp.geometry[0], inp.geometry[2])
-            for inp in inputs
-            if not inp.transient
-        ]
-        rows += [
-            (b.container, name, buf, ptr, tuple(stride))
-            for b in bound
-            for name, buf, (ptr, _, stride) in zip(b.outputs, b.buffers or (), b.geometry)
-        ]
-        self.containers = [r[0] for r in rows]
-        self.keys = [r[1] for r in rows]
+
+class Seen(NamedTuple):
+    """Sites as one flat check read them: `tensors[i]` is what `holders[i]` holds."""
+
+    holders: list[Any]
+    keys: list[Any]
+    tensors: list[Any]
+    ids: list[int]
+    ptrs: list[int]
+
+
+class Sites:
+    """Holders and keys, read in one pass.
+
+    Args:
+        sites: `(holder, key)` per site.
+    """
+
+    __slots__ = ("holders", "keys", "plain")
+
+    def __init__(self, sites: Sequence[tuple[Any, Any]]) -> None:
+        self.holders = [h for h, _ in sites]
+        self.keys = [k for _, k in sites]
+        self.plain = all(type(h) is dict for h in self.holders)
+        """Every holder is a dict: read with `dict.get`, in one `map`."""
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def read(self) -> list[Any]:
+        """What each site holds now (None where it holds nothing)."""
+        if self.plain:
+            return list(map(dict.get, self.holders, self.keys))
+        return [self.read_one(i) for i in range(len(self.keys))]
+
+    def read_one(self, i: int) -> Any:
+        """What site `i` holds now."""
+        return read_site(self.holders[i], self.keys[i])
+
+
+def read_site(holder: Any, key: Any) -> Any:
+    """What `holder` holds under `key`: a dict item, a cell's contents or a slot."""
+    if type(holder) is dict:
+        return holder.get(key)
+    if isinstance(holder, CellType):
+        try:
+            return holder.cell_contents
+        except ValueError:  # an empty cell
+            return None
+    if isinstance(key, Slot):
+        return getattr(holder, key.name, None)
+    return holder.get(key)
+
+
+class Bindings(Sites):
+    """Identity, pointer and (for the first `n_strided`) stride of what each site held
+    when recorded: the every-load check that nothing was rebound is a few `map`s and
+    `==`s. Shapes are compared by the caller once something differs.
+
+    Args:
+        rows: `(holder, key, object, data pointer, stride)` per site, as recorded (not as
+            read now: a rebinding before this is built must still show).
+        n_strided: How many leading rows also check their stride (a `.data =` view of the
+            same storage changes it).
+    """
+
+    __slots__ = ("ids", "n_strided", "native", "ptrs", "seen", "strides")
+
+    def __init__(
+        self, rows: Sequence[tuple[Any, Any, object, int, tuple[int, ...]]], n_strided: int
+    ) -> None:
+        super().__init__([(r[0], r[1]) for r in rows])
         self.ids = [id(r[2]) for r in rows]
         self.ptrs = [r[3] for r in rows]
-        # Strides of the inputs only: derived buffers are graphsafe's own, locked against
-        # resizing; a view bound to one changes its identity, which the ids see.
-        self.n_inputs = sum(1 for inp in inputs if not inp.transient)
-        self.strides = [r[4] for r in rows[: self.n_inputs]]
-        self.transient = [inp for inp in inputs if inp.transient]
+        self.n_strided = n_strided
+        self.strides = [tuple(r[4]) for r in rows[:n_strided]]
         self.seen: Seen | None = None
         """What the last passing check read; a full refresh's witnesses reuse it."""
-        self.native = (
-            _native.get() if all(type(c) is dict for c in self.containers) else None
-        )
-
-    def _now(self) -> list[Any]:
-        return list(map(dict.get, self.containers, self.keys))
+        self.native = _native.get() if self.plain else None
 
     def unchanged(self) -> bool:
+        """Whether every site holds the object it held, at the same pointer and stride."""
         if self.native is not None:  # the same comparisons, compiled
             now = self.native.same_bindings(
-                self.containers, self.keys, self.ids, self.ptrs, self.strides
+                self.holders, self.keys, self.ids, self.ptrs, self.strides
             )
             if now is None:
                 return False
-            self.seen = Seen(self.containers, self.keys, now, self.ids, self.ptrs)
+            self.seen = Seen(self.holders, self.keys, now, self.ids, self.ptrs)
             return True
-        tensors = self._now()
+        tensors = self.read()
         if list(map(id, tensors)) != self.ids:
             return False
         try:
-            with _PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+            with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
                 ok = (
                     list(map(_DATA_PTR, tensors)) == self.ptrs
-                    and list(map(_STRIDE, tensors[: self.n_inputs])) == self.strides
+                    and list(map(_STRIDE, tensors[: self.n_strided])) == self.strides
                 )
         except (TypeError, AttributeError, RuntimeError):
             return False
         if ok:
-            self.seen = Seen(self.containers, self.keys, tensors, self.ids, self.ptrs)
+            self.seen = Seen(self.holders, self.keys, tensors, self.ids, self.ptrs)
         return ok
+
+
+class Witnesses(Sites):
+    """What each watched tensor looked like when its dependents were last refreshed.
+
+    The tensors are read through their holders, so a rebound attribute shows.
+    `unchanged()` is one flat comparison per field over all of them; only a mismatch
+    pays for finding which ones differ (`changed()`).
+
+    Args:
+        sites: `(holder, key)` per tensor, e.g. `(module._parameters, "weight")`.
+        journal: Whose epochs the witnesses take.
+    """
+
+    __slots__ = ("_clock", "_epochs", "_ids", "_native", "_ptrs", "_skeys", "_versions",
+                 "journal")
+
+    def __init__(self, sites: Sequence[tuple[Any, Any]], journal: Journal) -> None:
+        super().__init__(sites)
+        self.journal = journal
+        n = len(self.keys)
+        self._ids = [0] * n
+        self._ptrs = [0] * n
+        self._versions = [0] * n
+        self._skeys = [0] * n
+        self._epochs = [0] * n
+        self._clock = -1
+        self._native = _native.get() if self.plain else None
+        self.record(range(n))
+
+    def rebuilt(self, sites: Sequence[tuple[Any, Any]]) -> Witnesses:
+        """New witnesses over `sites`, keeping what was recorded for sites already here.
+
+        New sites are recorded now; sites kept keep their old record, so a change not
+        yet refreshed is not forgotten.
+
+        Args:
+            sites: The new `(container, key)` list.
+
+        Returns:
+            The new witnesses.
+        """
+        new = Witnesses(sites, self.journal)
+        old = {(id(c), k): i for i, (c, k) in enumerate(zip(self.holders, self.keys))}
+        for j, (c, k) in enumerate(sites):
+            i = old.get((id(c), k))
+            if i is not None and self._ids[i] == new._ids[j]:
+                new._ptrs[j] = self._ptrs[i]
+                new._versions[j] = self._versions[i]
+                new._epochs[j] = self._epochs[i]
+        new._clock = -1
+        return new
+
+    def record(self, indices: Iterable[int]) -> None:
+        """Take the witnesses of `indices` anew, after their dependents were refreshed.
+
+        The clock shortcut is left alone: other sites may still lag behind it.
+
+        Args:
+            indices: Site indices.
+        """
+        for i in indices:
+            t = self.read_one(i)
+            self._ids[i] = id(t)
+            if isinstance(t, torch.Tensor):
+                self._ptrs[i] = _ptr(t)
+                self._versions[i] = _version(t)
+                key = self._skeys[i] = storage_key(t)
+                self._epochs[i] = self.journal.epochs_of([key])[0]
+            else:
+                self._ptrs[i] = self._versions[i] = self._skeys[i] = self._epochs[i] = 0
+
+    def record_all(self, seen: Seen | None = None) -> None:
+        """`record` of every site, as flat passes (a full refresh).
+
+        Args:
+            seen: What the engine's rebinding check read at the start of this refresh,
+                over the same sites: its tensors, ids and pointers are taken as they are
+                (a tensor rebound since then shows at the next check, as rebound).
+        """
+        if (
+            seen is not None
+            and seen.holders == self.holders
+            and seen.keys == self.keys
+        ):
+            tensors, ids, ptrs = seen.tensors, seen.ids, seen.ptrs
+        else:
+            tensors = self.read()
+            ids = list(map(id, tensors))
+            try:
+                ptrs = list(map(_DATA_PTR, tensors))
+            except (AttributeError, TypeError, RuntimeError):
+                self.record(range(len(tensors)))  # a site holds no tensor: one by one
+                return
+        try:
+            versions = list(map(_VERSION, tensors))
+        except (AttributeError, TypeError, RuntimeError):
+            self.record(range(len(tensors)))  # a site holds no tensor: one by one
+            return
+        # A storage key changes only with the tensor or its pointer.
+        if ids == self._ids and ptrs == self._ptrs:
+            skeys = self._skeys
+        else:
+            skeys = [
+                k if i == oi and p == op else storage_key(t)
+                for t, i, p, oi, op, k in zip(
+                    tensors, ids, ptrs, self._ids, self._ptrs, self._skeys
+                )
+            ]
+        self._ids, self._ptrs, self._versions, self._skeys = ids, ptrs, versions, skeys
+        self._epochs = self.journal.epochs_of(skeys)
+
+    def unchanged(self) -> bool:
+        """The flat check: same tensor objects, pointers, versions and epochs."""
+        native = self._native
+        if native is not None:
+            if not native.same_witnesses(
+                self.holders, self.keys, self._ids, self._ptrs, self._versions
+            ):
+                return False
+            return self._epochs_hold()
+        tensors = self.read()
+        if list(map(id, tensors)) != self._ids:
+            return False
+        try:
+            with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+                if list(map(_VERSION, tensors)) != self._versions:
+                    return False
+                if list(map(_DATA_PTR, tensors)) != self._ptrs:
+                    return False
+        except (AttributeError, TypeError, RuntimeError):
+            return False
+        return self._epochs_hold()
+
+    def _epochs_hold(self) -> bool:
+        """Whether no recorded write reached a watched storage (only looked at when the
+        journal's clock moved since the last look)."""
+        clock = self.journal.clock
+        if clock != self._clock:
+            if self.journal.epochs_of(self._skeys) != self._epochs:
+                return False
+            self._clock = clock
+        return True
+
+    def changed(self) -> list[tuple[int, str]]:
+        """Which tensors changed since they were recorded, and how.
+
+        Returns:
+            `(index, how)` per changed tensor, in site order; empty when none did.
+        """
+        if self.unchanged():
+            return []
+        out: list[tuple[int, str]] = []
+        epochs = self.journal.epochs_of(self._skeys)
+        for i, t in enumerate(self.read()):
+            if id(t) != self._ids[i] or not isinstance(t, torch.Tensor):
+                out.append((i, "rebound"))
+            elif _ptr(t) != self._ptrs[i]:
+                out.append((i, "rebound to new storage"))
+            elif _version(t) != self._versions[i]:
+                out.append((i, "written in place outside a tracked load (its version moved)"))
+            elif epochs[i] != self._epochs[i]:
+                how = self.journal.how_written(self._skeys[i])
+                out.append((i, f"written by {how}"))
+        return out
+
+
+def _version(t: torch.Tensor) -> int:
+    """`t._version`, or -1 for an inference tensor (torch keeps none for it)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
+
+
+def _ptr(t: object) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    try:
+        return int(t.data_ptr())
+    except RuntimeError:
+        return 0

@@ -1,10 +1,9 @@
 """The one walk over a module tree: every submodule binding and every reachable tensor.
 
-Everything in graphsafe that looks for tensors in a model walks it here, so that all of
-them agree on what "every tensor" means: parameters, buffers, plain tensor attributes in
-`module.__dict__`, and tensors held in lists, tuples and dicts stored as attributes, at
-any depth. Each tensor comes with where it lives (`Site`), so a caller can read it again
-through the same container, or put something else there.
+Everything in graphsafe that looks for tensors in a model walks it here, so that all agree
+on what "every tensor" means (parameters, buffers, and plain attributes, through lists,
+tuples and dicts at any depth). Each comes with its `Site`, so that a caller can read it
+again, or put something else there, through the same container.
 """
 
 from __future__ import annotations
@@ -23,61 +22,39 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
 class Site(NamedTuple):
-    """Where one tensor lives: `container[key][chain[0]][chain[1]]...` is `tensor`."""
+    """Where one tensor lives: `container[key][chain[0]][chain[1]]...` is `tensor`.
+
+    `container` is `module._parameters`, `module._buffers` or `module.__dict__`; `chain`
+    (keys into nested lists, tuples and dicts) is empty for a tensor held directly; `path`
+    is dotted from the root (`layers.0.cache.1` for an item of a list attribute).
+    """
 
     path: str
-    """Dotted path from the root (`layers.0.cache.1` for an item of a list attribute)."""
-
     module: nn.Module
-    """The module that holds the tensor."""
-
     container: Any
-    """The dict `key` indexes: `module._parameters`, `module._buffers` or
-    `module.__dict__`."""
-
     key: Any
-    """The key of the tensor, or of the outermost list, tuple or dict holding it, in
-    `container`."""
-
     chain: tuple[Any, ...]
-    """Further keys into nested lists, tuples and dicts; empty for a tensor held
-    directly."""
-
     tensor: torch.Tensor
-    """The tensor found there."""
 
 
 class ModuleSite(NamedTuple):
-    """Where one module is bound: `parent._modules[key]` is `module`."""
+    """Where one module is bound: `parent._modules[key]` is `module`, at the dotted `path`
+    (for the root: path and key `""`, parent None)."""
 
     path: str
-    """Dotted path from the root; `""` for the root itself."""
-
     parent: nn.Module | None
-    """The module that holds it; None for the root."""
-
     key: str
-    """Its key in `parent._modules`; `""` for the root."""
-
     module: nn.Module
-    """The module bound there."""
 
 
 def walk_modules(model: nn.Module) -> Iterator[ModuleSite]:
-    """Yield the root, then every binding of a submodule, depth first in registration order.
+    """Yield the root, then every submodule binding, depth first in registration order.
 
-    A module shared by several parents is yielded once per binding, so that replacing it
-    at any of them can be seen; its own submodules are walked once, under its first path.
-    `None` entries of `_modules` are skipped.
-
-    Args:
-        model: The root module.
-
-    Yields:
-        One `ModuleSite` per binding, the root first (parent None, path `""`).
+    A module shared by several parents is yielded at each binding, so that replacing it at
+    any of them can be seen; its own submodules are walked once, under its first path.
+    `None` entries are skipped.
 
     Examples:
-        >>> from torch import nn
         >>> shared = nn.Linear(2, 2)
         >>> [s.path for s in walk_modules(nn.Sequential(shared, nn.ReLU(), shared))]
         ['', '0', '1', '2']
@@ -98,22 +75,13 @@ def _bindings(module: nn.Module, head: str, seen: set[int]) -> Iterator[ModuleSi
 
 
 def walk_tensors(model: nn.Module) -> Iterator[Site]:
-    """Yield every tensor reachable from `model`'s module tree.
+    """Yield a `Site` for every place a tensor reachable from `model` is held.
 
-    For each module, in `walk_modules` order: its parameters, its buffers, then its plain
-    attributes, following lists, tuples and dicts (cycles end). `None` entries are
-    skipped. A module shared by several parents is walked once, under its first path; a
-    tensor held in several places (tied weights) is yielded at each.
-
-    Args:
-        model: The root module.
-
-    Yields:
-        One `Site` per place a tensor is held.
+    Per module, in `walk_modules` order: parameters, buffers, then plain attributes
+    through lists, tuples and dicts (cycles end; `None` is skipped). A shared module is
+    walked once; a tensor held in several places (tied weights) is yielded at each.
 
     Examples:
-        >>> import torch
-        >>> from torch import nn
         >>> m = nn.Linear(2, 2)
         >>> m.cache = [torch.zeros(1), None, {"k": torch.ones(1)}]
         >>> [s.path for s in walk_tensors(m)]
@@ -161,20 +129,12 @@ def _held(
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The address of `t`'s storage, or 0 when there are no bytes to tell apart.
+    """`t.untyped_storage().data_ptr()`, or 0 when there are no bytes to tell apart.
 
-    Tensors with storage of zero bytes, meta tensors and tensors without storage
-    (sparse, wrapper subclasses) all get 0: they share it, so key 0 must never be used to
-    tell tensors apart or to track them.
-
-    Args:
-        t: Any tensor.
-
-    Returns:
-        `t.untyped_storage().data_ptr()`, or 0 as above.
+    Zero-byte, meta and storage-less tensors (sparse, wrapper subclasses) all share key 0,
+    so 0 must never be used to tell tensors apart or to track them.
 
     Examples:
-        >>> import torch
         >>> storage_key(torch.empty(0)), storage_key(torch.eye(2).to_sparse())
         (0, 0)
         >>> x = torch.zeros(4)
@@ -189,14 +149,7 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def storage_paths(model: nn.Module) -> dict[int, str]:
-    """`{storage key: path}` of every tensor of `model`, the first path of each storage.
-
-    Args:
-        model: The root module.
-
-    Returns:
-        The map; zero-byte storages are left out.
-    """
+    """`{storage key: first path}` of every storage of `model` that has bytes."""
     found: dict[int, str] = {}
     for site in walk_tensors(model):
         key = storage_key(site.tensor)

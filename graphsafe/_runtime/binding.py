@@ -240,6 +240,14 @@ class Bound:
         self.shape0 = buffers[0].shape
         self.single_in = self.in_refs[0] if len(self.in_refs) == 1 else None
 
+    def drop_buffers(self) -> None:
+        """Forget the buffers (converted by `.to()` before pin): they are made anew."""
+        self.buffers = None
+
+    def use_slow_path(self) -> None:
+        """The function returned another tensor than its `out=`: check and copy from now."""
+        self.fast = False
+
     def rehome(self, old: dict[str, Any], new: dict[str, Any], key: str) -> None:
         """An input moved from one container of its module to another: read it there."""
         self.in_refs = [(new if c is old and k == key else c, k) for c, k in self.in_refs]

@@ -20,7 +20,7 @@ from graphsafe._errors import (
     RegistrationError,
     StorageMovedError,
 )
-from graphsafe._memory.journal import storage_key
+from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binding import Binding, Bound, Input, describe, join
 
 __all__ = [

@@ -3,41 +3,33 @@
 The runtime decides *when* (loads, updates, pins); the engine decides *what* and does
 it: which derivations a set of writes makes dirty, the order to run them, the hot loop
 that writes each result straight into its buffer, and the checks that refuse a result
-or a write before it lands. It owns the state of the derived buffers: which are stale,
-their witnesses, and the report of the last refresh.
+or a write before it lands. It owns the state of the derived buffers: which are stale and
+why, and the report of the last refresh; where they and their inputs live, and what
+changed there, is its `Watch`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import torch
 
 from graphsafe._declare.spec import RawEntry, RawIdentity, RefreshReport
 from graphsafe._errors import DerivationDriftError, one_line
-from graphsafe._memory.journal import JOURNAL, Witnesses, storage_key
-from graphsafe._memory.snapshot import Flat
-from graphsafe._runtime.binding import Binding, Bound, Input, join, pin_storage
-from graphsafe._runtime.checks import (
-    adoptee,
-    as_results,
-    check_results,
-    geometry_held,
-    impurity_refusal,
-    moved_error,
-    read_refusal,
-    refuse_resized,
-)
-from graphsafe._runtime.tracking import ReadGuard, WriteTracker
+from graphsafe._memory.journal import Journal
+from graphsafe._memory.snapshot import Witnesses
+from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.binding import Binding, Bound, Input
+from graphsafe._runtime.checks import geometry_held, moved_error, refuse_resized
+from graphsafe._runtime.refresh import FAST, SLOW, copy_apart, materialize, refresh_checked
 from graphsafe._runtime.transient import Transients
+from graphsafe._runtime.watch import Watch
 
 __all__ = ["Engine"]
 
 _MATERIALIZED, _REFRESHED, _FAILED = 0, 1, 3
-_FAST, _SLOW, _NONE = 0, 1, 2
+_NONE = 2  # no path taken: the derivation failed
 
 
 class Engine:
@@ -47,6 +39,7 @@ class Engine:
         binding: The plan from `bind`.
         model_tensors: Returns `{storage key: path}` of every tensor of the model, for
             the purity and read checks.
+        journal: Where writes are recorded and failures poison storage.
         strict: Check purity on every refresh, not only at materialization.
     """
 
@@ -55,11 +48,12 @@ class Engine:
         binding: Binding,
         model_tensors: Callable[[], dict[int, str]],
         *,
+        journal: Journal,
         strict: bool = False,
     ) -> None:
         self.binding = binding
         self.bound = binding.bound
-        self.inputs = binding.inputs
+        self.journal = journal
         self.strict = strict
         self._model_tensors = model_tensors
         self.stale: set[int] = {b.index for b in self.bound}
@@ -72,88 +66,36 @@ class Engine:
         ]
         self._frozen_identities: tuple[RawIdentity, ...] | None = None
         self._reallocated: set[int] = set()
-        self._watch: dict[int, list[Input]] | None = None
-        self._flat: Flat | None = None
-        self._keys: frozenset[int] | None = None
-        self._site_owner: list[tuple[int, ...]] = []
-        self._input_site: dict[int, int] = {}
-        self._buffer_sites: list[list[int]] = [[] for _ in self.bound]
         self.transients = Transients(self.bound)
         """The transient inputs: held only while a load writes them."""
-        self.witnesses = Witnesses(self._sites())
+        self.watch = Watch(binding, journal)
 
     # -- what is dirty ---------------------------------------------------------------
 
+    @property
+    def witnesses(self) -> Witnesses:
+        """The witnesses of every resident input and buffer."""
+        return self.watch.witnesses
+
     def watch_map(self) -> dict[int, list[Input]]:
         """Storage key -> the inputs living in that storage (views and ties share one)."""
-        if self._watch is None:
-            watch: dict[int, list[Input]] = {}
-            for inp in self.inputs:
-                if inp.tensor is not None and not inp.transient:  # those: see transients
-                    key = storage_key(inp.tensor)
-                    if key:
-                        watch.setdefault(key, []).append(inp)
-            self._watch = watch
-        return self._watch
+        return self.watch.by_storage()
 
     def consumers_of(self, keys: Iterable[int]) -> set[int]:
-        """Derivations reading any of the storages `keys`.
-
-        Args:
-            keys: Storage keys written.
-
-        Returns:
-            Indices of the derivations that read them directly.
-        """
-        watch = self.watch_map()
-        dirty: set[int] = set()
-        for key in keys:
-            for inp in watch.get(key, ()):
-                dirty.update(inp.consumers)
-        return dirty
+        """Indices of the derivations reading any of the storages `keys` directly."""
+        return self.watch.consumers_of(keys)
 
     def witness_dirty(self) -> dict[int, str]:
-        """Derivations whose inputs or buffers changed since they were refreshed.
-
-        Returns:
-            Derivation index -> how its input or buffer changed; empty when none did.
-        """
-        changed = self.witnesses.changed()
-        if not changed:
-            return {}
-        dirty: dict[int, str] = {}
-        for site, how in changed:
-            for i in self._site_owner[site]:
-                dirty.setdefault(i, f"{self._site_path(site)} {how}")
-        return dirty
+        """Derivation index -> how its input or buffer changed since it was refreshed."""
+        return self.watch.witness_dirty()
 
     def find_moved(self) -> tuple[list[Input], list[tuple[Bound, int]]]:
-        """Inputs, and `(derivation, output index)` of buffers, rebound since recorded.
+        """Inputs, and `(derivation, output index)` of buffers, rebound since recorded."""
+        return self.watch.moved()
 
-        One flat pass each: this runs on every load and refresh.
-
-        Returns:
-            The moved inputs and buffers.
-        """
-        flat = self._flat
-        if flat is None:
-            flat = self._flat = Flat(self.inputs, self.bound)
-        if flat.unchanged():
-            moved_inputs = [inp for inp in flat.transient if inp.moved()]
-            return moved_inputs, []
-        moved_inputs = [inp for inp in self.inputs if inp.moved()]
-        moved_buffers = [
-            (b, j)
-            for b in self.bound
-            for j, (name, buf, (ptr, shape, stride)) in enumerate(
-                zip(b.outputs, b.buffers or (), b.geometry)
-            )
-            if b.container.get(name) is not buf
-            or buf.data_ptr() != ptr
-            or buf.shape != shape
-            or buf.stride() != stride
-        ]
-        return moved_inputs, moved_buffers
+    def storage_keys(self) -> frozenset[int]:
+        """Storage keys of every input and buffer, for the journal's poison check."""
+        return self.watch.storage_keys()
 
     def scan_moved(self, pinned: bool) -> set[int]:
         """Derivations whose inputs or buffers were rebound since the last refresh.
@@ -161,12 +103,6 @@ class Engine:
         Before pin the new tensors are taken (inputs) or the buffers made anew from the
         derivation (a buffer converted by `.half()` or `.to()`), and the derivations must
         run; after it, a rebinding marks them stale and raises.
-
-        Args:
-            pinned: Whether a graph holds the storage fixed.
-
-        Returns:
-            Indices of the derivations to recompute.
 
         Raises:
             StorageMovedError: Pinned, and something moved.
@@ -196,25 +132,45 @@ class Engine:
         for b, _ in moved_buffers:
             # The derivation, not a module conversion, decides a buffer's dtype: make it
             # anew from the inputs (the old storage is no graph's: nothing is pinned).
-            b.buffers = None
-            self._flat = None
+            b.drop_buffers()
             self._reallocated.add(b.index)
             dirty.add(b.index)
-        self._watch = None
-        self._keys = None
-        self._flat = None
-        self.witnesses = self.witnesses.rebuilt(self._sites())
+        self.watch = self.watch.renewed()
         return dirty
 
-    def closure(self, dirty: Iterable[int]) -> list[int]:
-        """`dirty`, everything downstream of it, and whatever is stale, in order.
+    def stale_reasons(self, in_update: set[int]) -> dict[int, str]:
+        """Stale derivation index -> why, from every source, downstream included.
 
         Args:
-            dirty: Derivation indices.
-
-        Returns:
-            Sorted indices (topological order).
+            in_update: Storage keys written by a load or update that has not ended.
         """
+        found = {i: self.reasons.get(i, "not materialized or not refreshed") for i in self.stale}
+        for i, how in self.witness_dirty().items():
+            found.setdefault(i, how)
+        moved_inputs, moved_buffers = self.find_moved()
+        for inp in moved_inputs:
+            for i in inp.consumers:
+                found.setdefault(i, f"{inp.path} was rebound")
+        for b, j in moved_buffers:
+            found.setdefault(b.index, f"{b.out_paths[j]} was rebound")
+        for i in self.consumers_of(in_update):
+            found.setdefault(i, "written inside a weight update that has not ended")
+        poisoned = self.journal.poisoned_among(self.storage_keys())
+        if poisoned:
+            for b in self.bound:
+                for t in b.buffers or ():
+                    why = poisoned.get(storage_key(t))
+                    if why is not None:
+                        found.setdefault(b.index, why)
+        out: dict[int, str] = {}
+        for i in sorted(found):
+            for j in self.bound[i].downstream:
+                out.setdefault(j, found[i])
+        return out
+
+    def closure(self, dirty: Iterable[int]) -> list[int]:
+        """`dirty`, everything downstream of it, and whatever is stale, in topological
+        order."""
         bound = self.bound
         todo: set[int] = set()
         for i in (*dirty, *self.stale):
@@ -222,12 +178,7 @@ class Engine:
         return sorted(todo)
 
     def mark_stale(self, indices: Iterable[int], why: str) -> None:
-        """Mark derivations, and what lies downstream of them, stale; poison buffers.
-
-        Args:
-            indices: Derivation indices.
-            why: The reason, for messages.
-        """
+        """Mark derivations, and what lies downstream of them, stale; poison buffers."""
         bound = self.bound
         buffers: list[torch.Tensor] = []
         for i in indices:
@@ -235,7 +186,15 @@ class Engine:
                 self.stale.add(j)
                 self.reasons.setdefault(j, why)
                 buffers.extend(bound[j].buffers or ())
-        JOURNAL.poison(buffers, why)
+        self.journal.poison(buffers, why)
+
+    def rewitness(self, fresh: Sequence[int]) -> None:
+        """Take the witnesses of derivations known to be fresh (see `Watch.rewitness`)."""
+        self.watch.rewitness(fresh)
+
+    def report(self, report: RefreshReport) -> None:
+        """Keep `report` as the last refresh's (a load's refreshes, combined)."""
+        self.last_report = report
 
     # -- the hot loop ----------------------------------------------------------------
 
@@ -294,15 +253,15 @@ class Engine:
                                 ret = b.fn(b.module_ref(), *[c[k] for c, k in b.in_refs], out=buf)
                             if buf.shape != b.shape0:  # torch resized it: wrong result shape
                                 refuse_resized(b, None)
-                            taken = _FAST if ret is buf else self._copy_apart(b, ret)
+                            taken = FAST if ret is buf else copy_apart(b, ret)
                             append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
                         elif b.buffers is None:
                             assert watch is not None
-                            self._materialize(b, watch)
+                            self._record(b, materialize(b, watch))
                             sites_changed = True
-                            append((i, _MATERIALIZED, _SLOW, clock() - t0, i not in realloc))
+                            append((i, _MATERIALIZED, SLOW, clock() - t0, i not in realloc))
                         else:
-                            taken = self._refresh_checked(b, watch if self.strict else None)
+                            taken = refresh_checked(b, watch if self.strict else None)
                             append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
                     except Exception as exc:
                         if b.buffers is not None and not isinstance(exc, DerivationDriftError):
@@ -358,191 +317,22 @@ class Engine:
     def _settle(self, ran: Sequence[int], failed: set[int], sites_changed: bool) -> None:
         """After a run: clear what succeeded, take its witnesses, heal its buffers."""
         ok = [i for i in ran if i not in failed] if failed else ran
-        bound = self.bound
         if self.stale:
             self.stale.difference_update(ok)
         if self.reasons:
             for i in ok:
                 self.reasons.pop(i, None)
         if sites_changed:
-            self._keys = None
-            self.witnesses = self.witnesses.rebuilt(self._sites())
+            self.watch = self.watch.renewed()
         # An input's witness is taken only when every derivation reading it ran: a change
         # that one of them has not seen must stay visible.
-        self.rewitness(ok)
-        if JOURNAL.poisoned:
-            JOURNAL.heal(storage_key(t) for i in ok for t in bound[i].buffers or ())
+        self.watch.rewitness(ok)
+        if self.journal.poisoned:
+            self.journal.heal(storage_key(t) for i in ok for t in self.bound[i].buffers or ())
 
-    def rewitness(self, fresh: Sequence[int]) -> None:
-        """Take the witnesses of derivations known to be fresh.
-
-        An input's witness is taken only when every derivation reading it is among
-        `fresh`: a change that one of them has not seen must stay visible.
-
-        Args:
-            fresh: Indices of derivations that match their inputs now.
-        """
-        okset = set(fresh)
-        if len(okset) == len(self.bound):
-            flat, seen = self._flat, None
-            if flat is not None:
-                seen, flat.seen = flat.seen, None
-            self.witnesses.record_all(seen)
-            return
-        sites: list[int] = []
-        for i in fresh:
-            b = self.bound[i]
-            sites.extend(self._buffer_sites[i])
-            for inp in b.leaf_inputs:
-                if not inp.transient and okset.issuperset(inp.consumers):
-                    sites.append(self._input_site[id(inp)])
-        self.witnesses.record(sites)
-
-    def _copy_apart(self, b: Bound, ret: Any) -> int:
-        """A function that accepts `out=` returned another tensor: validate, copy in."""
-        assert b.buffers is not None
-        b.buffers[0].copy_(check_results(b, ret)[0])
-        b.fast = False  # from now on through _refresh_checked
-        return _SLOW
-
-    def _refresh_checked(self, b: Bound, purity: dict[int, str] | None) -> int:
-        """Every other case: several outputs, no `out=`, strict purity."""
-        module = b.module_ref()
-        buffers = b.buffers
-        assert module is not None and buffers is not None
-        args = [c[k] for c, k in b.in_refs]
-        guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if purity is not None:
-            own = {storage_key(t) for t in buffers}
-            guard = WriteTracker(
-                {k: p for k, p in purity.items() if k not in own}, impurity_refusal(b, purity)
-            )
-        if b.accepts_out:
-            out = b.out_arg
-            try:
-                with guard:
-                    ret = b.fn(module, *args, out=out)
-            except Exception as exc:
-                refuse_resized(b, exc)
-                raise
-            refuse_resized(b, None)
-            if ret is out or (
-                isinstance(ret, (tuple, list))
-                and len(ret) == len(buffers)
-                and all(r is o for r, o in zip(ret, buffers))
-            ):
-                return _FAST
-        else:
-            with guard:
-                ret = b.fn(module, *args)
-        results = check_results(b, ret)
-        if len(results) == 1:
-            buffers[0].copy_(results[0])
-        else:
-            torch._foreach_copy_(buffers, results)
-        return _SLOW
-
-    def _materialize(self, b: Bound, watch: dict[int, str]) -> None:
-        """First call: refuse impure writes and undeclared reads, then allocate."""
-        module = b.module_ref()
-        assert module is not None
-        args = [c[k] for c, k in b.in_refs]
-        declared = {storage_key(t) for t in args}
-        with ReadGuard(watch, impurity_refusal(b, watch), declared, read_refusal(b, watch)):
-            ret = b.fn(module, *args)
-        results = as_results(b, ret)
-        fresh: list[torch.Tensor] = []
-        for r in results:
-            t = r.detach()
-            key = storage_key(t)
-            if (key and key in watch) or t.untyped_storage().nbytes() != t.nbytes:
-                # Shares memory with a model tensor (a view of an input): own a copy.
-                t = t.clone(memory_format=torch.contiguous_format)
-            if t.is_inference():  # computed under inference_mode: keep a versioned copy
-                with torch.inference_mode(False):
-                    t = t.clone()
-            fresh.append(t)
-        # Every output is checked before any is written: a refusal leaves the module as is.
-        adopted = [adoptee(b, module, n, t, watch) for n, t in zip(b.outputs, fresh)]
-        buffers: list[torch.Tensor] = []
-        for name, t, have in zip(b.outputs, fresh, adopted):
-            existing = module._buffers.get(name)
-            if have is not None:
-                have.copy_(t)  # the class's own tensor: a graph may hold its address
-                del module.__dict__[name]
-                module.register_buffer(name, have, persistent=False)
-                t = have
-            elif (
-                isinstance(existing, torch.Tensor)
-                and existing.shape == t.shape
-                and existing.dtype == t.dtype
-                and existing.device == t.device
-                and existing.is_contiguous() == t.is_contiguous()
-            ):
-                existing.copy_(t)  # an earlier binding's buffer: keep its storage
-                t = existing
-            else:
-                t = pin_storage(t)
-                if name in module.__dict__ and module.__dict__[name] is None:
-                    del module.__dict__[name]  # a `self.x = None` placeholder from __init__
-                module.register_buffer(name, t, persistent=False)
-            buffers.append(t)
-            watch.setdefault(storage_key(t), join(b.module_path, name))
-        self.record(b, buffers)
-
-    def record(self, b: Bound, buffers: list[torch.Tensor]) -> None:
-        """Take `buffers` as the storage of `b`'s outputs.
-
-        Args:
-            b: The bound derivation.
-            buffers: One tensor per output.
-        """
+    def _record(self, b: Bound, buffers: list[torch.Tensor]) -> None:
+        """Take `buffers` as the storage of `b`'s outputs."""
         b.set_buffers(buffers)
-        self._flat = None
+        self.watch.buffers_changed()
         self._identities[b.index] = (b.path, b.spec.name, b.out_paths, b.nbytes)
         self._frozen_identities = None
-
-    # -- witnesses -------------------------------------------------------------------
-
-    def _sites(self) -> list[tuple[dict[str, Any], str]]:
-        """Witness sites: every leaf input, then every materialized buffer."""
-        sites: list[tuple[dict[str, Any], str]] = []
-        owner: list[tuple[int, ...]] = []
-        self._input_site = {}
-        for inp in self.inputs:
-            if inp.transient:
-                continue  # released and held again by design: loads account for them
-            self._input_site[id(inp)] = len(sites)
-            sites.append((inp.container, inp.key))
-            owner.append(tuple(inp.consumers))
-        self._buffer_sites = [[] for _ in self.bound]
-        for b in self.bound:
-            for name in b.outputs if b.buffers is not None else ():
-                self._buffer_sites[b.index].append(len(sites))
-                sites.append((b.container, name))
-                owner.append((b.index,))
-        self._site_owner = owner
-        return sites
-
-    def _site_path(self, site: int) -> str:
-        for inp in self.inputs:
-            if self._input_site.get(id(inp)) == site:
-                return inp.path
-        for b in self.bound:
-            for j, s in enumerate(self._buffer_sites[b.index]):
-                if s == site:
-                    return f"derived buffer {b.out_paths[j]}"
-        return "a tensor"
-
-    def storage_keys(self) -> frozenset[int]:
-        """Storage keys of every input and buffer, for the journal's poison check."""
-        if self._keys is None:
-            with torch._C.DisableTorchFunctionSubclass():  # metadata: no subclass hooks
-                keys = {
-                    storage_key(inp.tensor) for inp in self.inputs if inp.tensor is not None
-                }
-                keys.update(storage_key(t) for b in self.bound for t in b.buffers or ())
-            keys.discard(0)
-            self._keys = frozenset(keys)
-        return self._keys
-

@@ -1,54 +1,18 @@
-"""Freshness: which derived buffers are stale and why, and the check the guard runs.
+"""The freshness check the guard runs, and what its errors tell the user to do.
 
-Every source of staleness in one place: derivations that failed or were never made
-(the engine), witnesses that no longer match (writes by any path torch or the journal
-records), rebound inputs and buffers, writes of an update still in progress, and storages
-the journal holds poisoned by a failure.
+Why each derivation is stale is the engine's (`Engine.stale_reasons`: failed or never
+made, witnesses that no longer match, rebound inputs and buffers, writes of an update
+still in progress, poisoned storage); this turns the answer into a repair or a
+`StaleError`.
 """
 
 from __future__ import annotations
 
 from graphsafe._declare.decorators import is_wrapped_loader
 from graphsafe._errors import StaleError
-from graphsafe._memory.journal import JOURNAL, storage_key
 from graphsafe._runtime.engine import Engine
 
-__all__ = ["check_fresh", "fresh_fix", "stale_map"]
-
-
-def stale_map(engine: Engine, in_update: set[int]) -> dict[int, str]:
-    """Stale derivation index -> why, from every source.
-
-    Args:
-        engine: The engine of the model's binding.
-        in_update: Storage keys written by a load or update that has not ended.
-
-    Returns:
-        Every stale derivation (downstream included), with the first reason found.
-    """
-    found = {i: engine.reasons.get(i, "not materialized or not refreshed") for i in engine.stale}
-    for i, how in engine.witness_dirty().items():
-        found.setdefault(i, how)
-    moved_inputs, moved_buffers = engine.find_moved()
-    for inp in moved_inputs:
-        for i in inp.consumers:
-            found.setdefault(i, f"{inp.path} was rebound")
-    for b, j in moved_buffers:
-        found.setdefault(b.index, f"{b.out_paths[j]} was rebound")
-    for i in engine.consumers_of(in_update):
-        found.setdefault(i, "written inside a weight update that has not ended")
-    poisoned = JOURNAL.poisoned_among(engine.storage_keys())
-    if poisoned:
-        for b in engine.bound:
-            for t in b.buffers or ():
-                why = poisoned.get(storage_key(t))
-                if why is not None:
-                    found.setdefault(b.index, why)
-    out: dict[int, str] = {}
-    for i in sorted(found):
-        for j in engine.bound[i].downstream:
-            out.setdefault(j, found[i])
-    return out
+__all__ = ["check_fresh", "fresh_fix"]
 
 
 def check_fresh(engine: Engine, keys: frozenset[int], model_class: type, *, repair: bool) -> None:
@@ -65,7 +29,7 @@ def check_fresh(engine: Engine, keys: frozenset[int], model_class: type, *, repa
         StaleError: Naming the stale buffers and how their inputs were written, or the
             failed weight update.
     """
-    stale = stale_map(engine, set())
+    stale = engine.stale_reasons(set())
     if stale and repair and not any(i in engine.reasons for i in stale):
         engine.run(engine.closure(stale))
         stale = {}
@@ -83,7 +47,7 @@ def check_fresh(engine: Engine, keys: frozenset[int], model_class: type, *, repa
             got="; ".join(f"{engine.bound[i].path}: {why}" for i, why in list(stale.items())[:4]),
             fix=fresh_fix(model_class, unmaterialized),
         )
-    failed = JOURNAL.poisoned_among(keys)
+    failed = engine.journal.poisoned_among(keys)
     if failed:
         raise StaleError(
             "the last weight update failed; the model holds a mix of old and new weights",

@@ -183,15 +183,12 @@ class Transients:
             tr.release()
             self._reindex(tr, before)
 
-    def hold(self, tr: Transient) -> None:
-        """Hold `tr` (a `load_state_dict` about to copy into it).
-
-        Args:
-            tr: One of these transient inputs.
-        """
+    def hold_whole(self, tr: Transient) -> None:
+        """Hold `tr`, counted as written whole (a `load_state_dict` about to copy into it)."""
         before = tr.sids
         tr.hold()
         self._reindex(tr, before)
+        tr.written = tr.numel
 
     def _reindex(self, tr: Transient, before: tuple[int, ...]) -> None:
         for sid in before:

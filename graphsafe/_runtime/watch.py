@@ -1,0 +1,199 @@
+"""What an engine watches: where each input and buffer lives, and what changed there.
+
+A `Watch` is built over one binding and rebuilt (`renewed`) when inputs or buffers are
+taken anew. It answers the engine's questions about the model's memory: which
+derivations read a storage, which inputs or buffers were rebound (one flat pass:
+`Bindings`), and which were written since their witnesses were taken (`Witnesses`:
+identity, pointer, version, journal epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from graphsafe._memory.journal import Journal
+from graphsafe._memory.snapshot import PLAIN, Bindings, Seen, Witnesses
+from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.binding import Binding, Bound, Input
+
+__all__ = ["Watch"]
+
+
+class Watch:
+    """Storages, binding sites and witnesses of one binding's inputs and buffers.
+
+    Args:
+        binding: The plan from `bind`.
+        journal: Whose epochs the witnesses take.
+        witnesses: Witnesses to carry over (sites still here keep their record).
+    """
+
+    __slots__ = ("_bindings", "_buffer_sites", "_by_key", "_input_site", "_keys",
+                 "_site_owner", "_transient", "binding", "witnesses")
+
+    def __init__(
+        self, binding: Binding, journal: Journal, witnesses: Witnesses | None = None
+    ) -> None:
+        self.binding = binding
+        self._by_key: dict[int, list[Input]] | None = None
+        self._bindings: Bindings | None = None
+        self._keys: frozenset[int] | None = None
+        self._transient = [inp for inp in binding.inputs if inp.transient]
+        sites = self._sites()
+        self.witnesses = (
+            witnesses.rebuilt(sites) if witnesses is not None else Witnesses(sites, journal)
+        )
+
+    def renewed(self) -> Watch:
+        """A watch over where the inputs and buffers are now, keeping the witnesses."""
+        return Watch(self.binding, self.witnesses.journal, self.witnesses)
+
+    def by_storage(self) -> dict[int, list[Input]]:
+        """Storage key -> the inputs living in that storage (views and ties share one)."""
+        if self._by_key is None:
+            by_key: dict[int, list[Input]] = {}
+            for inp in self.binding.inputs:
+                if inp.tensor is not None and not inp.transient:  # those: see transients
+                    key = storage_key(inp.tensor)
+                    if key:
+                        by_key.setdefault(key, []).append(inp)
+            self._by_key = by_key
+        return self._by_key
+
+    def consumers_of(self, keys: Iterable[int]) -> set[int]:
+        """Indices of the derivations reading any of the storages `keys` directly."""
+        by_key = self.by_storage()
+        dirty: set[int] = set()
+        for key in keys:
+            for inp in by_key.get(key, ()):
+                dirty.update(inp.consumers)
+        return dirty
+
+    def witness_dirty(self) -> dict[int, str]:
+        """Derivation index -> how its input or buffer changed since it was refreshed."""
+        changed = self.witnesses.changed()
+        if not changed:
+            return {}
+        dirty: dict[int, str] = {}
+        for site, how in changed:
+            for i in self._site_owner[site]:
+                dirty.setdefault(i, f"{self._site_path(site)} {how}")
+        return dirty
+
+    def moved(self) -> tuple[list[Input], list[tuple[Bound, int]]]:
+        """Inputs, and `(derivation, output index)` of buffers, rebound since recorded.
+
+        One flat pass when nothing moved: this runs on every load and refresh.
+        """
+        if self._bindings is None:
+            self._bindings = self._binding_rows()
+        if self._bindings.unchanged():
+            return [inp for inp in self._transient if inp.moved()], []
+        moved_inputs = [inp for inp in self.binding.inputs if inp.moved()]
+        moved_buffers = [
+            (b, j)
+            for b in self.binding.bound
+            for j, (name, buf, (ptr, shape, stride)) in enumerate(
+                zip(b.outputs, b.buffers or (), b.geometry)
+            )
+            if b.container.get(name) is not buf
+            or buf.data_ptr() != ptr
+            or buf.shape != shape
+            or buf.stride() != stride
+        ]
+        return moved_inputs, moved_buffers
+
+    def buffers_changed(self) -> None:
+        """A derivation's buffers were recorded: the rebinding check reads them anew."""
+        self._bindings = None
+        self._keys = None
+
+    def take_seen(self) -> Seen | None:
+        """What the last passing rebinding check read (once), for a full rewitness."""
+        bindings = self._bindings
+        if bindings is None:
+            return None
+        seen, bindings.seen = bindings.seen, None
+        return seen
+
+    def rewitness(self, fresh: Sequence[int]) -> None:
+        """Take the witnesses of derivations known to be fresh.
+
+        An input's witness is taken only when every derivation reading it is among
+        `fresh`: a change that one of them has not seen must stay visible.
+        """
+        okset = set(fresh)
+        bound = self.binding.bound
+        if len(okset) == len(bound):
+            self.witnesses.record_all(self.take_seen())
+            return
+        sites: list[int] = []
+        for i in fresh:
+            sites.extend(self._buffer_sites[i])
+            for inp in bound[i].leaf_inputs:
+                if not inp.transient and okset.issuperset(inp.consumers):
+                    sites.append(self._input_site[id(inp)])
+        self.witnesses.record(sites)
+
+    def storage_keys(self) -> frozenset[int]:
+        """Storage keys of every input and buffer, for the journal's poison check."""
+        if self._keys is None:
+            with PLAIN():  # metadata: no subclass hooks
+                keys = {
+                    storage_key(inp.tensor)
+                    for inp in self.binding.inputs
+                    if inp.tensor is not None
+                }
+                keys.update(storage_key(t) for b in self.binding.bound for t in b.buffers or ())
+            keys.discard(0)
+            self._keys = frozenset(keys)
+        return self._keys
+
+    def _binding_rows(self) -> Bindings:
+        # Resident inputs (stride checked too), then buffers: derived buffers are
+        # graphsafe's own, locked against resizing; a view bound to one changes its
+        # identity, which the ids see.
+        rows: list[tuple[Any, Any, object, int, tuple[int, ...]]] = [
+            (inp.container, inp.key, inp.tensor, inp.geometry[0], inp.geometry[2])
+            for inp in self.binding.inputs
+            if not inp.transient
+        ]
+        n_inputs = len(rows)
+        rows += [
+            (b.container, name, buf, ptr, tuple(stride))
+            for b in self.binding.bound
+            for name, buf, (ptr, _, stride) in zip(b.outputs, b.buffers or (), b.geometry)
+        ]
+        return Bindings(rows, n_inputs)
+
+    def _sites(self) -> list[tuple[dict[str, Any], str]]:
+        """Witness sites: every resident leaf input, then every materialized buffer."""
+        sites: list[tuple[dict[str, Any], str]] = []
+        owner: list[tuple[int, ...]] = []
+        self._input_site: dict[int, int] = {}
+        for inp in self.binding.inputs:
+            if inp.transient:
+                continue  # released and held again by design: loads account for them
+            self._input_site[id(inp)] = len(sites)
+            sites.append((inp.container, inp.key))
+            owner.append(tuple(inp.consumers))
+        bound = self.binding.bound
+        self._buffer_sites: list[list[int]] = [[] for _ in bound]
+        for b in bound:
+            for name in b.outputs if b.buffers is not None else ():
+                self._buffer_sites[b.index].append(len(sites))
+                sites.append((b.container, name))
+                owner.append((b.index,))
+        self._site_owner = owner
+        return sites
+
+    def _site_path(self, site: int) -> str:
+        for inp in self.binding.inputs:
+            if self._input_site.get(id(inp)) == site:
+                return inp.path
+        for b in self.binding.bound:
+            for j, s in enumerate(self._buffer_sites[b.index]):
+                if s == site:
+                    return f"derived buffer {b.out_paths[j]}"
+        return "a tensor"

@@ -1,0 +1,60 @@
+"""graphsafe inside a vLLM engine, attached to vLLM's own classes without editing vLLM.
+
+Turn it on before the engine starts, naming the registries that declare your derived
+buffers (`"module:attribute"`, a `gs.Registry` or a function returning one):
+
+    from graphsafe.integrations import vllm as gsv
+    gsv.enable("my_pkg.derived:registry")      # sets GRAPHSAFE_VLLM_REGISTRIES
+    llm = LLM(model=..., worker_extension_cls=gsv.EXTENSION)
+
+vLLM loads graphsafe's `vllm.general_plugins` entry point in every process it starts
+(front end, engine core, workers); with `GRAPHSAFE_VLLM_REGISTRIES` set, the plugin wraps
+each worker as it is created:
+
+- after `load_model`: binds graphsafe's runtime to the loaded model with those
+  registries and materializes the derived buffers (adopting tensors vLLM's own code
+  already bound, such as DeepSeek V4's `hc_attn_fn_broadcast`);
+- after `compile_or_warm_up_model` (where vLLM captures its CUDA graphs): pins the model;
+- `reload_weights`, the weight-transfer session (`start_weight_update` ...
+  `finish_weight_update`), vLLM's layerwise reload and `model.load_weights` (as a worker
+  extension reaches it through `collective_rpc`) each run as one graphsafe weight update:
+  derived buffers refresh once, at its end, and a rebound tensor raises there;
+- before each `execute_model`: the guard's checks (nothing moved, nothing stale), so a
+  mistake raises through the engine call that made or met it.
+
+On vLLM's CPU backend, linear layers read by a derivation keep their weights (vLLM's own
+`_cpu_skip_gemm_dispatch`); other layers are packed into kernels as usual.
+"""
+
+from __future__ import annotations
+
+from graphsafe.integrations.vllm._attachment import Attachment as Attachment
+from graphsafe.integrations.vllm._attachment import attachment as attachment
+from graphsafe.integrations.vllm._deepseek_v4 import deepseek_v4_registry as deepseek_v4_registry
+from graphsafe.integrations.vllm._plugin import enable as enable
+from graphsafe.integrations.vllm._plugin import plugin as plugin
+from graphsafe.integrations.vllm._registries import ENV as ENV
+from graphsafe.integrations.vllm._registries import registries_from as registries_from
+from graphsafe.integrations.vllm._worker import EXTENSION as EXTENSION
+from graphsafe.integrations.vllm._worker import WorkerExtension as WorkerExtension
+from graphsafe.integrations.vllm._worker import attach as attach
+from graphsafe.integrations.vllm._worker import instrument as instrument
+
+# isort: split
+# Internals that benchmarks/vllm_engine.py and tests_vllm/ reach from here.
+from graphsafe.integrations.vllm._attachment import _ATTACHED as _ATTACHED
+from graphsafe.integrations.vllm._patches import _DONE as _DONE
+
+__all__ = [
+    "ENV",
+    "EXTENSION",
+    "Attachment",
+    "WorkerExtension",
+    "attach",
+    "attachment",
+    "deepseek_v4_registry",
+    "enable",
+    "instrument",
+    "plugin",
+    "registries_from",
+]

@@ -1,0 +1,115 @@
+"""The patches to vLLM's own code, each installed once per process: linear layers on the
+CPU backend keep the weights derivations read, and the layerwise reload becomes one
+weight update of the attached model it reloads."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from graphsafe._declare.registry import Registry
+from graphsafe.integrations.vllm._attachment import attachment
+from graphsafe.integrations.vllm._registries import ENV, registries_from
+
+_PATCHED = threading.Lock()
+_DONE: set[str] = set()
+
+
+@contextlib.contextmanager
+def _once(name: str) -> Iterator[bool]:
+    """Hold the patch lock; yield whether the patch `name` is installed for the first time."""
+    with _PATCHED:
+        first = name not in _DONE
+        _DONE.add(name)
+        yield first
+
+
+def _keep_cpu_weights() -> None:
+    """On vLLM's CPU backend, keep the weights of linear layers that derivations of the
+    registries named now (`GRAPHSAFE_VLLM_REGISTRIES`) read."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    process = UnquantizedLinearMethod.process_weights_after_loading
+    named: dict[str, list[Registry]] = {}
+
+    def reads_weight(layer: nn.Module) -> bool:
+        spec = os.environ.get(ENV, "").strip()
+        if not spec:
+            return False
+        if spec not in named:
+            named[spec] = registries_from(spec)
+        return any(
+            "weight" in d.inputs for r in named[spec] for d in r.derivations_for(type(layer))
+        )
+
+    @functools.wraps(process)
+    def process_weights_after_loading(self: Any, layer: nn.Module) -> None:
+        if reads_weight(layer):
+            # vLLM's own switch (MLA's kv_b_proj): keep the weight, use plain F.linear.
+            setattr(layer, "_cpu_skip_gemm_dispatch", True)  # noqa: B010
+        process(self, layer)
+
+    UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading
+
+
+def _patch_layerwise() -> None:
+    """vLLM's layerwise reload of an attached model (`initialize_layerwise_reload` ...
+    `finalize_layerwise_reload`) becomes one weight update, open from before the first
+    (which moves every layer's tensors aside) to after the last (which copies what was
+    loaded into the original storage and puts the originals back)."""
+    with _once("layerwise") as first:
+        if not first:
+            return
+        try:
+            from vllm.model_executor.model_loader.reload import layerwise
+        except ImportError:  # an older vLLM without layerwise reload
+            return
+        initialize = layerwise.initialize_layerwise_reload
+        finalize = layerwise.finalize_layerwise_processing
+
+        @functools.wraps(initialize)
+        def initialize_layerwise_reload(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            a = attachment(model)
+            if a is not None:
+                a.begin(initialize)
+            try:
+                return initialize(model, *args, **kwargs)
+            except BaseException as exc:
+                if a is not None:
+                    a.end(initialize, exc)
+                raise
+
+        @functools.wraps(finalize)
+        def finalize_layerwise_processing(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            a = attachment(model)
+            try:
+                ret = finalize(model, *args, **kwargs)
+            except BaseException as exc:
+                if a is not None:
+                    a.end(initialize, exc)
+                raise
+            if a is not None:
+                a.end(initialize)
+            return ret
+
+        # Modules that imported the functions by name hold the originals: replace those
+        # references too (later imports read the patched module attribute).
+        for name, mod in list(sys.modules.items()):
+            if not name.startswith("vllm") or mod is None:
+                continue
+            for attr, orig, new in (
+                ("initialize_layerwise_reload", initialize, initialize_layerwise_reload),
+                ("finalize_layerwise_processing", finalize, finalize_layerwise_processing),
+            ):
+                if getattr(mod, attr, None) is orig:
+                    setattr(mod, attr, new)

@@ -1,0 +1,252 @@
+"""graphsafe bound to a vLLM worker and its loaded model: `attach` (the model),
+`instrument` (the worker's methods, wrapped on the instance) and `WorkerExtension` (the
+methods `collective_rpc` reaches)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe._declare.registry import Registry
+from graphsafe._errors import RegistrationError
+from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
+from graphsafe.integrations.vllm._patches import _patch_layerwise
+from graphsafe.integrations.vllm._registries import registries_from
+
+EXTENSION = "graphsafe.integrations.vllm.WorkerExtension"
+"""Qualified name to pass as `LLM(worker_extension_cls=...)` for `graphsafe_status`."""
+
+_Fn = Callable[..., Any]
+
+
+def attach(model: nn.Module, *registries: Registry | str) -> Attachment:
+    """Bind graphsafe to a loaded vLLM model and materialize its derived buffers.
+
+    `model.load_weights` becomes a graphsafe load (a weight update of its own, or part
+    of the one open), vLLM's layerwise reload one weight update, and tensors vLLM's code
+    already bound under a derived buffer's name are adopted.
+
+    Args:
+        model: The model, after vLLM loaded it.
+        *registries: Registries, or `module:attribute` names of them.
+
+    Returns:
+        The attachment (the same one on a second call).
+
+    Raises:
+        RegistrationError: A derivation reads a weight vLLM's CPU backend dropped, or a
+            bound tensor does not fit its derived buffer.
+    """
+    have = _ATTACHED.get(model)
+    if have is not None:
+        return have
+    _patch_layerwise()
+    regs = registries_from(registries)
+    _refuse_packed_inputs(model, regs)
+    att = Attachment(model, regs)
+    att.runtime.refresh()
+    _ATTACHED[model] = att
+    load: _Fn = getattr(model, "load_weights")  # noqa: B009 (a vLLM method)
+    token = object()
+
+    @functools.wraps(load)
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        return att.updating(token, load)(*args, **kwargs)
+
+    setattr(model, "load_weights", load_weights)  # noqa: B010 (on the instance)
+    return att
+
+
+def _refuse_packed_inputs(model: nn.Module, registries: list[Registry]) -> None:
+    """Name a derivation input that vLLM's CPU backend emptied after packing it, before
+    the registries are added to the model's runtime."""
+    for mpath, module in model.named_modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        for reg in registries:
+            for d in reg.derivations_for(type(module)):
+                for rel in d.inputs:
+                    t = getattr(module, rel, None) if "." not in rel else None
+                    if not (isinstance(t, torch.Tensor) and t.numel() == 0):
+                        continue
+                    path = f"{mpath}.{rel}" if mpath else rel
+                    raise RegistrationError(
+                        f"vLLM's CPU backend packed {path!r} into a kernel and left an "
+                        "empty tensor, so a derivation cannot read it",
+                        module_class=type(module).__name__,
+                        path=path,
+                        derivation=d.name,
+                        expected="the weight itself",
+                        got=f"shape {tuple(t.shape)}",
+                        fix="start the engine with the plugin on (graphsafe.integrations"
+                        ".vllm.enable(...)) so layers read by derivations keep their "
+                        "weights, or derive from another tensor",
+                    )
+
+
+# -- the worker ------------------------------------------------------------------------
+
+
+def instrument(worker: Any, registries: Iterable[Registry | str]) -> None:
+    """Wrap one vLLM worker's methods (on the instance) so that graphsafe follows it.
+
+    Args:
+        worker: The worker (`CPUWorker`, the CUDA `Worker`, ...), before `load_model`.
+        registries: Where the derived buffers are declared.
+    """
+    if getattr(worker, "_graphsafe", None) is not None:
+        return
+    hooks = _Hooks(worker, registries_from(registries))
+    worker._graphsafe = hooks.state
+    for name, make in _WRAPPED:
+        fn = getattr(worker, name, None)
+        if fn is not None:
+            setattr(worker, name, make(hooks, fn))
+
+
+class _Hooks:
+    """The wrappers of one worker's methods. They share the worker's attachment, made
+    when its model is loaded, and the owner token of its weight-transfer session."""
+
+    def __init__(self, worker: Any, registries: list[Registry]) -> None:
+        self.worker = worker
+        self.registries = registries
+        self.state: dict[str, Attachment] = {}  # the worker's `_graphsafe`
+        self.session = object()
+
+    def att(self) -> Attachment | None:
+        return self.state.get("model")
+
+    def after_load(self, fn: _Fn) -> _Fn:
+        @functools.wraps(fn)
+        def load_model(*args: Any, **kwargs: Any) -> Any:
+            ret = fn(*args, **kwargs)
+            self.state["model"] = attach(self.worker.model_runner.get_model(), *self.registries)
+            return ret
+
+        return load_model
+
+    def after_warm_up(self, fn: _Fn) -> _Fn:
+        @functools.wraps(fn)
+        def compile_or_warm_up_model(*args: Any, **kwargs: Any) -> Any:
+            ret = fn(*args, **kwargs)
+            a = self.att()
+            if a is not None:
+                a.pin()
+            return ret
+
+        return compile_or_warm_up_model
+
+    def as_update(self, fn: _Fn) -> _Fn:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            a = self.att()
+            return fn(*args, **kwargs) if a is None else a.updating(fn, fn)(*args, **kwargs)
+
+        return run
+
+    def starts(self, fn: _Fn) -> _Fn:
+        @functools.wraps(fn)
+        def start_weight_update(*args: Any, **kwargs: Any) -> Any:
+            a = self.att()
+            if a is None:
+                return fn(*args, **kwargs)
+            a.begin(self.session)  # before vLLM moves the layers aside: their storages count
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as exc:
+                a.end(self.session, exc)
+                raise
+
+        return start_weight_update
+
+    def within(self, fn: _Fn) -> _Fn:
+        @functools.wraps(fn)
+        def update_weights(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as exc:
+                a = self.att()
+                if a is not None:
+                    a.end(self.session, exc)  # vLLM ends its session too: fail closed
+                raise
+
+        return update_weights
+
+    def finishes(self, fn: _Fn) -> _Fn:
+        @functools.wraps(fn)
+        def finish_weight_update(*args: Any, **kwargs: Any) -> Any:
+            a = self.att()
+            try:
+                ret = fn(*args, **kwargs)
+            except BaseException as exc:
+                if a is not None:
+                    a.end(self.session, exc)
+                raise
+            if a is not None:
+                a.end(self.session)
+            return ret
+
+        return finish_weight_update
+
+    def guarded(self, fn: _Fn) -> _Fn:
+        @functools.wraps(fn)
+        def execute_model(*args: Any, **kwargs: Any) -> Any:
+            a = self.att()
+            guard = None if a is None else a.guard  # set once the model is pinned
+            if guard is None:
+                return fn(*args, **kwargs)
+            with guard.replaying():
+                return fn(*args, **kwargs)
+
+        return execute_model
+
+
+# The worker methods `instrument` wraps, in order, and the hook that wraps each.
+_WRAPPED: tuple[tuple[str, Callable[[_Hooks, _Fn], _Fn]], ...] = (
+    ("load_model", _Hooks.after_load),
+    ("compile_or_warm_up_model", _Hooks.after_warm_up),
+    ("reload_weights", _Hooks.as_update),
+    ("start_weight_update", _Hooks.starts),
+    ("start_draft_weight_update", _Hooks.starts),
+    ("update_weights", _Hooks.within),
+    ("finish_weight_update", _Hooks.finishes),
+    ("execute_model", _Hooks.guarded),
+)
+
+
+class WorkerExtension:
+    """Methods for `collective_rpc` (`LLM(worker_extension_cls=gsv.EXTENSION)`)."""
+
+    def graphsafe_status(self) -> dict[str, Any] | None:
+        """graphsafe's state on this worker's model (None where it is not attached)."""
+        state = getattr(self, "_graphsafe", None) or {}
+        a = state.get("model")
+        return None if a is None else a.status()
+
+    def graphsafe_attach(self, registries: list[str]) -> dict[str, Any] | None:
+        """Attach graphsafe to this running worker: the one call, without the plugin.
+
+        The engine has loaded its model and captured its graphs: the worker is wrapped as
+        the plugin wraps it, the model attached (adopting in place the tensors vLLM's
+        code bound, such as DeepSeek V4's `hc_attn_fn_broadcast`) and pinned at once.
+        Graphs captured before do not read derived buffers made now: for that, use the
+        plugin, which attaches before capture.
+
+        Args:
+            registries: `module:attribute` names of the registries.
+
+        Returns:
+            `graphsafe_status()` after attaching.
+        """
+        state = getattr(self, "_graphsafe", None)
+        if state is None or "model" not in state:
+            instrument(self, registries)
+            state = self._graphsafe  # type: ignore[attr-defined]
+            state["model"] = attach(self.model_runner.get_model(), *registries)  # type: ignore[attr-defined]
+        state["model"].pin()
+        return self.graphsafe_status()

@@ -230,7 +230,7 @@ class Load:
             Exception: Whatever a derivation raised (the rest is marked stale).
         """
         written = self._close()
-        self.journal.advance(written, what)
+        self.journal.advance(written, what, _storage_finder(model_tensors))
         # Those refreshed and released in the middle of the load are done with.
         touched = {tr for tr in self.transients_written() if tr.held}
         if exc is not None:
@@ -301,3 +301,19 @@ class Load:
             (t for t in model_tensors() if storage_key(t) not in buffers),
             f"the last weight update failed ({why})",
         )
+
+
+def _storage_finder(
+    model_tensors: Callable[[], Iterable[torch.Tensor]],
+) -> Callable[[int], torch.UntypedStorage | None]:
+    """Key -> the model's live storage there; walks the model once, only if asked (the
+    journal asks once per storage it has not seen)."""
+    found: dict[int, torch.UntypedStorage] | None = None
+
+    def storage_of(key: int) -> torch.UntypedStorage | None:
+        nonlocal found
+        if found is None:
+            found = {storage_key(t): t.untyped_storage() for t in model_tensors()}
+        return found.get(key)
+
+    return storage_of

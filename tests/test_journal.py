@@ -1,0 +1,98 @@
+"""The write journal and the witnesses that read it (`graphsafe._memory`)."""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import torch
+from torch import nn
+
+import graphsafe as gs
+from graphsafe._memory.journal import JOURNAL, Journal
+from graphsafe._memory.snapshot import Slot, Witnesses
+from graphsafe._memory.walk import storage_key
+
+
+def test_witnesses_read_the_journal_they_are_given() -> None:
+    w = torch.zeros(4)
+    holder = {"w": w}
+    own, other = Journal(), Journal()
+    mine = Witnesses([(holder, "w")], own)
+    theirs = Witnesses([(holder, "w")], other)
+    own.advance([storage_key(w)], "a test write", lambda key: w.untyped_storage())
+    assert mine.changed() == [(0, "written by a test write")]
+    assert theirs.unchanged()  # control: another journal's write is not this one's
+    mine.record([0])
+    assert mine.unchanged()
+
+
+def test_the_journal_forgets_a_storage_when_it_dies() -> None:
+    journal = Journal()
+    w = torch.zeros(1024)
+    key = storage_key(w)
+    journal.advance([key], "a load", lambda k: w.untyped_storage())
+    journal.poison([w], "a failed load")
+    assert len(journal) == 1 and journal.poisoned_among(frozenset([key]))
+    del w
+    gc.collect()
+    assert len(journal) == 0
+    assert journal.epochs_of([key]) == [0]  # a storage made there later starts clean
+    assert not journal.poisoned_among(frozenset([key]))
+
+
+def test_control_a_write_recorded_without_its_storage_is_kept() -> None:
+    # What pruning needs: the storage, asked for once. Without it the entry stays, which
+    # is what every write recorded before pruning did (the journal only grew).
+    journal = Journal()
+    w = torch.zeros(1024)
+    key = storage_key(w)
+    journal.advance([key], "a load")
+    del w
+    gc.collect()
+    assert len(journal) == 1 and journal.epochs_of([key]) == [journal.clock]
+
+
+def test_loads_of_models_that_die_leave_the_process_journal_as_it_was() -> None:
+    reg = gs.Registry()
+
+    @reg.derive(nn.Linear, "weight_t", inputs=["weight"])
+    def weight_t(m: nn.Linear, w: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        t = w.t().contiguous()
+        return t if out is None else out.copy_(t)
+
+    gc.collect()
+    before = len(JOURNAL)
+    for _ in range(20):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        gs.runtime(model, reg).refresh()
+        with gs.weight_update(model):
+            for p in model.parameters():
+                p.data.copy_(torch.randn_like(p))
+        assert len(JOURNAL) > before  # the live model's writes are recorded
+        del model, p
+    gc.collect()
+    assert len(JOURNAL) <= before
+
+
+def test_witnesses_read_cells_and_slots_as_they_read_dicts() -> None:
+    class Kernel:
+        __slots__ = ("weight",)
+
+    w = torch.zeros(3)
+    kernel = Kernel()
+    kernel.weight = w
+    cell = types.CellType(w)
+    obj = types.SimpleNamespace(w=w)
+    journal = Journal()
+    witnesses = Witnesses(
+        [(cell, None), (kernel, Slot("weight")), (vars(obj), "w")], journal
+    )
+    assert witnesses.unchanged()
+    w.add_(1)  # in place: the version moves
+    assert [i for i, _ in witnesses.changed()] == [0, 1, 2]
+    witnesses.record(range(3))
+    kernel.weight = torch.zeros(3)  # rebound in the slot only
+    assert witnesses.changed() == [(1, "rebound")]
+    cell.cell_contents = torch.zeros(3)
+    assert [i for i, _ in witnesses.changed()] == [0, 1]

@@ -31,7 +31,7 @@ def test_the_journal_forgets_a_storage_when_it_dies() -> None:
     journal = Journal()
     w = torch.zeros(1024)
     key = storage_key(w)
-    journal.advance([key], "a load", lambda k: w.untyped_storage())
+    journal.advance([key], "a load", lambda k, t=w: t.untyped_storage())
     journal.poison([w], "a failed load")
     assert len(journal) == 1 and journal.poisoned_among(frozenset([key]))
     del w

@@ -29,7 +29,7 @@ __all__ = [
     "check_results",
     "geometry_held",
     "impurity_refusal",
-    "moved_error",
+    "rebound_error",
     "read_refusal",
     "refuse_resized",
     "swapped_error",
@@ -272,7 +272,7 @@ def as_results(b: Bound, ret: Any) -> list[torch.Tensor]:
     return results
 
 
-def moved_error(
+def rebound_error(
     inputs: Sequence[Input], buffers: Sequence[tuple[Bound, int]], bound: Sequence[Bound]
 ) -> StorageMovedError:
     """The error for pinned inputs and buffers that were rebound.

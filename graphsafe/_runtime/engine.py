@@ -21,7 +21,7 @@ from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Witnesses
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binding import Binding, Bound, Input
-from graphsafe._runtime.checks import geometry_held, moved_error, refuse_resized
+from graphsafe._runtime.checks import geometry_held, rebound_error, refuse_resized
 from graphsafe._runtime.refresh import FAST, SLOW, copy_apart, materialize, refresh_checked
 from graphsafe._runtime.transient import Transients
 from graphsafe._runtime.watch import Watch
@@ -97,6 +97,13 @@ class Engine:
         """Storage keys of every input and buffer, for the journal's poison check."""
         return self.watch.storage_keys()
 
+    def reads_poisoned(self, also: frozenset[int]) -> bool:
+        """Whether a failure poisoned storage this engine (or `also`) reads."""
+        poisoned = self.journal.poisoned  # few keys: each is looked up, nothing is built
+        return bool(poisoned) and not (
+            self.storage_keys().isdisjoint(poisoned) and also.isdisjoint(poisoned)
+        )
+
     def scan_moved(self, pinned: bool) -> set[int]:
         """Derivations whose inputs or buffers were rebound since the last refresh.
 
@@ -113,7 +120,7 @@ class Engine:
         if not moved_inputs and not moved_buffers:
             return dirty
         if pinned:
-            err = moved_error(moved_inputs, moved_buffers, self.bound)
+            err = rebound_error(moved_inputs, moved_buffers, self.bound)
             for inp in moved_inputs:
                 self.mark_stale(inp.consumers, err.summary)
             self.mark_stale((b.index for b, _ in moved_buffers), err.summary)
@@ -195,6 +202,37 @@ class Engine:
     def report(self, report: RefreshReport) -> None:
         """Keep `report` as the last refresh's (a load's refreshes, combined)."""
         self.last_report = report
+
+    def refresh(
+        self,
+        pinned: bool,
+        keys: Iterable[int] | None = None,
+        *,
+        paths: Iterable[str] = (),
+    ) -> RefreshReport:
+        """Refresh what was rebound (taken before pin), what the witnesses see changed,
+        and what reads the storages `keys` or the input `paths`, then release the
+        transient inputs. With `keys` None, every derivation: a failed update stays
+        flagged, and derivations whose transient inputs are released are left as they
+        are (only a load can give them their inputs)."""
+        dirty = self.scan_moved(pinned)
+        try:
+            if keys is None:
+                return self.run(range(len(self.bound)), skip_blocked=True)
+            dirty.update(self.witness_dirty())
+            for path in paths:
+                dirty.update(self.binding.by_path.get(path, ()))
+            dirty.update(self.consumers_of(keys))
+            return self.run(self.closure(dirty))
+        finally:
+            self.transients.release()
+
+    def refresh_readers(self, pinned: bool, keys: Iterable[int]) -> None:
+        """Refresh what was rebound and what reads the storages `keys`, if any; what is
+        stale otherwise is left for the guard to report."""
+        dirty = self.scan_moved(pinned) | self.consumers_of(keys)
+        if dirty:
+            self.run(self.closure(dirty))
 
     # -- the hot loop ----------------------------------------------------------------
 

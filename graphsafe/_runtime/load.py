@@ -12,7 +12,7 @@ a load's fields.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,11 @@ from graphsafe._runtime.engine import Engine
 from graphsafe._runtime.tracking import write_tracker
 from graphsafe._runtime.transient import Transient
 
-__all__ = ["Load"]
+__all__ = ["Load", "LoaderClosed"]
+
+
+class LoaderClosed(Exception):
+    """A generator loader was closed before it ended (its caller sees GeneratorExit)."""
 
 
 class Load:
@@ -163,6 +167,21 @@ class Load:
                 self._cond.wait()
             self._done = True
             return self.written_so_far()
+
+    def steps(self, inner: Generator[Any, None, Any]) -> Generator[Any, None, Any]:
+        """Iterate a generator loader, each step under the tracker (the caller's code
+        between steps is not); returns what it returns. Closed early: `LoaderClosed`."""
+        while True:
+            with self.tracker:
+                try:
+                    item = next(inner)
+                except StopIteration as stop:
+                    return stop.value
+            try:
+                yield item
+            except GeneratorExit:
+                inner.close()
+                raise LoaderClosed("the loader was closed before it ended") from None
 
     def between_calls(self) -> None:
         """Between two loader calls of the load: refresh what transient inputs completed."""

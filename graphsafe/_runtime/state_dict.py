@@ -18,7 +18,7 @@ from torch import nn
 
 from graphsafe._runtime.engine import Engine
 
-__all__ = ["hook_state_dict"]
+__all__ = ["forgive_released", "hold_in_state_dict", "hook_state_dict"]
 
 _Before = Callable[[nn.Module, dict[str, Any], str], None]
 _After = Callable[[nn.Module, Any], None]
@@ -61,6 +61,21 @@ def hook_state_dict(
         if owner is not None and owner not in _DROPPING:
             owner.register_state_dict_post_hook(_drop_released)  # type: ignore[no-untyped-call]
             _DROPPING.add(owner)
+
+
+def hold_in_state_dict(engine: Engine, state_dict: dict[str, Any], prefix: str) -> None:
+    """Transient inputs the state dict holds get their bytes back before torch copies
+    into them; the load that `load_state_dict` ends refreshes their readers and releases
+    them again."""
+    for tr in engine.transients:
+        if prefix + tr.input.path in state_dict:
+            engine.transients.hold_whole(tr)
+
+
+def forgive_released(engine: Engine, incompatible: Any) -> None:
+    """What a released transient input's model cannot give back, it does not ask for."""
+    released = {tr.input.path for tr in engine.transients}
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in released]
 
 
 def _drop_released(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:

@@ -6,14 +6,22 @@ every way a model can be changed, both paths give the same verdict, and the verd
 right. Each mutation below has its known verdict (the oracle); both paths are held to
 it, for the ledger (rebinding, geometry, module swaps) and for the witnesses (identity,
 pointer, version, journal epoch).
+
+The build is tested here too: the library's name changes with whatever it is built from,
+builds that start together compile once, and a cache another user could write is refused.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
+import sysconfig
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,8 +33,10 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
-from graphsafe._memory.journal import Witnesses
+from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.ledger import Ledger
+from graphsafe._memory.snapshot import Witnesses
+from graphsafe._native import loader
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -140,7 +150,7 @@ def test_both_paths_give_the_known_verdict(name: str, layer: int) -> None:
     mutate, ledger_holds, witnesses_hold = MUTATIONS[name]
     model = Model()
     ledgers = _both(lambda: Ledger.snapshot(model))
-    witnesses = _both(lambda: Witnesses(_witness_sites(model)))
+    witnesses = _both(lambda: Witnesses(_witness_sites(model), JOURNAL))
     assert ledgers[0]._native is not None and ledgers[1]._native is None
     assert witnesses[0]._native is not None and witnesses[1]._native is None
     # Rebind layer 0's weight by index; the other mutations take the drawn layer.
@@ -158,7 +168,7 @@ def test_both_paths_give_the_known_verdict(name: str, layer: int) -> None:
 def test_a_declared_write_shows_in_both_paths() -> None:
     """A write graphsafe is told about (`gs.mark_written`) moves the journal epoch."""
     model = Model()
-    witnesses = _both(lambda: Witnesses(_witness_sites(model)))
+    witnesses = _both(lambda: Witnesses(_witness_sites(model), JOURNAL))
     assert all(w.unchanged() for w in witnesses)
     gs.mark_written(model.layers[1].b)
     assert not any(w.unchanged() for w in witnesses)
@@ -170,7 +180,7 @@ def test_an_inference_tensor_is_left_to_the_python_path() -> None:
     model = Model()
     with torch.inference_mode():
         model.layers[0].b = torch.zeros(6)
-    witnesses = _both(lambda: Witnesses(_witness_sites(model)))
+    witnesses = _both(lambda: Witnesses(_witness_sites(model), JOURNAL))
     assert [w.unchanged() for w in witnesses] == [False, False]
 
 
@@ -220,7 +230,7 @@ def test_a_failed_build_says_why_and_the_guard_keeps_its_python_path(
 ) -> None:
     monkeypatch.setenv("GRAPHSAFE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
-    with pytest.raises(_native.NativeBuildError, match=r"compiling native.cpp failed \(exit 1\)"):
+    with pytest.raises(_native.NativeBuildError, match=r"compiling checks.cpp failed \(exit 1\)"):
         _native.build()
     assert not _native.path().exists()
     with (
@@ -296,16 +306,300 @@ def test_a_rebound_input_is_found_at_the_next_load_on_either_path(native: bool) 
         graph.reset()
 
 
-def test_build_on_first_use_when_asked(tmp_path: Path) -> None:
+# --- The build: its cache key, its lock, its compiler runs ---------------------------
+
+
+def _compiler_script(at: Path, version: str, log: Path | None = None) -> str:
+    """A compiler that answers `--version` with `version` and otherwise runs the real one
+    (noting its arguments in `log`, its stderr in `log` + ".err")."""
+    real = shutil.which("c++") or shutil.which("g++")
+    if real is None:
+        pytest.skip("no C++ compiler here")
+    note = f'echo "$*" >> {shlex.quote(str(log))}\n' if log else ""
+    err = f" 2>> {shlex.quote(str(log))}.err" if log else ""
+    at.write_text(
+        f'#!/bin/sh\nif [ "$1" = --version ]; then echo {shlex.quote(version)}; exit 0; fi\n'
+        f'{note}exec {shlex.quote(real)} "$@"{err}\n'
+    )
+    at.chmod(0o755)
+    return str(at)
+
+
+def _edited(tmp_path: Path, files: tuple[Path, ...]) -> tuple[Path, ...]:
+    """Copies of `files` (same names), the last one with a line added."""
+    out = []
+    for file in files:
+        copy = tmp_path / "edited" / file.name
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_bytes(file.read_bytes())
+        out.append(copy)
+    out[-1].write_text(out[-1].read_text() + "// edited\n")
+    return tuple(out)
+
+
+Change = Callable[[pytest.MonkeyPatch, Path], None]
+CHANGES: dict[str, Change] = {
+    "a compile flag": lambda mp, tmp: mp.setattr(
+        loader, "_COMPILE_FLAGS", (*loader._COMPILE_FLAGS, "-O3")),
+    "a link flag": lambda mp, tmp: mp.setattr(
+        loader, "_LINK_FLAGS", (*loader._LINK_FLAGS, "-Wl,-O1")),
+    "the compiler's path": lambda mp, tmp: mp.setenv(
+        "CXX", _compiler_script(tmp / "other-c++", "fake c++ 1.0")),
+    "the compiler's version": lambda mp, tmp: mp.setenv(
+        "CXX", _compiler_script(tmp / "c++", "fake c++ 10.0")),  # the same file, rewritten
+    "torch's git version": lambda mp, tmp: mp.setattr(torch.version, "git_version", "0" * 40),
+    "torch's version": lambda mp, tmp: mp.setattr(torch, "__version__", "0.0.0"),
+    "Python's version": lambda mp, tmp: mp.setattr(sys, "version", "3.0.0"),
+    "the platform": lambda mp, tmp: mp.setattr(sysconfig, "get_platform", lambda: "other"),
+    "a source": lambda mp, tmp: mp.setattr(loader, "_SOURCES", _edited(tmp, loader._SOURCES)),
+    "the header": lambda mp, tmp: mp.setattr(loader, "_HEADERS", _edited(tmp, loader._HEADERS)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_the_library_name_changes_with_what_it_is_built_from(
+    change: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library built otherwise is never loaded in place of this one."""
+    monkeypatch.setenv("CXX", _compiler_script(tmp_path / "c++", "fake c++ 1.0"))
+    before = _native.path().name
+    CHANGES[change](monkeypatch, tmp_path)
+    assert _native.path().name != before
+
+
+def test_control_the_library_name_is_the_same_for_the_same_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pairs the test above: the name is not new on every call, nor in every process."""
+    monkeypatch.setenv("CXX", _compiler_script(tmp_path / "c++", "fake c++ 1.0"))
+    name = _native.path().name
+    assert _native.path().name == name
+    again = subprocess.run(
+        [sys.executable, "-c", "from graphsafe import _native; print(_native.path().name)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert again.stdout.strip() == name
+
+
+def test_processes_that_build_on_first_use_at_once_compile_once(tmp_path: Path) -> None:
     """`GRAPHSAFE_NATIVE=build` compiles the extension at the first guard when it is
-    missing. Control: the same fresh cache without it stays on the Python path."""
-    env = {**os.environ, "GRAPHSAFE_CACHE": str(tmp_path)}
+    missing, once for two processes starting together (the build lock), with -Wall and
+    without a warning. Control: the same fresh cache without it stays on the Python path."""
+    log = tmp_path / "compiler.log"
+    cache = tmp_path / "cache"
+    env = {**os.environ, "GRAPHSAFE_CACHE": str(cache),
+           "CXX": _compiler_script(tmp_path / "c++", "counting c++", log)}
     script = "from graphsafe import _native; print(_native.describe())"
     env["GRAPHSAFE_NATIVE"] = "1"
     plain = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                            text=True, check=True)
     assert plain.stdout.startswith("python (not built")
     env["GRAPHSAFE_NATIVE"] = "build"
-    built = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                           text=True, check=True)
-    assert built.stdout.startswith(f"native ({tmp_path}")
+    both = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    for process in both:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err
+        assert out.startswith(f"native ({cache}"), out
+    runs = [run.split() for run in log.read_text().splitlines()]
+    compiled = sorted(Path(run[run.index("-c") + 1]).name for run in runs if "-c" in run)
+    assert compiled == ["checks.cpp", "tracker.cpp"] and len(runs) == 3  # and one link
+    assert all("-Wall" in run and "-w" not in run for run in runs if "-c" in run)
+    assert "warning" not in Path(f"{log}.err").read_text()
+
+
+_HOLD_LOCK = (
+    "import fcntl, sys\n"
+    "lock = open(sys.argv[1], 'a')\n"
+    "fcntl.flock(lock, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def _put_library(lib: Path, content: bytes) -> None:
+    """What a build does last: the finished library replaces the path at once."""
+    tmp = lib.with_name("incoming")
+    tmp.write_bytes(content)
+    tmp.chmod(0o755)
+    os.replace(tmp, lib)
+
+
+def _build_or_error(force: bool) -> Path | Exception:
+    try:
+        return _native.build(force=force)
+    except Exception as exc:  # shown by the test's assertion
+        return exc
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["build", "forced build"])
+def test_a_build_waits_for_the_one_under_way_and_takes_its_library(
+    force: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds the build lock: the build waits, then takes the library that
+    process made. The compiler is `false`, so a build that returns a path did not compile.
+    Control: with no build under way, the same call compiles (and fails)."""
+    monkeypatch.setenv("GRAPHSAFE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "false")
+    lib = _native.path()
+    for directory in (lib.parent.parent, lib.parent):
+        directory.mkdir(mode=0o700)
+    if force:
+        _put_library(lib, b"an older library")
+    with pytest.raises(_native.NativeBuildError, match=r"compiling checks\.cpp failed"):
+        _native.build(force=force)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lib.parent / "build.lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    results: list[Path | Exception] = []
+    waiter = threading.Thread(target=lambda: results.append(_build_or_error(force)))
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "held"
+        waiter.start()
+        waiter.join(timeout=2)
+        assert waiter.is_alive() and not results  # waiting for the lock
+        _put_library(lib, b"the library the other build made")
+        holder.stdin.write("done\n")
+        holder.stdin.flush()  # the holder exits: its lock is released
+        waiter.join(timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+        waiter.join(timeout=60)
+    assert results == [lib]
+    assert lib.read_bytes() == b"the library the other build made"
+
+
+# --- The cache is trusted as ssh trusts a key -----------------------------------------
+
+
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache of this user's own, mode 0o700, holding a copy of the built library; the
+    guard looks for it afresh. Returns the library's path."""
+    built = _native.path()
+    root = tmp_path / "cache"
+    (root / "native").mkdir(mode=0o700, parents=True)
+    root.chmod(0o700)
+    monkeypatch.setenv("GRAPHSAFE_CACHE", str(root))
+    monkeypatch.delenv("GRAPHSAFE_NATIVE", raising=False)
+    lib = _native.path()
+    assert lib.name == built.name
+    shutil.copyfile(built, lib)
+    lib.chmod(0o755)
+    monkeypatch.setattr(loader, "_loaded", loader._UNSET)
+    return lib
+
+
+def _describe_afresh(monkeypatch: pytest.MonkeyPatch) -> str:
+    """`describe()` as a new process would say it (get() remembers its first answer)."""
+    monkeypatch.setattr(loader, "_loaded", loader._UNSET)
+    return _native.describe()
+
+
+def _assert_loads(lib: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert loader._load() is not None
+    assert _describe_afresh(monkeypatch) == f"native ({lib})"
+
+
+def test_control_a_cache_of_ones_own_loads(
+    own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pairs the refusals below: the cache they start from loads."""
+    _assert_loads(own_cache, monkeypatch)
+    with _native.using(True):
+        assert _native.get() is not None
+
+
+@pytest.mark.parametrize(("level", "mode"), [
+    pytest.param(level, mode, id=f"{level} {mode:#o}")
+    for level, mode in [("GRAPHSAFE_CACHE", 0o770), ("native", 0o777), ("native", 0o702)]
+])
+def test_a_cache_directory_others_can_write_is_refused(
+    level: str, mode: int, own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not loaded, not built into; the status says which directory, its mode and the fix.
+    Control: `chmod go-w` and it loads."""
+    directory = own_cache.parent if level == "native" else own_cache.parent.parent
+    directory.chmod(mode)
+    assert loader._load() is None
+    status = _describe_afresh(monkeypatch)
+    assert status.startswith(f"python (refused {directory}: writable by group or others")
+    assert f"got: owned by uid {os.geteuid()}, mode {mode:#o}" in status
+    assert f"fix: `chmod go-w {directory}`" in status
+    with pytest.raises(_native.NativeBuildError, match=(
+        rf"refusing to build into {re.escape(str(own_cache.parent))}: "
+        rf"{re.escape(str(directory))} is writable by group or others\n"
+        r"expected: owned by you .*\ngot: .*\nfix: `chmod go-w"
+    )):
+        _native.build(force=True)
+    with (
+        pytest.raises(_native.NativeBuildError, match="writable by group or others"),
+        _native.using(True),
+    ):
+        pass
+    directory.chmod(mode & ~0o022)
+    _assert_loads(own_cache, monkeypatch)
+
+
+def test_a_library_others_can_write_is_refused(
+    own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library file anyone may write is not loaded: `graphsafe native status` (a new
+    process) says so and how to fix it. Control: made read-only for others, it loads."""
+    own_cache.chmod(0o777)
+    assert loader._load() is None
+    status = subprocess.run([sys.executable, "-m", "graphsafe", "native", "status"],
+                            capture_output=True, text=True, check=True).stdout
+    assert status.startswith(f"guard: python (refused {own_cache}: writable by group or others")
+    assert "mode 0o777" in status
+    assert f"fix: remove it (`rm {own_cache}`) and run `graphsafe native build`" in status
+    own_cache.chmod(0o755)
+    _assert_loads(own_cache, monkeypatch)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away takes root")
+@pytest.mark.parametrize("level", ["GRAPHSAFE_CACHE", "native", "library"])
+def test_a_cache_owned_by_another_user_is_refused(
+    level: str, own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Modes alone are not enough: another user's directory or library is refused. Control:
+    given back, it loads."""
+    target = {"GRAPHSAFE_CACHE": own_cache.parent.parent, "native": own_cache.parent,
+              "library": own_cache}[level]
+    os.chown(target, 12345, -1)
+    try:
+        assert loader._load() is None
+        status = _describe_afresh(monkeypatch)
+        assert status.startswith(f"python (refused {target}: owned by uid 12345")
+        assert f"expected: owned by you (uid {os.geteuid()})" in status
+        if level != "library":
+            assert "fix: point GRAPHSAFE_CACHE at a directory of your own" in status
+            with pytest.raises(_native.NativeBuildError, match="owned by uid 12345"):
+                _native.build(force=True)
+    finally:
+        os.chown(target, os.geteuid(), -1)
+    _assert_loads(own_cache, monkeypatch)
+
+
+def test_the_loader_makes_the_cache_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Directories a build creates are mode 0o700 whatever the umask. Control: under the
+    same umask a plain mkdir makes a directory anyone can write."""
+    root = tmp_path / "new" / "cache"
+    monkeypatch.setenv("GRAPHSAFE_CACHE", str(root))
+    monkeypatch.setenv("CXX", "false")  # fails after the directories are made
+    old = os.umask(0)
+    try:
+        with pytest.raises(_native.NativeBuildError, match=r"compiling checks\.cpp failed"):
+            _native.build()
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    for directory in (tmp_path / "new", root, root / "native"):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+    assert (tmp_path / "plain").stat().st_mode & 0o777 == 0o777

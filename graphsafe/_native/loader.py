@@ -1,24 +1,36 @@
 """graphsafe's hot checks compiled: one C++ call per check instead of a Python call per field.
 
-- The guard's flat checks (`_ledger`, `_journal`) and the every-load rebinding check
-  (`_flat`): the Python path costs about a microsecond per tensor (each metadata read is
-  a Python call), the C++ one a few nanoseconds. Both answer the same question, and only
-  "nothing changed" is taken from the C++ one: when it says something changed, or cannot
-  tell, the Python path finds and names the change.
-- The load-time write tracker (`_tracking.NativeWriteTracker`): a RecordFunction callback
-  instead of a Python dispatch mode, a fraction of a microsecond per op instead of about
-  ten.
+- `checks.cpp`: the guard's flat checks (`_memory.ledger`, `_memory.snapshot`) and the
+  every-load rebinding check: the Python path costs about a microsecond per tensor (each
+  metadata read is a Python call), the C++ one a few nanoseconds. Both answer the same
+  question, and only "nothing changed" is taken from the C++ one: when it says something
+  changed, or cannot tell, the Python path finds and names the change.
+- `tracker.cpp`: the load-time write tracker (`_runtime.tracking.NativeWriteTracker`), a
+  RecordFunction callback instead of a Python dispatch mode, a fraction of a microsecond
+  per op instead of about ten.
 
-The extension is built for the installed torch and Python by `graphsafe native build`
-(`scripts/setup` runs it; about half a minute with a C++ compiler) into
-`$GRAPHSAFE_CACHE` (default `~/.cache/graphsafe`). graphsafe loads it when it is there
-and uses the Python path when it is not. `GRAPHSAFE_NATIVE=0` turns it off;
+Both compile into one extension, built for the installed torch and Python by `graphsafe
+native build` (`scripts/setup` runs it; about half a minute with a C++ compiler) into
+`$GRAPHSAFE_CACHE/native` (default `~/.cache/graphsafe/native`). graphsafe loads it when
+it is there and uses the Python path when it is not. `GRAPHSAFE_NATIVE=0` turns it off;
 `GRAPHSAFE_NATIVE=build` builds it on first use when missing.
+
+- The library's name hashes everything it is built from: the sources, the compiler (its
+  path and `--version`), the compile and link flags, torch's version and git commit,
+  Python's version and the platform. A change to any of them makes a new library.
+- A build holds `build.lock` in the cache (`fcntl.flock`): processes that start at once
+  compile once; the others wait and take what it built.
+- Every process loads the library, so it is trusted as ssh trusts a key: the library, its
+  directory and `$GRAPHSAFE_CACHE` must be owned by you (the effective uid) and not
+  writable by group or others. Otherwise it is not loaded or built into (the guard takes
+  its Python path, `graphsafe native status` says why). Directories the loader creates
+  are mode 0o700.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -32,17 +44,26 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 
+from graphsafe._native import cache
+
 __all__ = ["Native", "NativeBuildError", "build", "describe", "get", "path", "timed_build", "using"]
 
-_SOURCE = Path(__file__).with_name("native.cpp")
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "checks.cpp", _HERE / "tracker.cpp")
+_HEADERS = (_HERE / "tracker.h",)
+# NDEBUG as torch was built: its headers' debug-only members and asserts must match the
+# library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
+_COMPILE_FLAGS = ("-O2", "-DNDEBUG", "-std=c++17", "-fPIC", "-Wall")
+_LINK_FLAGS = ("-shared",)
+_LIBS = ("-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python")
 
 
 class Native(Protocol):
-    """The compiled module's functions (see `_native.cpp`)."""
+    """The compiled module's functions (see `checks.cpp` and `tracker.cpp`)."""
 
     def geometry(self, tensors: list[Any], /) -> bytes | None: ...
     def same_geometry(self, tensors: list[Any], expected: bytes, /) -> bool: ...
@@ -63,7 +84,7 @@ class Native(Protocol):
 
 
 class NativeBuildError(RuntimeError):
-    """The extension could not be built (no compiler, or it failed); the message says why."""
+    """The extension was not built: no compiler, it failed, or the cache is not trusted."""
 
 
 _UNSET: Any = object()
@@ -71,22 +92,86 @@ _loaded: Any = _UNSET  # the module, None (not available), or _UNSET (not looked
 _forced: list[bool] = []  # `using(...)` overrides, innermost last
 
 
-def _ident() -> str:
-    """What the binary depends on: the source, torch, Python and the platform."""
-    h = hashlib.sha256(_SOURCE.read_bytes())
-    h.update(f"{torch.__version__}|{sys.version}|{sysconfig.get_platform()}".encode())
+class _Toolchain(NamedTuple):
+    """How the library is built: the compiler (None: none found) and its flags."""
+
+    cxx: str | None
+    compile_flags: tuple[str, ...]
+    link_flags: tuple[str, ...]
+
+
+def _toolchain() -> _Toolchain:
+    """The compiler ($CXX, else c++ or g++ on PATH) and the flags for this torch and Python."""
+    cxx = os.environ.get("CXX")
+    found = shutil.which(cxx) if cxx else shutil.which("c++") or shutil.which("g++")
+    # torch.utils.cpp_extension's include and library paths for CPU, without importing it
+    # (it imports setuptools, which a serving image may lack).
+    torch_dir = Path(torch.__file__).parent
+    includes = (
+        torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include",
+        Path(sysconfig.get_paths()["include"]),
+    )
+    libdir = torch_dir / "lib"
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    return _Toolchain(
+        cxx=found,
+        compile_flags=(
+            *_COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(arg for d in includes for arg in ("-isystem", str(d))),
+        ),
+        link_flags=(*_LINK_FLAGS, f"-L{libdir}", f"-Wl,-rpath,{libdir}", *_LIBS),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_version(cxx: str, real: str, mtime_ns: int, size: int) -> str:
+    """`cxx --version`, run once per compiler file as it is now (the arguments key the cache)."""
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    return f"{done.returncode}|{done.stdout}"
+
+
+def _compiler_identity(cxx: str | None) -> str:
+    """The compiler as the cache key sees it: its path, the file it is, its `--version`."""
+    if cxx is None:
+        return "none"
+    real = os.path.realpath(cxx)
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        return f"{cxx}|{real}|unreadable ({exc})"
+    return f"{cxx}|{real}|{_compiler_version(cxx, real, st.st_mtime_ns, st.st_size)}"
+
+
+def _ident(tools: _Toolchain) -> str:
+    """The library's name: a hash of everything the binary depends on."""
+    h = hashlib.sha256()
+    for file in (*_SOURCES, *_HEADERS):
+        h.update(f"{file.name}|".encode() + file.read_bytes() + b"\0")
+    for part in (
+        _compiler_identity(tools.cxx), "\0".join(tools.compile_flags),
+        "\0".join(tools.link_flags), torch.__version__, str(torch.version.git_version),
+        sys.version, sysconfig.get_platform(),
+    ):
+        h.update(part.encode() + b"\0")
     return f"_graphsafe_native_{h.hexdigest()[:16]}"
 
 
 def path() -> Path:
-    """Where the extension for this source, torch and Python lives (built or not).
+    """Where the extension for these sources, compiler, torch and Python lives (built or not).
 
     Returns:
         The path of the shared library.
     """
+    return _path(_toolchain())
+
+
+def _path(tools: _Toolchain) -> Path:
     root = Path(os.environ.get("GRAPHSAFE_CACHE") or Path.home() / ".cache" / "graphsafe")
-    name = _ident()
-    return root / "native" / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    return root / "native" / f"{_ident(tools)}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 
 
 def _import(lib: Path) -> ModuleType:
@@ -99,55 +184,100 @@ def _import(lib: Path) -> ModuleType:
     return module
 
 
+def _stamp(lib: Path) -> tuple[int, int] | None:
+    """Which file is at `lib` (inode, mtime), to tell a library built meanwhile."""
+    try:
+        st = os.stat(lib)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def build(*, force: bool = False) -> Path:
     """Compile the extension for the installed torch and Python, if not built yet.
 
+    Builds take the cache's lock: a build that finds another under way waits for it and
+    takes its library instead of compiling again.
+
     Args:
-        force: Compile even when the library exists.
+        force: Compile even when the library exists (unless one is built while waiting).
 
     Returns:
         The path of the library.
 
     Raises:
-        NativeBuildError: No C++ compiler, or the compiler failed (its output attached).
+        NativeBuildError: No C++ compiler, the compiler failed (its output attached), or
+            the cache is owned by another user or writable by group or others.
     """
-    from torch.utils import cpp_extension
-
-    lib = path()
-    if lib.exists() and not force:
+    tools = _toolchain()
+    lib = _path(tools)
+    _refuse_untrusted_directories(lib)
+    before = _stamp(lib)
+    if before is not None and not force and cache.untrusted(lib) is None:
         return lib
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
+    if tools.cxx is None:
+        tried = f"$CXX={os.environ['CXX']}" if os.environ.get("CXX") else "c++, g++"
         raise NativeBuildError(
-            "no C++ compiler found (tried $CXX, c++, g++); install one (e.g. g++) and run "
+            f"no C++ compiler found (tried {tried}); install one (e.g. g++) and run "
             "`graphsafe native build`, or leave it: the guard then uses its Python path"
         )
-    name = lib.name.split(".", 1)[0]
-    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    libdirs = cpp_extension.library_paths()
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        out = Path(tmp) / lib.name
-        cmd = [
-            # NDEBUG as torch was built: its headers' debug-only members and asserts
-            # must match the library's.
-            cxx, "-O2", "-DNDEBUG", "-std=c++17", "-shared", "-fPIC", "-w",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-DGRAPHSAFE_NATIVE_ID={name}", f'-DGRAPHSAFE_NATIVE_NAME="{name}"',
-            *(f"-I{d}" for d in includes), str(_SOURCE), "-o", str(out),
-            *(f"-L{d}" for d in libdirs), *(f"-Wl,-rpath,{d}" for d in libdirs),
-            "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise NativeBuildError(
-                f"compiling {_SOURCE.name} failed (exit {done.returncode}); the guard uses "
-                f"its Python path.\ncommand: {' '.join(cmd)}\n{done.stderr[-4000:]}"
-            )
-        _check(_import(out))
-        os.replace(out, lib)  # atomic: a concurrent build or load sees all or nothing
+    cache.make_private_dirs(lib.parent)
+    _refuse_untrusted_directories(lib)  # also one another process made meanwhile
+    with cache.build_lock(lib.parent):
+        now = _stamp(lib)
+        if now is not None and (now != before or not force) and cache.untrusted(lib) is None:
+            return lib  # built while we waited
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            out = _compile(tools, lib.name, Path(tmp))
+            _check(_import(out))
+            os.replace(out, lib)  # atomic: a load sees all or nothing
     return lib
+
+
+def _refuse_untrusted_directories(lib: Path) -> None:
+    """Raise when the cache's directories are not trusted (an untrusted library is rebuilt)."""
+    refusal = cache.untrusted(lib)
+    if refusal is not None and refusal.path != lib:
+        raise NativeBuildError(f"refusing to build into {lib.parent}: {refusal.lines()}")
+
+
+def _compile(tools: _Toolchain, filename: str, tmp: Path) -> Path:
+    """Compile the sources side by side into `tmp`, link them; the library's path."""
+    assert tools.cxx is not None
+    name = filename.split(".", 1)[0]
+    names = (f"-DGRAPHSAFE_NATIVE_ID={name}", f'-DGRAPHSAFE_NATIVE_NAME="{name}"')
+    objects = [tmp / f"{source.stem}.o" for source in _SOURCES]
+    commands = [
+        [tools.cxx, *tools.compile_flags, *names, "-c", str(source), "-o", str(obj)]
+        for source, obj in zip(_SOURCES, objects)
+    ]
+    running: list[subprocess.Popen[str]] = []
+    try:
+        for cmd in commands:
+            running.append(subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True))
+        outputs = [proc.communicate()[1] for proc in running]
+    finally:  # interrupted, or a compiler that would not start: stop the other
+        for proc in running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for source, cmd, proc, err in zip(_SOURCES, commands, running, outputs):
+        if proc.returncode != 0:
+            raise NativeBuildError(
+                f"compiling {source.name} failed (exit {proc.returncode}); the guard uses "
+                f"its Python path.\ncommand: {' '.join(cmd)}\n{err[-4000:]}"
+            )
+    out = tmp / filename
+    cmd = [tools.cxx, *map(str, objects), "-o", str(out), *tools.link_flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise NativeBuildError(
+            f"linking {filename} failed (exit {done.returncode}); the guard uses its Python "
+            f"path.\ncommand: {' '.join(cmd)}\n{done.stderr[-4000:]}"
+        )
+    out.chmod(0o755)  # whatever the umask: a group-writable library would be refused
+    return out
 
 
 def _check(module: Any) -> None:
@@ -185,7 +315,8 @@ def get() -> Native | None:
 
     Returns:
         The module, when built for this torch and Python, not turned off with
-        `GRAPHSAFE_NATIVE=0`, and (with `GRAPHSAFE_NATIVE=build`) built now if missing.
+        `GRAPHSAFE_NATIVE=0`, in a cache only you can write, and (with
+        `GRAPHSAFE_NATIVE=build`) built now if missing.
     """
     global _loaded
     if _forced:
@@ -209,7 +340,7 @@ def _load(*, build_missing: bool = False) -> ModuleType | None:
     if not lib.exists() and build_missing:
         with contextlib.suppress(NativeBuildError, OSError):
             build()
-    if not lib.exists():
+    if not lib.exists() or cache.untrusted(lib) is not None:
         return None
     if lib not in _modules:
         try:
@@ -226,15 +357,18 @@ def using(enabled: bool) -> Iterator[None]:
     """Guards snapshotted inside take the C++ path (`True`) or the Python one.
 
     Args:
-        enabled: Which path. `True` raises when the extension is not built.
+        enabled: Which path. `True` raises when the extension is not built or refused.
 
     Yields:
         None.
 
     Raises:
-        NativeBuildError: `enabled` and the extension is not built.
+        NativeBuildError: `enabled` and the extension is not built, or not trusted.
     """
     if enabled and _load() is None:
+        refusal = cache.untrusted(path())
+        if refusal is not None:
+            raise NativeBuildError(f"the native guard is not loaded: {refusal.lines()}")
         raise NativeBuildError(
             f"the native guard is not built ({path()}); run `graphsafe native build`"
         )
@@ -256,6 +390,9 @@ def describe() -> str:
         return f"native ({lib})"
     if _setting() == "off":
         return "python (GRAPHSAFE_NATIVE=0)"
+    refusal = cache.untrusted(lib)
+    if refusal is not None:
+        return f"python ({refusal.line()})"
     if not lib.exists():
         return "python (not built: run `graphsafe native build`)"
     return f"python ({lib} does not load or fails its self-check)"

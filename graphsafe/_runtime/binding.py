@@ -14,166 +14,18 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.dlpack import from_dlpack
 
 from graphsafe._declare.decorators import is_marked
 from graphsafe._declare.registry import accepts_out, check_signature
 from graphsafe._declare.spec import Derivation, DerivationInfo
 from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._memory.walk import walk_modules
+from graphsafe._runtime.inputs import Input, join
 
-__all__ = [
-    "Binding",
-    "Bound",
-    "Input",
-    "bind",
-    "describe",
-    "join",
-    "pin_storage",
-]
+__all__ = ["Binding", "BoundDerivation", "bind"]
 
 
-def describe(t: torch.Tensor) -> str:
-    return (
-        f"shape {tuple(t.shape)}, stride {t.stride()}, dtype {t.dtype}, device {t.device}, "
-        f"storage 0x{t.data_ptr():x}"
-    )
-
-
-def join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def pin_storage(t: torch.Tensor) -> torch.Tensor:
-    """An alias of `t` whose storage cannot be resized.
-
-    torch resizes an `out=` tensor of the wrong shape, reallocating its memory when it
-    grows; on a non-resizable storage that raises instead, so the buffer never moves.
-    """
-    try:
-        return from_dlpack(t)
-    except Exception:  # dtypes DLPack cannot express: drift is still detected afterwards
-        return t
-
-
-class Input:
-    """A leaf tensor (parameter, buffer or plain attribute) read by derivations.
-
-    It is read through the dict it lives in (`module._parameters`, `module._buffers` or
-    `module.__dict__`), so that rebinding the attribute is seen. Its geometry (pointer,
-    shape, stride, offset) is recorded so that `param.data = view` on the same storage,
-    which moves no version counter, is seen too.
-    """
-
-    __slots__ = (
-        "consumers",
-        "container",
-        "geometry",
-        "key",
-        "owner",
-        "path",
-        "tensor",
-        "transient",
-    )
-
-    def __init__(self, path: str, owner: nn.Module, container: dict[str, Any], key: str) -> None:
-        self.path = path
-        self.owner: weakref.ref[nn.Module] = weakref.ref(owner)
-        self.container = container
-        self.key = key
-        self.tensor: torch.Tensor | None = container.get(key)
-        refuse_unversioned(self.tensor, path, owner)
-        self.geometry = geometry(self.tensor)
-        self.consumers: list[int] = []
-        self.transient = False
-        """Held only while a load writes it: its pointer comes and goes."""
-
-    def moved(self) -> bool:
-        """Whether the attribute now holds another tensor, or the same one elsewhere."""
-        t = self.container.get(self.key)
-        if t is not self.tensor or t is None:
-            return True
-        if self.transient:  # released and held again between loads: only the view counts
-            return geometry(t)[1:] != self.geometry[1:]
-        return geometry(t) != self.geometry
-
-    def accept(self) -> None:
-        """Take what the owner holds now as the input (before pin only).
-
-        Raises:
-            RegistrationError: The owner holds no tensor under the name any more.
-        """
-        owner = self.owner()
-        name = self.key
-        found = _find_container(owner, name) if owner is not None else None
-        if found is None:
-            raise RegistrationError(
-                f"derivation input {self.path!r} is gone",
-                module_class=type(owner).__name__ if owner is not None else None,
-                path=self.path,
-                expected=f"a parameter, buffer or tensor attribute {name!r}",
-                got=_what_is_there(owner, name),
-                fix="derivation inputs must stay tensors of the module: keep the parameter "
-                "(write new values into it in place) or remove the derivation's class "
-                "registration before changing the module",
-            )
-        refuse_unversioned(found[name], self.path, owner)
-        self.container = found
-        self.tensor = found[name]
-        self.geometry = geometry(self.tensor)
-
-
-def refuse_unversioned(t: object, path: str, owner: nn.Module | None) -> None:
-    """Refuse an inference tensor as a derivation input: torch keeps no version for it, so
-    an in-place write into it would be invisible to the guard.
-
-    Raises:
-        RegistrationError: `t` is an inference tensor.
-    """
-    if isinstance(t, torch.Tensor) and t.is_inference():
-        raise RegistrationError(
-            f"derivation input {path!r} is an inference tensor",
-            module_class=type(owner).__name__ if owner is not None else None,
-            path=path,
-            expected="a tensor created outside torch.inference_mode(), whose in-place "
-            "writes the guard can see",
-            got=f"an inference tensor ({describe(t)}): torch keeps no version counter for it",
-            fix="build and load the model under torch.no_grad() instead of "
-            "torch.inference_mode() (graphs may still replay under inference_mode)",
-        )
-
-
-def geometry(t: torch.Tensor | None) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
-    """Pointer, shape, stride and offset of `t` (zeros for None)."""
-    if t is None:
-        return (0, (), (), 0)
-    return (t.data_ptr(), tuple(t.shape), t.stride(), int(t.storage_offset()))
-
-
-def _find_container(owner: nn.Module, name: str) -> dict[str, Any] | None:
-    for container in (owner._parameters, owner._buffers):
-        if isinstance(container.get(name), torch.Tensor):
-            return container
-    if isinstance(owner.__dict__.get(name), torch.Tensor):
-        return owner.__dict__
-    return None
-
-
-def _what_is_there(owner: nn.Module | None, name: str) -> str:
-    if owner is None:
-        return "the module was garbage-collected"
-    parametrizations = owner._modules.get("parametrizations")
-    if parametrizations is not None and name in parametrizations._modules:
-        return f"{name!r} is parametrized (torch.nn.utils.parametrize): computed on access"
-    for where, container in (("parameter", owner._parameters), ("buffer", owner._buffers)):
-        if name in container:
-            return f"the {where} {name!r} is None"
-    if name in owner.__dict__:
-        return f"{name!r} is {type(owner.__dict__[name]).__name__}, not a tensor"
-    return f"{type(owner).__name__} has no attribute {name!r} any more"
-
-
-class Bound:
+class BoundDerivation:
     """A derivation bound to one module instance, with everything a refresh needs.
 
     The module is held weakly: the runtime must not keep the model alive.
@@ -294,8 +146,8 @@ def _resolve_fn(spec: Derivation, module: nn.Module) -> Callable[..., Any]:
 class Binding(NamedTuple):
     """The result of `bind`: the plan the engine executes."""
 
-    bound: list[Bound]
-    """Bound derivations in topological order (`bound[i].index == i`)."""
+    bound: list[BoundDerivation]
+    """BoundDerivation derivations in topological order (`bound[i].index == i`)."""
     inputs: list[Input]
     """Leaf tensors read by derivations."""
     by_path: dict[str, list[int]]
@@ -328,8 +180,8 @@ def bind(
     Raises:
         RegistrationError: Unknown input path, colliding output name, or a cycle.
     """
-    bound: list[Bound] = []
-    produced: dict[tuple[int, str], Bound] = {}
+    bound: list[BoundDerivation] = []
+    produced: dict[tuple[int, str], BoundDerivation] = {}
     absent: dict[tuple[int, str], Derivation] = {}
     for mpath, module in model.named_modules(remove_duplicate=True):
         on_module(module)
@@ -340,7 +192,7 @@ def bind(
                     if name not in module._buffers and name not in module.__dict__:
                         module.register_buffer(name, None, persistent=False)
                 continue
-            b = Bound(spec, module, mpath)
+            b = BoundDerivation(spec, module, mpath)
             for name in spec.outputs:
                 _check_output_free(b, module, name)
                 produced[(id(module), name)] = b
@@ -350,7 +202,7 @@ def bind(
         module = b.module_ref()
         assert module is not None
         for rel, full in zip(b.spec.inputs, b.inputs):
-            owner, name = _walk(b, module, rel)
+            owner, name = _resolve_input(b, module, rel)
             producer = produced.get((id(owner), name))
             if producer is not None and rel in b.spec.transient:
                 raise b.error(
@@ -416,7 +268,7 @@ def bind(
     return Binding(ordered, list(inputs.values()), by_path, sites)
 
 
-def _check_transient(bound: list[Bound]) -> None:
+def _check_transient(bound: list[BoundDerivation]) -> None:
     """A transient input is released between updates: every reader must expect that, and
     it must own its storage (a view of another tensor cannot be released alone)."""
     transient = {id(inp): inp for b in bound for inp in b.transient_inputs}
@@ -448,7 +300,7 @@ def _check_transient(bound: list[Bound]) -> None:
             )
 
 
-def _check_output_free(b: Bound, module: nn.Module, name: str) -> None:
+def _check_output_free(b: BoundDerivation, module: nn.Module, name: str) -> None:
     kind = None
     if name in module._parameters:
         kind = "a parameter"
@@ -477,7 +329,7 @@ def _adoptable(value: object) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
 
 
-def _walk(b: Bound, module: nn.Module, rel: str) -> tuple[nn.Module, str]:
+def _resolve_input(b: BoundDerivation, module: nn.Module, rel: str) -> tuple[nn.Module, str]:
     parts = rel.split(".")
     owner = module
     for depth, part in enumerate(parts[:-1]):
@@ -496,7 +348,7 @@ def _walk(b: Bound, module: nn.Module, rel: str) -> tuple[nn.Module, str]:
     return owner, parts[-1]
 
 
-def _container_of(b: Bound, owner: nn.Module, name: str, full: str) -> dict[str, Any]:
+def _container_of(b: BoundDerivation, owner: nn.Module, name: str, full: str) -> dict[str, Any]:
     for container in (owner._parameters, owner._buffers):
         if name in container:
             if container[name] is None:
@@ -518,15 +370,15 @@ def _container_of(b: Bound, owner: nn.Module, name: str, full: str) -> dict[str,
     )
 
 
-def _toposort(bound: list[Bound]) -> list[Bound]:
+def _toposort(bound: list[BoundDerivation]) -> list[BoundDerivation]:
     by_id = {id(b): b for b in bound}
     indeg = {id(b): len(b.deps) for b in bound}
-    users: dict[int, list[Bound]] = {id(b): [] for b in bound}
+    users: dict[int, list[BoundDerivation]] = {id(b): [] for b in bound}
     for b in bound:
         for d in b.deps:
             users[d].append(b)
     ready = [b for b in bound if indeg[id(b)] == 0]
-    order: list[Bound] = []
+    order: list[BoundDerivation] = []
     while ready:
         b = ready.pop(0)
         order.append(b)

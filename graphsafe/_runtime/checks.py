@@ -21,7 +21,8 @@ from graphsafe._errors import (
     StorageMovedError,
 )
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binding import Binding, Bound, Input, describe, join
+from graphsafe._runtime.binding import Binding, BoundDerivation
+from graphsafe._runtime.inputs import Input, describe, join
 
 __all__ = [
     "adoptee",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-def geometry_held(b: Bound) -> bool:
+def geometry_held(b: BoundDerivation) -> bool:
     """Whether every buffer of `b` still has its recorded pointer and shape.
 
     Args:
@@ -51,7 +52,7 @@ def geometry_held(b: Bound) -> bool:
     )
 
 
-def check_results(b: Bound, ret: Any) -> list[torch.Tensor]:
+def check_results(b: BoundDerivation, ret: Any) -> list[torch.Tensor]:
     """Validate a result computed apart against the buffers, before any write.
 
     Args:
@@ -87,7 +88,7 @@ def check_results(b: Bound, ret: Any) -> list[torch.Tensor]:
     return results
 
 
-def refuse_resized(b: Bound, cause: BaseException | None) -> None:
+def refuse_resized(b: BoundDerivation, cause: BaseException | None) -> None:
     """Undo torch's resize of an `out=` buffer of the wrong shape, and refuse it.
 
     torch resizes an `out=` tensor whose shape does not fit the result (and raises
@@ -122,7 +123,7 @@ def refuse_resized(b: Bound, cause: BaseException | None) -> None:
         ) from cause
 
 
-def impurity_refusal(b: Bound, watch: dict[int, str]) -> Callable[[int, str], None]:
+def impurity_refusal(b: BoundDerivation, watch: dict[int, str]) -> Callable[[int, str], None]:
     """The `on_write` hook of a `WriteTracker` that refuses writes by `b`'s function.
 
     Args:
@@ -147,7 +148,7 @@ def impurity_refusal(b: Bound, watch: dict[int, str]) -> Callable[[int, str], No
     return refuse
 
 
-def read_refusal(b: Bound, forbidden: Mapping[int, str]) -> Callable[[int, str], None]:
+def read_refusal(b: BoundDerivation, forbidden: Mapping[int, str]) -> Callable[[int, str], None]:
     """The `on_read` hook of a `ReadGuard` that refuses undeclared reads by `b`'s function.
 
     Args:
@@ -176,7 +177,7 @@ def read_refusal(b: Bound, forbidden: Mapping[int, str]) -> Callable[[int, str],
 
 
 def adoptee(
-    b: Bound, module: nn.Module, name: str, t: torch.Tensor, watch: Mapping[int, str]
+    b: BoundDerivation, module: nn.Module, name: str, t: torch.Tensor, watch: Mapping[int, str]
 ) -> torch.Tensor | None:
     """The tensor the class's own code already bound as output `name`, if any.
 
@@ -244,7 +245,7 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def as_results(b: Bound, ret: Any) -> list[torch.Tensor]:
+def as_results(b: BoundDerivation, ret: Any) -> list[torch.Tensor]:
     """`ret` as one tensor per output of `b`.
 
     Args:
@@ -273,7 +274,9 @@ def as_results(b: Bound, ret: Any) -> list[torch.Tensor]:
 
 
 def rebound_error(
-    inputs: Sequence[Input], buffers: Sequence[tuple[Bound, int]], bound: Sequence[Bound]
+    inputs: Sequence[Input],
+    buffers: Sequence[tuple[BoundDerivation, int]],
+    bound: Sequence[BoundDerivation],
 ) -> StorageMovedError:
     """The error for pinned inputs and buffers that were rebound.
 

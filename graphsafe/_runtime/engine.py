@@ -20,8 +20,9 @@ from graphsafe._errors import DerivationDriftError, one_line
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Witnesses
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binding import Binding, Bound, Input
+from graphsafe._runtime.binding import Binding, BoundDerivation
 from graphsafe._runtime.checks import geometry_held, rebound_error, refuse_resized
+from graphsafe._runtime.inputs import Input
 from graphsafe._runtime.refresh import FAST, SLOW, copy_apart, materialize, refresh_checked
 from graphsafe._runtime.transient import Transients
 from graphsafe._runtime.watch import Watch
@@ -89,7 +90,7 @@ class Engine:
         """Derivation index -> how its input or buffer changed since it was refreshed."""
         return self.watch.witness_dirty()
 
-    def find_moved(self) -> tuple[list[Input], list[tuple[Bound, int]]]:
+    def find_moved(self) -> tuple[list[Input], list[tuple[BoundDerivation, int]]]:
         """Inputs, and `(derivation, output index)` of buffers, rebound since recorded."""
         return self.watch.moved()
 
@@ -368,7 +369,7 @@ class Engine:
         if self.journal.poisoned:
             self.journal.heal(storage_key(t) for i in ok for t in self.bound[i].buffers or ())
 
-    def _record(self, b: Bound, buffers: list[torch.Tensor]) -> None:
+    def _record(self, b: BoundDerivation, buffers: list[torch.Tensor]) -> None:
         """Take `buffers` as the storage of `b`'s outputs."""
         b.set_buffers(buffers)
         self.watch.buffers_changed()

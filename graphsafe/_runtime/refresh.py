@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binding import Bound, join, pin_storage
+from graphsafe._runtime.binding import BoundDerivation
 from graphsafe._runtime.checks import (
     adoptee,
     as_results,
@@ -23,6 +23,7 @@ from graphsafe._runtime.checks import (
     read_refusal,
     refuse_resized,
 )
+from graphsafe._runtime.inputs import join, pin_storage
 from graphsafe._runtime.tracking import ReadGuard, WriteTracker
 
 __all__ = ["FAST", "SLOW", "copy_apart", "materialize", "refresh_checked"]
@@ -31,7 +32,7 @@ FAST, SLOW = 0, 1
 """How a refresh wrote its buffers: straight through `out=`, or computed then copied."""
 
 
-def copy_apart(b: Bound, ret: Any) -> int:
+def copy_apart(b: BoundDerivation, ret: Any) -> int:
     """A function that accepts `out=` returned another tensor: validate, copy in."""
     assert b.buffers is not None
     b.buffers[0].copy_(check_results(b, ret)[0])
@@ -39,7 +40,7 @@ def copy_apart(b: Bound, ret: Any) -> int:
     return SLOW
 
 
-def refresh_checked(b: Bound, purity: dict[int, str] | None) -> int:
+def refresh_checked(b: BoundDerivation, purity: dict[int, str] | None) -> int:
     """Every other case: several outputs, no `out=`, strict purity."""
     module = b.module_ref()
     buffers = b.buffers
@@ -77,7 +78,7 @@ def refresh_checked(b: Bound, purity: dict[int, str] | None) -> int:
     return SLOW
 
 
-def materialize(b: Bound, watch: dict[int, str]) -> list[torch.Tensor]:
+def materialize(b: BoundDerivation, watch: dict[int, str]) -> list[torch.Tensor]:
     """First call: refuse impure writes and undeclared reads, then allocate the buffers
     (or adopt the class's own tensors) and return them."""
     module = b.module_ref()

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from graphsafe._runtime.binding import Bound, Input
+from graphsafe._runtime.binding import BoundDerivation
+from graphsafe._runtime.inputs import Input
 
 __all__ = ["Transient", "Transients"]
 
@@ -102,7 +103,7 @@ class Transients:
 
     __slots__ = ("_by_input", "_by_storage", "readers")
 
-    def __init__(self, bound: list[Bound]) -> None:
+    def __init__(self, bound: list[BoundDerivation]) -> None:
         self._by_input: dict[int, Transient] = {}
         self.readers: dict[int, list[int]] = {}
         """id(Transient) -> indices of the derivations reading it."""
@@ -122,7 +123,7 @@ class Transients:
     def __iter__(self) -> Iterator[Transient]:
         return iter(self._by_input.values())
 
-    def of(self, b: Bound) -> list[Transient]:
+    def of(self, b: BoundDerivation) -> list[Transient]:
         """The transient inputs `b` reads."""
         return [self._by_input[id(inp)] for inp in b.transient_inputs]
 
@@ -151,14 +152,14 @@ class Transients:
         real = tr.tensor.detach().as_strided(t.size(), t.stride(), t.storage_offset())
         return tr, real
 
-    def blocked(self, b: Bound) -> Transient | None:
+    def blocked(self, b: BoundDerivation) -> Transient | None:
         """A transient input of `b` that is released, so `b` cannot be computed now."""
         for tr in self.of(b):
             if not tr.held:
                 return tr
         return None
 
-    def ready(self, candidates: Iterable[int], bound: list[Bound]) -> list[int]:
+    def ready(self, candidates: Iterable[int], bound: list[BoundDerivation]) -> list[int]:
         """Of `candidates`, the derivations whose transient inputs are all written.
 
         Args:

@@ -15,7 +15,8 @@ from typing import Any
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Bindings, Seen, Witnesses
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binding import Binding, Bound, Input
+from graphsafe._runtime.binding import Binding, BoundDerivation
+from graphsafe._runtime.inputs import Input
 
 __all__ = ["Watch"]
 
@@ -81,7 +82,7 @@ class Watch:
                 dirty.setdefault(i, f"{self._site_path(site)} {how}")
         return dirty
 
-    def moved(self) -> tuple[list[Input], list[tuple[Bound, int]]]:
+    def moved(self) -> tuple[list[Input], list[tuple[BoundDerivation, int]]]:
         """Inputs, and `(derivation, output index)` of buffers, rebound since recorded.
 
         One flat pass when nothing moved: this runs on every load and refresh.

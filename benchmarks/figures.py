@@ -1,14 +1,14 @@
 """The seven figures: each measures graphsafe and its baseline side by side.
 
 Every `figN(ctx)` returns `Row`s; `run.py` prints them. Sizes come from `Sizes` (full or
-quick). A figure that cannot run (a module missing, for example) returns rows with
-`skipped` set and the reason, never raises.
+quick). A figure that cannot run raises: `run.py` prints it as SKIP, its traceback on
+stderr, and exits 1. Some cases read graphsafe internals (the engine, its witnesses, the
+ledger's flat check); when one moves, its ImportError or AttributeError says which.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import statistics
 import time
 from collections.abc import Callable
@@ -26,14 +26,15 @@ from harness import (
     paired_diff,
     peak_extra_bytes,
     profile_per_item,
-    why,
 )
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphsafe as gs
-from graphsafe._memory.ledger import Ledger
+from graphsafe import _native
+from graphsafe._memory.snapshot import Witnesses
 from graphsafe._runtime.tracking import storage_key, write_tracker
+from graphsafe.models import deepseek_v4 as dsv4
 
 __all__ = ["FIGURES", "Ctx", "Sizes"]
 
@@ -224,6 +225,9 @@ def fig2(ctx: Ctx) -> list[Row]:
         cases = {"refresh": ctx.timer(rt.refresh), "hand_loop": ctx.timer(hand_loop)}
         cases.update(_decomposition_cases(ctx, rt))
         stats = interleave(cases, ctx.sizes.repeats)
+        # The baselines wrote the buffers behind graphsafe's back; figures 3 and 5 share
+        # this model and need it fresh (5c's guard refuses it otherwise).
+        rt.refresh_stale()
         r, hand = stats["refresh"], stats["hand_loop"]
         ratio = paired(r, hand)
         details: dict[str, Any] = {
@@ -263,16 +267,13 @@ def _decomposition_cases(ctx: Ctx, rt: gs.Runtime) -> dict[str, Callable[[], flo
     """`fn_only`: every derivation function called directly, arguments resolved before.
 
     That is the torch op plus one Python call per derivation; `refresh` minus `fn_only`
-    is the runtime's own bookkeeping, measured without a profiler's distortion. Uses
-    runtime internals: if they changed, the case is left out rather than wrong.
+    is the runtime's own bookkeeping, measured without a profiler's distortion. Reads
+    the engine's bound derivations (`fn`, `module_ref`, `in_refs`, `buffers`).
     """
-    try:
-        calls = [
-            (b.fn, b.module_ref(), [c[k] for c, k in b.in_refs], b.buffers[0])
-            for b in _engine(rt).bound
-        ]
-    except Exception:  # internals renamed: no decomposition
-        return {}
+    calls = [
+        (b.fn, b.module_ref(), [c[k] for c, k in b.in_refs], b.buffers[0])
+        for b in _engine(rt).bound
+    ]
 
     def fn_only() -> None:
         with torch.no_grad():
@@ -284,8 +285,7 @@ def _decomposition_cases(ctx: Ctx, rt: gs.Runtime) -> dict[str, Callable[[], flo
 
 def _engine(rt: gs.Runtime) -> Any:
     """The runtime's engine (internal: the bound derivations and their witnesses)."""
-    engine = getattr(rt, "engine", None)
-    return engine if engine is not None else rt._bound()
+    return rt._bound_engine()
 
 
 # -----------------------------------------------------------------------------
@@ -493,22 +493,13 @@ def fig4(ctx: Ctx) -> list[Row]:
 # 5. replay guard
 
 
-def _import(name: str) -> tuple[Any, str]:
-    """The module, or None and one line saying why it cannot be imported."""
-    try:
-        return importlib.import_module(name), ""
-    except Exception as exc:  # a module being written: report, do not crash
-        return None, f"{name} not importable: {type(exc).__name__}: {exc}".splitlines()[0]
-
-
-def _flagship(ctx: Ctx, preset: str) -> tuple[Any, nn.Module, tuple[torch.Tensor, ...]]:
+def _flagship(ctx: Ctx, preset: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """The flagship model of `preset`, loaded, with an example input."""
-    dsv4 = importlib.import_module("graphsafe.models.deepseek_v4")
     with torch.device(ctx.device):
         model = dsv4.DeepseekV4Model(dsv4.DeepseekV4Config.preset(preset))
     model.load_weights(dsv4.random_checkpoint(model.config, seed=0, device=ctx.device))
     x = dsv4.verify_target.example_input(model, seed=0)
-    return dsv4, model, x
+    return model, x
 
 
 def _backend(ctx: Ctx) -> str:
@@ -524,24 +515,11 @@ def _capture(ctx: Ctx, graph: Any, model: nn.Module, x: tuple[torch.Tensor, ...]
 
 def fig5(ctx: Ctx) -> list[Row]:
     """The guard a guarded replay runs: tiny flagship, 2,000 inputs; Ledger.verify alone."""
-    rows: list[Row] = []
-    graph_mod, missing = _import("graphsafe._graphs.graph")
-    guards = (
-        ("5a", "guard before replay, tiny flagship", _guard_flagship),
-        ("5c", f"guard, {ctx.sizes.fig5_inputs} small derivations", _guard_many),
-    )
-    for fig, name, measure in guards:
-        if graph_mod is None:
-            rows.append(Row(fig, name, skipped=missing))
-            continue
-        try:
-            rows.append(measure(ctx, graph_mod))
-        except Exception as exc:
-            rows.append(Row(fig, name, skipped=why(exc)))
+    rows = [_guard_flagship(ctx), _guard_many(ctx)]
     count = ctx.sizes.fig5_tensors
     with torch.device(ctx.device):
         many = nn.ModuleList(nn.Linear(2, 2) for _ in range(count // 2))
-    ledger = Ledger.snapshot(many)
+    ledger = gs.Ledger.snapshot(many)
     number = max(1, 50_000 // count)
     stats = interleave({"verify": ctx.timer(ledger.verify, number)}, ctx.sizes.repeats)
     v = stats["verify"].median
@@ -555,7 +533,7 @@ def fig5(ctx: Ctx) -> list[Row]:
     return rows
 
 
-def _guard_only(graph_mod: Any, model: nn.Module | None) -> Any:
+def _guard_only(model: nn.Module | None) -> gs.Graph:
     """A graph of an empty body, guarding `model` (None: unguarded).
 
     Its replay is everything `Graph.replay()` does before the backend replays (state
@@ -564,20 +542,20 @@ def _guard_only(graph_mod: Any, model: nn.Module | None) -> Any:
     does not depend on the body: capture pins and snapshots the whole model either way.
     The CPU backend on every device: the guard is the same whatever the backend.
     """
-    graph = graph_mod.Graph(backend="cpu", guard=model)
+    graph = gs.Graph(backend="cpu", guard=model)
     with graph.capture():
         pass
     return graph
 
 
-def _guard_flagship(ctx: Ctx, graph_mod: Any) -> Row:
-    _, model, x = _flagship(ctx, "tiny")
+def _guard_flagship(ctx: Ctx) -> Row:
+    model, x = _flagship(ctx, "tiny")
     model(*x)  # lazy initialisation (cuBLAS handles, ...) before any capture
-    guarded = graph_mod.Graph(backend=_backend(ctx), guard=model)
+    guarded = gs.Graph(backend=_backend(ctx), guard=model)
     _capture(ctx, guarded, model, x)
-    plain = graph_mod.Graph(backend=_backend(ctx))
+    plain = gs.Graph(backend=_backend(ctx))
     _capture(ctx, plain, model, x)
-    guard, empty = _guard_only(graph_mod, model), _guard_only(graph_mod, None)
+    guard, empty = _guard_only(model), _guard_only(None)
     rt = gs.runtime(model)
     ledger = guarded.ledger
 
@@ -617,12 +595,12 @@ def _guard_flagship(ctx: Ctx, graph_mod: Any) -> Row:
     )
 
 
-def _guard_many(ctx: Ctx, graph_mod: Any) -> Row:
+def _guard_many(ctx: Ctx) -> Row:
     """The guard over a model of many small derivations, per 1,000 inputs, with its split."""
     count = ctx.sizes.fig5_inputs
     model, rt, _, _ = _many_small(ctx, count)
     inputs = len({path for d in rt.derivations for path in d.inputs})
-    guard, empty = _guard_only(graph_mod, model), _guard_only(graph_mod, None)
+    guard, empty = _guard_only(model), _guard_only(None)
     ledger = guard.ledger
     cases = {
         "guard": ctx.timer(guard.replay, number=20),
@@ -630,27 +608,18 @@ def _guard_many(ctx: Ctx, graph_mod: Any) -> Row:
         "ledger": ctx.timer(ledger.assert_stable, number=20),
         "freshness": ctx.timer(rt.assert_fresh, number=20),
     }
-    try:  # internals: the witnesses' flat check alone, part of the freshness check
-        witnesses = _engine(rt).witnesses
-        cases["witnesses"] = ctx.timer(witnesses.unchanged, number=20)
-        sites = len(witnesses)
-    except Exception:  # renamed: no split of the freshness check
-        sites = None
+    # Internals: the witnesses' flat check alone, part of the freshness check.
+    witnesses = _engine(rt).witnesses
+    cases["witnesses"] = ctx.timer(witnesses.unchanged, number=20)
     path = "python"
-    try:  # internals: the same two flat checks on the compiled path and the Python one
-        from graphsafe import _native
-        from graphsafe._memory import journal as _journal
-        from graphsafe._memory import ledger as _ledger
-
-        if _native.get() is not None:
-            path = "native"
-            with _native.using(False):
-                py_ledger = _ledger.Ledger.snapshot(model)
-                py_witnesses = _journal.Witnesses(_engine(rt)._sites())
-            cases["python_ledger"] = ctx.timer(py_ledger._unchanged, number=20)
-            cases["python_witnesses"] = ctx.timer(py_witnesses.unchanged, number=20)
-    except Exception:  # renamed: no side-by-side of the two paths
-        pass
+    if _native.get() is not None:  # built: the same two flat checks on the Python path too
+        path = "native"
+        with _native.using(False):
+            py_ledger = gs.Ledger.snapshot(model)
+            py_witnesses = Witnesses([*zip(witnesses.holders, witnesses.keys)],
+                                     witnesses.journal)
+        cases["python_ledger"] = ctx.timer(py_ledger._unchanged, number=20)
+        cases["python_witnesses"] = ctx.timer(py_witnesses.unchanged, number=20)
     stats = interleave(cases, ctx.sizes.repeats)
     per = {k: round(v.median / inputs * 1000 * 1e6, 2) for k, v in stats.items()}
     g = stats["guard"]
@@ -658,7 +627,7 @@ def _guard_many(ctx: Ctx, graph_mod: Any) -> Row:
     details: dict[str, Any] = {
         "inputs": inputs,
         "pinned_tensors": len(ledger),
-        "witness_sites": sites,
+        "witness_sites": len(witnesses),
         "checks": path,
         "per_1000_inputs_us": per,
         "rest_us": round(per["guard"] - per["ledger"] - per["freshness"] - per["empty"], 2),
@@ -723,17 +692,7 @@ def fig7(ctx: Ctx) -> list[Row]:
     """Refit in 8 buckets inside gs.weight_update, vs capturing the graph again."""
     preset = ctx.sizes.fig7_preset
     name = f"refit+refresh vs capture, {preset}"
-    graph_mod, missing = _import("graphsafe._graphs.graph")
-    if graph_mod is None:
-        return [Row("7a", name, skipped=missing)]
-    try:
-        return _refit_vs_capture(ctx, graph_mod, preset, name)
-    except Exception as exc:
-        return [Row("7a", name, skipped=why(exc))]
-
-
-def _refit_vs_capture(ctx: Ctx, graph_mod: Any, preset: str, name: str) -> list[Row]:
-    dsv4, model, x = _flagship(ctx, preset)
+    model, x = _flagship(ctx, preset)
     model(*x)  # lazy initialisation (cuBLAS handles, ...) before any capture
     rt = gs.runtime(model)
     ckpt = dsv4.random_checkpoint(model.config, seed=1, device=ctx.device)
@@ -744,7 +703,7 @@ def _refit_vs_capture(ctx: Ctx, graph_mod: Any, preset: str, name: str) -> list[
         for g in graphs:  # release the previous graph first, as a re-capture would
             g.reset()
         graphs.clear()
-        g = graph_mod.Graph(backend=_backend(ctx), guard=model)
+        g = gs.Graph(backend=_backend(ctx), guard=model)
         _capture(ctx, g, model, x)
         graphs.append(g)
 

@@ -7,8 +7,9 @@ Prints one table: per figure, graphsafe's median time (or bytes), the baseline m
 in the same run, their ratio, the target and whether it is met; the absolute numbers
 follow under the table. `--json` prints the same as JSON, and nothing else, on stdout.
 `--quick` is a smoke run of a few seconds with tiny sizes: its numbers mean nothing.
-The exit status is 0 whatever the figures say (a figure that raises is printed as SKIP,
-its traceback on stderr); see README.md for how to read each row.
+The exit status is 0 whatever the figures measure, and 1 when one raised (it is printed
+as SKIP, its traceback on stderr: an internal it reads may have moved); see README.md for
+how to read each row.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown figure(s) {unknown}; choose from {list(FIGURES)}")
     rows: list[Row] = []
+    raised = False
     load_before = _loadavg()
     start = time.perf_counter()
     warm(ctx)
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # one broken figure must not hide the others
                 traceback.print_exc(file=sys.stderr)
                 rows.append(Row(fig, f"figure {fig}", skipped=why(exc)))
+                raised = True
     cpu = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
     meta: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print(text)
     sys.stdout.flush()
-    return 0
+    return 1 if raised else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,90 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import torch
+
+from graphsafe import _native
+from graphsafe._errors import GraphSafetyError
+from graphsafe._verify import (
+    VerifyReport,
+    VerifyTarget,
+    format_report,
+    load_target,
+    run_verify,
+    run_verify_pp,
+)
+
 __all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: Arguments without the program name; `sys.argv[1:]` by default.
+
+    Returns:
+        The exit status: 0 when verify passed.
+
+    Examples:
+        From a shell, `graphsafe verify --refits 1 --json` is `main(["verify",
+        "--refits", "1", "--json"])`; it prints the report and returns 0 when it passed.
+    """
+    args = _parser().parse_args(argv)
+    if args.command == "native":
+        return _native_command(args.action)
+    return _verify_command(args)
+
+
+def _verify_command(args: argparse.Namespace) -> int:
+    if args.refits < 1:
+        return _usage("--refits must be at least 1")
+    if args.pp is not None and args.pp < 1:
+        return _usage("--pp must be at least 1")
+    try:
+        target = load_target(args.target)
+        if args.preset not in target.presets:
+            return _usage(f"unknown preset {args.preset!r} for {target.name}; "
+                          f"choose one of {', '.join(target.presets)}")
+        if args.backend == "cuda" and not torch.cuda.is_available():
+            return _usage("--backend cuda needs a GPU; none is visible")
+        report = _run(args, target)
+    except GraphSafetyError as exc:
+        print(f"graphsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(report.model_dump_json(indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
+
+
+def _run(args: argparse.Namespace, target: VerifyTarget) -> VerifyReport:
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.pp is not None:
+        return run_verify_pp(
+            target, pp=args.pp, preset=args.preset, backend=args.backend,
+            refits=args.refits, seed=args.seed, timeout=args.timeout, progress=say,
+        )
+    return run_verify(
+        target, preset=args.preset, backend=args.backend, refits=args.refits,
+        seed=args.seed, progress=say,
+    )
+
+
+def _usage(message: str) -> int:
+    print(f"graphsafe verify: {message}", file=sys.stderr)
+    return 2
+
+
+def _native_command(action: str) -> int:
+    if action == "status":
+        print(f"guard: {_native.describe()}")
+        return 0
+    try:
+        lib, seconds = _native.timed_build()
+    except _native.NativeBuildError as exc:
+        print(f"graphsafe native build: {exc}", file=sys.stderr)
+        return 1
+    print(f"graphsafe native build: built {lib} in {seconds:.0f} s")
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,83 +138,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     native.add_argument("action", choices=("build", "status"))
     return parser
-
-
-def _native(action: str) -> int:
-    from graphsafe import _native
-
-    if action == "status":
-        print(f"guard: {_native.describe()}")
-        return 0
-    try:
-        lib, seconds = _native.timed_build()
-    except _native.NativeBuildError as exc:
-        print(f"graphsafe native build: {exc}", file=sys.stderr)
-        return 1
-    print(f"graphsafe native build: built {lib} in {seconds:.0f} s")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line.
-
-    Args:
-        argv: Arguments without the program name; `sys.argv[1:]` by default.
-
-    Returns:
-        The exit status: 0 when verify passed.
-
-    Examples:
-        From a shell, `graphsafe verify --refits 1 --json` is `main(["verify",
-        "--refits", "1", "--json"])`; it prints the report and returns 0 when it passed.
-    """
-    args = _parser().parse_args(argv)
-    if args.command == "native":
-        return _native(args.action)
-    # Imported late: `graphsafe --help` should not pay for importing torch.
-    from graphsafe._errors import GraphSafetyError
-    from graphsafe._verify.run import format_report, load_target, run_verify
-
-    if args.refits < 1:
-        print("graphsafe verify: --refits must be at least 1", file=sys.stderr)
-        return 2
-    if args.pp is not None and args.pp < 1:
-        print("graphsafe verify: --pp must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        target = load_target(args.target)
-        if args.preset not in target.presets:
-            print(
-                f"graphsafe verify: unknown preset {args.preset!r} for {target.name}; "
-                f"choose one of {', '.join(target.presets)}",
-                file=sys.stderr,
-            )
-            return 2
-        if args.backend == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                print("graphsafe verify: --backend cuda needs a GPU; none is visible",
-                      file=sys.stderr)
-                return 2
-        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        if args.pp is not None:
-            from graphsafe._verify.pipeline import run_verify_pp
-
-            report = run_verify_pp(
-                target, pp=args.pp, preset=args.preset, backend=args.backend,
-                refits=args.refits, seed=args.seed, timeout=args.timeout, progress=say,
-            )
-        else:
-            report = run_verify(
-                target, preset=args.preset, backend=args.backend, refits=args.refits,
-                seed=args.seed, progress=say,
-            )
-    except GraphSafetyError as exc:
-        print(f"graphsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(report.model_dump_json(indent=2) if args.json else format_report(report))
-    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the reference models give `graphsafe verify`: build, load and run one preset.
 
-`graphsafe verify` takes any object with these members (see `graphsafe._verify.run`); each
+`graphsafe verify` takes any object with these members (see `graphsafe._verify.VerifyTarget`); each
 reference model subclasses `PresetTarget` and names its classes and checkpoint maker.
 """
 

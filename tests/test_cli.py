@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphsafe._verify.run import VerifyReport, run_verify
+from graphsafe._verify import VerifyReport, run_verify
 from graphsafe.cli import main
 from graphsafe.models.deepseek_v4 import verify_target
 

@@ -28,8 +28,8 @@ from torch import nn
 
 import graphsafe as gs
 import graphsafe.distributed as gsd
-from graphsafe._verify.pipeline import _free_port
-from graphsafe._verify.run import VerifyReport
+from graphsafe._verify import VerifyReport, run_verify_pp
+from graphsafe._verify.processes import free_port as _free_port
 from graphsafe.cli import main
 from graphsafe.models.deepseek_v4 import (
     DeepseekV4Config,
@@ -605,8 +605,6 @@ class BrokenStageTarget:
 
 
 def test_verify_pp_a_stage_that_fails_ends_every_process_and_names_the_error():
-    from graphsafe._verify.pipeline import run_verify_pp
-
     with pytest.raises(gs.GraphSafetyError, match="ended without a report") as caught:
         run_verify_pp(BrokenStageTarget(), pp=2, refits=1, backend="cpu", timeout=_TIMEOUT)
     assert "rank 2" in str(caught.value) and "stage 1 cannot be built" in str(caught.value)

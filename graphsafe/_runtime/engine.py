@@ -22,7 +22,6 @@ from graphsafe._memory.snapshot import Witnesses
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binding import Binding, BoundDerivation
 from graphsafe._runtime.checks import geometry_held, rebound_error, refuse_resized
-from graphsafe._runtime.inputs import Input
 from graphsafe._runtime.refresh import FAST, SLOW, copy_apart, materialize, refresh_checked
 from graphsafe._runtime.transient import Transients
 from graphsafe._runtime.watch import Watch
@@ -34,14 +33,11 @@ _NONE = 2  # no path taken: the derivation failed
 
 
 class Engine:
-    """Derived buffers of one binding, and how to bring them up to date.
+    """Derived buffers of one binding (`bind`'s plan), and how to bring them up to date.
 
-    Args:
-        binding: The plan from `bind`.
-        model_tensors: Returns `{storage key: path}` of every tensor of the model, for
-            the purity and read checks.
-        journal: Where writes are recorded and failures poison storage.
-        strict: Check purity on every refresh, not only at materialization.
+    `model_tensors` returns `{storage key: path}` of every model tensor (for the purity
+    and read checks); failures poison storage in `journal`; `strict` checks purity on
+    every refresh, not only at materialization.
     """
 
     def __init__(
@@ -57,18 +53,17 @@ class Engine:
         self.journal = journal
         self.strict = strict
         self._model_tensors = model_tensors
+        # Derivations whose buffers do not match their inputs (failed, never made), and
+        # why, when known.
         self.stale: set[int] = {b.index for b in self.bound}
-        """Derivations whose buffers do not match their inputs (failed, never made)."""
         self.reasons: dict[int, str] = {}
-        """Why each stale derivation is stale, when known."""
         self.last_report: RefreshReport | None = None
         self._identities: list[RawIdentity] = [
             (b.path, b.spec.name, b.out_paths, 0) for b in self.bound
         ]
         self._frozen_identities: tuple[RawIdentity, ...] | None = None
         self._reallocated: set[int] = set()
-        self.transients = Transients(self.bound)
-        """The transient inputs: held only while a load writes them."""
+        self.transients = Transients(self.bound)  # held only while a load writes them
         self.watch = Watch(binding, journal)
 
     # -- what is dirty ---------------------------------------------------------------
@@ -78,10 +73,6 @@ class Engine:
         """The witnesses of every resident input and buffer."""
         return self.watch.witnesses
 
-    def watch_map(self) -> dict[int, list[Input]]:
-        """Storage key -> the inputs living in that storage (views and ties share one)."""
-        return self.watch.by_storage()
-
     def consumers_of(self, keys: Iterable[int]) -> set[int]:
         """Indices of the derivations reading any of the storages `keys` directly."""
         return self.watch.consumers_of(keys)
@@ -90,19 +81,11 @@ class Engine:
         """Derivation index -> how its input or buffer changed since it was refreshed."""
         return self.watch.witness_dirty()
 
-    def find_moved(self) -> tuple[list[Input], list[tuple[BoundDerivation, int]]]:
-        """Inputs, and `(derivation, output index)` of buffers, rebound since recorded."""
-        return self.watch.moved()
-
-    def storage_keys(self) -> frozenset[int]:
-        """Storage keys of every input and buffer, for the journal's poison check."""
-        return self.watch.storage_keys()
-
     def reads_poisoned(self, also: frozenset[int]) -> bool:
         """Whether a failure poisoned storage this engine (or `also`) reads."""
         poisoned = self.journal.poisoned  # few keys: each is looked up, nothing is built
         return bool(poisoned) and not (
-            self.storage_keys().isdisjoint(poisoned) and also.isdisjoint(poisoned)
+            self.watch.storage_keys().isdisjoint(poisoned) and also.isdisjoint(poisoned)
         )
 
     def scan_moved(self, pinned: bool) -> set[int]:
@@ -110,13 +93,10 @@ class Engine:
 
         Before pin the new tensors are taken (inputs) or the buffers made anew from the
         derivation (a buffer converted by `.half()` or `.to()`), and the derivations must
-        run; after it, a rebinding marks them stale and raises.
-
-        Raises:
-            StorageMovedError: Pinned, and something moved.
-            RegistrationError: An input is gone (deleted, None, parametrized).
+        run; after it, a rebinding marks them stale and raises `StorageMovedError`.
+        `RegistrationError`: an input is gone (deleted, None, parametrized).
         """
-        moved_inputs, moved_buffers = self.find_moved()
+        moved_inputs, moved_buffers = self.watch.moved()
         dirty: set[int] = set()
         if not moved_inputs and not moved_buffers:
             return dirty
@@ -147,15 +127,12 @@ class Engine:
         return dirty
 
     def stale_reasons(self, in_update: set[int]) -> dict[int, str]:
-        """Stale derivation index -> why, from every source, downstream included.
-
-        Args:
-            in_update: Storage keys written by a load or update that has not ended.
-        """
+        """Stale derivation index -> why, from every source, downstream included;
+        `in_update`: storage keys written by a load or update that has not ended."""
         found = {i: self.reasons.get(i, "not materialized or not refreshed") for i in self.stale}
         for i, how in self.witness_dirty().items():
             found.setdefault(i, how)
-        moved_inputs, moved_buffers = self.find_moved()
+        moved_inputs, moved_buffers = self.watch.moved()
         for inp in moved_inputs:
             for i in inp.consumers:
                 found.setdefault(i, f"{inp.path} was rebound")
@@ -163,7 +140,7 @@ class Engine:
             found.setdefault(b.index, f"{b.out_paths[j]} was rebound")
         for i in self.consumers_of(in_update):
             found.setdefault(i, "written inside a weight update that has not ended")
-        poisoned = self.journal.poisoned_among(self.storage_keys())
+        poisoned = self.journal.poisoned_among(self.watch.storage_keys())
         if poisoned:
             for b in self.bound:
                 for t in b.buffers or ():
@@ -196,10 +173,6 @@ class Engine:
                 buffers.extend(bound[j].buffers or ())
         self.journal.poison(buffers, why)
 
-    def rewitness(self, fresh: Sequence[int]) -> None:
-        """Take the witnesses of derivations known to be fresh (see `Watch.rewitness`)."""
-        self.watch.rewitness(fresh)
-
     def report(self, report: RefreshReport) -> None:
         """Keep `report` as the last refresh's (a load's refreshes, combined)."""
         self.last_report = report
@@ -219,12 +192,12 @@ class Engine:
         dirty = self.scan_moved(pinned)
         try:
             if keys is None:
-                return self.run(range(len(self.bound)), skip_blocked=True)
+                return self.recompute(range(len(self.bound)), skip_blocked=True)
             dirty.update(self.witness_dirty())
             for path in paths:
                 dirty.update(self.binding.by_path.get(path, ()))
             dirty.update(self.consumers_of(keys))
-            return self.run(self.closure(dirty))
+            return self.recompute(self.closure(dirty))
         finally:
             self.transients.release()
 
@@ -233,29 +206,17 @@ class Engine:
         stale otherwise is left for the guard to report."""
         dirty = self.scan_moved(pinned) | self.consumers_of(keys)
         if dirty:
-            self.run(self.closure(dirty))
+            self.recompute(self.closure(dirty))
 
     # -- the hot loop ----------------------------------------------------------------
 
-    def run(self, plan: Sequence[int], *, skip_blocked: bool = False) -> RefreshReport:
-        """Materialize or refresh the derivations of `plan`, in its (topological) order.
-
-        The caller has run `scan_moved` first, so buffers and inputs are where the bound
-        derivations expect them. Any exception, `KeyboardInterrupt` included, leaves the
-        derivations that did not complete stale.
-
-        Args:
-            plan: Sorted derivation indices, closed downstream (see `closure`).
-            skip_blocked: A derivation whose transient inputs are released cannot run:
-                True leaves it as it is (a full refresh of a fresh model); False marks
-                it, and what is downstream of it, stale (its inputs changed).
-
-        Returns:
-            The report.
-
-        Raises:
-            BaseException: The first failure, after the whole plan was tried.
-        """
+    def recompute(self, plan: Sequence[int], *, skip_blocked: bool = False) -> RefreshReport:
+        """Materialize or refresh the derivations of `plan` (sorted, closed downstream:
+        see `closure`) in order, after `scan_moved` put buffers and inputs where they are
+        expected; return the report, or raise the first failure once the whole plan was
+        tried. Any exception, `KeyboardInterrupt` included, leaves what did not complete
+        stale. With `skip_blocked`, a derivation whose transient inputs are released is
+        left as it is (a full refresh of a fresh model), else it is marked stale."""
         bound = self.bound
         clock = time.perf_counter
         start = clock()
@@ -329,29 +290,12 @@ class Engine:
         return report
 
     def _unblocked(self, plan: Sequence[int], skip: bool) -> list[int]:
-        """`plan` without the derivations whose transient inputs are released."""
-        bound = self.bound
-        out: list[int] = []
-        blocked: set[int] = set()
-        for i in plan:
-            b = bound[i]
-            tr = self.transients.blocked(b)
-            if tr is None and b.deps.isdisjoint(blocked):
-                out.append(i)
-                continue
-            blocked.add(i)
-            if skip and i not in self.stale:
-                continue
-            why = (
-                f"its transient input {tr.input.path} is released: it is recomputed only by "
-                "a load that writes that input completely"
-                if tr is not None
-                else "it reads a derivation that could not be recomputed"
-            )
+        """`plan` without the derivations whose transient inputs are released; those that
+        must run and cannot are marked stale."""
+        runnable, blocked = self.transients.unblocked(plan, self.bound, self.stale, skip=skip)
+        for i, why in blocked.items():
             self.mark_stale([i], why)
-        if skip:  # what reads a skipped derivation's (unchanged) buffers can still run
-            return [i for i in plan if self.transients.blocked(bound[i]) is None]
-        return out
+        return runnable
 
     def _settle(self, ran: Sequence[int], failed: set[int], sites_changed: bool) -> None:
         """After a run: clear what succeeded, take its witnesses, heal its buffers."""

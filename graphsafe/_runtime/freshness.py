@@ -32,7 +32,7 @@ def check_fresh(engine: Engine, keys: frozenset[int], model_class: type, *, repa
     """
     stale = engine.stale_reasons(set())
     if stale and repair and not any(i in engine.reasons for i in stale):
-        engine.run(engine.closure(stale))
+        engine.recompute(engine.closure(stale))
         stale = {}
     if stale:
         paths = [p for i in sorted(stale) for p in engine.bound[i].out_paths]

@@ -112,7 +112,7 @@ class Load:
         # Watch where the inputs are now: one rebound (before pin) through another model
         # sharing it is taken here, so that this load's writes into it are seen.
         taken = engine.scan_moved(pinned)
-        watch: Mapping[int, Any] = engine.watch_map()
+        watch: Mapping[int, Any] = engine.watch.by_storage()
         if everything:
             watch = {**everything, **watch}
         return cls(engine, watch, journal, taken)
@@ -214,7 +214,7 @@ class Load:
         for i in ready:
             # One at a time, with what reads its outputs, each input released as soon as
             # its last reader ran: the least memory held at once.
-            self._reports.append(engine.run(engine.bound[i].downstream))
+            self._reports.append(engine.recompute(engine.bound[i].downstream))
             self._early[i] = so_far
             done = set(self._early)
             transients.release(
@@ -268,10 +268,10 @@ class Load:
             if i not in engine.consumers_of(written - at):
                 dirty.discard(i)
                 kept.append(i)
-        engine.rewitness(kept)  # their inputs' journal epochs moved with this load
+        engine.watch.rewitness(kept)  # their inputs' journal epochs moved with this load
         engine.transients.release(incomplete)  # so that nothing computes from half their values
         try:
-            final = engine.run(engine.closure(dirty))
+            final = engine.recompute(engine.closure(dirty))
         finally:
             engine.transients.release()
         if self._reports:  # the whole load's refreshes in one report
@@ -309,7 +309,7 @@ class Load:
         """A load that raised: what it may have written is stale, the model poisoned."""
         engine = self.engine
         dirty = engine.consumers_of(written) | self.taken
-        dirty.update(i for inp in engine.find_moved()[0] for i in inp.consumers)
+        dirty.update(i for inp in engine.watch.moved()[0] for i in inp.consumers)
         dirty.update(i for tr in touched for i in engine.transients.readers[id(tr)])
         engine.mark_stale(dirty, why)
         engine.transients.release()

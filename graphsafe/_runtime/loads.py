@@ -54,7 +54,7 @@ class Loads:
         """Whether a graph holds the model's storage fixed."""
         raise NotImplementedError
 
-    def _bound(self) -> Engine:
+    def _bound_engine(self) -> Engine:
         raise NotImplementedError
 
     @property
@@ -127,7 +127,7 @@ class Loads:
     @contextlib.contextmanager
     def _loading(self, what: str, *, everything: bool = False) -> Iterator[Load]:
         """One load, begun and ended under the lock the caller holds."""
-        engine = self._bound()
+        engine = self._bound_engine()
         load = self._load = Load.begin(
             engine, self._journal, pinned=self.pinned,
             everything=self._binder.model_tensors() if everything else None,
@@ -170,7 +170,7 @@ class Loads:
                 return  # inside a tracked load or update: refreshed when it ends
             # Ended as any load ends; what it wrote, the witnesses (versions) and the
             # transient inputs the pre-hook gave memory to say what to refresh.
-            load = Load.of_state_dict(self._bound(), self._journal)
+            load = Load.of_state_dict(self._bound_engine(), self._journal)
             self._end(load, "load_state_dict", None, witnesses=True)
 
 
@@ -185,7 +185,7 @@ class Loads:
             if engine is None or self._load is not None or not engine.consumers_of(keys):
                 return  # reads none of it (a storage it took since is seen by its witnesses)
             # Binds again if its tree changed (before pin).
-            self._bound().refresh_readers(self.pinned, keys)
+            self._bound_engine().refresh_readers(self.pinned, keys)
         finally:
             self._lock.release()
 

@@ -122,7 +122,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
     def strict(self, value: bool) -> None:
         self._binder.strict = value
 
-    def _bound(self) -> Engine:
+    def _bound_engine(self) -> Engine:
         return self._binder.engine(self.pinned)
 
     def _own(self, module: nn.Module) -> None:
@@ -144,7 +144,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
     def derivations(self) -> tuple[DerivationInfo, ...]:
         """The bound derivations with their paths, inputs, shapes, dtypes and bytes."""
         with self._lock:
-            return tuple(b.info() for b in self._bound().bound)
+            return tuple(b.info() for b in self._bound_engine().bound)
 
     @property
     def last_report(self) -> RefreshReport | None:
@@ -162,7 +162,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
         materialized, failed, written by a load that raised, or whose input was rebound,
         written in place or recorded written since the last refresh."""
         with self._lock:
-            engine = self._bound()
+            engine = self._bound_engine()
             in_update = self._load.written_so_far() if self._load is not None else set()
             stale = engine.stale_reasons(in_update)
             return tuple(p for i in sorted(stale) for p in engine.bound[i].out_paths)
@@ -171,7 +171,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
     def materialized(self) -> bool:
         """Whether every owned derived buffer has been allocated."""
         with self._lock:
-            return all(b.buffers is not None for b in self._bound().bound)
+            return all(b.buffers is not None for b in self._bound_engine().bound)
 
     def assert_fresh(self, *, repair: bool = False) -> None:
         """Raise unless every derived buffer matches its inputs and the last update held:
@@ -190,10 +190,10 @@ class Runtime(Loads, metaclass=_OnePerModel):
             load = self._load
             if load is not None and load.written_so_far():
                 raise in_update_error(type(self.model), len(load.written_so_far()))
-            engine = self._engine or self._bound()  # module swaps: the ledger checks them
+            engine = self._engine or self._bound_engine()  # module swaps: the ledger checks them
             if (engine.stale or not engine.witnesses.unchanged()
                     or engine.reads_poisoned(self._pinned_keys)):
-                keys = engine.storage_keys() | self._pinned_keys
+                keys = engine.watch.storage_keys() | self._pinned_keys
                 check_fresh(engine, keys, type(self.model), repair=repair)
 
     @contextlib.contextmanager
@@ -222,7 +222,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
             GraphSafetyError: `changed` names no tensor of the model.
         """
         with self._lock:
-            engine = self._bound()
+            engine = self._bound_engine()
             if changed is None:
                 return engine.refresh(self.pinned)
             paths = list(changed)
@@ -233,7 +233,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
         """Recompute exactly what is stale: never materialized, failed, or whose inputs
         were written (by any path the witnesses see) since their last refresh."""
         with self._lock:
-            return self._bound().refresh(self.pinned, ())
+            return self._bound_engine().refresh(self.pinned, ())
 
     # -- pins --------------------------------------------------------------------------
 
@@ -241,7 +241,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
         """Raise `StaleError` unless the derived buffers exist, so that a graph can be
         captured."""
         with self._lock:
-            missing = [b.path for b in self._bound().bound if b.buffers is None]
+            missing = [b.path for b in self._bound_engine().bound if b.buffers is None]
             if missing:
                 raise unmaterialized_error(type(self.model), missing)
 
@@ -258,7 +258,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
         with self._lock:
             self.check_pinnable()
             if not self._holders:
-                self._bound().refresh_readers(False, ())
+                self._bound_engine().refresh_readers(False, ())
             self._holders[holder] = self._holders.get(holder, 0) + 1
             self._pinned_keys = frozenset(self._binder.model_tensors())
 

@@ -15,7 +15,7 @@ written when the update ends is stale, and the guard refuses to replay it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -172,6 +172,46 @@ class Transients:
         return sorted(
             i for i in candidates if (trs := self.of(bound[i])) and all(t.complete for t in trs)
         )
+
+    def unblocked(
+        self,
+        plan: Sequence[int],
+        bound: list[BoundDerivation],
+        stale: set[int],
+        *,
+        skip: bool,
+    ) -> tuple[list[int], dict[int, str]]:
+        """Split `plan` into what can run and what cannot (a transient input of its own,
+        or of what it reads, is released), the latter with why.
+
+        Args:
+            plan: Derivation indices, in topological order.
+            bound: The bound derivations.
+            stale: Those stale already.
+            skip: A full refresh of a fresh model: one that cannot run and is not stale
+                is left as it is (not returned as blocked), and what reads it still runs.
+        """
+        out: list[int] = []
+        cut: set[int] = set()
+        why_blocked: dict[int, str] = {}
+        for i in plan:
+            b = bound[i]
+            tr = self.blocked(b)
+            if tr is None and b.deps.isdisjoint(cut):
+                out.append(i)
+                continue
+            cut.add(i)
+            if skip and i not in stale:
+                continue
+            why_blocked[i] = (
+                f"its transient input {tr.input.path} is released: it is recomputed only by "
+                "a load that writes that input completely"
+                if tr is not None
+                else "it reads a derivation that could not be recomputed"
+            )
+        if skip:  # what reads a skipped derivation's (unchanged) buffers can still run
+            return [i for i in plan if self.blocked(bound[i]) is None], why_blocked
+        return out, why_blocked
 
     def release(self, which: Iterable[Transient] | None = None) -> None:
         """Release `which` (all by default).

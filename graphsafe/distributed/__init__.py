@@ -52,40 +52,6 @@ from graphsafe.distributed._buffers import release_staging
 from graphsafe.distributed._sender import send_weights
 from graphsafe.distributed._receiver import receive_weights
 
-# The internals stay reachable from here (`gsd._Plan`, `gsd._plan`, ...).
-from graphsafe.distributed._buffers import _RECV_STAGING as _RECV_STAGING
-from graphsafe.distributed._buffers import _SEND_STAGING as _SEND_STAGING
-from graphsafe.distributed._buffers import _group_key as _group_key
-from graphsafe.distributed._buffers import _staging as _staging
-from graphsafe.distributed._layout import _ABORT as _ABORT
-from graphsafe.distributed._layout import _ALIGN as _ALIGN
-from graphsafe.distributed._layout import _DATA as _DATA
-from graphsafe.distributed._layout import _MAGIC as _MAGIC
-from graphsafe.distributed._layout import _PROTOCOL as _PROTOCOL
-from graphsafe.distributed._layout import _TRAILER as _TRAILER
-from graphsafe.distributed._layout import _Entry as _Entry
-from graphsafe.distributed._layout import _Plan as _Plan
-from graphsafe.distributed._layout import _align as _align
-from graphsafe.distributed._layout import _dtype as _dtype
-from graphsafe.distributed._layout import _dtype_name as _dtype_name
-from graphsafe.distributed._layout import _plan as _plan
-from graphsafe.distributed._layout import _slot as _slot
-from graphsafe.distributed._layout import _slots as _slots
-from graphsafe.distributed._layout import _trailer as _trailer
-from graphsafe.distributed._layout import _view as _view
-from graphsafe.distributed._receiver import _ReceiveProgress as _ReceiveProgress
-from graphsafe.distributed._receiver import _check_trailer as _check_trailer
-from graphsafe.distributed._receiver import _handshake_error as _handshake_error
-from graphsafe.distributed._receiver import _load as _load
-from graphsafe.distributed._receiver import _receive as _receive
-from graphsafe.distributed._receiver import _receive_report as _receive_report
-from graphsafe.distributed._receiver import _rejected_error as _rejected_error
-from graphsafe.distributed._sender import _SendProgress as _SendProgress
-from graphsafe.distributed._sender import _abort as _abort
-from graphsafe.distributed._wire import _check as _check
-from graphsafe.distributed._wire import _device as _device
-from graphsafe.distributed._wire import _handshake as _handshake
-
 __all__ = [
     "ReceiveReport",
     "RejectedEntry",

@@ -1,41 +1,6 @@
 """DeepSeek V4 with mHC: the flagship reference model of graphsafe."""
 
-from graphsafe.models.deepseek_v4.model import (
-    PRESETS,
-    DeepseekV4Config,
-    DeepseekV4DecoderLayer,
-    DeepseekV4Model,
-    DeepseekV4Target,
-    NaiveDeepseekV4DecoderLayer,
-    NaiveDeepseekV4Model,
-    fold_streams,
-    hc_head,
-    hc_mixes,
-    hc_post,
-    hc_pre,
-    hc_pre_broadcast,
-    hc_split,
-    random_checkpoint,
-    sinkhorn,
-    verify_target,
-)
+from graphsafe.models.deepseek_v4 import model
+from graphsafe.models.deepseek_v4.model import *  # noqa: F403  (its `__all__` is the list)
 
-__all__ = [
-    "PRESETS",
-    "DeepseekV4Config",
-    "DeepseekV4DecoderLayer",
-    "DeepseekV4Model",
-    "DeepseekV4Target",
-    "NaiveDeepseekV4DecoderLayer",
-    "NaiveDeepseekV4Model",
-    "fold_streams",
-    "hc_head",
-    "hc_mixes",
-    "hc_post",
-    "hc_pre",
-    "hc_pre_broadcast",
-    "hc_split",
-    "random_checkpoint",
-    "sinkhorn",
-    "verify_target",
-]
+__all__ = model.__all__

@@ -1,48 +1,7 @@
 """Llama reading kernel-format weights: fused QKV and gate-up, or FP8 by block from
 transient checkpoint projections."""
 
-from graphsafe.models.llama.model import (
-    PRESETS,
-    Llama3RopeScaling,
-    LlamaAttention,
-    LlamaConfig,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaMLP,
-    LlamaModel,
-    LlamaTarget,
-    NaiveLlamaAttention,
-    NaiveLlamaForCausalLM,
-    NaiveLlamaMLP,
-    ResidentLlamaAttention,
-    ResidentLlamaMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rope,
-    random_checkpoint,
-    rope_inv_freq,
-    verify_target,
-)
+from graphsafe.models.llama import model
+from graphsafe.models.llama.model import *  # noqa: F403  (its `__all__` is the list)
 
-__all__ = [
-    "PRESETS",
-    "Llama3RopeScaling",
-    "LlamaAttention",
-    "LlamaConfig",
-    "LlamaDecoderLayer",
-    "LlamaForCausalLM",
-    "LlamaMLP",
-    "LlamaModel",
-    "LlamaTarget",
-    "NaiveLlamaAttention",
-    "NaiveLlamaForCausalLM",
-    "NaiveLlamaMLP",
-    "RMSNorm",
-    "ResidentLlamaAttention",
-    "ResidentLlamaMLP",
-    "RotaryEmbedding",
-    "apply_rope",
-    "random_checkpoint",
-    "rope_inv_freq",
-    "verify_target",
-]
+__all__ = model.__all__

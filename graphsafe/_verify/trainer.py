@@ -1,0 +1,134 @@
+"""The trainer side of `graphsafe verify --pp N`: rank 0, with the full model.
+
+For each refit the trainer draws a checkpoint, loads it into its own model, runs it
+eagerly and sends it to the stages with `graphsafe.distributed.send_weights`; the last
+stage's logits come back and are compared with the eager ones.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphsafe._verify.job import Job
+from graphsafe._verify.measure import Phases, max_abs_diff
+from graphsafe._verify.messages import gather_rows, recv_stream
+from graphsafe._verify.report import (
+    TOLERANCE,
+    ControlRow,
+    RefitRow,
+    SyncRow,
+    VerifyReport,
+    passed,
+    verdict,
+)
+from graphsafe._verify.target import Checkpoint
+from graphsafe.distributed import SendReport, send_weights
+
+__all__ = ["trainer"]
+
+Inputs = tuple[torch.Tensor, ...]
+
+
+def trainer(job: Job, say: Callable[[str], None]) -> VerifyReport:
+    """Rank 0: the full model, the checkpoints, the comparisons, the report."""
+    phase = Phases(say)
+    target = job.target
+    with phase(f"trainer: build {target.name} ({job.preset}) and load its first weights"):
+        full = target.build(job.preset, False, torch.device(job.device))
+        ck = target.checkpoint(full, job.seed)
+        full.load_weights(ck)  # type: ignore[operator]
+        x = target.example_input(full, job.seed)
+    with phase(f"first sync to {job.pp} stage(s), build there, eager pipeline pass"):
+        _send(ck, job.seed)
+        eager = full(*x)
+        recv_stream(job.pp)
+    with phase(f"stages: capture ({job.backend} graph)"):
+        dist.barrier()
+    rows: list[RefitRow] = []
+    syncs: list[SyncRow] = []
+    previous = eager.clone()
+    for k in range(job.refits):
+        with phase(f"refit {k + 1}/{job.refits}: sync, pipeline replay, eager"):
+            eager, logits, sent, stage_rows = _refit(job, full, x, k)
+        syncs += [SyncRow(refit=k + 1, **r) for r in stage_rows]
+        rows.append(_refit_row(k + 1, sent.buckets, stage_rows, logits, eager, previous))
+        if rows[-1].error is None:
+            previous = eager.clone()
+        say(f"refit {k + 1}: {rows[-1].verdict}")
+    with phase("control: the naive variant on every stage, unguarded and guarded"):
+        control = _control(job, full, x)
+    return VerifyReport(
+        target=target.name, preset=job.preset, backend=job.backend, device=job.device,
+        torch_version=torch.__version__, tolerance=TOLERANCE, refits=tuple(rows),
+        control=control, ok=passed(rows, control), pp=job.pp, syncs=tuple(syncs),
+    )
+
+
+def _send(ck: Checkpoint, seed: int) -> SendReport:
+    """Sync the checkpoint in about four buckets, so that every sync is split (and some
+    tensors span none)."""
+    total = sum(t.numel() * t.element_size() for _, t in ck)
+    bucket_bytes = max(1 << 12, total // random.Random(seed).randint(3, 6))
+    return send_weights(ck, src=0, bucket_bytes=bucket_bytes)
+
+
+def _refit(
+    job: Job, full: nn.Module, x: Inputs, k: int
+) -> tuple[torch.Tensor, torch.Tensor | None, SendReport, list[dict[str, Any]]]:
+    """Load refit `k` here, run it eagerly, sync it; the logits and rows that came back."""
+    ck = job.target.checkpoint(full, job.seed + 1 + k)
+    if k == 0:  # the first refit sends the derivations' inputs last
+        crit = [e for e in ck if e[0].endswith(job.target.critical)]
+        ck = [e for e in ck if not e[0].endswith(job.target.critical)] + crit
+    full.load_weights(ck)  # type: ignore[operator]
+    eager = full(*x)
+    sent = _send(ck, job.seed + 1 + k)
+    logits = recv_stream(job.pp)
+    return eager, logits, sent, gather_rows(None)
+
+
+def _refit_row(
+    refit: int, buckets: int, stage_rows: list[dict[str, Any]], logits: torch.Tensor | None,
+    eager: torch.Tensor, previous: torch.Tensor,
+) -> RefitRow:
+    """The refit judged on the stages' rows and the logits that came back."""
+    held = all(r["storage_held"] for r in stage_rows)
+    errors = [f"stage {r['stage']}: {r['error']}" for r in stage_rows if r["error"]]
+    if logits is None or errors:
+        return RefitRow(
+            refit=refit, buckets=buckets, critical_last=refit == 1, refreshed=(),
+            storage_held=held, max_abs_diff=float("inf"), weights_effect=0.0,
+            verdict="error", error="; ".join(errors) or "no logits came back",
+        )
+    diff = max_abs_diff(logits.to(eager.device), eager)
+    effect = max_abs_diff(eager, previous)
+    return RefitRow(
+        refit=refit, buckets=buckets, critical_last=refit == 1,
+        refreshed=tuple(sorted({p for r in stage_rows for p in r["refreshed"]})),
+        storage_held=held, max_abs_diff=diff, weights_effect=effect,
+        verdict=verdict(diff, effect),
+    )
+
+
+def _control(job: Job, full: nn.Module, x: Inputs) -> ControlRow:
+    """The naive stages: a first sync before their capture, then one refit."""
+    _send(job.target.checkpoint(full, job.seed), job.seed)
+    recv_stream(job.pp)  # the naive stages' eager pass, before their capture
+    dist.barrier()
+    ck = job.target.checkpoint(full, job.seed + 1)
+    full.load_weights(ck)  # type: ignore[operator]
+    eager = full(*x)
+    _send(ck, job.seed + 1)
+    logits = recv_stream(job.pp)
+    refused = [f"stage {r['stage']}: {r['error']}" for r in gather_rows(None) if r["error"]]
+    ndiff = float("inf") if logits is None else max_abs_diff(logits.to(eager.device), eager)
+    return ControlRow(
+        unguarded_max_abs_diff=ndiff, stale_read=ndiff > TOLERANCE,
+        guard_error=refused[0] if refused else None, caught=bool(refused),
+    )

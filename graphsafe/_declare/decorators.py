@@ -1,9 +1,8 @@
 """Declaring derivations on model classes: `gs.derive` marks, `declare` registers.
 
-`gs.derive` only marks a method. `declare` (what `gs.graphsafe` calls when the class is
-created) discovers the marks, validates them all at once and registers them, for the
-class and each subclass; wrapping the loading method is the runtime's part of
-`gs.graphsafe` (`graphsafe._runtime.decorator`).
+`gs.derive` only marks a method. `declare` (what `gs.graphsafe` calls on the class)
+discovers the marks, validates them all at once and registers them, for the class and
+each subclass; wrapping the loader is `graphsafe._runtime.decorator`'s part.
 """
 
 from __future__ import annotations
@@ -150,17 +149,9 @@ def _install_getattr(klass: type) -> None:
 
 
 def declare(klass: type, reg: Registry, then: Callable[[type], None]) -> None:
-    """Register `klass`'s marked methods in `reg`, then call `then(klass)`; every subclass,
-    when it is created, is declared the same way (it behaves like its decorated base).
-
-    Args:
-        klass: A module class.
-        reg: Where to register.
-        then: What the caller adds to each declared class (the runtime wraps its loader).
-
-    Raises:
-        RegistrationError: A derivation is invalid.
-    """
+    """Register `klass`'s marked methods in `reg` (`RegistrationError` if one is invalid),
+    then call `then(klass)` (the runtime wraps its loader); every subclass, when created, is
+    declared the same way, so that it behaves like its decorated base."""
     if _APPLIED not in vars(klass):
         for attr_name, attr in list(vars(klass).items()):
             target = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
@@ -210,14 +201,8 @@ def _hook_subclasses(klass: type) -> None:
 
 
 def class_registries(cls: type) -> list[Registry]:
-    """The registries that `gs.graphsafe(registry=...)` named on `cls` and its bases.
-
-    Args:
-        cls: A module class.
-
-    Returns:
-        The registries, most derived class first, without repeats.
-    """
+    """The registries `gs.graphsafe(registry=...)` named on `cls` and its bases, most
+    derived first, without repeats."""
     found: list[Registry] = []
     for klass in cls.__mro__:
         applied = vars(klass).get(_APPLIED)
@@ -227,12 +212,5 @@ def class_registries(cls: type) -> list[Registry]:
 
 
 def is_marked(fn: object) -> bool:
-    """Whether `fn` carries a `gs.derive` mark.
-
-    Args:
-        fn: Any object.
-
-    Returns:
-        True for methods marked with `gs.derive`.
-    """
+    """Whether `fn` carries a `gs.derive` mark."""
     return isinstance(getattr(fn, _MARK, None), _Mark)

@@ -1,9 +1,8 @@
 """The guard: what stands between a captured graph and a replay of stale or moved memory.
 
-A `Guard` holds a graph's pin on the model (released with the guard, or when the graph it
-belongs to is garbage-collected) and the ledger snapshot of every tensor and submodule the
-graph may read. Before each replay the runtime, under the model's lock, runs the ledger's
-flat check and its own freshness check (witnesses and journal).
+A `Guard` holds a graph's pin on the model and the ledger snapshot of what the graph may
+read; before each replay the runtime, under the model's lock, runs the ledger's flat
+check and its own freshness check (witnesses and journal).
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ __all__ = ["Guard"]
 
 
 class _Holder(int):
-    """A graph's pin token: the graph's id, not the graph, so the pin does not keep the
-    graph alive."""
+    """A graph's pin token: its id, not the graph, so the pin does not keep it alive."""
 
     __slots__ = ()
 
@@ -32,14 +30,10 @@ class _Holder(int):
 class Guard:
     """The guard of one captured graph over one model.
 
-    Taking it pins the model (refreshing what moved first) and snapshots it, so it is
-    taken right before the body is captured.
-
-    Args:
-        model: The guarded model.
-        owner: The graph; when it is garbage-collected, the pin is released.
-        repair: Refresh stale derived buffers before a replay instead of refusing it.
-        keep: Which tensors the ledger pins (all by default).
+    Taking it pins `model` (refreshing what moved first) and snapshots it, so it is taken
+    right before the body is captured. The pin is released with the guard or when `owner`
+    (the graph) is garbage-collected. `repair` refreshes stale derived buffers before a
+    replay instead of refusing it; `keep` picks the tensors the ledger pins (all if None).
     """
 
     __slots__ = ("_release", "_repair", "ledger", "runtime")
@@ -62,8 +56,7 @@ class Guard:
 
     @staticmethod
     def check_capturable(model: nn.Module) -> None:
-        """Refuse, before any warm-up runs the model, a model whose buffers were never
-        materialized (`StaleError`)."""
+        """Refuse (`StaleError`) a never-materialized model, before any warm-up runs it."""
         runtime(model).check_pinnable()
 
     def release(self) -> None:
@@ -72,8 +65,7 @@ class Guard:
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
-        """Check the model, then hold it still while the body replays (loads of the model
-        wait for the replay, and the replay for loads).
+        """Check the model, then hold it still for the replay (it and loads wait on each other).
 
         Raises:
             StorageMovedError: A tensor or submodule the graph reads was rebound.

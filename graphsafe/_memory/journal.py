@@ -1,19 +1,14 @@
 """The write journal: one process-wide record of writes into tensor storages.
 
-Keyed by storage (`storage_key`). Every write graphsafe observes (a tracked load, a
-`weight_update` block, graphsafe's own receive paths) or is told about
-(`gs.mark_written`) advances that storage's epoch, whichever model the write went
-through. A runtime records, at each refresh, a witness of every input it read: the
-tensor's identity, storage pointer, `_version` and journal epoch. A witness that no
-longer matches means the input was written or rebound since, by any path torch or
-graphsafe records, so every runtime whose derivations read a storage sees its writes.
-
-The journal also records storages left unusable by a failure (`poison`): a derivation
-that raised, or a load or update that did not complete. Every guard whose graph reads
-one of them refuses to replay until a refresh or a completed load heals them.
-
-What the journal holds of a storage dies with it: a storage allocated later at the same
-address (another model's) starts clean, and a long job's journal does not grow.
+Every write graphsafe observes (a tracked load, a `weight_update` block, its own receive
+paths) or is told about (`gs.mark_written`) advances that storage's epoch, whichever
+model it went through. A refresh records a witness of each input it read (identity,
+storage pointer, `_version`, journal epoch): one that no longer matches was written or
+rebound since, so every runtime reading a storage sees its writes. Storages a failure
+left unusable are `poison`ed, and guards whose graphs read them refuse to replay until a
+refresh or a completed load heals them. What the journal holds of a storage dies with
+it: a later storage at the same address starts clean, and a long job's journal does not
+grow.
 """
 
 from __future__ import annotations
@@ -67,14 +62,9 @@ class Journal:
             return len(self._tracked | self._epochs.keys() | self.poisoned.keys())
 
     def advance(self, keys: Iterable[int], how: str, storage_of: StorageOf | None = None) -> None:
-        """Record a write into each storage of `keys` (key 0 is ignored).
-
-        Args:
-            keys: Storage keys written.
-            how: How they were written ("Model.load_weights", ...).
-            storage_of: The live storage of a key, asked once per storage so that the
-                journal forgets it when it dies; without it, the entry stays.
-        """
+        """Record a write by `how` ("Model.load_weights", ...) into each storage of `keys`
+        (key 0 is ignored). `storage_of(key)` gives the live storage, asked once per storage
+        so that the journal forgets it when it dies; without it, the entry stays."""
         with self._lock:
             self._sweep()
             self.clock += 1

@@ -45,6 +45,7 @@ from torch import nn
 from graphsafe import _native
 from graphsafe._declare.spec import Drift, DriftKind
 from graphsafe._memory.drift import moved_error
+from graphsafe._memory.snapshot import DATA_PTR, PLAIN, STRIDE
 from graphsafe._memory.walk import Site, storage_key, walk_modules, walk_tensors
 
 __all__ = ["Ledger"]
@@ -56,9 +57,6 @@ _CHECK_ERRORS = (*_RESOLVE_ERRORS, RuntimeError)
 
 # The flat check reads one field of all tensors at a time: `map` over a C method or
 # getter is faster than a comprehension building a tuple per tensor.
-_PLAIN = torch._C.DisableTorchFunctionSubclass
-_DATA_PTR = torch.Tensor.data_ptr
-_STRIDE = torch.Tensor.stride
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
@@ -178,8 +176,8 @@ class Ledger:
         # Geometry, once per tensor object (tied weights are pinned at each path).
         tensors = list({id(p.site.tensor): p.site.tensor for p in pins}.values())
         self._tensors = tensors
-        self._ptrs: list[int] = list(map(_DATA_PTR, tensors))
-        self._strides: list[tuple[int, ...]] = list(map(_STRIDE, tensors))
+        self._ptrs: list[int] = list(map(DATA_PTR, tensors))
+        self._strides: list[tuple[int, ...]] = list(map(STRIDE, tensors))
         self._shapes: list[torch.Size] = list(map(_SHAPE, tensors))
         self._dtypes: list[torch.dtype] = list(map(_DTYPE, tensors))
         self._voids = [t for t, ptr in zip(tensors, self._ptrs) if ptr == 0]
@@ -267,10 +265,10 @@ class Ledger:
             tensors = self._tensors
             # Metadata reads only: a parameter subclass's __torch_function__ (vLLM's
             # parameters have one) would cost microseconds per field and say nothing.
-            with _PLAIN():
+            with PLAIN():
                 return (
-                    list(map(_DATA_PTR, tensors)) == self._ptrs
-                    and list(map(_STRIDE, tensors)) == self._strides
+                    list(map(DATA_PTR, tensors)) == self._ptrs
+                    and list(map(STRIDE, tensors)) == self._strides
                     and list(map(_SHAPE, tensors)) == self._shapes
                     and list(map(_DTYPE, tensors)) == self._dtypes
                     and list(map(_DEVICE, self._voids)) == self._void_devices

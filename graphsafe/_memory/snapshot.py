@@ -22,13 +22,15 @@ from graphsafe import _native
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
 
-__all__ = ["Bindings", "Seen", "Sites", "Slot", "Witnesses"]
+__all__ = [
+    "DATA_PTR", "PLAIN", "STRIDE", "VERSION", "Bindings", "Seen", "Sites", "Slot", "Witnesses",
+]
 
 PLAIN = torch._C.DisableTorchFunctionSubclass
 """Metadata reads without subclass `__torch_function__` (vLLM's parameters have one)."""
-_DATA_PTR = torch.Tensor.data_ptr
-_STRIDE = torch.Tensor.stride
-_VERSION = operator.attrgetter("_version")
+DATA_PTR = torch.Tensor.data_ptr
+STRIDE = torch.Tensor.stride
+VERSION = operator.attrgetter("_version")
 
 
 class Slot(NamedTuple):
@@ -132,8 +134,8 @@ class Bindings(Sites):
         try:
             with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
                 ok = (
-                    list(map(_DATA_PTR, tensors)) == self.ptrs
-                    and list(map(_STRIDE, tensors[: self.n_strided])) == self.strides
+                    list(map(DATA_PTR, tensors)) == self.ptrs
+                    and list(map(STRIDE, tensors[: self.n_strided])) == self.strides
                 )
         except (TypeError, AttributeError, RuntimeError):
             return False
@@ -230,12 +232,12 @@ class Witnesses(Sites):
             tensors = self.read()
             ids = list(map(id, tensors))
             try:
-                ptrs = list(map(_DATA_PTR, tensors))
+                ptrs = list(map(DATA_PTR, tensors))
             except (AttributeError, TypeError, RuntimeError):
                 self.record(range(len(tensors)))  # a site holds no tensor: one by one
                 return
         try:
-            versions = list(map(_VERSION, tensors))
+            versions = list(map(VERSION, tensors))
         except (AttributeError, TypeError, RuntimeError):
             self.record(range(len(tensors)))  # a site holds no tensor: one by one
             return
@@ -266,9 +268,9 @@ class Witnesses(Sites):
             return False
         try:
             with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
-                if list(map(_VERSION, tensors)) != self._versions:
+                if list(map(VERSION, tensors)) != self._versions:
                     return False
-                if list(map(_DATA_PTR, tensors)) != self._ptrs:
+                if list(map(DATA_PTR, tensors)) != self._ptrs:
                     return False
         except (AttributeError, TypeError, RuntimeError):
             return False

@@ -38,14 +38,7 @@ __all__ = [
 
 
 def geometry_held(b: BoundDerivation) -> bool:
-    """Whether every buffer of `b` still has its recorded pointer and shape.
-
-    Args:
-        b: A bound derivation.
-
-    Returns:
-        True when no buffer moved or changed shape.
-    """
+    """Whether every buffer of `b` still has its recorded pointer and shape."""
     return all(
         buf.data_ptr() == ptr and buf.shape == shape
         for buf, (ptr, shape, _) in zip(b.buffers or (), b.geometry)
@@ -53,18 +46,9 @@ def geometry_held(b: BoundDerivation) -> bool:
 
 
 def check_results(b: BoundDerivation, ret: Any) -> list[torch.Tensor]:
-    """Validate a result computed apart against the buffers, before any write.
-
-    Args:
-        b: The bound derivation.
-        ret: What its function returned.
-
-    Returns:
-        One tensor per output, each fitting its buffer.
-
-    Raises:
-        DerivationDriftError: A shape, dtype, device or layout differs.
-    """
+    """`ret`, computed apart, as one tensor per output of `b`, each checked against its
+    buffer before any write: `DerivationDriftError` if a shape, dtype, device or layout
+    differs."""
     results = as_results(b, ret)
     for j, (r, buf) in enumerate(zip(results, b.buffers or ())):
         if (
@@ -91,17 +75,10 @@ def check_results(b: BoundDerivation, ret: Any) -> list[torch.Tensor]:
 def refuse_resized(b: BoundDerivation, cause: BaseException | None) -> None:
     """Undo torch's resize of an `out=` buffer of the wrong shape, and refuse it.
 
-    torch resizes an `out=` tensor whose shape does not fit the result (and raises
-    on our non-resizable storage when it would grow). The buffer's geometry is put
-    back on its own storage and `DerivationDriftError` is raised; the caller marks it
-    stale, since the bytes may be partly written.
-
-    Args:
-        b: The bound derivation whose function was called with `out=`.
-        cause: The exception the call raised, if any.
-
-    Raises:
-        DerivationDriftError: If a buffer's geometry had changed.
+    torch resizes an `out=` tensor whose shape does not fit the result (and raises on our
+    non-resizable storage when it would grow). If a buffer of `b` changed geometry, it is
+    put back on its own storage and `DerivationDriftError` raised from `cause` (what the
+    call raised, if anything); the caller marks it stale, as the bytes may be partly written.
     """
     for j, buf in enumerate(b.buffers or ()):
         ptr, shape, stride = b.geometry[j]
@@ -124,15 +101,9 @@ def refuse_resized(b: BoundDerivation, cause: BaseException | None) -> None:
 
 
 def impurity_refusal(b: BoundDerivation, watch: dict[int, str]) -> Callable[[int, str], None]:
-    """The `on_write` hook of a `WriteTracker` that refuses writes by `b`'s function.
-
-    Args:
-        b: The bound derivation about to run.
-        watch: Storage keys of the model's tensors, mapped to their paths.
-
-    Returns:
-        A hook raising `ImpureDerivationError` before the write happens.
-    """
+    """The `on_write` hook of a `WriteTracker` that refuses, before it happens, a write by
+    `b`'s function into a model tensor (`watch`: storage key -> path), with
+    `ImpureDerivationError`."""
 
     def refuse(key: int, op: str) -> None:
         raise b.error(
@@ -149,16 +120,8 @@ def impurity_refusal(b: BoundDerivation, watch: dict[int, str]) -> Callable[[int
 
 
 def read_refusal(b: BoundDerivation, forbidden: Mapping[int, str]) -> Callable[[int, str], None]:
-    """The `on_read` hook of a `ReadGuard` that refuses undeclared reads by `b`'s function.
-
-    Args:
-        b: The bound derivation about to run for the first time.
-        forbidden: Storage keys of the model's tensors, to their paths (the guard calls
-            the hook only for those that are not inputs).
-
-    Returns:
-        A hook raising `RegistrationError` before the read happens.
-    """
+    """The `on_read` hook of a `ReadGuard` that refuses, with `RegistrationError` before the
+    read happens, an undeclared read by `b`'s function (`forbidden`: storage key -> path)."""
 
     def refuse(key: int, op: str) -> None:
         raise b.error(
@@ -183,21 +146,9 @@ def adoptee(
 
     vLLM's DeepSeek V4 binds `hc_attn_fn_broadcast` on its first load and writes into it
     afterwards; a captured graph may already hold its address. The buffer keeps that
-    storage: the caller copies the derivation's first result into it and registers it.
-
-    Args:
-        b: The bound derivation.
-        module: The module that owns the output.
-        name: The output's attribute name.
-        t: The derivation's first result for it.
-        watch: Storage key to path of every model tensor.
-
-    Returns:
-        The plain tensor attribute to adopt, or None when there is none.
-
-    Raises:
-        RegistrationError: It does not fit the result (shape, dtype, device, layout) or
-            shares memory with a model tensor; nothing has been written.
+    storage: the caller copies the derivation's first result `t` into it and registers it.
+    `RegistrationError` (nothing written) if it does not fit `t` or shares memory with a
+    model tensor (`watch`: storage key -> path).
     """
     have = module.__dict__.get(name)
     if not isinstance(have, torch.Tensor):
@@ -246,18 +197,7 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def as_results(b: BoundDerivation, ret: Any) -> list[torch.Tensor]:
-    """`ret` as one tensor per output of `b`.
-
-    Args:
-        b: The bound derivation.
-        ret: What its function returned.
-
-    Returns:
-        The tensors, in the order of the outputs.
-
-    Raises:
-        DerivationDriftError: Not one tensor per output.
-    """
+    """`ret` as one tensor per output of `b`, in order (else `DerivationDriftError`)."""
     results = list(ret) if isinstance(ret, (tuple, list)) else [ret]
     if len(results) != len(b.outputs) or not all(
         isinstance(r, torch.Tensor) for r in results
@@ -278,16 +218,8 @@ def rebound_error(
     buffers: Sequence[tuple[BoundDerivation, int]],
     bound: Sequence[BoundDerivation],
 ) -> StorageMovedError:
-    """The error for pinned inputs and buffers that were rebound.
-
-    Args:
-        inputs: Inputs that moved.
-        buffers: `(derivation, output index)` of buffers that moved.
-        bound: All bound derivations, to name an input's consumer.
-
-    Returns:
-        A `StorageMovedError` naming every moved tensor and detailing the first.
-    """
+    """The `StorageMovedError` for pinned `inputs` and `buffers` (derivation, output index)
+    that were rebound: every one named, the first detailed (its consumer from `bound`)."""
     drifts: list[Drift] = []
     for inp in inputs:
         now = inp.container.get(inp.key)
@@ -338,16 +270,8 @@ def rebound_error(
 
 
 def swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> StorageMovedError:
-    """The error for submodules replaced after pin.
-
-    Args:
-        model: The root module.
-        binding: The binding that recorded the module tree.
-        swapped: Paths of the replaced submodules.
-
-    Returns:
-        A `StorageMovedError` with one `Drift(what="module")` per replaced submodule.
-    """
+    """The `StorageMovedError` for submodules replaced after pin, one `Drift(what="module")`
+    per path of `swapped`."""
     drifts = []
     for parent, key, ref, path in binding.modules:
         if path in swapped:

@@ -1,9 +1,4 @@
-"""`gs.graphsafe`: declare a class's derivations and make its loading method a tracked load.
-
-Declaring is the `_declare` stage's (`declare`); this module adds what only the runtime
-can: the wrapped loader runs as one tracked load of the model's runtime, so that derived
-buffers follow every call.
-"""
+"""`gs.graphsafe`: declare a class's derivations (`declare`), make its loader a tracked load."""
 
 from __future__ import annotations
 
@@ -43,9 +38,9 @@ def graphsafe(
 
     Usable bare (`@gs.graphsafe`) or with arguments (`@gs.graphsafe(load="load")`).
     Derivations marked with `gs.derive` in the class body are validated and registered.
-    If the class has the loading method (defined or inherited), calls to it are wrapped:
-    the first call materializes the derived buffers of the instance's whole module tree,
-    and every later call refreshes, in place, those whose inputs it wrote.
+    If the class has the loading method (defined or inherited), its first call materializes
+    the derived buffers of the instance's whole module tree, and every later call
+    refreshes, in place, those whose inputs it wrote.
 
     Args:
         cls: The class (when used bare).

@@ -1,12 +1,11 @@
 """One load or `weight_update` block of one model, from its beginning to its end.
 
-A `Load` watches the storages a load may write (derivation inputs, or every tensor of the
-model for an update block) at the dispatcher, in the thread that runs it and in worker
-threads that join it. In the middle of the load it refreshes derivations whose transient
-inputs became complete; at its end it records what was written in the journal and brings
-the derived buffers up to date, or, when the load raised, leaves them failed closed. The
-runtime drives it (`Load.begin`, `load.end`) under the model's lock; nothing else changes
-a load's fields.
+A `Load` watches the storages a load may write (derivation inputs, or every model tensor
+for an update block) at the dispatcher, in its thread and in worker threads that join it.
+Mid-load it refreshes derivations whose transient inputs became complete; at its end it
+records the writes in the journal and brings the derived buffers up to date, or, when
+the load raised, leaves them failed closed. The runtime's `Loads` drives it
+(`Load.begin`, `load.end`) under the model's lock; nothing else changes its fields.
 """
 
 from __future__ import annotations
@@ -35,11 +34,8 @@ class LoaderClosed(Exception):
 class Load:
     """One load or `weight_update` block in progress: what it has written so far.
 
-    Args:
-        engine: The engine of the model's binding.
-        watch: Storage keys to track, mapped to anything (e.g. paths).
-        journal: Where the load records its writes.
-        taken: Derivations whose inputs were found rebound (and taken) when it began.
+    `watch` maps the storage keys to track to anything (e.g. paths); `taken` holds the
+    derivations whose inputs were found rebound (and taken) when it began.
     """
 
     __slots__ = (
@@ -97,18 +93,9 @@ class Load:
         pinned: bool,
         everything: Mapping[int, str] | None = None,
     ) -> Load:
-        """Begin a load: take (before pin) or refuse (after) what was rebound, and watch.
-
-        Args:
-            engine: The engine of the model's binding.
-            journal: Where the load records its writes.
-            pinned: Whether a graph holds the model's storage.
-            everything: `{storage key: path}` of every model tensor, to watch them all
-                (an update block) rather than the derivations' inputs only.
-
-        Returns:
-            The load.
-        """
+        """Begin a load: take (before pin) or refuse (after) what was rebound, and watch the
+        derivations' inputs, or all of `everything` (`{storage key: path}` of every model
+        tensor, for an update block)."""
         # Watch where the inputs are now: one rebound (before pin) through another model
         # sharing it is taken here, so that this load's writes into it are seen.
         taken = engine.scan_moved(pinned)
@@ -190,13 +177,9 @@ class Load:
 
     def refresh_ready(self, *, within_call: bool = False) -> None:
         """Refresh the derivations whose transient inputs are now completely written, then
-        release those inputs (the layer-by-layer bound on memory).
-
-        Args:
-            within_call: Called right after an op, inside a loader call: only derivations
-                that read nothing but transient inputs run now (a resident input may still
-                be written later in the same call); the rest wait for the call to end.
-        """
+        release those inputs (the layer-by-layer bound on memory). `within_call` (right
+        after an op, inside a loader call): only derivations reading nothing but transient
+        inputs run now, as a resident input may still be written later in the same call."""
         engine = self.engine
         transients = engine.transients
         written = [tr for tr in self.transients_written() if tr.held and tr.complete]
@@ -231,18 +214,12 @@ class Load:
         model_tensors: Callable[[], Iterable[torch.Tensor]],
         witnesses: bool = False,
     ) -> set[int]:
-        """Record the finished load in the journal and bring the buffers up to date.
+        """Record the finished load `what` ("Model.load_weights") in the journal and bring
+        the buffers up to date (or fail them, if it raised `exc`); returns the keys written.
 
         Args:
-            what: The load, for the journal and messages ("Model.load_weights").
-            exc: What it raised, if it raised.
-            pinned: Whether a graph holds the model's storage.
-            model_tensors: Every tensor of the model.
             witnesses: Also refresh what the witnesses see changed (update blocks, where
                 `gs.mark_written` and in-place writes count).
-
-        Returns:
-            The storage keys it wrote.
 
         Raises:
             StorageMovedError: Pinned, and something was rebound.

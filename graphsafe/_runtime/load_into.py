@@ -1,11 +1,4 @@
-"""`load_into`: the checked, in-place write of one checkpoint entry into a parameter.
-
-`param.data.copy_(w)` is the loader idiom that keeps a parameter's storage, so captured
-graphs keep reading it. But `copy_` broadcasts (a `(1, D)` entry fills every row of a
-`[D, D]` weight) and casts dtypes without a word, so a checkpoint that does not match
-the model loads silently wrong. `load_into` writes in place the same way and refuses,
-before writing anything, every entry that `copy_` would have had to stretch or convert.
-"""
+"""`load_into`: the checked, in-place write of one checkpoint entry into a parameter."""
 
 from __future__ import annotations
 
@@ -23,11 +16,13 @@ def load_into(
 ) -> None:
     """Copy a checkpoint entry into `param`'s storage, refusing anything but an exact fit.
 
-    The write is `param.data.copy_(tensor)`: `param` keeps its object, storage, shape
-    and stride, so a graph captured before reads the new values. `tensor` may live on
-    another device (loading from host memory is the usual case). Call it from a loader
-    that graphsafe tracks (a method wrapped by `@gs.graphsafe`, or inside a
-    `gs.weight_update(model)` block), so derived buffers follow the write.
+    The write is `param.data.copy_(tensor)`: `param` keeps its object, storage, shape and
+    stride, so a graph captured before reads the new values. But `copy_` broadcasts (a
+    `(1, D)` entry fills every row of a `[D, D]` weight) and casts dtypes silently, so a
+    checkpoint that does not match the model would load wrong: this refuses, before writing
+    anything, what `copy_` would stretch or convert. `tensor` may live on another device
+    (host memory, usually). Call it from a loader graphsafe tracks (a method wrapped by
+    `@gs.graphsafe`, or a `gs.weight_update(model)` block), so derived buffers follow.
 
     Args:
         param: The parameter (or buffer) to write.

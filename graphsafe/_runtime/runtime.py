@@ -1,11 +1,9 @@
 """The runtime: the lifecycle of one model's derived buffers.
 
 One `Runtime` per model instance (`gs.runtime(model)`; `gs.Runtime(model)` returns the
-same one). It decides *when* derived buffers follow the weights: it binds the registered
-derivations to the module tree (and binds again when the tree changed before pin), drives
-every load and `weight_update` block as one tracked `Load`, holds the pins graphs take,
-and answers the guard. It alone takes the model's lock. What to recompute, and the
-recomputing, is the engine's; how one load watches, refreshes and ends, the `Load`'s.
+same one). It decides *when* derived buffers follow the weights: it holds the pins graphs
+take and answers the guard; binding is its `Binder`'s, loads its `Loads` part's (under the
+model's lock), and what to recompute, and the recomputing, the engine's.
 """
 
 from __future__ import annotations
@@ -69,10 +67,9 @@ class _OnePerModel(type):
 class Runtime(Loads, metaclass=_OnePerModel):
     """Derived buffers of one model instance, kept correct across weight loads.
 
-    Get it with `gs.runtime(model, registry, strict=...)`; `gs.Runtime(model)` returns
-    the same object, and raises `GraphSafetyError` when the model's runtime does not
-    consult `registry` or has another `strict`. Classes decorated with `gs.graphsafe` use
-    it from their loading method without being asked.
+    Get it with `gs.runtime(model, registry, strict=...)`; `gs.Runtime(model)` returns the
+    same object, or raises `GraphSafetyError` when that runtime does not consult `registry`
+    or has another `strict`. A `gs.graphsafe` class's loading method uses it unasked.
 
     Examples:
         >>> import torch, graphsafe as gs
@@ -158,9 +155,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
 
     @property
     def stale(self) -> tuple[str, ...]:
-        """Paths of derived buffers that do not currently match their inputs: never
-        materialized, failed, written by a load that raised, or whose input was rebound,
-        written in place or recorded written since the last refresh."""
+        """Paths of derived buffers that do not match their inputs: never materialized,
+        failed, or whose input was rebound or written since the last refresh."""
         with self._lock:
             engine = self._bound_engine()
             in_update = self._load.written_so_far() if self._load is not None else set()
@@ -174,9 +170,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
             return all(b.buffers is not None for b in self._bound_engine().bound)
 
     def assert_fresh(self, *, repair: bool = False) -> None:
-        """Raise unless every derived buffer matches its inputs and the last update held:
-        the witnesses of every input and buffer in one flat comparison, then the journal's
-        poisoned storages.
+        """Raise unless every derived buffer matches its inputs and the last update held.
 
         Args:
             repair: Refresh stale buffers in place instead of raising for them. A failed
@@ -191,6 +185,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
             if load is not None and load.written_so_far():
                 raise in_update_error(type(self.model), len(load.written_so_far()))
             engine = self._engine or self._bound_engine()  # module swaps: the ledger checks them
+            # The witnesses of every input and buffer in one flat comparison, then the
+            # journal's poisoned storages.
             if (engine.stale or not engine.witnesses.unchanged()
                     or engine.reads_poisoned(self._pinned_keys)):
                 keys = engine.watch.storage_keys() | self._pinned_keys
@@ -238,8 +234,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
     # -- pins --------------------------------------------------------------------------
 
     def check_pinnable(self) -> None:
-        """Raise `StaleError` unless the derived buffers exist, so that a graph can be
-        captured."""
+        """Raise `StaleError` unless the derived buffers exist (a graph can be captured)."""
         with self._lock:
             missing = [b.path for b in self._bound_engine().bound if b.buffers is None]
             if missing:
@@ -249,11 +244,10 @@ class Runtime(Loads, metaclass=_OnePerModel):
         """Declare storage addresses fixed from now on, as a captured graph requires.
 
         Derivations whose inputs moved since the last refresh (e.g. after `.to()`) are
-        refreshed first. While any holder keeps its pin, rebinding an input, a derived
-        buffer or a submodule raises `StorageMovedError` at the next load, refresh or
-        guarded replay. A graph pins with itself as the holder; `pin()` without one is the
-        manual pin that `unpin()` releases. Raises `StaleError` if the derived buffers
-        were never materialized.
+        refreshed first. While any holder keeps its pin, rebinding an input, a derived buffer
+        or a submodule raises `StorageMovedError` at the next load, refresh or guarded replay.
+        A graph pins with itself as `holder`; `pin()` is the manual pin `unpin()` releases.
+        Raises `StaleError` if the derived buffers were never materialized.
         """
         with self._lock:
             self.check_pinnable()
@@ -279,15 +273,13 @@ def runtime(
 ) -> Runtime:
     """The runtime of `model`, created on first use (one per model instance).
 
-    A submodule of a model that already has a runtime gets that runtime.
-
     Args:
         model: The root module.
         registry: Where derivations are declared; `gs.default_registry` by default.
         strict: If given, sets whether every refresh checks purity.
 
     Returns:
-        The runtime.
+        The model's runtime; a submodule of a model that has one gets that one.
 
     Examples:
         >>> from torch import nn
@@ -309,7 +301,7 @@ def weight_update(model: nn.Module) -> contextlib.AbstractContextManager[Runtime
     Examples:
         >>> from torch import nn
         >>> model = nn.Linear(2, 2)
-        >>> with weight_update(model):
-        ...     pass
+        >>> with weight_update(model) as rt:
+        ...     assert rt is runtime(model)
     """
     return runtime(model).weight_update()

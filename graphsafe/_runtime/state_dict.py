@@ -2,10 +2,9 @@
 
 `load_state_dict` refreshes derived buffers as a load does (its copies are in place, so
 they move version counters); transient inputs the state dict holds get memory back
-before torch copies into them, and are not reported missing when they are released;
-`state_dict` leaves released transient inputs out (they live on the meta device). The
-runtime passes down what its hooks call, held weakly: the model does not keep its
-runtime alive through them.
+before torch copies into them, and are not reported missing while released; `state_dict`
+leaves released ones out (they live on the meta device). The hooks hold what they call
+weakly, so the model does not keep its runtime alive through them.
 """
 
 from __future__ import annotations
@@ -32,14 +31,9 @@ def hook_state_dict(
     before: weakref.WeakMethod[_Before],
     after: weakref.WeakMethod[_After],
 ) -> None:
-    """Install the hooks on `model` (once) and on the owners of its transient inputs.
-
-    Args:
-        model: The root module.
-        engine: Its engine.
-        before: Called with `(module, state_dict, prefix)` before torch copies.
-        after: Called with `(module, incompatible_keys)` once it has.
-    """
+    """Install the hooks on `model` (once) and on the owners of its transient inputs:
+    `before(module, state_dict, prefix)` runs before torch copies, `after(module,
+    incompatible_keys)` once it has."""
     if model not in _HOOKED:
 
         def pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,

@@ -54,15 +54,11 @@ def written_args(func: Any) -> tuple[tuple[int, str], ...]:
 
 
 class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Notes writes into watched storages; optionally refuses them.
+    """Notes writes into the `watched` storage keys (mapped to anything, e.g. a path).
 
-    Args:
-        watched: Storage keys (see `storage_key`) to watch, mapped to anything the
-            caller wants back (e.g. a tensor path).
-        on_write: Called as `on_write(key, op_name)` BEFORE a watched storage is written;
-            raising there refuses the write, so nothing is changed.
-        transients: The transient inputs of the model being loaded: a write into one
-            holds its storage first and is counted there (`transient_written`).
+    `on_write(key, op_name)` runs BEFORE a watched storage is written: raising there
+    refuses the write, so nothing is changed. A write into one of `transients` (the model's
+    transient inputs) holds its storage first and is counted there (`transient_written`).
 
     Examples:
         >>> p = torch.nn.Parameter(torch.zeros(3))
@@ -152,15 +148,8 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
     """A `WriteTracker` that also refuses reads of some storages, before the op runs.
 
     A derivation's first call runs under one: reading a model tensor it did not declare
-    as an input would leave its buffer stale whenever that tensor changes.
-
-    Args:
-        watched: Storage keys of the model's tensors: writes into them are noted (and
-            refused through `on_write`), and reads of them refused unless `allowed`.
-        on_write: As for `WriteTracker`.
-        allowed: Storage keys that may be read (the declared inputs).
-        on_read: Called as `on_read(key, op_name)` before an op reads a model tensor that
-            is not allowed.
+    as an input would leave its buffer stale whenever that tensor changes. `on_read(key,
+    op_name)` runs before an op reads a `watched` key that is not `allowed` (the inputs).
     """
 
     def __init__(
@@ -204,11 +193,8 @@ class NativeWriteTracker:
     arguments as `WriteTracker`, without a Python call per op. It only notes: loads with
     transient inputs, whose writes are redirected, keep `WriteTracker`. If torch's
     RecordFunction was turned off while it tracked, writes may have gone unseen, and it
-    reports every watched storage as written (so everything is refreshed).
-
-    Args:
-        watched: Storage keys to watch (read once, at the first entry).
-        native: The compiled module.
+    reports every watched storage as written (so everything is refreshed). `watched` is
+    read once, at the first entry.
     """
 
     def __init__(self, watched: Mapping[int, object], native: _native.Native) -> None:
@@ -245,15 +231,8 @@ class NativeWriteTracker:
 def write_tracker(
     watched: Mapping[int, object], transients: Transients | None = None
 ) -> WriteTracker | NativeWriteTracker:
-    """The tracker of a load: the compiled one where it can do the job, else the Python one.
-
-    Args:
-        watched: Storage keys to watch.
-        transients: The model's transient inputs (their writes are redirected: Python).
-
-    Returns:
-        A tracker to enter around the loader's code.
-    """
+    """The tracker of a load: the compiled one unless there are `transients` (their writes
+    are redirected, which only the Python one does) or it is not built."""
     native = _native.get()
     if native is not None and not transients:
         return NativeWriteTracker(watched, native)

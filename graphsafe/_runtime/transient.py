@@ -2,15 +2,14 @@
 
 A derivation may declare some of its inputs transient (an FP8 weight quantized from a
 bf16 checkpoint keeps only the FP8 tensor and its scales). Between updates they live on
-the meta device: the tensor object, its class, shape, stride and dtype and its place in
-the module stay (`torch.utils.swap_tensors`), so loaders find what they expect and a
-stray read fails loudly instead of reading freed memory. When a load writes one, the
-write tracker gives it real memory just before the first write lands, sends the write
-there, and counts the elements written. A
-derivation whose transient inputs are all completely written can refresh at once, in
-the middle of a bucketed update, and its inputs are released again: the extra memory of
-an update is bounded by the layers in flight. One whose transient inputs were only partly
-written when the update ends is stale, and the guard refuses to replay it.
+the meta device: the tensor object, its class, shape, stride, dtype and place in the
+module stay (`torch.utils.swap_tensors`), so loaders find what they expect and a stray
+read fails loudly instead of reading freed memory. The write tracker gives one real
+memory just before a load's first write into it lands, sends the write there, and counts
+the elements written. A derivation whose transient inputs are all completely written
+refreshes at once, in the middle of a bucketed update, and they are released again: the
+extra memory of an update is bounded by the layers in flight. One with a partly written
+input when the update ends is stale, and the guard refuses to replay it.
 """
 
 from __future__ import annotations
@@ -26,11 +25,7 @@ __all__ = ["Transient", "Transients"]
 
 
 class Transient:
-    """One transient input: where it lives, and what the current update wrote of it.
-
-    Args:
-        inp: The bound input.
-    """
+    """One transient input `inp`: where it lives, and what the current update wrote of it."""
 
     __slots__ = ("_other", "device", "held", "input", "meta_sid", "numel", "real_sid",
                  "written")
@@ -95,11 +90,7 @@ class Transient:
 
 
 class Transients:
-    """The transient inputs of one binding.
-
-    Args:
-        bound: The bound derivations, in topological order.
-    """
+    """The transient inputs of one binding (`bound`: its derivations, topologically)."""
 
     __slots__ = ("_by_input", "_by_storage", "readers")
 
@@ -128,17 +119,9 @@ class Transients:
         return [self._by_input[id(inp)] for inp in b.transient_inputs]
 
     def on_write(self, t: torch.Tensor) -> tuple[Transient | None, torch.Tensor | None]:
-        """Before a write into `t` lands: if `t` is (a view of) a transient input, give
-        the input memory, count the elements written, and say where the write must go.
-
-        Args:
-            t: The tensor an op is about to write (a view of the input, often `.data`,
-                possibly taken while the input was on the meta device).
-
-        Returns:
-            The transient input written (or None), and the real tensor to write instead
-            of `t` when `t` is a meta view (else None).
-        """
+        """Before a write into `t` lands: if `t` is a view of a transient input (often
+        `.data`, maybe taken while it was on meta), hold the input and count the elements.
+        Returns the input (or None), and the real tensor to write instead of a meta `t`."""
         sid = id(t.untyped_storage())
         tr = self._by_storage.get(sid)
         if tr is None:
@@ -160,15 +143,7 @@ class Transients:
         return None
 
     def ready(self, candidates: Iterable[int], bound: list[BoundDerivation]) -> list[int]:
-        """Of `candidates`, the derivations whose transient inputs are all written.
-
-        Args:
-            candidates: Derivation indices.
-            bound: The bound derivations.
-
-        Returns:
-            The indices, sorted.
-        """
+        """Of `candidates`, the sorted indices of those whose transient inputs are all written."""
         return sorted(
             i for i in candidates if (trs := self.of(bound[i])) and all(t.complete for t in trs)
         )
@@ -181,16 +156,10 @@ class Transients:
         *,
         skip: bool,
     ) -> tuple[list[int], dict[int, str]]:
-        """Split `plan` into what can run and what cannot (a transient input of its own,
-        or of what it reads, is released), the latter with why.
-
-        Args:
-            plan: Derivation indices, in topological order.
-            bound: The bound derivations.
-            stale: Those stale already.
-            skip: A full refresh of a fresh model: one that cannot run and is not stale
-                is left as it is (not returned as blocked), and what reads it still runs.
-        """
+        """Split `plan` (topological) into what can run and, with why, what cannot (a
+        transient input of its own, or of what it reads, is released). `skip`: a full
+        refresh of a fresh model, where one that cannot run and is not in `stale` is left as
+        it is (not returned as blocked), and what reads it still runs."""
         out: list[int] = []
         cut: set[int] = set()
         why_blocked: dict[int, str] = {}
@@ -214,11 +183,7 @@ class Transients:
         return out, why_blocked
 
     def release(self, which: Iterable[Transient] | None = None) -> None:
-        """Release `which` (all by default).
-
-        Args:
-            which: Transient inputs to release.
-        """
+        """Release the transient inputs `which` (all by default)."""
         for tr in list(self if which is None else which):
             before = tr.sids
             tr.release()

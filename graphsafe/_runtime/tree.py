@@ -1,9 +1,7 @@
 """Around a binding: which derivations a class has, where a path leads, what was swapped.
 
-The runtime asks these before and after `bind`: the derivations each class contributes
-(from the runtime's registries and the ones its classes name), the tensor a
-`refresh(changed=...)` path names, and whether a submodule of the bound tree has been
-replaced since.
+The binder asks for a class's derivations before `bind` and for swapped submodules after
+it; the runtime asks for the tensor a `refresh(changed=...)` path names.
 """
 
 from __future__ import annotations
@@ -26,14 +24,7 @@ __all__ = ["derivations_for", "swapped_modules", "tensor_at"]
 
 
 def swapped_modules(binding: Binding) -> list[str]:
-    """Paths of submodules that were replaced (or removed) since `bind`.
-
-    Args:
-        binding: The result of `bind`.
-
-    Returns:
-        The module paths, in tree order; empty when the tree is the one bound.
-    """
+    """Paths, in tree order, of submodules replaced (or removed) since `binding` was made."""
     mods = binding.modules
     if not mods:
         return []
@@ -62,18 +53,8 @@ def _child(parent: nn.Module | None, key: str) -> nn.Module | None:
 
 
 def derivations_for(consulted: Sequence[Registry], cls: type) -> list[Derivation]:
-    """The derivations of `cls` from `consulted` and the registries its classes name.
-
-    Args:
-        consulted: Registries the runtime consults for every class.
-        cls: A module class.
-
-    Returns:
-        The derivations, without repeats.
-
-    Raises:
-        RegistrationError: Two registries declare the same output on `cls`.
-    """
+    """The derivations of `cls`, without repeats, from `consulted` (the runtime's registries)
+    and the registries its classes name; `RegistrationError` if two declare one output."""
     registries = list(consulted)
     for reg in class_registries(cls):
         if reg not in registries:
@@ -99,18 +80,8 @@ def derivations_for(consulted: Sequence[Registry], cls: type) -> list[Derivation
 
 
 def tensor_at(model: nn.Module, path: str) -> torch.Tensor:
-    """The tensor at the dotted `path` from `model` (a parameter, buffer or attribute).
-
-    Args:
-        model: The root module.
-        path: A dotted path, e.g. `layers.0.weight`.
-
-    Returns:
-        The tensor.
-
-    Raises:
-        GraphSafetyError: Nothing, or no tensor, is there.
-    """
+    """The tensor (parameter, buffer or attribute) at the dotted `path` from `model`, e.g.
+    `layers.0.weight`; `GraphSafetyError` if nothing, or no tensor, is there."""
     obj: Any = model
     for part in path.split("."):
         obj = getattr(obj, part, None)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import gc
 import types
 
+import pytest
 import torch
 from torch import nn
 
 import graphsafe as gs
+from graphsafe import _native
 from graphsafe._memory.journal import JOURNAL, Journal
-from graphsafe._memory.snapshot import Slot, Witnesses
+from graphsafe._memory.snapshot import Bindings, Slot, Witnesses
 from graphsafe._memory.walk import storage_key
 
 
@@ -75,7 +77,21 @@ def test_loads_of_models_that_die_leave_the_process_journal_as_it_was() -> None:
     assert len(JOURNAL) <= before
 
 
-def test_witnesses_read_cells_and_slots_as_they_read_dicts() -> None:
+def _paths() -> list[bool]:
+    # The compiled path where `graphsafe native build` made it (scripts/setup does).
+    return [False, True] if _native.get() is not None or _built() else [False]
+
+
+def _built() -> bool:
+    try:
+        with _native.using(True):
+            return True
+    except _native.NativeBuildError:
+        return False
+
+
+@pytest.mark.parametrize("native", _paths(), ids=lambda n: "compiled" if n else "python")
+def test_witnesses_and_bindings_read_cells_and_slots_as_they_read_dicts(native: bool) -> None:
     class Kernel:
         __slots__ = ("weight",)
 
@@ -85,14 +101,18 @@ def test_witnesses_read_cells_and_slots_as_they_read_dicts() -> None:
     cell = types.CellType(w)
     obj = types.SimpleNamespace(w=w)
     journal = Journal()
-    witnesses = Witnesses(
-        [(cell, None), (kernel, Slot("weight")), (vars(obj), "w")], journal
-    )
-    assert witnesses.unchanged()
+    sites = [(cell, None), (kernel, Slot("weight")), (vars(obj), "w")]
+    with _native.using(native):
+        witnesses = Witnesses(sites, journal)
+        bindings = Bindings([(h, k, w, w.data_ptr(), w.stride()) for h, k in sites], 3)
+    assert (witnesses._native is not None) is native and (bindings.native is not None) is native
+    assert witnesses.unchanged() and bindings.unchanged()
+    assert bindings.seen is not None and bindings.seen.tensors == [w, w, w]
     w.add_(1)  # in place: the version moves
     assert [i for i, _ in witnesses.changed()] == [0, 1, 2]
     witnesses.record(range(3))
     kernel.weight = torch.zeros(3)  # rebound in the slot only
     assert witnesses.changed() == [(1, "rebound")]
+    assert not bindings.unchanged()
     cell.cell_contents = torch.zeros(3)
     assert [i for i, _ in witnesses.changed()] == [0, 1]

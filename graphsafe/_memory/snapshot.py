@@ -4,9 +4,9 @@ A site is a holder and a key: a dict and its key (`module._parameters`, `"weight
 object's attribute is its `__dict__` and the name), a closure cell (key None) or an
 object's slot (`Slot(name)`). `Sites` reads them all at once; `Bindings` (identity,
 pointer, stride: the every-load rebinding check) and `Witnesses` (also version and journal
-epoch: the guard's freshness check) compare what they read with what they recorded. Where
-every holder is a dict, the compiled checks (`graphsafe native build`) read and compare in
-C++; other holders are read in Python, with the same answers.
+epoch: the guard's freshness check) compare what they read with what they recorded. The
+compiled checks (`graphsafe native build`) read every kind of site in C++ as `read_site`
+does in Python, and compare there.
 """
 
 from __future__ import annotations
@@ -56,13 +56,15 @@ class Sites:
         sites: `(holder, key)` per site.
     """
 
-    __slots__ = ("holders", "keys", "plain")
+    __slots__ = ("compiled", "holders", "keys", "plain")
 
     def __init__(self, sites: Sequence[tuple[Any, Any]]) -> None:
         self.holders = [h for h, _ in sites]
         self.keys = [k for _, k in sites]
         self.plain = all(type(h) is dict for h in self.holders)
         """Every holder is a dict: read with `dict.get`, in one `map`."""
+        self.compiled = all(map(_compiled_site, self.holders, self.keys))
+        """Every site is one the compiled checks read (all of the kinds above)."""
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -76,6 +78,10 @@ class Sites:
     def read_one(self, i: int) -> Any:
         """What site `i` holds now."""
         return read_site(self.holders[i], self.keys[i])
+
+
+def _compiled_site(holder: Any, key: Any) -> bool:
+    return type(holder) is dict or isinstance(holder, CellType) or isinstance(key, Slot)
 
 
 def read_site(holder: Any, key: Any) -> Any:
@@ -116,7 +122,7 @@ class Bindings(Sites):
         self.strides = [tuple(r[4]) for r in rows[:n_strided]]
         self.seen: Seen | None = None
         """What the last passing check read; a full refresh's witnesses reuse it."""
-        self.native = _native.get() if self.plain else None
+        self.native = _native.get() if self.compiled else None
 
     def unchanged(self) -> bool:
         """Whether every site holds the object it held, at the same pointer and stride."""
@@ -169,7 +175,7 @@ class Witnesses(Sites):
         self._skeys = [0] * n
         self._epochs = [0] * n
         self._clock = -1
-        self._native = _native.get() if self.plain else None
+        self._native = _native.get() if self.compiled else None
         self.record(range(n))
 
     def rebuilt(self, sites: Sequence[tuple[Any, Any]]) -> Witnesses:

@@ -159,14 +159,43 @@ PyObject* same_items(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
-// `container.get(key)` when it is still the object of id `want_id`, a strided tensor
-// with storage at data pointer `want_ptr`; else nullptr. Leaves no error set.
-PyObject* still_bound(PyObject* container, PyObject* key, PyObject* want_id,
-                      PyObject* want_ptr) {
-  if (!PyDict_Check(container)) {
+// What a snapshot site holds, borrowed, as graphsafe/_memory/snapshot.py's read_site
+// reads it: a dict's item, a closure cell's contents, or (key a one-item tuple, `Slot`)
+// the attribute of that name, which the holder keeps alive. nullptr, no error set, when
+// the site holds nothing.
+PyObject* read_site(PyObject* holder, PyObject* key) {
+  if (PyDict_Check(holder)) {
+    PyObject* value = PyDict_GetItemWithError(holder, key);
+    if (value == nullptr) {
+      PyErr_Clear();
+    }
+    return value;
+  }
+  if (PyCell_Check(holder)) {
+    return PyCell_GET(holder);
+  }
+  if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 1 ||
+      !PyUnicode_Check(PyTuple_GET_ITEM(key, 0))) {
     return nullptr;
   }
-  PyObject* obj = PyDict_GetItemWithError(container, key);
+  PyObject* value = PyObject_GetAttr(holder, PyTuple_GET_ITEM(key, 0));
+  if (value == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  // A slot keeps its object alive; an attribute computed on access does not, and holds
+  // nothing a graph could have read by address.
+  const bool kept = Py_REFCNT(value) > 1;
+  Py_DECREF(value);
+  return kept ? value : nullptr;
+}
+
+// What `container` holds under `key` when it is still the object of id `want_id`, a
+// strided tensor with storage at data pointer `want_ptr`; else nullptr. Leaves no error
+// set.
+PyObject* still_bound(PyObject* container, PyObject* key, PyObject* want_id,
+                      PyObject* want_ptr) {
+  PyObject* obj = read_site(container, key);
   if (obj == nullptr ||
       PyLong_AsUnsignedLongLongMask(want_id) != reinterpret_cast<uintptr_t>(obj) ||
       !is_tensor(obj)) {

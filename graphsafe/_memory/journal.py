@@ -13,6 +13,7 @@ grow.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -110,7 +111,7 @@ class Journal:
         if self._dead:
             with self._lock:
                 self._sweep()
-        return list(map(self._epochs.get, keys, [0] * len(keys)))
+        return list(map(self._epochs.get, keys, itertools.repeat(0)))
 
     def how_written(self, key: int) -> str:
         """What last wrote the storage `key`, for messages."""

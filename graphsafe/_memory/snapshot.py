@@ -202,23 +202,22 @@ class Witnesses(Sites):
         return new
 
     def record(self, indices: Iterable[int]) -> None:
-        """Take the witnesses of `indices` anew, after their dependents were refreshed.
-
-        The clock shortcut is left alone: other sites may still lag behind it.
-
-        Args:
-            indices: Site indices.
-        """
+        """Take the witnesses of site `indices` anew, after their dependents were refreshed
+        (the clock shortcut is left alone: other sites may still lag behind it)."""
+        indices = list(indices)
+        holders, keys, plain = self.holders, self.keys, self.plain
+        skeys = self._skeys
         for i in indices:
-            t = self.read_one(i)
+            t = holders[i].get(keys[i]) if plain else self.read_one(i)
             self._ids[i] = id(t)
             if isinstance(t, torch.Tensor):
                 self._ptrs[i] = _ptr(t)
                 self._versions[i] = _version(t)
-                key = self._skeys[i] = storage_key(t)
-                self._epochs[i] = self.journal.epochs_of([key])[0]
+                skeys[i] = storage_key(t)
             else:
-                self._ptrs[i] = self._versions[i] = self._skeys[i] = self._epochs[i] = 0
+                self._ptrs[i] = self._versions[i] = skeys[i] = 0
+        for i, epoch in zip(indices, self.journal.epochs_of([skeys[i] for i in indices])):
+            self._epochs[i] = epoch  # key 0 (no tensor) is never written: epoch 0
 
     def record_all(self, seen: Seen | None = None) -> None:
         """`record` of every site, as flat passes (a full refresh).

@@ -31,7 +31,7 @@ class Watch:
     """
 
     __slots__ = ("_bindings", "_buffer_sites", "_by_key", "_input_site", "_keys",
-                 "_site_owner", "_transient", "binding", "witnesses")
+                 "_site_owner", "_site_paths", "_transient", "binding", "witnesses")
 
     def __init__(
         self, binding: Binding, journal: Journal, witnesses: Witnesses | None = None
@@ -79,7 +79,7 @@ class Watch:
         dirty: dict[int, str] = {}
         for site, how in changed:
             for i in self._site_owner[site]:
-                dirty.setdefault(i, f"{self._site_path(site)} {how}")
+                dirty.setdefault(i, f"{self._site_paths[site]} {how}")
         return dirty
 
     def moved(self) -> tuple[list[Input], list[tuple[BoundDerivation, int]]]:
@@ -172,6 +172,7 @@ class Watch:
         """Witness sites: every resident leaf input, then every materialized buffer."""
         sites: list[tuple[dict[str, Any], str]] = []
         owner: list[tuple[int, ...]] = []
+        paths: list[str] = []
         self._input_site: dict[int, int] = {}
         for inp in self.binding.inputs:
             if inp.transient:
@@ -179,22 +180,15 @@ class Watch:
             self._input_site[id(inp)] = len(sites)
             sites.append((inp.container, inp.key))
             owner.append(tuple(inp.consumers))
+            paths.append(inp.path)
         bound = self.binding.bound
         self._buffer_sites: list[list[int]] = [[] for _ in bound]
         for b in bound:
-            for name in b.outputs if b.buffers is not None else ():
+            for j, name in enumerate(b.outputs if b.buffers is not None else ()):
                 self._buffer_sites[b.index].append(len(sites))
                 sites.append((b.container, name))
                 owner.append((b.index,))
+                paths.append(f"derived buffer {b.out_paths[j]}")
         self._site_owner = owner
+        self._site_paths = paths
         return sites
-
-    def _site_path(self, site: int) -> str:
-        for inp in self.binding.inputs:
-            if self._input_site.get(id(inp)) == site:
-                return inp.path
-        for b in self.binding.bound:
-            for j, s in enumerate(self._buffer_sites[b.index]):
-                if s == site:
-                    return f"derived buffer {b.out_paths[j]}"
-        return "a tensor"

@@ -23,7 +23,7 @@ from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
 
 __all__ = [
-    "DATA_PTR", "PLAIN", "STRIDE", "VERSION", "Bindings", "Seen", "Sites", "Slot", "Witnesses",
+    "DATA_PTR", "PLAIN", "STRIDE", "VERSION", "Bindings", "SitesRead", "Sites", "Slot", "Witnesses",
 ]
 
 PLAIN = torch._C.DisableTorchFunctionSubclass
@@ -39,7 +39,7 @@ class Slot(NamedTuple):
     name: str
 
 
-class Seen(NamedTuple):
+class SitesRead(NamedTuple):
     """Sites as one flat check read them: `tensors[i]` is what `holders[i]` holds."""
 
     holders: list[Any]
@@ -120,7 +120,7 @@ class Bindings(Sites):
         self.ptrs = [r[3] for r in rows]
         self.n_strided = n_strided
         self.strides = [tuple(r[4]) for r in rows[:n_strided]]
-        self.seen: Seen | None = None
+        self.seen: SitesRead | None = None
         """What the last passing check read; a full refresh's witnesses reuse it."""
         self.native = _native.get() if self.compiled else None
 
@@ -132,7 +132,7 @@ class Bindings(Sites):
             )
             if now is None:
                 return False
-            self.seen = Seen(self.holders, self.keys, now, self.ids, self.ptrs)
+            self.seen = SitesRead(self.holders, self.keys, now, self.ids, self.ptrs)
             return True
         tensors = self.read()
         if list(map(id, tensors)) != self.ids:
@@ -146,7 +146,7 @@ class Bindings(Sites):
         except (TypeError, AttributeError, RuntimeError):
             return False
         if ok:
-            self.seen = Seen(self.holders, self.keys, tensors, self.ids, self.ptrs)
+            self.seen = SitesRead(self.holders, self.keys, tensors, self.ids, self.ptrs)
         return ok
 
 
@@ -219,7 +219,7 @@ class Witnesses(Sites):
         for i, epoch in zip(indices, self.journal.epochs_of([skeys[i] for i in indices])):
             self._epochs[i] = epoch  # key 0 (no tensor) is never written: epoch 0
 
-    def record_all(self, seen: Seen | None = None) -> None:
+    def record_all(self, seen: SitesRead | None = None) -> None:
         """`record` of every site, as flat passes (a full refresh).
 
         Args:

@@ -235,7 +235,7 @@ def bind(
             b.leaf_inputs.append(inp)
             if rel in b.spec.transient:
                 b.transient_inputs.append(inp)
-                inp.transient = True
+                inp.make_transient()
     _check_transient(bound)
     ordered = _toposort(bound)
     for i, b in enumerate(ordered):
@@ -256,8 +256,7 @@ def bind(
     by_path: dict[str, list[int]] = {}
     for b in ordered:
         for inp in b.leaf_inputs:
-            if b.index not in inp.consumers:
-                inp.consumers.append(b.index)
+            inp.add_consumer(b.index)
         for p in b.inputs:
             by_path.setdefault(p, []).append(b.index)
     sites = [

@@ -69,6 +69,15 @@ class Input:
         self.transient = False
         """Held only while a load writes it: its pointer comes and goes."""
 
+    def make_transient(self) -> None:
+        """Declared transient by a reader: held only while a load writes it."""
+        self.transient = True
+
+    def add_consumer(self, index: int) -> None:
+        """Derivation `index` reads this input (once per derivation)."""
+        if index not in self.consumers:
+            self.consumers.append(index)
+
     def moved(self) -> bool:
         """Whether the attribute now holds another tensor, or the same one elsewhere."""
         t = self.container.get(self.key)

@@ -20,7 +20,7 @@ from graphsafe._declare.registry import Registry
 from graphsafe._declare.spec import DerivationInfo, RefreshReport
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binder import Binder
+from graphsafe._runtime.binder import Binder, tensor_at
 from graphsafe._runtime.engine import Engine
 from graphsafe._runtime.freshness import (
     check_fresh,
@@ -30,7 +30,6 @@ from graphsafe._runtime.freshness import (
     unmaterialized_error,
 )
 from graphsafe._runtime.loads import Loads
-from graphsafe._runtime.tree import tensor_at
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 

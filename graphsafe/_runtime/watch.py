@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from graphsafe._memory.journal import Journal
-from graphsafe._memory.snapshot import PLAIN, Bindings, Seen, Witnesses
+from graphsafe._memory.snapshot import PLAIN, Bindings, SitesRead, Witnesses
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binding import Binding, BoundDerivation
 from graphsafe._runtime.inputs import Input
@@ -110,7 +110,7 @@ class Watch:
         self._bindings = None
         self._keys = None
 
-    def take_seen(self) -> Seen | None:
+    def take_read(self) -> SitesRead | None:
         """What the last passing rebinding check read (once), for a full rewitness."""
         bindings = self._bindings
         if bindings is None:
@@ -127,7 +127,7 @@ class Watch:
         okset = set(fresh)
         bound = self.binding.bound
         if len(okset) == len(bound):
-            self.witnesses.record_all(self.take_seen())
+            self.witnesses.record_all(self.take_read())
             return
         sites: list[int] = []
         for i in fresh:

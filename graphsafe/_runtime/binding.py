@@ -180,9 +180,40 @@ def bind(
     Raises:
         RegistrationError: Unknown input path, colliding output name, or a cycle.
     """
+    bound, produced, absent = _bind_modules(model, derivations_for, on_module)
+    inputs: dict[tuple[int, str], Input] = {}
+    for b in bound:
+        _resolve_inputs(b, produced, absent, inputs)
+    _check_transient(bound)
+    ordered = _order(bound)
+    by_path: dict[str, list[int]] = {}
+    for b in ordered:
+        for inp in b.leaf_inputs:
+            inp.add_consumer(b.index)
+        for p in b.inputs:
+            by_path.setdefault(p, []).append(b.index)
+    sites = [
+        (weakref.ref(m.parent), m.key, weakref.ref(m.module), m.path)
+        for m in walk_modules(model)
+        if m.parent is not None
+    ]
+    return Binding(ordered, list(inputs.values()), by_path, sites)
+
+
+_Produced = dict[tuple[int, str], BoundDerivation]
+_Absent = dict[tuple[int, str], Derivation]
+
+
+def _bind_modules(
+    model: nn.Module,
+    derivations_for: Callable[[type], Sequence[Derivation]],
+    on_module: Callable[[nn.Module], None],
+) -> tuple[list[BoundDerivation], _Produced, _Absent]:
+    """One `BoundDerivation` per derivation whose `when` holds for its module; the
+    outputs each produces, and those a false `when` leaves `None` (registered so)."""
     bound: list[BoundDerivation] = []
-    produced: dict[tuple[int, str], BoundDerivation] = {}
-    absent: dict[tuple[int, str], Derivation] = {}
+    produced: _Produced = {}
+    absent: _Absent = {}
     for mpath, module in model.named_modules(remove_duplicate=True):
         on_module(module)
         for spec in derivations_for(type(module)):
@@ -197,46 +228,59 @@ def bind(
                 _check_output_free(b, module, name)
                 produced[(id(module), name)] = b
             bound.append(b)
-    inputs: dict[tuple[int, str], Input] = {}
-    for b in bound:
-        module = b.module_ref()
-        assert module is not None
-        for rel, full in zip(b.spec.inputs, b.inputs):
-            owner, name = _resolve_input(b, module, rel)
-            producer = produced.get((id(owner), name))
-            if producer is not None and rel in b.spec.transient:
-                raise b.error(
-                    RegistrationError,
-                    f"transient input {rel!r} is a derived buffer",
-                    path=full,
-                    expected="a checkpoint-format parameter or buffer the loader writes",
-                    got=f"{full}, an output of {producer.spec.name}",
-                    fix=f"drop {rel!r} from `transient`: derived buffers are kept",
-                )
-            if producer is not None:
-                b.deps.add(id(producer))
-                b.in_refs.append((owner._buffers, name))
-                continue
-            if (id(owner), name) in absent:
-                raise b.error(
-                    RegistrationError,
-                    f"input {rel!r} is a derived buffer this module does not own",
-                    path=full,
-                    expected=f"{full} materialized by {absent[(id(owner), name)].name}",
-                    got="its `when` is false for this module, so it stays None",
-                    fix="make the `when` conditions of the two derivations agree",
-                )
-            container = _container_of(b, owner, name, full)
-            key = (id(container), name)
-            inp = inputs.get(key)
-            if inp is None:
-                inp = inputs[key] = Input(full, owner, container, name)
-            b.in_refs.append((container, name))
-            b.leaf_inputs.append(inp)
-            if rel in b.spec.transient:
-                b.transient_inputs.append(inp)
-                inp.make_transient()
-    _check_transient(bound)
+    return bound, produced, absent
+
+
+def _resolve_inputs(
+    b: BoundDerivation,
+    produced: _Produced,
+    absent: _Absent,
+    inputs: dict[tuple[int, str], Input],
+) -> None:
+    """Where each input of `b` is read: another derivation's output (a dependency) or a
+    leaf tensor, shared by every derivation that reads the same holder and name."""
+    module = b.module_ref()
+    assert module is not None
+    for rel, full in zip(b.spec.inputs, b.inputs):
+        owner, name = _resolve_input(b, module, rel)
+        producer = produced.get((id(owner), name))
+        if producer is not None and rel in b.spec.transient:
+            raise b.error(
+                RegistrationError,
+                f"transient input {rel!r} is a derived buffer",
+                path=full,
+                expected="a checkpoint-format parameter or buffer the loader writes",
+                got=f"{full}, an output of {producer.spec.name}",
+                fix=f"drop {rel!r} from `transient`: derived buffers are kept",
+            )
+        if producer is not None:
+            b.deps.add(id(producer))
+            b.in_refs.append((owner._buffers, name))
+            continue
+        if (id(owner), name) in absent:
+            raise b.error(
+                RegistrationError,
+                f"input {rel!r} is a derived buffer this module does not own",
+                path=full,
+                expected=f"{full} materialized by {absent[(id(owner), name)].name}",
+                got="its `when` is false for this module, so it stays None",
+                fix="make the `when` conditions of the two derivations agree",
+            )
+        container = _container_of(b, owner, name, full)
+        key = (id(container), name)
+        inp = inputs.get(key)
+        if inp is None:
+            inp = inputs[key] = Input(full, owner, container, name)
+        b.in_refs.append((container, name))
+        b.leaf_inputs.append(inp)
+        if rel in b.spec.transient:
+            b.transient_inputs.append(inp)
+            inp.make_transient()
+
+
+def _order(bound: list[BoundDerivation]) -> list[BoundDerivation]:
+    """`bound` in topological order, each with its index, its dependencies as indices
+    and everything downstream of it (itself included)."""
     ordered = _toposort(bound)
     for i, b in enumerate(ordered):
         b.index = i
@@ -253,18 +297,7 @@ def bind(
         for u in users[b.index]:
             reach[b.index] |= reach[u]
         b.downstream = tuple(sorted(reach[b.index]))
-    by_path: dict[str, list[int]] = {}
-    for b in ordered:
-        for inp in b.leaf_inputs:
-            inp.add_consumer(b.index)
-        for p in b.inputs:
-            by_path.setdefault(p, []).append(b.index)
-    sites = [
-        (weakref.ref(m.parent), m.key, weakref.ref(m.module), m.path)
-        for m in walk_modules(model)
-        if m.parent is not None
-    ]
-    return Binding(ordered, list(inputs.values()), by_path, sites)
+    return ordered
 
 
 def _check_transient(bound: list[BoundDerivation]) -> None:

@@ -64,9 +64,10 @@ def _keep_cpu_weights() -> None:
 
 def _patch_layerwise() -> None:
     """vLLM's layerwise reload of an attached model (`initialize_layerwise_reload` ...
-    `finalize_layerwise_reload`) becomes one weight update, open from before the first
-    (which moves every layer's tensors aside) to after the last (which copies what was
-    loaded into the original storage and puts the originals back)."""
+    `finalize_layerwise_processing`, which `finalize_layerwise_reload` calls) becomes one
+    weight update, open from before the first (which moves every layer's tensors aside)
+    to after the last (which copies what was loaded into the original storage and puts
+    the originals back)."""
     with _once("layerwise") as first:
         if not first:
             return

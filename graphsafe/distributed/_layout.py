@@ -11,7 +11,7 @@ holds one bucket slot, or two when the transfer overlaps the copies (`_slots`, `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -112,7 +112,6 @@ def _plan(
     entries: list[_Entry] = []
     sizes: list[int] = []
     direct: list[bool] = []
-    seen: set[str] = set()
     fill = -1  # data bytes of the open bucket; -1: none open
 
     def close() -> None:
@@ -122,20 +121,7 @@ def _plan(
             direct.append(False)
         fill = -1
 
-    for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise TypeError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
-        name, t = item
-        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"weights must be (str, Tensor) pairs, got ({type(name).__name__}, "
-                f"{type(t).__name__})"
-            )
-        if t.layout != torch.strided:
-            raise TypeError(f"entry {name!r} is a {t.layout} tensor; only dense tensors sync")
-        if name in seen:
-            raise ValueError(f"entry {name!r} appears twice in one sync")
-        seen.add(name)
+    for name, t in _checked(items):
         nbytes = t.numel() * t.element_size()
         dtype = _dtype_name(t.dtype)
         if (direct_bytes is not None and device is not None and nbytes >= direct_bytes
@@ -161,6 +147,28 @@ def _plan(
         direct.append(False)
     return _Plan(sync=sync, entries=tuple(entries), sizes=tuple(sizes), direct=tuple(direct),
                  bucket_bytes=bucket_bytes)
+
+
+def _checked(
+    items: Sequence[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The items, each checked as it is reached: (str, dense Tensor) pairs, no name twice."""
+    seen: set[str] = set()
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+        name, t = item
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"weights must be (str, Tensor) pairs, got ({type(name).__name__}, "
+                f"{type(t).__name__})"
+            )
+        if t.layout != torch.strided:
+            raise TypeError(f"entry {name!r} is a {t.layout} tensor; only dense tensors sync")
+        if name in seen:
+            raise ValueError(f"entry {name!r} appears twice in one sync")
+        seen.add(name)
+        yield name, t
 
 
 def _view(staging: torch.Tensor, e: _Entry) -> torch.Tensor:

@@ -22,6 +22,7 @@ from graphsafe.distributed._layout import (
     _DATA,
     _MAGIC,
     _PROTOCOL,
+    _Entry,
     _Plan,
     _Ring,
     _trailer,
@@ -92,6 +93,26 @@ def receive_weights(
     rt = runtime(model)
     before = rt.last_report
     state = _ReceiveProgress()
+    _apply(model, rank, src, group, device, state, overlap)
+    end = time.perf_counter()
+    try:
+        failed = _handshake(True, group, device)
+    except Exception as exc:
+        raise _handshake_error(src, exc, applied=True) from exc
+    return _receive_report(state, rank, src, rt.last_report, before, end, failed)
+
+
+def _apply(
+    model: nn.Module,
+    rank: int,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    state: _ReceiveProgress,
+    overlap: bool,
+) -> None:
+    """Run the sync inside one `weight_update`; a rank that fails once every bucket
+    arrived still takes part in the handshake, saying it failed."""
     try:
         with weight_update(model):
             _receive(model, src, group, device, state, overlap)
@@ -105,12 +126,6 @@ def receive_weights(
             except Exception as hs:
                 raise _handshake_error(src, hs, applied=False) from exc
         raise
-    end = time.perf_counter()
-    try:
-        failed = _handshake(True, group, device)
-    except Exception as exc:
-        raise _handshake_error(src, exc, applied=True) from exc
-    return _receive_report(state, rank, src, rt.last_report, before, end, failed)
 
 
 def _receive_report(
@@ -122,6 +137,7 @@ def _receive_report(
     end: float,
     failed: tuple[int, ...],
 ) -> ReceiveReport:
+    """The report of the sync; `end` is 0.0 for the report a rejection error carries."""
     plan = state.plan
     assert plan is not None
     seconds = (end if end else time.perf_counter()) - state.started
@@ -140,6 +156,7 @@ def _receive_report(
 def _rejected_error(
     model: nn.Module, state: _ReceiveProgress, rank: int, src: int
 ) -> WeightSyncError:
+    """The error naming the entries the loader refused: the first eight, then a count."""
     rejected = tuple(state.rejected or ())
     shown = "\n".join(f"    {r.name!r} (bucket {r.bucket}): {r.error}" for r in rejected[:8])
     more = f"\n    ... and {len(rejected) - 8} more" if len(rejected) > 8 else ""
@@ -159,6 +176,7 @@ def _rejected_error(
 
 
 def _handshake_error(src: int, exc: BaseException, *, applied: bool) -> WeightSyncError:
+    """The error of a failed handshake; `applied`: whether this rank applied the sync."""
     held = ("this rank's model holds the complete new weights" if applied
             else "this rank's model refuses to replay until a complete sync")
     return WeightSyncError(
@@ -179,6 +197,44 @@ def _receive(
     overlap: bool,
 ) -> None:
     """The body of the sync: metadata, then each bucket into staging and the loader."""
+    plan = state.plan = _metadata(src, group, state)
+    wires = plan.wires
+    buckets = len(plan.sizes)
+    ring = _Ring(wires, _Ring.size(wires, plan.bucket_bytes, overlap))
+    table, key = _RECV_STAGING.setdefault(model, {}), _group_key(group)
+    staging, state.reused = _staging(table, key, device, ring.capacity)
+    state.staging_bytes, state.overlap = staging.numel(), overlap and buckets > 1
+    loader = getattr(model, "load_weights", None)
+    accepted: list[str] = []
+    rejected: list[RejectedEntry] = []
+    state.accepted, state.rejected = accepted, rejected
+    flight = _InFlight(plan, wires, ring, staging, src, group, overlap)
+    by_bucket: list[list[_Entry]] = [[] for _ in plan.sizes]
+    for e in plan.entries:
+        by_bucket[e.bucket].append(e)
+    group_bytes = ring.capacity // 2  # one group loads while the next one arrives
+    try:
+        flight.post_ahead()
+        done = 0
+        while done < buckets:
+            run = flight.arrived_run(group_bytes)
+            mark_written(staging)  # c10d writes: declared, whatever the tracker saw
+            flight.post_ahead()  # the next buckets arrive while the loader runs
+            _load_run(model, loader, run, by_bucket, accepted, rejected)
+            flight.release(len(run))
+            done += len(run)
+            flight.post_ahead()
+    finally:
+        if flight.works and table.get(key) is staging:
+            # A broadcast still writes into it: no later sync may reuse it.
+            del table[key]
+    state.completed = True
+
+
+def _metadata(
+    src: int, group: dist.ProcessGroup | None, state: _ReceiveProgress
+) -> _Plan:
+    """The sync's plan, from the sender's metadata; raises its abort, or a mismatch."""
     box: list[Any] = [None]
     try:
         dist.broadcast_object_list(box, src=src, group=group)
@@ -209,108 +265,115 @@ def _receive(
             fix="fix the error on the sender, then sync again; the model refuses to "
             "replay until a complete sync",
         )
-    plan = state.plan = _Plan.from_record(record)
-    wires = plan.wires
-    buckets = len(plan.sizes)
-    ring = _Ring(wires, _Ring.size(wires, plan.bucket_bytes, overlap))
-    table, key = _RECV_STAGING.setdefault(model, {}), _group_key(group)
-    staging, state.reused = _staging(table, key, device, ring.capacity)
-    state.staging_bytes, state.overlap = staging.numel(), overlap and buckets > 1
-    loader = getattr(model, "load_weights", None)
-    state.accepted, state.rejected = [], []
-    # Buckets posted and not yet loaded, oldest first: (bucket, its slot, its work).
-    inflight: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
+    return _Plan.from_record(record)
 
-    def _lost(b: int, exc: BaseException) -> WeightSyncError:
-        entries = plan.bucket(b)
+
+class _InFlight:
+    """The buckets posted into a receiver's staging and not loaded yet, oldest first.
+
+    Buckets are posted as far ahead as the staging ring has room for, but never past a
+    packed bucket whose trailer is not read yet: if it says the sender aborted, the
+    sender sends nothing after it but its error, and a broadcast posted beyond it would
+    take that error's place.
+    """
+
+    def __init__(
+        self, plan: _Plan, wires: tuple[int, ...], ring: _Ring, staging: torch.Tensor,
+        src: int, group: dist.ProcessGroup | None, overlap: bool,
+    ) -> None:
+        self.plan, self.wires, self.ring, self.staging = plan, wires, ring, staging
+        self.src, self.group, self.overlap = src, group, overlap
+        # (bucket, its slot, its work), oldest first.
+        self.works: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
+        self.next = 0  # the first bucket not posted yet
+
+    def post_ahead(self) -> None:
+        """Post the next buckets that fit in staging now (one at a time without
+        `overlap`)."""
+        plan, wires, works = self.plan, self.wires, self.works
+        b = self.next
+        while (
+            b < len(wires)
+            and (self.overlap or not works)
+            and all(plan.direct[i] for i, _, _ in works)
+        ):
+            at = self.ring.place(b)
+            if at is None:
+                break
+            slot = self.staging[at : at + wires[b]]
+            try:
+                work = dist.broadcast(slot, src=self.src, group=self.group, async_op=True)
+            except Exception as exc:
+                raise self.lost(b, exc) from exc
+            works.append((b, slot, work))
+            b += 1
+        self.next = b
+
+    def arrived(self) -> tuple[int, torch.Tensor]:
+        """Wait for the oldest bucket in flight; check its trailer if it has one."""
+        b, slot, work = self.works.popleft()
+        try:
+            work.wait()
+        except Exception as exc:
+            raise self.lost(b, exc) from exc
+        if not self.plan.direct[b]:  # a direct bucket has none: the next trailer tells
+            _check_trailer(slot, self.plan.sizes[b], self.plan, b, self.src, self.group)
+        return b, slot
+
+    def arrived_run(self, limit: int) -> list[tuple[int, torch.Tensor]]:
+        """The oldest bucket once arrived, with the direct buckets after it while the run
+        stays within `limit` bytes: one loader call for them all, as a call of a model's
+        loader has a cost of its own."""
+        direct, wires, works = self.plan.direct, self.wires, self.works
+        b, slot = self.arrived()
+        run = [(b, slot)]
+        size = wires[b]
+        while direct[b] and works and direct[works[0][0]] and size + wires[works[0][0]] <= limit:
+            b, slot = self.arrived()
+            run.append((b, slot))
+            size += wires[b]
+        return run
+
+    def release(self, n: int) -> None:
+        """The `n` oldest buckets held were loaded: their staging may take others."""
+        for _ in range(n):
+            self.ring.release()
+
+    def lost(self, b: int, exc: BaseException) -> WeightSyncError:
+        """The error for bucket `b`, whose broadcast failed."""
+        entries = self.plan.bucket(b)
         return WeightSyncError(
-            f"receive_weights: bucket {b} of {buckets} did not arrive from rank {src}",
+            f"receive_weights: bucket {b} of {len(self.wires)} did not arrive from rank "
+            f"{self.src}",
             bucket=b,
             entry=entries[0].name if entries else None,
-            expected=f"{wires[b]} bytes within the group's timeout",
+            expected=f"{self.wires[b]} bytes within the group's timeout",
             got=one_line(exc),
             fix="the sender died or timed out; see its log. The model refuses to replay "
             "until a complete sync; recreate the process group before the next one",
         )
 
-    def post_ahead(next_b: int) -> int:
-        """Post the broadcasts of the buckets from `next_b` on that fit in staging now
-        (one at a time without `overlap`); returns the first bucket not posted.
 
-        Never past a packed bucket whose trailer is not read yet: if it says the sender
-        aborted, the sender sends nothing after it but its error, and a broadcast posted
-        beyond it would take that error's place."""
-        while (
-            next_b < buckets
-            and (overlap or not inflight)
-            and all(plan.direct[i] for i, _, _ in inflight)
-        ):
-            at = ring.place(next_b)
-            if at is None:
-                break
-            slot = staging[at : at + wires[next_b]]
-            try:
-                work = dist.broadcast(slot, src=src, group=group, async_op=True)
-            except Exception as exc:
-                raise _lost(next_b, exc) from exc
-            inflight.append((next_b, slot, work))
-            next_b += 1
-        return next_b
-
-    by_bucket: list[list[Any]] = [[] for _ in plan.sizes]
-    for e in plan.entries:
-        by_bucket[e.bucket].append(e)
-    group_bytes = ring.capacity // 2  # one group loads while the next one arrives
-
-    def arrived() -> tuple[int, torch.Tensor]:
-        """Wait for the oldest bucket in flight; check its trailer if it has one."""
-        b, slot, work = inflight.popleft()
-        try:
-            work.wait()
-        except Exception as exc:
-            raise _lost(b, exc) from exc
-        if not plan.direct[b]:  # a direct bucket has none: the next trailer tells
-            _check_trailer(slot, plan.sizes[b], plan, b, src, group)
-        return b, slot
-
-    try:
-        next_b = post_ahead(0)
-        done = 0
-        while done < buckets:
-            # One bucket, or a run of direct buckets loaded in one loader call: a call
-            # of a model's loader has a cost of its own.
-            b, slot = arrived()
-            loaded = [(b, slot)]
-            size = wires[b]
-            while (
-                plan.direct[b] and inflight and plan.direct[inflight[0][0]]
-                and size + wires[inflight[0][0]] <= group_bytes
-            ):
-                b, slot = arrived()
-                loaded.append((b, slot))
-                size += wires[b]
-            mark_written(staging)  # c10d writes: declared, whatever the tracker saw
-            next_b = post_ahead(next_b)  # the next buckets arrive while the loader runs
-            pairs = [(e.name, _view(s, e)) for b, s in loaded for e in by_bucket[b]]
-            where = {e.name: b for b, _ in loaded for e in by_bucket[b]}
-            if not pairs:
-                pass  # the trailer closing a run of direct buckets
-            elif loader is None or not callable(loader):
-                state.rejected.extend(
-                    RejectedEntry(name=n, bucket=where[n], error=f"{type(model).__name__} "
-                                  "has no load_weights(pairs) method") for n, _ in pairs
-                )
-            else:
-                _load(loader, pairs, where, state.accepted, state.rejected)
-            for _ in loaded:
-                ring.release()
-            done += len(loaded)
-            next_b = post_ahead(next_b)
-    finally:
-        if inflight and table.get(key) is staging:
-            # A broadcast still writes into it: no later sync may reuse it.
-            del table[key]
-    state.completed = True
+def _load_run(
+    model: nn.Module,
+    loader: Any,
+    run: list[tuple[int, torch.Tensor]],
+    by_bucket: list[list[_Entry]],
+    accepted: list[str],
+    rejected: list[RejectedEntry],
+) -> None:
+    """Give the entries of a run of arrived buckets to the model's loader, in one call."""
+    pairs = [(e.name, _view(s, e)) for b, s in run for e in by_bucket[b]]
+    where = {e.name: b for b, _ in run for e in by_bucket[b]}
+    if not pairs:
+        return  # the trailer closing a run of direct buckets
+    if loader is None or not callable(loader):
+        rejected.extend(
+            RejectedEntry(name=n, bucket=where[n], error=f"{type(model).__name__} "
+                          "has no load_weights(pairs) method") for n, _ in pairs
+        )
+        return
+    _load(loader, pairs, where, accepted, rejected)
 
 
 def _check_trailer(

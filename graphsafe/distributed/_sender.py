@@ -123,109 +123,172 @@ def send_weights(
     """
     start = time.perf_counter()
     rank = _check(src, group, sending=True)
+    plan, staging, stride, failed = _send(
+        weights, src, group, bucket_bytes, overlap, direct_bytes
+    )
+    report = _send_report(plan, rank, group, bucket_bytes, staging, stride, start)
+    if failed:
+        raise _receivers_failed(failed, report)
+    return report
+
+
+def _send(
+    weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    src: int,
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int,
+    overlap: bool,
+    direct_bytes: int | None,
+) -> tuple[_Plan, torch.Tensor, int, tuple[int, ...]]:
+    """The sync on the wire: metadata, buckets, handshake; a failure tells the receivers.
+
+    Returns the plan, the staging buffer, its second slot's offset (0: one slot) and the
+    receivers that did not apply the sync.
+    """
     device = _device(group)
     sync = secrets.randbits(62) + 1
     state = _SendProgress()
     plan: _Plan | None = None
     try:
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        if direct_bytes is not None and (
-            isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int)
-            or direct_bytes < 1
-        ):
-            raise ValueError(f"direct_bytes must be a positive int or None, got {direct_bytes!r}")
+        _check_sizes(bucket_bytes, direct_bytes)
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
         plan = _plan(items, bucket_bytes, sync, direct_bytes, device)
-        state.in_collective = True
-        dist.broadcast_object_list([plan.record()], src=src, group=group)
-        state.in_collective = False
-        state.meta_sent = True
-        wires = plan.wires
-        # Direct buckets are sent from the caller's tensors: no staging for them.
-        stride, need = _slots([0 if d else w for w, d in zip(wires, plan.direct)], overlap)
-        staging, _ = _staging(_SEND_STAGING, _group_key(group), device, need)
-        state.staging = staging
-        tensors = dict(items)
-        for b, size in enumerate(plan.sizes):
-            if plan.direct[b]:
-                (e,) = plan.bucket(b)
-                state.bucket, state.entry = b, e.name
-                wire = _wire_of(tensors[e.name])
-                state.entry = None
-                state.in_collective, state.wire = True, b
-                work = dist.broadcast(wire, src=src, group=group, async_op=True)
-                state.direct.append((b, work))
-                state.posted = b
-                state.in_collective, state.wire = False, -1
-                continue
-            i = b % 2 if stride else 0
-            state.wait(i)  # the slot's previous broadcast has read it
-            state.bucket, state.slot = b, _slot(staging, stride, wires, b)
-            with torch.no_grad():  # trainer parameters require grad; the copy is no op of it
-                for e in plan.bucket(b):
-                    state.entry = e.name
-                    _view(state.slot, e).copy_(tensors[e.name])
-            state.entry = None
-            _trailer(state.slot, size).copy_(torch.tensor([_MAGIC, sync, b, _DATA]))
-            state.in_collective, state.wire = True, b
-            work = dist.broadcast(state.slot, src=src, group=group, async_op=True)
-            state.pending[i] = (b, work)
-            state.posted = b
-            state.in_collective, state.wire = False, -1
-            if not stride:
-                state.wait(0)
-        state.drain()
-        state.bucket = -1
+        _send_metadata(plan, state, src, group)
+        staging, stride = _send_buckets(plan, items, state, src, group, device, overlap)
         state.in_collective = True
         failed = _handshake(True, group, device)
         state.in_collective = False
     except BaseException as exc:
-        if (any(state.pending) or state.direct) and _SEND_STAGING.get(
-            _group_key(group)
-        ) is state.staging:
-            # A broadcast may still read it: no later sync may pack into it.
-            del _SEND_STAGING[_group_key(group)]
+        _drop_busy_staging(state, group)
         if state.in_collective:
-            where = f"bucket {state.wire}" if state.wire >= 0 else (
-                "the handshake" if state.meta_sent else "the metadata")
-            raise WeightSyncError(
-                f"send_weights: the broadcast of {where} failed",
-                bucket=state.wire if state.wire >= 0 else None,
-                expected="every receiver taking part until the end of the sync",
-                got=one_line(exc),
-                fix="a receiver died, timed out or called something else; see its log. "
-                "Recreate the process group before the next sync",
-            ) from exc
+            raise _collective_error(state, exc) from exc
         _abort(exc, state, plan, src, group, sync)
         raise
-    seconds = time.perf_counter() - start
-    total = sum(e.nbytes for e in plan.entries)
-    report = SendReport(
-        rank=rank, sync=sync, receivers=len(dist.get_process_group_ranks(
-            group if group is not None else dist.group.WORLD)) - 1,
-        entries=len(plan.entries), bytes=total, buckets=len(plan.sizes),
-        direct_buckets=sum(plan.direct), bucket_bytes=bucket_bytes,
-        largest_bucket=max(plan.sizes, default=0),
-        staging_bytes=staging.numel(), overlap=stride > 0, seconds=seconds,
-        throughput=total / seconds if seconds > 0 else 0.0,
-    )
-    if failed:
-        raise WeightSyncError(
-            f"receiver rank(s) {', '.join(map(str, failed))} did not apply the sync",
-            failed_ranks=failed,
-            report=report,
-            expected="every receiver to load every entry it holds",
-            got=f"{len(failed)} receiver(s) failed; each raised WeightSyncError naming why",
-            fix="read the receivers' errors (rejected entries name the checkpoint names to "
-            "fix), then sync again: until then those models refuse to replay",
-        )
-    return report
+    return plan, staging, stride, failed
+
+
+def _check_sizes(bucket_bytes: int, direct_bytes: int | None) -> None:
+    """Raise `ValueError` unless both sizes are positive ints (`direct_bytes` may be None)."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if direct_bytes is not None and (
+        isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int)
+        or direct_bytes < 1
+    ):
+        raise ValueError(f"direct_bytes must be a positive int or None, got {direct_bytes!r}")
+
+
+def _send_metadata(
+    plan: _Plan, state: _SendProgress, src: int, group: dist.ProcessGroup | None
+) -> None:
+    """Broadcast the plan; from then on a failure is told in a trailer, not a record."""
+    state.in_collective = True
+    dist.broadcast_object_list([plan.record()], src=src, group=group)
+    state.in_collective = False
+    state.meta_sent = True
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """What sending one bucket reads: the plan, the caller's tensors, the staging."""
+
+    plan: _Plan
+    wires: tuple[int, ...]
+    tensors: dict[str, torch.Tensor]
+    staging: torch.Tensor
+    stride: int
+    """The offset of the second staging slot; 0: one slot."""
+    src: int
+    group: dist.ProcessGroup | None
+
+
+def _send_buckets(
+    plan: _Plan,
+    items: list[tuple[str, torch.Tensor]],
+    state: _SendProgress,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    overlap: bool,
+) -> tuple[torch.Tensor, int]:
+    """Every bucket in order, until all went out; returns the staging and its `stride`."""
+    wires = plan.wires
+    # Direct buckets are sent from the caller's tensors: no staging for them.
+    stride, need = _slots([0 if d else w for w, d in zip(wires, plan.direct)], overlap)
+    staging, _ = _staging(_SEND_STAGING, _group_key(group), device, need)
+    state.staging = staging
+    out = _Outgoing(plan, wires, dict(items), staging, stride, src, group)
+    for b in range(len(plan.sizes)):
+        if plan.direct[b]:
+            _send_direct(out, b, state)
+        else:
+            _send_packed(out, b, state)
+    state.drain()
+    state.bucket = -1
+    return staging, stride
+
+
+def _send_direct(out: _Outgoing, b: int, state: _SendProgress) -> None:
+    """Post direct bucket `b` from the caller's tensor; it is waited for at the end."""
+    (e,) = out.plan.bucket(b)
+    state.bucket, state.entry = b, e.name
+    wire = _wire_of(out.tensors[e.name])
+    state.entry = None
+    state.in_collective, state.wire = True, b
+    work = dist.broadcast(wire, src=out.src, group=out.group, async_op=True)
+    state.direct.append((b, work))
+    state.posted = b
+    state.in_collective, state.wire = False, -1
 
 
 def _wire_of(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a direct entry, as they are: a view, no copy."""
     return t.detach().view(-1).view(torch.uint8)
+
+
+def _send_packed(out: _Outgoing, b: int, state: _SendProgress) -> None:
+    """Pack bucket `b` and its trailer into its staging slot, then post its broadcast."""
+    plan, tensors = out.plan, out.tensors
+    i = b % 2 if out.stride else 0
+    state.wait(i)  # the slot's previous broadcast has read it
+    slot = _slot(out.staging, out.stride, out.wires, b)
+    state.bucket, state.slot = b, slot
+    with torch.no_grad():  # trainer parameters require grad; the copy is no op of it
+        for e in plan.bucket(b):
+            state.entry = e.name
+            _view(slot, e).copy_(tensors[e.name])
+    state.entry = None
+    _trailer(slot, plan.sizes[b]).copy_(torch.tensor([_MAGIC, plan.sync, b, _DATA]))
+    state.in_collective, state.wire = True, b
+    work = dist.broadcast(slot, src=out.src, group=out.group, async_op=True)
+    state.pending[i] = (b, work)
+    state.posted = b
+    state.in_collective, state.wire = False, -1
+    if not out.stride:
+        state.wait(0)
+
+
+def _drop_busy_staging(state: _SendProgress, group: dist.ProcessGroup | None) -> None:
+    """Forget the staging buffer while a broadcast may still read it: no later sync may
+    pack into it."""
+    if (any(state.pending) or state.direct) and _SEND_STAGING.get(
+        _group_key(group)
+    ) is state.staging:
+        del _SEND_STAGING[_group_key(group)]
+
+
+def _collective_error(state: _SendProgress, exc: BaseException) -> WeightSyncError:
+    """The error of a collective that failed: a receiver is gone, so no abort is sent."""
+    where = f"bucket {state.wire}" if state.wire >= 0 else (
+        "the handshake" if state.meta_sent else "the metadata")
+    return WeightSyncError(
+        f"send_weights: the broadcast of {where} failed",
+        bucket=state.wire if state.wire >= 0 else None,
+        expected="every receiver taking part until the end of the sync",
+        got=one_line(exc),
+        fix="a receiver died, timed out or called something else; see its log. "
+        "Recreate the process group before the next sync",
+    )
 
 
 def _abort(
@@ -266,3 +329,39 @@ def _abort(
         dist.broadcast_object_list([what], src=src, group=group)
     except Exception:  # the receivers then fail by the group's timeout
         return
+
+
+def _send_report(
+    plan: _Plan,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int,
+    staging: torch.Tensor,
+    stride: int,
+    start: float,
+) -> SendReport:
+    """The report of a sync that reached the handshake."""
+    seconds = time.perf_counter() - start
+    total = sum(e.nbytes for e in plan.entries)
+    return SendReport(
+        rank=rank, sync=plan.sync, receivers=len(dist.get_process_group_ranks(
+            group if group is not None else dist.group.WORLD)) - 1,
+        entries=len(plan.entries), bytes=total, buckets=len(plan.sizes),
+        direct_buckets=sum(plan.direct), bucket_bytes=bucket_bytes,
+        largest_bucket=max(plan.sizes, default=0),
+        staging_bytes=staging.numel(), overlap=stride > 0, seconds=seconds,
+        throughput=total / seconds if seconds > 0 else 0.0,
+    )
+
+
+def _receivers_failed(failed: tuple[int, ...], report: SendReport) -> WeightSyncError:
+    """The error naming the receivers that said at the handshake they did not apply it."""
+    return WeightSyncError(
+        f"receiver rank(s) {', '.join(map(str, failed))} did not apply the sync",
+        failed_ranks=failed,
+        report=report,
+        expected="every receiver to load every entry it holds",
+        got=f"{len(failed)} receiver(s) failed; each raised WeightSyncError naming why",
+        fix="read the receivers' errors (rejected entries name the checkpoint names to "
+        "fix), then sync again: until then those models refuse to replay",
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -63,8 +63,7 @@ class Guard:
         """Release the pin (once; later calls do nothing)."""
         self._release()
 
-    @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
+    def replaying(self) -> contextlib.AbstractContextManager[None]:
         """Check the model, then hold it still for the replay (it and loads wait on each other).
 
         Raises:
@@ -72,5 +71,4 @@ class Guard:
             StaleError: Derived buffers are stale (and not repaired), or the last weight
                 update failed or has not ended.
         """
-        with self.runtime.replaying(self.ledger.assert_stable, repair=self._repair):
-            yield
+        return self.runtime.replaying(self.ledger.assert_stable, repair=self._repair)

@@ -1,4 +1,5 @@
-"""Checks of derivation results and storage, and the errors they raise.
+"""Checks of derivation results and storage, and the errors they raise (the runtime's
+refusals too: a second runtime for a model, a registry added once pinned).
 
 Every check here refuses before anything is written where that is possible: a result
 computed apart is validated before it is copied in, an impure write is refused before
@@ -16,6 +17,7 @@ from torch import nn
 from graphsafe._declare.spec import Drift
 from graphsafe._errors import (
     DerivationDriftError,
+    GraphSafetyError,
     ImpureDerivationError,
     RegistrationError,
     StorageMovedError,
@@ -30,9 +32,11 @@ __all__ = [
     "check_results",
     "geometry_held",
     "impurity_refusal",
+    "pinned_registry_error",
     "rebound_error",
     "read_refusal",
     "refuse_resized",
+    "runtime_conflict_error",
     "swapped_error",
 ]
 
@@ -297,4 +301,27 @@ def swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> Sto
         got=drifts[0].new,
         fix="load new weights into the existing modules instead of replacing them; to "
         "change the model, release the graphs (Graph.reset()), change it, and re-capture",
+    )
+
+
+def runtime_conflict_error(model_class: type, conflict: list[str]) -> GraphSafetyError:
+    """The error for `Runtime(model, ...)` whose arguments the model's runtime lacks."""
+    return GraphSafetyError(
+        f"{model_class.__name__} already has a runtime; Runtime() cannot make another",
+        module_class=model_class.__name__,
+        expected="one runtime per model, found with gs.runtime(model)",
+        got="Runtime(model, ...) with " + " and ".join(conflict),
+        fix="call gs.runtime(model, registry, strict=...): it returns the model's runtime, "
+        "adding the registry and setting strict",
+    )
+
+
+def pinned_registry_error(model_class: type) -> StorageMovedError:
+    """The error for a registry added once graphs pinned the model."""
+    return StorageMovedError(
+        "cannot add a registry to a pinned runtime",
+        module_class=model_class.__name__,
+        expected="registries added before graphs are captured",
+        got="runtime pinned by a capture",
+        fix="pass the registry at the first gs.runtime(model, registry) call",
     )

@@ -9,11 +9,10 @@ still in progress, poisoned storage); this turns the answer into a repair or a
 from __future__ import annotations
 
 from graphsafe._declare.decorators import is_wrapped_loader
-from graphsafe._errors import GraphSafetyError, StaleError, StorageMovedError
+from graphsafe._errors import StaleError
 from graphsafe._runtime.engine import Engine
 
-__all__ = ["check_fresh", "fresh_fix", "in_update_error", "pinned_registry_error",
-           "runtime_conflict_error", "unmaterialized_error"]
+__all__ = ["check_fresh", "fresh_fix", "in_update_error", "unmaterialized_error"]
 
 
 def check_fresh(engine: Engine, keys: frozenset[int], model_class: type, *, repair: bool) -> None:
@@ -110,27 +109,4 @@ def unmaterialized_error(model_class: type, missing: list[str]) -> StaleError:
         expected="derived buffers allocated by a first load or refresh()",
         got="not materialized",
         fix=fresh_fix(model_class, True),
-    )
-
-
-def runtime_conflict_error(model_class: type, conflict: list[str]) -> GraphSafetyError:
-    """The error for `Runtime(model, ...)` whose arguments the model's runtime lacks."""
-    return GraphSafetyError(
-        f"{model_class.__name__} already has a runtime; Runtime() cannot make another",
-        module_class=model_class.__name__,
-        expected="one runtime per model, found with gs.runtime(model)",
-        got="Runtime(model, ...) with " + " and ".join(conflict),
-        fix="call gs.runtime(model, registry, strict=...): it returns the model's runtime, "
-        "adding the registry and setting strict",
-    )
-
-
-def pinned_registry_error(model_class: type) -> StorageMovedError:
-    """The error for a registry added once graphs pinned the model."""
-    return StorageMovedError(
-        "cannot add a registry to a pinned runtime",
-        module_class=model_class.__name__,
-        expected="registries added before graphs are captured",
-        got="runtime pinned by a capture",
-        fix="pass the registry at the first gs.runtime(model, registry) call",
     )

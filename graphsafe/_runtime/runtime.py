@@ -21,12 +21,11 @@ from graphsafe._declare.spec import DerivationInfo, RefreshReport
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binder import Binder, tensor_at
+from graphsafe._runtime.checks import pinned_registry_error, runtime_conflict_error
 from graphsafe._runtime.engine import Engine
 from graphsafe._runtime.freshness import (
     check_fresh,
     in_update_error,
-    pinned_registry_error,
-    runtime_conflict_error,
     unmaterialized_error,
 )
 from graphsafe._runtime.loads import Loads

@@ -294,7 +294,8 @@ class RefreshReport(BaseModel):
 
 
 DriftKind = Literal[
-    "storage", "offset", "shape", "stride", "dtype", "device", "object", "module", "removed"
+    "storage", "offset", "shape", "stride", "dtype", "device", "object", "module", "holder",
+    "removed",
 ]
 
 class Drift(BaseModel):
@@ -316,7 +317,9 @@ class Drift(BaseModel):
     """What moved: `storage` (data pointer), `offset`, `shape`, `stride`, `dtype`,
     `device`; `object` (another tensor object, same memory and geometry); `module`
     (another module, or none, is bound there; tensors of a module the model no longer
-    holds are not reported); or `removed` (no tensor there now)."""
+    holds are not reported); `holder` (an object on the way to pinned tensors, such as a
+    kernel object, a list or a closure, was replaced: the graph reads the tensors the old
+    one held); or `removed` (no tensor there now)."""
 
     old: str
     """The value at snapshot time."""

@@ -25,9 +25,17 @@ _FIX_MODULE = (
 )
 
 
+_FIX_HOLDER = (
+    "keep the object and write new values into the tensors it holds (`copy_`) instead of "
+    "building a new one after each load (an engine's post-load step, such as vLLM's "
+    "`process_weights_after_loading`, must update its kernel objects in place); if it "
+    "must be rebuilt, re-capture the graph (which takes a new snapshot)"
+)
+
+
 def _values(d: Drift) -> tuple[str, str]:
     """The expected and got lines of one drift."""
-    if d.what in ("removed", "object", "module"):
+    if d.what in ("removed", "object", "module", "holder"):
         return d.old, d.new
     return f"{d.what} {d.old}", f"{d.what} {d.new}"
 
@@ -39,17 +47,22 @@ def _summary(d: Drift, label: str) -> str:
         return f"module {d.path} was replaced after {label}"
     if d.what == "object":
         return f"{d.path} was rebound after {label}: it holds another tensor object"
+    if d.what == "holder":
+        return (f"{d.path} was replaced after {label}: the graph reads the tensors the "
+                "old one held")
     return f"{d.path} was rebound after {label}: its {d.what} moved"
 
 
 def _change(d: Drift) -> str:
     """What happened to one path, in the list of several drifts."""
-    if d.what in ("removed", "module"):
-        return "removed" if d.what == "removed" else "module replaced"
+    if d.what in ("removed", "module", "holder"):
+        return {"removed": "removed", "module": "module replaced"}.get(d.what, "replaced")
     return "another tensor object" if d.what == "object" else f"{d.what} moved"
 
 
 def _fix(drifts: tuple[Drift, ...]) -> str:
+    if any(d.what == "holder" for d in drifts):
+        return _FIX_HOLDER
     modules = any(d.what == "module" for d in drifts)
     tensors = any(d.what != "module" for d in drifts)
     if modules and tensors:

@@ -36,7 +36,7 @@ one `map` over all entries compared in one go. Only a mismatch pays for the deta
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any, NamedTuple
 
 import torch
@@ -46,7 +46,18 @@ from graphsafe import _native
 from graphsafe._declare.spec import Drift, DriftKind
 from graphsafe._memory.drift import moved_error
 from graphsafe._memory.snapshot import DATA_PTR, PLAIN, STRIDE
-from graphsafe._memory.walk import Site, storage_key, walk_modules, walk_tensors
+from graphsafe._memory.walk import (
+    Attr,
+    Cell,
+    Field,
+    Ref,
+    Site,
+    Slot,
+    step,
+    storage_key,
+    walk,
+    walk_modules,
+)
 
 __all__ = ["Ledger"]
 
@@ -120,8 +131,8 @@ class Ledger:
     """
 
     __slots__ = (
+        "_all_refs",
         "_bindings",
-        "_chained",
         "_dtypes",
         "_geometry",
         "_held",
@@ -130,8 +141,10 @@ class Ledger:
         "_label",
         "_native",
         "_objects",
+        "_odd",
         "_pins",
         "_ptrs",
+        "_refs",
         "_root",
         "_shapes",
         "_strides",
@@ -147,6 +160,7 @@ class Ledger:
         bindings: tuple[_Bound, ...],
         held: tuple[torch.UntypedStorage, ...],
         label: str,
+        refs: tuple[Ref, ...] = (),
     ) -> None:
         """Internal: use `Ledger.snapshot`."""
         self._root = root
@@ -154,25 +168,40 @@ class Ledger:
         self._bindings = bindings
         self._held = held
         self._label = label
-        # Identity links: `holder[key] is obj`, for modules, their dicts, then tensors.
+        self._all_refs = refs
+        # Only the objects on the way to a pinned tensor are checked.
+        # And every other reference to those objects (a kernel object shared by two
+        # layers), with what lies above it.
+        needed: set[int] = set()
+        todo = [p.site.via for p in pins]
+        while todo:
+            for via in todo:
+                while via >= 0 and via not in needed:
+                    needed.add(via)
+                    via = refs[via].via
+            objs = {id(refs[i].obj) for i in needed}
+            todo = [i for i, r in enumerate(refs) if i not in needed and id(r.obj) in objs]
+        self._refs = tuple(refs[i] for i in sorted(needed))
+        # Identity links: `holder[key] is obj`, for modules, their dicts, the objects on the
+        # way to each tensor, then tensors. Steps no item lookup reads (slots, closure
+        # cells, a partial's or a bound method's fields) are checked one by one.
         links: dict[tuple[int, Any], tuple[Any, Any, object]] = {}
+        odd: list[tuple[Any, Any, object]] = []
         for b in bindings:
             links[id(b.parent), "_modules"] = (vars(b.parent), "_modules", b.parent._modules)
             links[id(b.parent._modules), b.key] = (b.parent._modules, b.key, b.module)
+        for i in sorted(needed):
+            r = refs[i]
+            _link(links, odd, *_holder_of(r.container, r.key, r.chain, r.via, refs), r.obj)
         for p in pins:
             s = p.site
             if p.slot != "__dict__":
                 links[id(s.module), p.slot] = (vars(s.module), p.slot, s.container)
-            if not s.chain:
-                links[id(s.container), s.key] = (s.container, s.key, s.tensor)
+            _link(links, odd, *_holder_of(s.container, s.key, s.chain, s.via, refs), s.tensor)
         self._holders = [holder for holder, _, _ in links.values()]
         self._keys = [key for _, key, _ in links.values()]
         self._objects = [obj for _, _, obj in links.values()]
-        self._chained = [
-            (p.site.container, p.site.key, p.site.chain, p.site.tensor)
-            for p in pins
-            if p.site.chain
-        ]
+        self._odd = odd
         # Geometry, once per tensor object (tied weights are pinned at each path).
         tensors = list({id(p.site.tensor): p.site.tensor for p in pins}.values())
         self._tensors = tensors
@@ -214,20 +243,61 @@ class Ledger:
             for s in walk_modules(model)
             if s.parent is not None
         )
+        reach = walk(model)
         pins = [
             _pin(s)
-            for s in walk_tensors(model)
+            for s in reach.sites
             if _has_storage(s.tensor) and (keep is None or keep(s))
         ]
         # Entries without a chain first, so that `paths` lists them first.
         ordered = tuple(p for p in pins if not p.site.chain) + tuple(
             p for p in pins if p.site.chain
         )
+        return cls._of(model, ordered, bindings, label, tuple(reach.refs))
+
+    @classmethod
+    def _of(
+        cls,
+        model: nn.Module,
+        pins: tuple[_Pin, ...],
+        bindings: tuple[_Bound, ...],
+        label: str,
+        refs: tuple[Ref, ...],
+    ) -> Ledger:
         held: dict[int, torch.UntypedStorage] = {}
-        for p in ordered:
+        for p in pins:
             if p.storage:  # 0: no bytes, so no address to hold on to
                 held.setdefault(p.storage, p.site.tensor.untyped_storage())
-        return cls(model, ordered, bindings, tuple(held.values()), label)
+        return cls(model, pins, bindings, tuple(held.values()), label, refs)
+
+    def restricted(self, storages: Set[int]) -> Ledger:
+        """This snapshot, keeping only the tensors in `storages` (what a graph reads) and
+        the modules and objects on the way to them.
+
+        Examples:
+            >>> m = nn.Linear(2, 2)
+            >>> Ledger.snapshot(m).restricted({storage_key(m.bias)}).paths
+            ('bias',)
+        """
+        pins = tuple(p for p in self._pins if p.storage in storages)
+        # The modules holding a kept tensor, and every module above them.
+        parents: dict[int, list[nn.Module]] = {}
+        for b in self._bindings:
+            parents.setdefault(id(b.module), []).append(b.parent)
+        needed: set[int] = set()
+        todo = [p.site.module for p in pins]
+        while todo:
+            m = todo.pop()
+            if id(m) not in needed:
+                needed.add(id(m))
+                todo.extend(parents.get(id(m), ()))
+        bindings = tuple(b for b in self._bindings if id(b.module) in needed)
+        return Ledger._of(self._root, pins, bindings, self._label, self._all_refs)
+
+    @property
+    def storages(self) -> frozenset[int]:
+        """The storage keys of every pinned tensor (0, no bytes, left out)."""
+        return frozenset(p.storage for p in self._pins if p.storage)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -252,7 +322,7 @@ class Ledger:
         if native is not None and geometry is not None:
             return (
                 native.same_items(self._holders, self._keys, self._objects)
-                and self._chains_hold()
+                and self._odd_hold()
                 and native.same_geometry(self._tensors, geometry)
             )
         try:
@@ -260,7 +330,7 @@ class Ledger:
                 map(operator.is_, map(operator.getitem, self._holders, self._keys), self._objects)
             ):
                 return False
-            if not self._chains_hold():
+            if not self._odd_hold():
                 return False
             tensors = self._tensors
             # Metadata reads only: a parameter subclass's __torch_function__ (vLLM's
@@ -276,14 +346,12 @@ class Ledger:
         except _CHECK_ERRORS:
             return False  # a path holds nothing now, or a tensor without storage
 
-    def _chains_hold(self) -> bool:
-        """Whether every tensor inside a list, tuple or dict attribute is still there."""
+    def _odd_hold(self) -> bool:
+        """Whether every slot, closure cell and builtin field on the way still holds what
+        it held (the links no item lookup reads)."""
         try:
-            for container, key, chain, tensor in self._chained:
-                value = container[key]
-                for k in chain:
-                    value = value[k]
-                if value is not tensor:
+            for holder, key, obj in self._odd:
+                if step(holder, key) is not obj:
                     return False
         except _CHECK_ERRORS:
             return False
@@ -308,9 +376,25 @@ class Ledger:
             for b in self._bindings
             if id(b.parent) in live and (d := _module_drift(b)) is not None
         ]
-        for p in self._pins:
-            if id(p.site.module) in live:
-                drifts.extend(_diff(p))
+        tensor_drifts = [d for p in self._pins if id(p.site.module) in live for d in _diff(p)]
+        # A replaced object (a kernel object rebuilt after a load) is named too, where the
+        # tensors the graph reads through it moved; one holding the same tensors is none.
+        # A further reference to an object entered elsewhere has no pins below its path:
+        # replacing it there is a drift by itself.
+        named: list[str] = []  # parents come first: a replaced object is named once
+        pinned_paths = [p.site.path for p in self._pins]
+        for r in self._refs:
+            if id(r.module) not in live or any(r.path.startswith(f"{n}.") for n in named):
+                continue
+            head = f"{r.path}."
+            below = [t for t in tensor_drifts if t.path.startswith(head)]
+            entered = any(p.startswith(head) for p in pinned_paths)
+            if (below and not isinstance(r.obj, (list, tuple, dict))) or not entered:
+                d = _holder_drift(r)
+                if d is not None:
+                    drifts.append(d)
+                    named.append(r.path)
+        drifts.extend(tensor_drifts)
         return tuple(drifts)
 
     def assert_stable(self) -> None:
@@ -376,13 +460,56 @@ def _describe(obj: object) -> str:
     return "None" if obj is None else f"{type(obj).__name__} (id 0x{id(obj):x})"
 
 
+def _holder_of(
+    container: Any, key: Any, chain: tuple[Any, ...], via: int, refs: tuple[Ref, ...]
+) -> tuple[Any, Any]:
+    """The object that holds a site directly, and the step from it."""
+    if not chain:
+        return container, key
+    return refs[via].obj, chain[-1]
+
+
+def _link(
+    links: dict[tuple[int, Any], tuple[Any, Any, object]],
+    odd: list[tuple[Any, Any, object]],
+    holder: Any,
+    key: Any,
+    obj: object,
+) -> None:
+    """Record that `holder` holds `obj` under the step `key`: as an item lookup where one
+    reads it (dicts, lists, tuples, an object's `__dict__`), else as an odd link."""
+    kind = type(key)
+    if kind is Attr:
+        attrs = vars(holder)
+        links[id(attrs), key.name] = (attrs, key.name, obj)
+    elif kind is Slot or kind is Field or kind is Cell:
+        odd.append((holder, key, obj))
+    else:
+        links[id(holder), key] = (holder, key, obj)
+
+
+def _holder_drift(r: Ref) -> Drift | None:
+    """A `holder` drift when the object at `r.path` is no longer the one pinned."""
+    try:
+        value = vars(r.module)[r.key]
+        for k in r.chain:
+            value = step(value, k)
+    except _CHECK_ERRORS + (ValueError,):
+        value = _MISSING
+    if value is r.obj:
+        return None
+    new = "missing" if value is _MISSING else _describe(value)
+    return Drift(path=r.path, module_class=type(r.module).__name__, what="holder",
+                 old=_describe(r.obj), new=new)
+
+
 def _resolve(p: _Pin) -> Any:
     """What the path holds now, through the container the module holds now."""
     s = p.site
     container = vars(s.module) if p.slot == "__dict__" else vars(s.module)[p.slot]
     value = container[s.key]
     for k in s.chain:
-        value = value[k]
+        value = step(value, k)
     return value
 
 
@@ -392,7 +519,7 @@ def _resolve_loose(p: _Pin) -> tuple[object, str]:
     leaves `__dict__` but is still `m.x`, and describing it beats reporting it removed."""
     try:
         return _resolve(p), ""
-    except _RESOLVE_ERRORS:
+    except _RESOLVE_ERRORS + (ValueError,):
         pass
     s = p.site
     if not isinstance(s.key, str):
@@ -400,8 +527,8 @@ def _resolve_loose(p: _Pin) -> tuple[object, str]:
     try:
         value: Any = getattr(s.module, s.key)
         for k in s.chain:
-            value = value[k]
-    except _RESOLVE_ERRORS:
+            value = step(value, k)
+    except _RESOLVE_ERRORS + (ValueError,):
         return None, "missing"
     return value, ""
 

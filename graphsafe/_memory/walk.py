@@ -1,32 +1,126 @@
-"""The one walk over a module tree: every submodule binding and every reachable tensor.
+"""The one walk over a model: every submodule binding, and every tensor it keeps, anywhere.
 
 Everything in graphsafe that looks for tensors in a model walks it here, so that all agree
-on what "every tensor" means (parameters, buffers, and plain attributes, through lists,
-tuples and dicts at any depth). Each comes with its `Site`, so that a caller can read it
-again, or put something else there, through the same container.
+on what "every tensor" means: parameters and buffers; plain attributes; and, through them,
+anything else the model keeps: lists, tuples and dicts at any depth, plain objects and
+dataclasses (`__dict__` and `__slots__`), `functools.partial`s, bound methods, closure
+cells and default arguments of functions, and modules kept outside the module tree (a
+draft model in a plain list). Engines keep derived state in exactly such places (a kernel
+object on a layer's `quant_method`, an attention impl holding `sinks`, a closure over a
+merged LoRA delta). Each tensor comes with its `Site`, so that a caller can read it again
+through the same path, and `Reach.refs` holds every reference to an object on the way,
+so that a rebuilt object (a new kernel object with new tensors) shows.
+
+What the walk leaves out, and where it stops:
+- Each object is entered once (cycles end); every further reference to it is recorded
+  as a ref all the same, and every reference to a tensor is a site (tied weights).
+- It reads `__dict__` entries and slots directly: it never calls a property, and never
+  enters a tensor's own attributes (a parameter's `weight_loader`).
+- Atoms (numbers, strings, dtypes, devices, classes, Python modules, builtins), sets,
+  NumPy arrays and other objects with nothing to enter hold no tensor it could find.
+- It stops at what is not the model's own state: graphsafe's own objects (a runtime, an
+  engine attachment), C++ objects (process groups, streams,
+  `torch._C` types), process-group wrappers and communicators (vLLM's
+  `GroupCoordinator`, `PyNcclCommunicator`), configs (pydantic models, Hugging Face
+  `PretrainedConfig`, vLLM's `VllmConfig` and its parts), engine runners and workers,
+  and any object that holds the root module itself: a back-reference into whatever owns
+  the model (a runner with its KV caches and input buffers).
+- Hook tables and other `nn.Module` internals are not entered.
+
+Which device a graph reads is its guard's business, not the walk's: it yields tensors of
+every device.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
+import types
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["ModuleSite", "Site", "storage_key", "storage_paths", "walk_modules", "walk_tensors"]
+__all__ = [
+    "Attr",
+    "Cell",
+    "Field",
+    "ModuleSite",
+    "Reach",
+    "Ref",
+    "Site",
+    "Slot",
+    "step",
+    "storage_key",
+    "storage_paths",
+    "walk",
+    "walk_modules",
+    "walk_tensors",
+]
 
 # The attributes every nn.Module has in its __dict__: registries and hook tables, never
 # user tensors. `_parameters` and `_buffers` are walked on their own.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
+# What a module outside the tree is entered through (its path leaves the names out).
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+class Attr(NamedTuple):
+    """A step into an object's `__dict__` entry `name`."""
+
+    name: str
+
+
+class Slot(NamedTuple):
+    """A step into an object's `__slots__` member `name` (the key of a snapshot site)."""
+
+    name: str
+
+
+class Field(NamedTuple):
+    """A step into a read-only field of a builtin object: a partial's `func`, `args` and
+    `keywords`, a bound method's `__self__` and `__func__`, a function's `__defaults__` and
+    `__kwdefaults__`."""
+
+    name: str
+
+
+class Cell(NamedTuple):
+    """A step into the closure cell `index` of a function (its free variable `name`)."""
+
+    index: int
+    name: str
+
+
+def step(value: Any, key: Any) -> Any:
+    """What `value` holds under one step of a chain: an `Attr`, `Slot`, `Field` or `Cell`,
+    or else an item key (`value[key]`).
+
+    Examples:
+        >>> step({"a": 1}, "a"), step(functools.partial(max, 3), Field("args"))
+        (1, (3,))
+    """
+    kind = type(key)
+    if kind is Attr:
+        return vars(value)[key.name]
+    if kind is Slot or kind is Field:
+        return getattr(value, key.name)
+    if kind is Cell:
+        return value.__closure__[key.index].cell_contents
+    return value[key]
 
 
 class Site(NamedTuple):
-    """Where one tensor lives: `container[key][chain[0]][chain[1]]...` is `tensor`.
+    """Where one tensor lives: `container[key]`, then each step of `chain`, is `tensor`.
 
-    `container` is `module._parameters`, `module._buffers` or `module.__dict__`; `chain`
-    (keys into nested lists, tuples and dicts) is empty for a tensor held directly; `path`
-    is dotted from the root (`layers.0.cache.1` for an item of a list attribute).
+    `module` is the module of the tree it hangs off; `container` is `module._parameters`,
+    `module._buffers` or `module.__dict__`; `chain` (item keys, `Attr`, `Slot`, `Field`,
+    `Cell`) is empty for a tensor held directly; `path` is dotted from the root
+    (`layers.0.cache.1` for an item of a list attribute, `layers.0.quant_method.w_packed`
+    for a kernel object's tensor). `via` is the index in `Reach.refs` of the object that
+    holds it (-1: the module's own dicts).
     """
 
     path: str
@@ -35,6 +129,29 @@ class Site(NamedTuple):
     key: Any
     chain: tuple[Any, ...]
     tensor: torch.Tensor
+    via: int = -1
+
+
+class Ref(NamedTuple):
+    """One reference to an object on the way to tensors: `Site`'s fields, with `obj` (a
+    container, plain object, function, partial or module outside the tree) for `tensor`.
+    Only objects that hold a tensor somewhere below them are kept."""
+
+    path: str
+    module: nn.Module
+    container: Any
+    key: Any
+    chain: tuple[Any, ...]
+    obj: Any
+    via: int = -1
+
+
+class Reach(NamedTuple):
+    """What `walk` found: every tensor site, and every reference to an object that holds
+    tensors (parents before children)."""
+
+    sites: list[Site]
+    refs: list[Ref]
 
 
 class ModuleSite(NamedTuple):
@@ -77,55 +194,234 @@ def _bindings(module: nn.Module, head: str, seen: set[int]) -> Iterator[ModuleSi
 def walk_tensors(model: nn.Module) -> Iterator[Site]:
     """Yield a `Site` for every place a tensor reachable from `model` is held.
 
-    Per module, in `walk_modules` order: parameters, buffers, then plain attributes
-    through lists, tuples and dicts (cycles end; `None` is skipped). A shared module is
-    walked once; a tensor held in several places (tied weights) is yielded at each.
+    Per module, in `walk_modules` order: parameters, buffers, then plain attributes and
+    everything reachable through them (see the module docstring). A shared module or
+    object is walked once; a tensor held in several places (tied weights) is yielded at
+    each.
 
     Examples:
         >>> m = nn.Linear(2, 2)
         >>> m.cache = [torch.zeros(1), None, {"k": torch.ones(1)}]
+        >>> m.kernel = functools.partial(torch.add, torch.ones(2))
         >>> [s.path for s in walk_tensors(m)]
-        ['weight', 'bias', 'cache.0', 'cache.2.k']
+        ['weight', 'bias', 'cache.0', 'cache.2.k', 'kernel.args.0']
     """
-    seen: set[int] = set()
-    for where in walk_modules(model):
-        module = where.module
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        head = f"{where.path}." if where.path else ""
-        for container in (module._parameters, module._buffers):
-            for name, value in tuple(container.items()):
-                if isinstance(value, torch.Tensor):
-                    yield Site(head + name, module, container, name, (), value)
-        attrs = module.__dict__
-        for name, value in tuple(attrs.items()):
-            if name in _MODULE_INTERNALS:
+    return iter(walk(model).sites)
+
+
+def walk(model: nn.Module) -> Reach:
+    """Every tensor site and every object reference reachable from `model` (one pass)."""
+    return _Walker(model).run()
+
+
+# Types whose instances hold no tensor the walk could find: one set lookup per value.
+_ATOMS = frozenset({
+    str, bytes, bytearray, int, float, complex, bool, type(None), range, slice,
+    torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format,
+    types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
+    types.MethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType,
+    types.ModuleType, types.GeneratorType, types.CoroutineType, types.CodeType,
+    types.FrameType, weakref.ref, set, frozenset, type, enum.EnumMeta,
+})
+# Classes (by name, anywhere in the MRO) that are not the model's state: configs,
+# process groups and communicators, engine runners and workers.
+_STOP_NAMES = frozenset({
+    "BaseModel", "PretrainedConfig", "PreTrainedTokenizerBase", "VllmConfig", "ModelConfig",
+    "CacheConfig", "ParallelConfig", "SchedulerConfig", "DeviceConfig", "LoadConfig",
+    "CompilationConfig", "ServerArgs", "ProcessGroup", "GroupCoordinator",
+    "PyNcclCommunicator", "DeviceCommunicatorBase", "GPUModelRunner", "CPUModelRunner",
+    "ModelRunner", "ModelRunnerBase", "Worker", "WorkerBase", "TpModelWorker",
+    "ForwardContext", "LLMEngine", "EngineCore", "Scheduler",
+})
+
+
+# Modules of the standard library whose objects are machinery, not state (a logger's
+# manager reaches every logger of the process).
+_STOP_MODULES = frozenset({
+    "logging", "threading", "asyncio", "queue", "socket", "io", "_io", "subprocess",
+    "multiprocessing", "concurrent.futures", "concurrent.futures.thread", "selectors",
+})
+
+
+_STOPS: dict[type, bool] = {}
+"""Class -> whether the walk stops at its instances (decided once per class)."""
+
+
+def _stops(value: object) -> bool:
+    """Whether `value` is an object the walk does not enter (see the module docstring)."""
+    cls = type(value)
+    found = _STOPS.get(cls)
+    if found is None:
+        found = _STOPS[cls] = issubclass(cls, (type, enum.Enum)) or any(
+            k.__name__ in _STOP_NAMES
+            or k.__module__ in _STOP_MODULES
+            or k.__module__.startswith(("torch._C", "graphsafe._", "graphsafe.integrations"))
+            for k in cls.__mro__
+        )
+    return found
+
+
+class _Walker:
+    """One walk: the objects entered so far, and what was found."""
+
+    __slots__ = ("entered", "model", "refs", "sites", "tree")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.sites: list[Site] = []
+        self.refs: list[Ref] = []
+        self.tree: set[int] = set()
+        self.entered: set[int] = set()
+
+    def run(self) -> Reach:
+        modules = list(walk_modules(self.model))
+        self.tree = {id(s.module) for s in modules}
+        done: set[int] = set()
+        for where in modules:
+            module = where.module
+            if id(module) in done:
                 continue
-            for chain, path, tensor in _held(value, (), head + name, set()):
-                yield Site(path, module, attrs, name, chain, tensor)
+            done.add(id(module))
+            head = f"{where.path}." if where.path else ""
+            for container in (module._parameters, module._buffers):
+                for name, value in tuple(container.items()):
+                    if isinstance(value, torch.Tensor):
+                        self.sites.append(Site(head + name, module, container, name, (), value))
+            attrs = module.__dict__
+            for name, value in tuple(attrs.items()):
+                if name not in _MODULE_INTERNALS and type(value) not in _ATOMS:
+                    self._visit(module, attrs, name, head + name, value)
+        return Reach(self.sites, self._needed())
+
+    def _visit(self, module: nn.Module, container: Any, key: Any, path: str, value: Any) -> None:
+        """Everything reachable from `container[key]` (`value`), depth first, in order."""
+        stack: list[tuple[Any, str, tuple[Any, ...], int]] = [(value, path, (), -1)]
+        while stack:
+            value, path, chain, via = stack.pop()
+            if isinstance(value, torch.Tensor):
+                self.sites.append(Site(path, module, container, key, chain, value, via))
+                continue
+            if type(value) in _ATOMS or id(value) in self.tree:
+                continue  # the tree's own modules are walked as the tree
+            index = len(self.refs)
+            self.refs.append(Ref(path, module, container, key, chain, value, via))
+            if id(value) in self.entered:
+                continue  # entered once; this reference is recorded all the same
+            self.entered.add(id(value))
+            children = _children(value)
+            if children is None or any(c is self.model for _, c in children) or _stops(value):
+                continue
+            for k, child in reversed(children):
+                if type(child) not in _ATOMS:
+                    stack.append((child, _join(path, value, k), (*chain, k), index))
+
+    def _needed(self) -> list[Ref]:
+        """The refs to objects that hold a tensor below them, renumbered (and the sites'
+        `via` with them)."""
+        full: set[int] = set()  # ids of objects with a tensor below
+        refs = self.refs
+        for site in self.sites:
+            via = site.via
+            while via >= 0 and id(refs[via].obj) not in full:
+                full.add(id(refs[via].obj))
+                via = refs[via].via
+        # An object entered once may sit below a ref recorded later: mark to a fixpoint.
+        changed = True
+        while changed:
+            changed = False
+            for r in refs:
+                if id(r.obj) in full and r.via >= 0 and id(refs[r.via].obj) not in full:
+                    full.add(id(refs[r.via].obj))
+                    changed = True
+        new_index: dict[int, int] = {}
+        kept: list[Ref] = []
+        for i, r in enumerate(refs):
+            if id(r.obj) in full:
+                new_index[i] = len(kept)
+                kept.append(r._replace(via=new_index.get(r.via, -1)))
+        if len(kept) != len(refs):  # renumber (what keeps its index keeps its site)
+            self.sites[:] = [
+                s if s.via < 0 or new_index.get(s.via, -1) == s.via
+                else s._replace(via=new_index.get(s.via, -1))
+                for s in self.sites
+            ]
+        return kept
 
 
-def _held(
-    value: object, chain: tuple[Any, ...], path: str, seen: set[int]
-) -> Iterator[tuple[tuple[Any, ...], str, torch.Tensor]]:
-    """Yield `(chain, path, tensor)` for every tensor in `value`, through containers."""
-    if isinstance(value, torch.Tensor):
-        yield chain, path, value
-        return
-    if isinstance(value, nn.Module) or id(value) in seen:
-        return  # submodules are walked on their own; cycles end here
-    items: tuple[tuple[Any, object], ...]
+def _children(value: Any) -> list[tuple[Any, Any]] | None:
+    """`(step, child)` for everything `value` holds, or None when it is nothing to enter."""
     if isinstance(value, (list, tuple)):
-        items = tuple(enumerate(value))
-    elif isinstance(value, dict):
-        items = tuple(value.items())
-    else:
-        return
-    seen.add(id(value))
-    for key, item in items:
-        yield from _held(item, (*chain, key), f"{path}.{key}", seen)
-    seen.discard(id(value))
+        return list(enumerate(value))
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, functools.partial):
+        out: list[tuple[Any, Any]] = [
+            (Field("func"), value.func), (Field("args"), value.args),
+            (Field("keywords"), value.keywords),
+        ]
+        return out + _attrs(value)
+    if isinstance(value, types.MethodType):
+        return [(Field("__self__"), value.__self__), (Field("__func__"), value.__func__)]
+    if isinstance(value, types.FunctionType):
+        cells = value.__closure__ or ()
+        names = value.__code__.co_freevars
+        out = []
+        for i, cell in enumerate(cells):
+            try:
+                out.append((Cell(i, names[i]), cell.cell_contents))
+            except ValueError:  # an empty cell
+                continue
+        if value.__defaults__:
+            out.append((Field("__defaults__"), value.__defaults__))
+        if value.__kwdefaults__:
+            out.append((Field("__kwdefaults__"), value.__kwdefaults__))
+        return out + _attrs(value)
+    if isinstance(value, nn.Module):  # outside the tree: its tables, then its attributes
+        attrs = vars(value)
+        return [(Attr(n), attrs[n]) for n in _MODULE_TABLES if n in attrs] + [
+            (Attr(n), v) for n, v in attrs.items() if n not in _MODULE_INTERNALS
+        ]
+    found = _attrs(value) + _slots(value)
+    return found or None
+
+
+def _attrs(value: Any) -> list[tuple[Any, Any]]:
+    d = getattr(value, "__dict__", None)
+    if type(d) is not dict:
+        return []
+    return [(Attr(n), v) for n, v in tuple(d.items())]
+
+
+def _slots(value: Any) -> list[tuple[Any, Any]]:
+    out: list[tuple[Any, Any]] = []
+    for klass in type(value).__mro__:
+        names = klass.__dict__.get("__slots__", ())
+        for name in (names,) if isinstance(names, str) else names:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"  # a private slot's real name
+            if not isinstance(klass.__dict__.get(name), types.MemberDescriptorType):
+                continue  # not a slot of this class (or shadowed): never call a property
+            try:
+                out.append((Slot(name), klass.__dict__[name].__get__(value, klass)))
+            except AttributeError:  # an unset slot
+                continue
+    return out
+
+
+def _join(path: str, holder: Any, key: Any) -> str:
+    """The dotted path of `holder`'s child under `key`."""
+    kind = type(key)
+    if kind is Attr:
+        if key.name in _MODULE_TABLES and isinstance(holder, nn.Module):
+            return path  # a module's tables: `drafts.0.weight`, not `drafts.0._parameters`
+        return f"{path}.{key.name}"
+    if kind is Slot or kind is Field:
+        return f"{path}.{key.name}"
+    if kind is Cell:
+        return f"{path}.<closure {key.name}>"
+    return f"{path}.{key}"
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -151,7 +447,7 @@ def storage_key(t: torch.Tensor) -> int:
 def storage_paths(model: nn.Module) -> dict[int, str]:
     """`{storage key: first path}` of every storage of `model` that has bytes."""
     found: dict[int, str] = {}
-    for site in walk_tensors(model):
+    for site in walk(model).sites:
         key = storage_key(site.tensor)
         if key:
             found.setdefault(key, site.path)

@@ -42,6 +42,7 @@ from graphsafe._graphs.cpu_codegen import (
     storage_alias,
 )
 from graphsafe._graphs.source import user_frame as _user_frame
+from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.tracking import written_args
 
 __all__ = ["CPUBackend", "CompiledGraph"]
@@ -165,6 +166,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch st
         )
         self.env: list[torch.Tensor | None] = []
         self.ops: list[Recorded] = []
+        self.externals: list[torch.Tensor] = []
+        """Aliases of the tensors made outside the capture that the body read."""
         self.inference = torch.is_inference_mode_enabled()
 
     def __torch_dispatch__(
@@ -314,6 +317,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch st
                 frees[n].append(k)
 
         externals_used = [(i, t) for i, t in enumerate(self.env) if t is not None and i in live]
+        # What the body read, as a CUDA graph would (it replays every kernel captured),
+        # not only what the replay still runs.
+        self.externals = [t for t in self.env if t is not None]
         return CompiledGraph(
             generate(kept, frees, externals_used, aliases), len(kept), self.inference
         )
@@ -336,10 +342,11 @@ class CPUBackend:
         tensor([2., 3.])
     """
 
-    __slots__ = ("_compiled", "_state")
+    __slots__ = ("_compiled", "_external", "_state")
 
     def __init__(self) -> None:
         self._compiled: CompiledGraph | None = None
+        self._external: list[torch.Tensor] = []
         self._state = CaptureState()
 
     def warmup(self, fn: Callable[[], object], iters: int) -> None:
@@ -361,6 +368,18 @@ class CPUBackend:
             with _ValueReadGuard(), recorder:
                 yield
             self._compiled = recorder.compile()
+            self._external = recorder.externals
+
+    @property
+    def reads(self) -> frozenset[int] | None:
+        """Storage keys of what the body read that was made outside the capture: exact,
+        since the replay runs nothing but recorded ops."""
+        return frozenset(k for t in self._external if (k := storage_key(t)))
+
+    def outside(self) -> list[torch.Tensor]:
+        """The tensors (aliases of their storage) the body read that were made outside the
+        capture."""
+        return list(self._external)
 
     def replay(self) -> None:
         """Replay the captured ops (`CaptureError` if no capture succeeded)."""

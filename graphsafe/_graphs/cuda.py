@@ -14,6 +14,7 @@ import torch
 
 from graphsafe._errors import CaptureError
 from graphsafe._graphs.capture import CaptureState
+from graphsafe._graphs.reads import ReadRecorder
 from graphsafe._graphs.source import user_frame_of
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class CUDABackend:
         CaptureError: CUDA is not available.
     """
 
-    __slots__ = ("_graph", "_pool", "_state")
+    __slots__ = ("_graph", "_pool", "_recorder", "_state")
 
     def __init__(self, pool: PoolHandle | None = None) -> None:
         if not torch.cuda.is_available():
@@ -68,6 +69,17 @@ class CUDABackend:
         self._graph = torch.cuda.CUDAGraph()
         self._pool = pool
         self._state = CaptureState()
+        self._recorder = ReadRecorder()
+
+    @property
+    def reads(self) -> frozenset[int] | None:
+        """Storage keys the captured ops read; None when compiled code ran in the capture
+        (its kernels read memory no op names)."""
+        return self._recorder.reads
+
+    def outside(self) -> list[torch.Tensor]:
+        """A tensor per storage the captured ops read that they did not make."""
+        return self._recorder.outside()
 
     def warmup(self, fn: Callable[[], object], iters: int) -> None:
         """Run `fn` `iters` times on a side stream, then join the current stream."""
@@ -89,7 +101,7 @@ class CUDABackend:
         with self._state.capturing():
             torch.cuda.synchronize()
             try:
-                with torch.cuda.graph(self._graph, pool=self._pool):
+                with torch.cuda.graph(self._graph, pool=self._pool), self._recorder:
                     yield
             except BaseException as error:
                 reason = _capture_failure(error)

@@ -127,6 +127,29 @@ class Graph:
         return self._guard.ledger if self._guard is not None else None
 
     @property
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """What a guarded graph reads that the model does not hold (static inputs, KV
+        caches: graphsafe does not own them); empty without a guard or before capture.
+
+        Examples:
+            >>> from torch import nn
+            >>> model, x = nn.Linear(2, 2), torch.ones(1, 2)
+            >>> g = Graph(backend="cpu", guard=model)
+            >>> with torch.no_grad(), g.capture():
+            ...     y = model(x)
+            >>> [t.data_ptr() for t in g.inputs] == [x.data_ptr()]
+            True
+        """
+        return self._guard.inputs if self._guard is not None else ()
+
+    @property
+    def reads(self) -> frozenset[int] | None:
+        """Storage keys a guarded graph reads, which its guard checks (and only those);
+        None without a guard, before capture, or where they are not known (a CUDA capture
+        that ran compiled kernels), where the guard checks the whole model."""
+        return self._guard.reads if self._guard is not None else None
+
+    @property
     def captured(self) -> bool:
         """Whether a capture succeeded, so that `replay()` can run."""
         return self._state.captured
@@ -169,9 +192,13 @@ class Graph:
         try:
             if self._model is not None:
                 # Before the body: the ledger must record the storage the graph reads.
-                self._guard = Guard(self._model, self, repair=self._repair)
+                self._guard = Guard(
+                    self._model, self, repair=self._repair, device=self._backend_name
+                )
             with self._state.capturing(), self._backend.capture():
                 yield
+            if self._guard is not None:
+                self._guard.narrow(self._backend.reads, self._backend.outside())
         except BaseException:
             self._release()
             raise

@@ -8,14 +8,16 @@ check and its own freshness check (witnesses and journal).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from graphsafe._memory.ledger import Ledger
-from graphsafe._memory.walk import Site
+from graphsafe._memory.walk import Site, storage_key, storage_paths
 from graphsafe._runtime.runtime import Runtime, runtime
 
 __all__ = ["Guard"]
@@ -27,6 +29,12 @@ class _Holder(int):
     __slots__ = ()
 
 
+def _on_device(keep: Callable[[Site], bool] | None, site: Site) -> bool:
+    """Whether a CUDA graph reads `site`'s tensor by address (and `keep` keeps it)."""
+    kind = site.tensor.device.type
+    return kind in ("cuda", "meta") and (keep is None or keep(site))
+
+
 class Guard:
     """The guard of one captured graph over one model.
 
@@ -34,9 +42,11 @@ class Guard:
     right before the body is captured. The pin is released with the guard or when `owner`
     (the graph) is garbage-collected. `repair` refreshes stale derived buffers before a
     replay instead of refusing it; `keep` picks the tensors the ledger pins (all if None).
+    A CUDA graph (`device="cuda"`) reads only device memory by address: host tensors are
+    taken by value at capture, and are not pinned.
     """
 
-    __slots__ = ("_release", "_repair", "ledger", "runtime")
+    __slots__ = ("_release", "_repair", "inputs", "ledger", "reads", "runtime")
 
     def __init__(
         self,
@@ -45,7 +55,10 @@ class Guard:
         *,
         repair: bool,
         keep: Callable[[Site], bool] | None = None,
+        device: str = "cpu",
     ) -> None:
+        if device == "cuda":
+            keep = functools.partial(_on_device, keep)
         rt = runtime(model)
         token = _Holder(id(owner))
         rt.pin(holder=token)
@@ -53,6 +66,20 @@ class Guard:
         self._repair = repair
         self.runtime: Runtime = rt
         self.ledger = Ledger.snapshot(model, label="graph capture", keep=keep)
+        self.reads: frozenset[int] | None = None
+        """Storage keys the graph reads (None: not known, the whole model is checked)."""
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        """What the graph reads that the model does not hold (static inputs, caches)."""
+
+    def narrow(self, reads: frozenset[int] | None, outside: Sequence[torch.Tensor]) -> None:
+        """After capture: check only what the graph reads (`reads`, when known), and list
+        the tensors it reads from `outside` the capture that the model does not hold."""
+        model = self.runtime.model
+        owned = set(storage_paths(model))
+        self.inputs = tuple(t for t in outside if storage_key(t) not in owned)
+        if reads is not None:
+            self.reads = reads
+            self.ledger = self.ledger.restricted(reads)
 
     @staticmethod
     def check_capturable(model: nn.Module) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ from graphsafe._verify import (
     run_verify,
     run_verify_pp,
 )
+from graphsafe._verify.pipeline import DEFAULT_TIMEOUT
 
 __all__ = ["main"]
 
@@ -46,8 +48,18 @@ def _verify_command(args: argparse.Namespace) -> int:
         return _usage("--refits must be at least 1")
     if args.pp is not None and args.pp < 1:
         return _usage("--pp must be at least 1")
+    if args.timeout is not None:
+        if args.pp is None:
+            return _usage("--timeout only applies with --pp: it is how long a pipeline "
+                          "rank may wait for another (add --pp N, or drop --timeout)")
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            return _usage(f"--timeout must be a positive number of seconds, got "
+                          f"{args.timeout:g} (e.g. --timeout 60)")
     try:
         target = load_target(args.target)
+    except GraphSafetyError as exc:
+        return _usage(f"--target: {exc}")
+    try:
         if args.preset not in target.presets:
             return _usage(f"unknown preset {args.preset!r} for {target.name}; "
                           f"choose one of {', '.join(target.presets)}")
@@ -66,7 +78,8 @@ def _run(args: argparse.Namespace, target: VerifyTarget) -> VerifyReport:
     if args.pp is not None:
         return run_verify_pp(
             target, pp=args.pp, preset=args.preset, backend=args.backend,
-            refits=args.refits, seed=args.seed, timeout=args.timeout, progress=say,
+            refits=args.refits, seed=args.seed, progress=say,
+            timeout=DEFAULT_TIMEOUT if args.timeout is None else args.timeout,
         )
     return run_verify(
         target, preset=args.preset, backend=args.backend, refits=args.refits,
@@ -125,9 +138,10 @@ def _parser() -> argparse.ArgumentParser:
         "replay their graphs in order, and the last stage's logits are compared with the "
         "trainer's eager ones",
     )
-    verify.add_argument("--timeout", type=float, default=600.0,
-                        help="with --pp: seconds a rank may wait for another before it fails "
-                        "(default 600; a rank that dies is noticed at once)")
+    verify.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="only with --pp: seconds a rank may wait for another before it "
+                        f"fails (default {DEFAULT_TIMEOUT:g}; a rank that dies is noticed at "
+                        "once)")
     native = sub.add_parser(
         "native",
         help="build the guard's compiled checks, or say which path the guard takes",

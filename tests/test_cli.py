@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
-from graphsafe._verify import VerifyReport, run_verify
+import graphsafe as gs
+from graphsafe._verify import VerifyReport, load_target, run_verify, run_verify_pp
 from graphsafe.cli import main
-from graphsafe.models.deepseek_v4 import verify_target
+from graphsafe.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, verify_target
 
 
 def test_verify_json_reports_exact_refits_and_a_detected_control(capsys):
@@ -90,5 +96,126 @@ def test_verify_exit_code_is_one_when_a_refit_fails(capsys):
 def test_verify_rejects_unknown_preset_and_target(capsys):
     assert main(["verify", "--preset", "huge"]) == 2
     assert "unknown preset 'huge'" in capsys.readouterr().err
-    assert main(["verify", "--target", "nope"]) == 1
+    assert main(["verify", "--target", "nope"]) == 2  # a usage error, like the preset
     assert "unknown verify target 'nope'" in capsys.readouterr().err
+
+
+# -----------------------------------------------------------------------------
+# usage errors: --target, --timeout
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        (":", "its module name is empty"),
+        ("", "no verify target given"),
+        (":target", "its module name is empty"),
+        (".pkg:target", "its module name is not a dotted name: '.pkg'"),
+        ("os:path", "'os:path' is not a verify target"),
+        ("test_cli:_NaiveEverywhere", "is the class _NaiveEverywhere, not a verify target"),
+    ],
+    ids=["colon", "empty", "no-module", "relative", "module", "class"],
+)
+def test_verify_refuses_a_target_that_is_not_one_as_a_usage_error(
+    capsys: pytest.CaptureFixture[str], spec: str, why: str
+) -> None:
+    # Before: `ValueError: Empty module name`, or `AttributeError: ... 'presets'`.
+    assert main(["verify", "--target", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphsafe verify: --target: ") and why in err
+    assert "expected:   an entry point of group 'graphsafe.targets'" in err  # what a target is
+    assert "module:attribute naming an object with name, presets" in err
+    assert "e.g. `deepseek_v4`, or `my_pkg.verify_target:target`" in err  # an example
+    assert "Traceback" not in err and err.count("graphsafe verify:") == 1
+
+
+def test_control_a_target_named_by_module_and_dotted_attribute_loads() -> None:
+    assert load_target("graphsafe.models.deepseek_v4:verify_target") is verify_target
+    assert load_target("test_cli:NAIVE_EVERYWHERE") is NAIVE_EVERYWHERE
+    assert load_target("test_cli:_Holder.target") is NAIVE_EVERYWHERE
+
+
+class _Holder:
+    target = NAIVE_EVERYWHERE
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--timeout", "5"], "--timeout only applies with --pp"),
+        (["--pp", "2", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+        (["--pp", "2", "--timeout", "-1"], "got -1"),
+        (["--pp", "2", "--timeout", "nan"], "got nan"),
+        (["--pp", "2", "--timeout", "inf"], "got inf"),
+    ],
+    ids=["without-pp", "zero", "negative", "nan", "inf"],
+)
+def test_verify_refuses_a_timeout_it_cannot_use_before_starting_anything(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    # Before: `--timeout 5` was ignored (a whole run), `--timeout 0` started processes
+    # that died printing c10d's C++ frames.
+    assert main(["verify", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphsafe verify: ") and message in err
+    assert multiprocessing.active_children() == []
+
+
+def test_run_verify_pp_refuses_a_timeout_that_is_not_positive() -> None:
+    with pytest.raises(gs.GraphSafetyError, match="the timeout must be a positive number"):
+        run_verify_pp(verify_target, pp=2, backend="cpu", timeout=0.0)
+    assert multiprocessing.active_children() == []
+
+
+@dataclass(frozen=True)
+class _StuckStage:
+    """DeepSeek V4, except that the first stage never comes to the first sync."""
+
+    name: str = "stuck-stage"
+    presets: tuple[str, ...] = ("tiny",)
+    critical: tuple[str, ...] = ("hc_attn_fn",)
+
+    def build(self, preset: str, naive: bool, device: torch.device) -> nn.Module:
+        return verify_target.build(preset, naive, device)
+
+    def build_stage(self, preset: str, naive: bool, device: torch.device, *, pp_rank: int,
+                    pp_size: int) -> nn.Module:
+        if pp_rank == 0:
+            time.sleep(3600)  # stopped by the run once the others timed out
+        with torch.device(device):
+            return DeepseekV4Model(DeepseekV4Config.preset(preset, pp_rank=pp_rank,
+                                                           pp_size=pp_size))
+
+    def checkpoint(self, model: nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+        return verify_target.checkpoint(model, seed)
+
+    def example_input(self, model: nn.Module, seed: int) -> tuple[torch.Tensor, ...]:
+        return verify_target.example_input(model, seed)
+
+
+STUCK_STAGE = _StuckStage()
+
+
+def test_verify_pp_timeout_ends_in_one_readable_error() -> None:
+    # A fresh process, so that every rank's own stderr (c10d's C++ logs) is read too.
+    done = subprocess.run(
+        [sys.executable, "-m", "graphsafe", "verify", "--target", "test_cli:STUCK_STAGE",
+         "--pp", "2", "--timeout", "1", "--refits", "1", "--backend", "cpu"],
+        capture_output=True, text=True, timeout=300, check=False,
+        cwd=Path(__file__).parent,
+        env={k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"},
+    )
+    err = done.stderr
+    assert done.returncode == 1, err
+    final = err[err.index("graphsafe verify: "):].splitlines()
+    assert final[0].startswith(
+        "graphsafe verify: GraphSafetyError: verify --pp 2: the run ended without a report: "
+        "rank 0 (trainer) ")  # and maybe stage 1, which waited for the trainer
+    assert final[0].endswith("timed out waiting for another rank (--timeout 1 s)")
+    assert final[2].startswith("  got:        rank 0 (trainer): WeightSyncError: send_weights")
+    assert "Timed out waiting 1000ms" in final[2]
+    assert final[3].endswith(
+        "rank 1 (stage 0): reported nothing: it was still running when the run stopped it")
+    assert final[4].strip().startswith("rank 2 (stage 1): ")
+    assert final[5].startswith("  fix:        raise --timeout")
+    assert "Traceback" not in err and "frame #" not in err and "c10::" not in err

@@ -15,11 +15,14 @@ reports it and exits, and the parent kills whatever is left.
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
 import torch
@@ -27,13 +30,27 @@ import torch
 from graphsafe._errors import GraphSafetyError
 from graphsafe._verify.backend import choose_backend
 from graphsafe._verify.job import Job
-from graphsafe._verify.processes import Results, context, end, free_port, init_group, wait
+from graphsafe._verify.processes import (
+    Results,
+    context,
+    describe_failure,
+    end,
+    free_port,
+    init_group,
+    quiet_native_logs,
+    wait,
+)
 from graphsafe._verify.report import VerifyReport
 from graphsafe._verify.stage import check_stages, stage
 from graphsafe._verify.target import VerifyTarget
 from graphsafe._verify.trainer import trainer
 
-__all__ = ["run_verify_pp"]
+__all__ = ["DEFAULT_TIMEOUT", "run_verify_pp"]
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a rank may wait for another, unless the run says otherwise."""
+
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)  # gloo's and c10d's stores' words
 
 
 def run_verify_pp(
@@ -44,7 +61,7 @@ def run_verify_pp(
     backend: str = "auto",
     refits: int = 3,
     seed: int = 0,
-    timeout: float = 600.0,
+    timeout: float = DEFAULT_TIMEOUT,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Run verify with a trainer process and `pp` pipeline-stage processes over gloo.
@@ -56,36 +73,53 @@ def run_verify_pp(
         backend: `auto`, `cuda` or `cpu`.
         refits: How many refits.
         seed: Seed of weights, inputs and bucket sizes.
-        timeout: Seconds every collective may wait before it fails.
+        timeout: Seconds every collective (and joining the group) may wait before it
+            fails; positive.
         progress: Called with a line of text as the run goes.
 
     Returns:
         The report; `report.ok` says whether everything held.
 
     Raises:
-        GraphSafetyError: `pp` below 1, an unknown backend, a target that cannot be
-            split into `pp` stages; a process failed before the report was made (its
-            error is quoted), or the run outlasted its deadline.
+        GraphSafetyError: `pp` below 1, a timeout that is not positive, an unknown
+            backend, a target that cannot be split into `pp` stages; a process failed
+            or timed out before the report was made (each rank's error is quoted in a
+            line), or the run outlasted its deadline.
     """
     say = progress or (lambda line: None)
     if pp < 1:
         raise GraphSafetyError("--pp needs at least one stage", expected=">= 1", got=pp,
                                fix="pass --pp 2 for a trainer and two pipeline stages")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise GraphSafetyError("verify --pp: the timeout must be a positive number of seconds",
+                               expected="> 0 seconds", got=timeout,
+                               fix=f"pass timeout={DEFAULT_TIMEOUT:g}, or what a rank may "
+                               "wait for another on this machine")
     chosen = choose_backend(backend)
     job = Job(target=target, preset=preset, device=chosen, backend=chosen, pp=pp,
               refits=refits, seed=seed, timeout=timeout)
     check_stages(job)
-    report, errors, procs = _run(job, say)
-    if report is None:
-        raise _no_report(pp, errors, procs)
-    return VerifyReport.model_validate_json(report)
+    ended = _run(job, say)
+    if ended.report is None:
+        raise _no_report(job, ended)
+    return VerifyReport.model_validate_json(ended.report)
 
 
-def _run(
-    job: Job, say: Callable[[str], None]
-) -> tuple[str | None, dict[int, str], list[BaseProcess]]:
-    """Start the processes, relay what they say until they end, stop what is left; the
-    trainer's report (JSON) if it came, each rank's error, the processes."""
+@dataclass
+class _Ended:
+    """How the processes of a run ended."""
+
+    report: str | None = None
+    """The trainer's report (JSON), if it came."""
+    errors: dict[int, str] = field(default_factory=dict)
+    """Rank -> its failure in a line (-1: the run's own), in the order they came."""
+    stopped: set[int] = field(default_factory=set)
+    """Ranks still running when the run stopped them."""
+    exitcodes: list[int | None] = field(default_factory=list)
+
+
+def _run(job: Job, say: Callable[[str], None]) -> _Ended:
+    """Start the processes, relay what they say until they end, stop what is left."""
     ctx = context()
     results: Results = ctx.Queue()
     port = free_port()
@@ -95,28 +129,53 @@ def _run(
                     name=f"graphsafe-verify-rank{rank}")
         for rank in range(world)
     ]
-    for p in procs:
-        p.start()
-    errors: dict[int, str] = {}
+    with quiet_native_logs():
+        for p in procs:
+            p.start()
+    ended = _Ended()
     try:
-        report = wait(procs, results, errors, say,
-                      deadline=time.monotonic() + job.timeout * (job.refits + 4) + 60)
+        ended.report = wait(procs, results, ended.errors, say,
+                            deadline=time.monotonic() + job.timeout * (job.refits + 4) + 60)
     finally:
+        ended.stopped = {rank for rank, p in enumerate(procs) if p.exitcode is None}
         end(procs)
-    return report, errors, procs
+        ended.exitcodes = [p.exitcode for p in procs]
+    return ended
 
 
-def _no_report(pp: int, errors: dict[int, str], procs: list[BaseProcess]) -> GraphSafetyError:
-    shown = "\n".join(f"    rank {r}: {e}" for r, e in sorted(errors.items()))
-    codes = ", ".join(f"rank {i}: {p.exitcode}" for i, p in enumerate(procs))
+def _role(rank: int) -> str:
+    """How a rank is named in messages."""
+    return "rank 0 (trainer)" if rank == 0 else f"rank {rank} (stage {rank - 1})"
+
+
+def _no_report(job: Job, ended: _Ended) -> GraphSafetyError:
+    """One error for a run without a report: a line per rank, and a timeout named."""
+    lines = []
+    for rank, code in enumerate(ended.exitcodes):
+        if rank in ended.errors:
+            what = ended.errors[rank]
+        elif rank in ended.stopped:
+            what = "reported nothing: it was still running when the run stopped it"
+        elif code == 0:
+            what = "ended without an error"
+        else:
+            died = f"signal {signal.Signals(-code).name}" if code and code < 0 else code
+            what = f"died ({died}) without reporting an error"
+        lines.append(f"{_role(rank)}: {what}")
+    if -1 in ended.errors:
+        lines.append(f"the run: {ended.errors[-1]}")
+    summary = f"verify --pp {job.pp}: the run ended without a report"
+    fix = ("read the ranks' errors: the first one that is not about another rank (a "
+           "closed connection, a sync that did not arrive) is where the run broke")
+    timed_out = sorted(r for r, e in ended.errors.items() if r >= 0 and _TIMED_OUT.search(e))
+    if timed_out:
+        summary += (f": {' and '.join(map(_role, timed_out))} timed out waiting for another "
+                    f"rank (--timeout {job.timeout:g} s)")
+        fix = ("raise --timeout if the ranks are only slow (large presets, slow machines); "
+               "otherwise see why the rank it waited for stopped: its error, or the rank "
+               "that was still running")
     return GraphSafetyError(
-        f"verify --pp {pp}: the run ended without a report",
-        expected="the trainer's report",
-        got=(f"errors:\n{shown}" if shown else "no error reported") + f"\n  exit codes: "
-        f"{codes}",
-        fix="read the first error above. A timeout means that a rank waited longer than "
-        "--timeout for another (raise it for large presets on slow machines) or that "
-        "another rank died",
+        summary, expected="the trainer's report", got=("\n" + " " * 14).join(lines), fix=fix
     )
 
 
@@ -132,8 +191,8 @@ def _worker(rank: int, world: int, port: int, job: Job, results: Results) -> Non
                 results.put(("report", 0, report.model_dump_json()))
             else:
                 stage(rank, job)
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
+    except BaseException as exc:
+        results.put(("error", rank, describe_failure(exc)))
         code = 1
     finally:
         results.close()

@@ -5,22 +5,40 @@ from __future__ import annotations
 import datetime
 import os
 import queue as queue_mod
+import re
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Any, TypeAlias
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Results", "context", "end", "free_port", "init_group", "wait"]
+from graphsafe._errors import GraphSafetyError, one_line
+
+__all__ = [
+    "Results",
+    "context",
+    "describe_failure",
+    "end",
+    "free_port",
+    "init_group",
+    "quiet_native_logs",
+    "wait",
+]
 
 Results: TypeAlias = "Queue[tuple[str, int, str]]"
 """What the processes tell the parent: `(kind, rank, text)`, kind `say`, `report` or
 `error`."""
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_CPP_SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ")  # gloo's "[.../pair.cc:553] "
 
 
 def context() -> Any:
@@ -34,6 +52,51 @@ def context() -> Any:
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "graphsafe.distributed", "graphsafe._verify.pipeline"])
     return ctx
+
+
+@contextmanager
+def quiet_native_logs() -> Iterator[None]:
+    """While processes start: silence torch's C++ logs in them, unless
+    TORCH_CPP_LOG_LEVEL is set. c10d logs each failure with its C++ stack (a hundred
+    lines per rank), and every rank reports its errors itself. The level is read when a
+    process loads torch (the fork server does, once), so it is set in this process's
+    environment while they start."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A rank's failure in one line: the error, what first caused it, and (for an error
+    that is not graphsafe's, which says where itself) the innermost frame outside torch.
+
+    Examples:
+        >>> try:
+        ...     raise RuntimeError("[/src/gloo/pair.cc:553] Connection closed by peer")
+        ... except RuntimeError as exc:
+        ...     describe_failure(exc).split(", at ")[0]
+        'RuntimeError: Connection closed by peer'
+    """
+    text = _CPP_SOURCE.sub("", one_line(exc))
+    root, seen = exc, {id(exc)}
+    while (cause := root.__cause__ or (
+        None if root.__suppress_context__ else root.__context__
+    )) is not None and id(cause) not in seen:
+        root = cause
+        seen.add(id(cause))
+    if root is not exc:
+        text += f" (from {_CPP_SOURCE.sub('', one_line(root))})"
+    if not isinstance(exc, GraphSafetyError):
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if not f.filename.startswith(_TORCH_DIR)]
+        if frames:
+            text += f", at {frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name}"
+    return text
 
 
 def free_port() -> int:
@@ -75,7 +138,7 @@ def wait(
             report = text
         elif kind == "error":
             errors[rank] = text
-            say(f"rank {rank} failed: {text.splitlines()[-1] if text else ''}")
+            say(f"rank {rank} failed: {text}")
         now = time.monotonic()
         failed = errors or any(p.exitcode not in (None, 0) for p in procs)
         if failed and grace is None:

@@ -6,7 +6,7 @@ import os
 import sys
 from importlib import import_module
 from importlib.metadata import entry_points
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -44,40 +44,100 @@ def load_target(spec: str) -> VerifyTarget:
 
     Args:
         spec: e.g. `deepseek_v4` (entry point in group `graphsafe.targets`) or
-            `my_pkg.models:target`.
+            `my_pkg.models:target` (the attribute may be dotted: `my_pkg.models:Family.target`).
 
     Returns:
         The target object.
 
     Raises:
-        GraphSafetyError: If no such target exists.
+        GraphSafetyError: `spec` is malformed (empty, or an empty or invalid module or
+            attribute name), names no installed entry point or importable object, or
+            names an object that is not a target (a class, or one without the members of
+            `VerifyTarget`).
     """
-    if ":" in spec:
-        return _import_target(spec)
     found = {ep.name: ep for ep in entry_points(group="graphsafe.targets")}
-    if spec not in found:
-        raise GraphSafetyError(
-            f"unknown verify target {spec!r}",
-            expected="an entry point of group 'graphsafe.targets' or 'module:attribute'",
-            got=f"installed targets: {', '.join(sorted(found)) or 'none'}",
+    installed = ", ".join(sorted(found)) or "none installed"
+    target: object
+    if ":" in spec:
+        target = _import_target(spec, installed)
+    elif spec in found:
+        target = found[spec].load()
+    else:
+        raise _not_a_target(
+            installed, f"unknown verify target {spec!r}" if spec else "no verify target given",
+            got=f"installed targets: {installed}",
             fix="install graphsafe (pip install -e .) so its entry points are registered, or "
-            "pass --target module:attribute",
+            "pass module:attribute",
         )
-    return found[spec].load()  # type: ignore[no-any-return]
+    _check_members(spec, installed, target)
+    return cast("VerifyTarget", target)  # it has every member
 
 
-def _import_target(spec: str) -> VerifyTarget:
+_MEMBERS = ("name", "presets", "critical")
+_METHODS = ("build", "checkpoint", "example_input")
+_EXAMPLE = "e.g. `deepseek_v4`, or `my_pkg.verify_target:target` (see docs/verify.md)"
+
+
+def _not_a_target(installed: str, summary: str, *, got: str, fix: str) -> GraphSafetyError:
+    """The refusal of a target spec: what a target is, what was found, and an example."""
+    return GraphSafetyError(
+        summary,
+        expected=f"an entry point of group 'graphsafe.targets' ({installed}), or "
+        "module:attribute naming an object with name, presets, critical, build, checkpoint "
+        "and example_input",
+        got=got,
+        fix=f"{fix}; {_EXAMPLE}",
+    )
+
+
+def _import_target(spec: str, installed: str) -> object:
+    """The object `module:attribute` names, the syntax checked before importing."""
     module, _, attr = spec.partition(":")
+    for part, what in ((module, "module"), (attr, "attribute")):
+        if not all(name.isidentifier() for name in part.split(".")):
+            problem = "empty" if not part else f"not a dotted name: {part!r}"
+            raise _not_a_target(
+                installed, f"cannot read verify target {spec!r}: its {what} name is "
+                f"{problem}", got=f"module {module!r}, attribute {attr!r}",
+                fix="pass module:attribute, both dotted Python names",
+            )
     try:
         if os.getcwd() not in sys.path:
             # Like `python -m`: a target module in the working directory is found.
             sys.path.insert(0, os.getcwd())
-        return getattr(import_module(module), attr)  # type: ignore[no-any-return]
+        obj: object = import_module(module)
+        for name in attr.split("."):
+            obj = getattr(obj, name)
     except (ImportError, AttributeError) as exc:
-        raise GraphSafetyError(
-            f"cannot load verify target {spec!r}",
-            expected="module:attribute naming an importable object",
+        raise _not_a_target(
+            installed, f"cannot load verify target {spec!r}",
             got=f"{type(exc).__name__}: {exc}",
             fix="install the module or put its folder on PYTHONPATH, and check the "
             "attribute name",
         ) from exc
+    return obj
+
+
+def _check_members(spec: str, installed: str, obj: object) -> None:
+    """Refuse what is not a target before a run reads a member it lacks."""
+    if isinstance(obj, type):
+        raise _not_a_target(
+            installed, f"{spec!r} is the class {obj.__qualname__}, not a verify target",
+            got=f"the class {obj.__module__}.{obj.__qualname__}",
+            fix="name an instance of it (`target = " + obj.__name__ + "()` in its module)",
+        )
+    absent = [m for m in (*_MEMBERS, *_METHODS) if not hasattr(obj, m)]
+    uncallable = [m for m in _METHODS if hasattr(obj, m) and not callable(getattr(obj, m))]
+    if absent or uncallable:
+        kind = type(obj)
+        what = kind.__qualname__ if kind.__module__ == "builtins" else (
+            f"{kind.__module__}.{kind.__qualname__}"
+        )
+        lacks = ([f"no {', '.join(absent)}"] if absent else []) + (
+            [f"{', '.join(uncallable)} not callable"] if uncallable else []
+        )
+        raise _not_a_target(
+            installed, f"{spec!r} is not a verify target",
+            got=f"a {what} with {'; '.join(lacks)}",
+            fix="name an object that has every member of VerifyTarget",
+        )

@@ -232,3 +232,141 @@ def test_load_into_cuda_copies_across_devices() -> None:
     assert _storage(p) == before
     with pytest.raises(gs.WeightLoadError, match="wrong shape"):
         gs.load_into(p, torch.randn(1, D), name="w")
+
+
+# -----------------------------------------------------------------------------
+# entries without data, parameters without memory, and other odd tensors
+
+
+def test_load_into_refuses_an_entry_on_the_meta_device() -> None:
+    p = _param()
+    old = p.detach().clone()
+    lazy = torch.empty(D, D, device="meta")  # a checkpoint loaded with device="meta"
+    with pytest.raises(
+        gs.WeightLoadError,
+        match=r"checkpoint entry 'layers\.0\.w' holds no data: it is on the meta device\n"
+        rf" +expected: +a dense tensor with data, of shape \({D}, {D}\) and dtype "
+        r"torch\.float32\n +got: +a meta tensor of shape .*\n +fix: +load the checkpoint onto "
+        r"a real device .*map_location=\"cpu\".*materialize a lazy tensor",
+    ) as info:
+        gs.load_into(p, lazy, name="layers.0.w")
+    assert info.value.name == "layers.0.w"
+    assert torch.equal(p, old)
+
+
+def test_control_copy_from_meta_raises_torchs_raw_error() -> None:
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        _param().data.copy_(torch.empty(D, D, device="meta"))
+
+
+def test_load_into_refuses_a_parameter_on_the_meta_device() -> None:
+    lin = nn.Linear(D, D, device="meta")  # built on meta, never materialized
+    with pytest.raises(
+        gs.WeightLoadError,
+        match=r"the parameter of checkpoint entry 'weight' holds no memory: it is on the meta "
+        r"device\n(.|\n)*got: +a meta tensor of shape .* that no tracked load gives memory: "
+        r"the write would be lost\n +fix: +materialize the model before loading "
+        r"\(`model\.to_empty\(device=\.\.\.\)`",
+    ):
+        gs.load_into(lin.weight, torch.ones(D, D), name="weight")
+
+
+def test_control_copy_into_meta_loses_the_write_silently() -> None:
+    lin = nn.Linear(D, D, device="meta")
+    lin.weight.data.copy_(torch.ones(D, D))  # no error, and nothing was written anywhere
+    assert lin.weight.device.type == "meta"
+
+
+@gs.graphsafe
+class TransientScaled(nn.Module):
+    """A transient checkpoint-format `w` (on meta between loads), loaded by `load_into`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(D, D), requires_grad=False)
+
+    @gs.derive("w2", inputs=["w"], transient=["w"])
+    def _w2(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w2.t()  # [T, D]
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            gs.load_into(self.get_parameter(name), w, name=name)
+
+
+def test_load_into_writes_a_released_transient_input_inside_a_tracked_load() -> None:
+    model = TransientScaled()
+    model.load_weights([("w", torch.randn(D, D))])
+    assert model.w.device.type == "meta"  # released: the loader writes into a meta tensor
+    x = torch.randn(3, D)
+    g = gs.Graph(backend="cpu", guard=model)
+    with torch.no_grad(), g.capture():
+        out = model(x)
+    new = torch.randn(D, D)
+    with gs.weight_update(model):
+        model.load_weights([("w", new)])
+    g.replay()
+    assert torch.allclose(out, x @ (2 * new).t())
+
+
+def test_control_the_same_write_outside_a_tracked_load_is_refused() -> None:
+    model = TransientScaled()
+    model.load_weights([("w", torch.randn(D, D))])
+    w2 = model.w2.clone()
+    with pytest.raises(gs.WeightLoadError, match="holds no memory: it is on the meta device"):
+        gs.load_into(model.w, torch.randn(D, D), name="w")  # no load gives it memory
+    assert torch.equal(model.w2, w2)
+
+
+@pytest.mark.parametrize(
+    ("entry", "got"),
+    [
+        (torch.eye(D).to_sparse(), "a sparse_coo tensor"),
+        (torch.nested.nested_tensor([torch.ones(D)] * D, layout=torch.jagged), "a nested tensor"),
+    ],
+    ids=["sparse", "nested"],
+)
+def test_load_into_refuses_an_entry_that_is_not_dense(entry: torch.Tensor, got: str) -> None:
+    p = _param()
+    old = p.detach().clone()
+    with pytest.raises(
+        gs.WeightLoadError,
+        match=rf"'w' is not a dense tensor\n(.|\n)*got: +{got}\n +fix: .*to_dense",
+    ):
+        gs.load_into(p, entry, name="w")
+    assert torch.equal(p, old)
+    with pytest.raises((RuntimeError, ValueError)):  # control: copy_ raises torch's raw error
+        p.data.copy_(entry)
+
+
+def test_load_into_refuses_a_parameter_whose_elements_share_memory() -> None:
+    row = torch.zeros(D)
+    expanded = row.expand(D, D)  # every row is the same memory
+    with pytest.raises(
+        gs.WeightLoadError,
+        match=rf"the parameter of checkpoint entry 'w' has elements that share memory\n"
+        rf"(.|\n)*got: +stride \(0, 1\) for shape \({D}, {D}\) \(an expanded view\)",
+    ):
+        gs.load_into(expanded, torch.randn(D, D), name="w")
+    assert torch.equal(row, torch.zeros(D))
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        expanded.copy_(torch.randn(D, D))  # control: torch's raw error
+
+
+def test_load_into_refuses_a_complex_entry_even_with_cast() -> None:
+    p = _param()
+    old = p.detach().clone()
+    entry = torch.full((D, D), 1 + 2j, dtype=torch.complex64)
+    with pytest.raises(
+        gs.WeightLoadError,
+        match=r"'w' is complex and its parameter is not\n(.|\n)*got: +dtype torch\.complex64\n"
+        r" +fix: +converting it would drop the imaginary part",
+    ):
+        gs.load_into(p, entry, name="w", cast=True)
+    assert torch.equal(p, old)
+    with pytest.warns(UserWarning, match="discards the imaginary part"):
+        p.data.copy_(entry)  # control: copy_ only warns, and the imaginary part is gone
+    assert torch.equal(p, torch.ones(D, D))

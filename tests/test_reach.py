@@ -307,3 +307,55 @@ def test_graph_inputs_list_what_the_model_does_not_hold() -> None:
         y = m(x) + cache
     assert sorted(t.data_ptr() for t in g.inputs) == sorted([x.data_ptr(), cache.data_ptr()])
     assert y.shape == (2, C)
+
+
+def _settable() -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], None]]:
+    t = torch.ones(C)
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        return x + t
+
+    def set_(new: torch.Tensor) -> None:
+        nonlocal t
+        t = new
+
+    return apply, set_
+
+
+class Held(nn.Module):
+    """Tensors behind each kind of step the walk takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.apply_t, self.set_t = _settable()
+        self.kw = functools.partial(torch.add, other=torch.ones(C))
+        self.bound = AttnImpl(torch.ones(C)).__class__  # a class: nothing to enter
+        self.defaults = _with_default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_t(x) + self.kw(x) + self.defaults(x)
+
+
+def _with_default(x: torch.Tensor, w: torch.Tensor = torch.ones(C)) -> torch.Tensor:  # noqa: B008
+    return x * w
+
+
+def test_each_kind_of_step_is_walked_and_checked() -> None:
+    m = Held()
+    paths = {s.path for s in walk_tensors(m)}
+    assert paths == {  # both closures hold the cell of `t`
+        "apply_t.<closure t>", "set_t.<closure t>", "kw.keywords.other", "defaults.__defaults__.0",
+    }
+    g, _ = _capture(m, torch.randn(2, C), guard=True)
+    m.set_t(torch.zeros(C))  # a closure cell rebound (nonlocal assignment)
+    with pytest.raises(gs.StorageMovedError, match=r"apply_t\.<closure t>"):
+        g.replay()
+
+
+def test_control_a_rebound_closure_cell_is_read_stale_unguarded() -> None:
+    m, x = Held(), torch.randn(2, C)
+    g, y = _capture(m, x, guard=False)
+    m.set_t(torch.zeros(C))
+    g.replay()
+    with torch.no_grad():
+        assert not torch.allclose(y, m(x))

@@ -158,7 +158,7 @@ def test_an_object_rebuilt_after_capture_is_refused_by_name(
     m, x = Layer(), torch.randn(3, C)
     g, _ = _capture(m, x, guard=True)
     rebuild(m)
-    with pytest.raises(gs.StorageMovedError, match="moved|replaced|rebound") as info:
+    with pytest.raises(gs.StorageMovedError, match=r"moved|replaced|rebound") as info:
         g.replay()
     assert path in {d.path for d in info.value.drifts}
 
@@ -284,7 +284,7 @@ class TwoHeads(nn.Module):
 
 def test_a_tensor_the_graph_never_reads_does_not_block_a_replay() -> None:
     m, x = TwoHeads(), torch.randn(2, C)
-    g, y = _capture(m, x, guard=True)
+    g, _ = _capture(m, x, guard=True)
     m.b.weight.data = torch.zeros(C, C)  # rebound, but no graph reads it
     g.replay()
     assert g.reads is not None and m.a.weight.untyped_storage().data_ptr() in g.reads

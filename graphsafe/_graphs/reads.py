@@ -68,11 +68,11 @@ class ReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
     def __enter__(self) -> ReadRecorder:
         self._previous = sys.getprofile()
         sys.setprofile(self._profile)
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
         sys.setprofile(self._previous)
 
     def _profile(self, frame: FrameType, event: str, arg: object) -> None:

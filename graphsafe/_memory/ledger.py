@@ -494,7 +494,7 @@ def _holder_drift(r: Ref) -> Drift | None:
         value = vars(r.module)[r.key]
         for k in r.chain:
             value = step(value, k)
-    except _CHECK_ERRORS + (ValueError,):
+    except (*_CHECK_ERRORS, ValueError):
         value = _MISSING
     if value is r.obj:
         return None
@@ -519,7 +519,7 @@ def _resolve_loose(p: _Pin) -> tuple[object, str]:
     leaves `__dict__` but is still `m.x`, and describing it beats reporting it removed."""
     try:
         return _resolve(p), ""
-    except _RESOLVE_ERRORS + (ValueError,):
+    except (*_RESOLVE_ERRORS, ValueError):
         pass
     s = p.site
     if not isinstance(s.key, str):
@@ -528,7 +528,7 @@ def _resolve_loose(p: _Pin) -> tuple[object, str]:
         value: Any = getattr(s.module, s.key)
         for k in s.chain:
             value = step(value, k)
-    except _RESOLVE_ERRORS + (ValueError,):
+    except (*_RESOLVE_ERRORS, ValueError):
         return None, "missing"
     return value, ""
 

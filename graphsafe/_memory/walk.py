@@ -88,9 +88,9 @@ class Field(NamedTuple):
 
 
 class Cell(NamedTuple):
-    """A step into the closure cell `index` of a function (its free variable `name`)."""
+    """A step into the closure cell `at` of a function (its free variable `name`)."""
 
-    index: int
+    at: int
     name: str
 
 
@@ -108,7 +108,7 @@ def step(value: Any, key: Any) -> Any:
     if kind is Slot or kind is Field:
         return getattr(value, key.name)
     if kind is Cell:
-        return value.__closure__[key.index].cell_contents
+        return value.__closure__[key.at].cell_contents
     return value[key]
 
 

@@ -6,7 +6,9 @@ The integration against vLLM's real engine and classes is tested in `tests_vllm/
 
 from __future__ import annotations
 
+import enum
 import importlib
+import sys
 from importlib.metadata import entry_points
 from types import SimpleNamespace
 from typing import Any
@@ -14,9 +16,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils import _python_dispatch
 
 import graphsafe as gs
+from graphsafe._graphs.reads import ReadRecorder
+from graphsafe._memory.walk import storage_key
 from graphsafe.integrations import vllm as gsv
+from graphsafe.integrations.vllm._reads import StepRecorder, runs_op_by_op
 
 registry = gs.Registry()
 
@@ -82,6 +88,9 @@ def test_attach_materializes_and_load_weights_is_one_update_each() -> None:
         "updates": 1,
         "derived": ["lin.weight_t"],
         "last_refresh_bytes": 48,
+        "read_set": False,  # pinned without recording: the whole model is checked
+        "checked": 4,
+        "inputs": 0,
     }
 
 
@@ -127,7 +136,6 @@ def test_control_a_plain_graph_guard_pins_the_host_scalar_too() -> None:
         ledger.assert_stable()
 
 
-
 class CountingParameter(nn.Parameter):
     """A parameter subclass with a `__torch_function__`, as vLLM's parameters have."""
 
@@ -165,12 +173,29 @@ def test_the_step_check_reads_subclass_parameters_without_their_torch_function()
         pass
 
 
-class Worker:
-    """vLLM-shaped worker: the methods `instrument` wraps, over a `Model`."""
+class Mode(enum.Enum):
+    """vLLM's `CompilationMode` and `CUDAGraphMode`, which graphsafe reads by name."""
 
-    def __init__(self) -> None:
+    NONE = 0
+    VLLM_COMPILE = 3
+
+
+class Worker:
+    """vLLM-shaped worker: the methods `instrument` wraps, over a `Model`, and its config.
+
+    Its forward reads `lin` and `input` (a persistent input buffer, as vLLM's runner keeps
+    them), never `emb`; each step notes the dispatch mode and profiler active in it.
+    """
+
+    def __init__(self, mode: Mode = Mode.NONE, traced: bool = False) -> None:
         self.model = Model()
         self.model_runner = SimpleNamespace(get_model=lambda: self.model)
+        self.vllm_config = SimpleNamespace(
+            compilation_config=SimpleNamespace(mode=mode, cudagraph_mode=Mode.NONE)
+        )
+        self.input = torch.ones(4)
+        self.traced = traced
+        self.seen: list[tuple[object, object]] = []
 
     def load_model(self) -> None:
         self.model.load_weights(checkpoint(0))
@@ -192,12 +217,17 @@ class Worker:
     def finish_weight_update(self) -> None:
         pass
 
-    def execute_model(self) -> torch.Tensor:
-        return self.model.lin(torch.ones(4))
+    def execute_model(self, scheduler_output: Any = None) -> torch.Tensor | None:
+        self.seen.append((_python_dispatch._get_current_dispatch_mode(), sys.getprofile()))
+        if getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0:
+            return None  # as vLLM's runner: no tokens, no forward
+        if self.traced:  # FX code, as torch.compile runs: kernels no op names could be
+            return torch.fx.symbolic_trace(self.model.lin)(self.input)
+        return self.model.lin(self.input)
 
 
-def started(instrumented: bool = True) -> Worker:
-    worker = Worker()
+def started(instrumented: bool = True, **kw: Any) -> Worker:
+    worker = Worker(**kw)
     if instrumented:
         gsv.instrument(worker, [registry])
     worker.load_model()
@@ -247,6 +277,120 @@ def test_control_uninstrumented_the_failed_transfer_serves_on() -> None:
         worker.update_weights(None)
     worker.finish_weight_update()
     worker.execute_model()
+
+
+# -- the read set of an engine without graphs --------------------------------------------
+
+
+def rebind(t: torch.Tensor) -> None:
+    t.data = t.data.clone()
+
+
+def test_an_eager_engine_checks_only_what_its_first_forward_read() -> None:
+    worker = started()
+    att = gsv.attachment(worker.model)
+    assert att is not None and att.guard is not None
+    assert att.status()["read_set"] is False and att.status()["checked"] == 4
+    worker.execute_model()
+    status = att.status()
+    assert (status["read_set"], status["checked"], status["inputs"]) == (True, 2, 1)
+    assert set(att.guard.ledger.paths) == {"lin.weight", "lin.bias"}
+    assert [t.data_ptr() for t in att.guard.inputs] == [worker.input.data_ptr()]
+    rebind(worker.model.emb)  # never read by the forward: neither the step nor a load refuses
+    worker.execute_model()
+    worker.reload_weights(1)
+    with gs.weight_update(worker.model):
+        rebind(worker.model.emb)
+    worker.execute_model()
+
+
+def test_control_a_tensor_the_first_forward_read_still_refuses() -> None:
+    worker = started()
+    worker.execute_model()
+    rebind(worker.model.lin.bias)  # read, and no derivation's input: only the guard sees it
+    with pytest.raises(gs.StorageMovedError, match=r"lin\.bias"):
+        worker.execute_model()
+    worker = started()
+    worker.execute_model()
+    with pytest.raises(gs.StorageMovedError, match=r"lin\.bias"), gs.weight_update(worker.model):
+        rebind(worker.model.lin.bias)  # the load check reads the narrowed ledger too
+
+
+def test_control_before_the_first_forward_the_same_rebinding_refuses() -> None:
+    worker = started()
+    rebind(worker.model.emb)
+    with pytest.raises(gs.StorageMovedError, match=r"\bemb\b"):
+        worker.execute_model()
+
+
+def test_only_the_first_forward_runs_under_the_recorder() -> None:
+    worker = started()
+    for _ in range(3):
+        worker.execute_model()
+    (mode, profile), *later = worker.seen
+    assert isinstance(mode, StepRecorder) and profile is not None  # control: it can be seen
+    assert later == [(None, None), (None, None)]  # later steps cost what they did
+
+
+def test_a_step_that_schedules_no_tokens_is_not_recorded() -> None:
+    worker = started()
+    att = gsv.attachment(worker.model)
+    assert att is not None
+    worker.execute_model(SimpleNamespace(total_num_scheduled_tokens=0))
+    assert worker.seen[-1][0] is None and att.recording and not att.status()["read_set"]
+    worker.execute_model(SimpleNamespace(total_num_scheduled_tokens=3))
+    assert isinstance(worker.seen[-1][0], StepRecorder) and att.status()["read_set"]
+
+
+@pytest.mark.parametrize(
+    "kw", [{"mode": Mode.VLLM_COMPILE}, {"traced": True}], ids=["compiled by config", "fx code"]
+)
+def test_a_compiled_engine_keeps_the_whole_model_checked(kw: dict[str, Any]) -> None:
+    """Compiled by its config: never recorded. FX code that ran under the recorder anyway:
+    no read set. Either way the rebinding the eager engine lets through refuses."""
+    worker = started(**kw)
+    att = gsv.attachment(worker.model)
+    assert att is not None
+    worker.execute_model()
+    worker.execute_model()
+    assert not att.recording
+    assert (att.status()["read_set"], att.status()["checked"]) == (False, 4)
+    rebind(worker.model.emb)
+    with pytest.raises(gs.StorageMovedError, match=r"\bemb\b"):
+        worker.execute_model()
+    recorded = isinstance(worker.seen[0][0], StepRecorder)
+    assert recorded == ("traced" in kw)  # the FX forward ran under it; the compiled did not
+
+
+def test_the_worker_config_decides_whether_the_forward_is_recorded() -> None:
+    assert runs_op_by_op(Worker())
+    assert not runs_op_by_op(Worker(mode=Mode.VLLM_COMPILE))
+    graphs = Worker()
+    graphs.vllm_config.compilation_config.cudagraph_mode = Mode.VLLM_COMPILE
+    assert not runs_op_by_op(graphs)
+    assert not runs_op_by_op(SimpleNamespace())  # no config: not known, not recorded
+
+
+# A vLLM-style opaque op: one op to the dispatcher, whose kernel reaches a model tensor by
+# name (vLLM's attention reads its layer's KV cache through the forward context).
+_HIDDEN: dict[str, torch.Tensor] = {}
+
+
+@torch.library.custom_op("vllm::graphsafe_test_hidden_read", mutates_args=())
+def _hidden_read(x: torch.Tensor, name: str) -> torch.Tensor:
+    return x + _HIDDEN[name].sum()
+
+
+def test_an_opaque_vllm_op_without_a_forward_context_leaves_no_read_set() -> None:
+    hidden, x = torch.ones(3), torch.zeros(3)
+    _HIDDEN["kv"] = hidden
+    with ReadRecorder() as plain:
+        torch.ops.vllm.graphsafe_test_hidden_read(x, "kv")
+    # Control: the dispatcher shows the op, not what its kernel read.
+    assert plain.reads is not None and storage_key(hidden) not in plain.reads
+    with StepRecorder() as rec:
+        torch.ops.vllm.graphsafe_test_hidden_read(x, "kv")
+    assert rec.opaque and rec.reads is None  # no vLLM forward context: not known
 
 
 def test_the_names_vllm_resolves_are_the_package_objects() -> None:

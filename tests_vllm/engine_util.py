@@ -61,19 +61,36 @@ def weights(m: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach().clone()) for n, p in m.state_dict().items()]
 
 
-def engine(path: Path, **kw: Any) -> Any:
-    """vLLM's offline engine, as small and fast to start as it goes on a CPU."""
+def default_run() -> str:
+    """How `engine` runs the model unless told: "eager" (op by op, no graphs), except on a
+    GPU with GRAPHSAFE_VLLM_CUDA_GRAPHS=1 (scripts/gpu-check): "compiled", where vLLM
+    captures its own CUDA graphs."""
+    cuda = os.environ.get("GRAPHSAFE_VLLM_CUDA_GRAPHS") == "1" and torch.cuda.is_available()
+    return "compiled" if cuda else "eager"
+
+
+def engine(path: Path, *, run: str | None = None, **kw: Any) -> Any:
+    """vLLM's offline engine, as small and fast to start as it goes on a CPU.
+
+    `run`: "eager" (no torch.compile, no graphs), "compiled" (vLLM's default compilation,
+    and its graphs where the platform has them), "dynamo" (torch.compile's dynamo with its
+    eager backend, as vLLM's CPU CI runs it: compiled, and fast to start), or None:
+    `default_run()`.
+    """
     from vllm import LLM
 
-    # On a GPU with GRAPHSAFE_VLLM_CUDA_GRAPHS=1 (scripts/gpu-check), vLLM captures its
-    # own CUDA graphs; on a CPU it captures none.
-    graphs = os.environ.get("GRAPHSAFE_VLLM_CUDA_GRAPHS") == "1" and torch.cuda.is_available()
+    run = run or default_run()
+    compilation: dict[str, Any] = {
+        "eager": {"mode": 0},
+        "compiled": {},
+        "dynamo": {"mode": 2, "backend": "eager"},  # CompilationMode.DYNAMO_TRACE_ONCE
+    }[run]
     return LLM(
         model=str(path),
         skip_tokenizer_init=True,
         dtype="float32",
-        enforce_eager=not graphs,
-        compilation_config={} if graphs else {"mode": 0},
+        enforce_eager=run == "eager",
+        compilation_config=compilation,
         max_model_len=128,
         max_num_seqs=4,
         max_num_batched_tokens=128,

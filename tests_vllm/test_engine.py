@@ -44,9 +44,14 @@ def check_serving(llm: Any, m: Any) -> None:
 
 def test_attached_at_load_and_pinned_after_warm_up(llm: Any, hf: dict[int, Any]) -> None:
     status = rpc(llm, "graphsafe_status")
-    assert status["pinned"] and not status["stale"]
+    assert status["pinned"] and not status["stale"] and not status["read_set"]
     assert status["derived"] == QKV and status["updates"] == 0
     check_serving(llm, hf[0][1])
+    # An eager engine narrows its guard to what the first forward read (test_engine_reads);
+    # one that captures graphs keeps the whole model checked.
+    after = rpc(llm, "graphsafe_status")
+    assert after["read_set"] == (eu.default_run() == "eager")
+    assert (after["checked"] < status["checked"]) == after["read_set"]
 
 
 def update(llm: Any, how: str, path: Path, m: Any) -> None:

@@ -7,6 +7,7 @@ and `nccl` backends need CUDA): the tensors travel by reference.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,18 @@ class Extension(gsv.WorkerExtension):
         with gs.weight_update(model):
             p = model.get_parameter(name)
             p.data = p.data.clone()
+
+    def t_stash(self, name: str, source: str) -> None:
+        """Keep a copy of a parameter on the model as a plain attribute, as an RL
+        framework's extension may (a reference for a KL penalty): no forward reads it."""
+        model = self.model_runner.get_model()
+        setattr(model, name, model.get_parameter(source).detach().clone())
+
+    def t_rebind_stash(self, name: str, in_update: bool = False) -> None:
+        """Bind a new tensor under the attribute `t_stash` made (inside an update, or not)."""
+        model = self.model_runner.get_model()
+        with gs.weight_update(model) if in_update else contextlib.nullcontext():
+            setattr(model, name, getattr(model, name).clone())
 
 
 @dataclass

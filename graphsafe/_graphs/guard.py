@@ -90,6 +90,15 @@ class Guard:
         """Release the pin (once; later calls do nothing)."""
         self._release()
 
+    def assert_stable(self) -> None:
+        """The check of the ledger as it is now, narrowed or not (for a check bound before
+        `narrow`, such as a load check).
+
+        Raises:
+            StorageMovedError: A tensor or submodule the ledger holds was rebound.
+        """
+        self.ledger.assert_stable()
+
     def replaying(self) -> contextlib.AbstractContextManager[None]:
         """Check the model, then hold it still for the replay (it and loads wait on each other).
 

@@ -20,7 +20,9 @@ each worker as it is created:
   extension reaches it through `collective_rpc`) each run as one graphsafe weight update:
   derived buffers refresh once, at its end, and a rebound tensor raises there;
 - before each `execute_model`: the guard's checks (nothing moved, nothing stale), so a
-  mistake raises through the engine call that made or met it.
+  mistake raises through the engine call that made or met it. An engine that runs op by
+  op (`enforce_eager=True`) records its first forward, and from then on the guard checks
+  only the model's tensors that forward read.
 
 On vLLM's CPU backend, linear layers read by a derivation keep their weights (vLLM's own
 `_cpu_skip_gemm_dispatch`); other layers are packed into kernels as usual.

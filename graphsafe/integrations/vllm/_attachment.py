@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch import nn
@@ -15,13 +15,14 @@ from graphsafe._declare.registry import Registry
 from graphsafe._graphs.guard import Guard
 from graphsafe._memory.walk import Site
 from graphsafe._runtime.runtime import Runtime, runtime
+from graphsafe.integrations.vllm._reads import StepRecorder
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Attachment] = weakref.WeakKeyDictionary()
 
 
 class Attachment:
-    """graphsafe's state on one vLLM model: its runtime, the guard once pinned, and the
-    weight update in progress.
+    """graphsafe's state on one vLLM model: its runtime, the guard once pinned (and the
+    read set it checks), and the weight update in progress.
 
     Args:
         model: The loaded model (`worker.model_runner.get_model()`).
@@ -35,6 +36,8 @@ class Attachment:
             rt.add_registry(reg)
         self.runtime: Runtime = rt
         self.guard: Guard | None = None
+        self.recording = False
+        """Whether the next guarded forward is recorded, to narrow the guard to its reads."""
         self.updates = 0
         self._open: contextlib.ExitStack | None = None
         self._owner: object = None
@@ -90,30 +93,72 @@ class Attachment:
 
     # -- pin and guard -----------------------------------------------------------
 
-    def pin(self) -> None:
+    def pin(self, *, record_reads: bool = False) -> None:
         """Pin the model as the engine's graphs saw it (after capture or warm-up).
 
         Every parameter, buffer, derived buffer and tensor attribute is pinned except
         host scalars kept as plain attributes (the attention layers' `_k_scale_cpu`):
         kernels take them by value, so a graph bakes in their value at capture, never
         their address, and vLLM's own reload binds them anew.
+
+        Args:
+            record_reads: The engine captures no graphs and runs op by op: its first
+                guarded forward (`recorded`) is recorded, and from then on the guard
+                checks only what that forward read.
         """
         if self.guard is None:
             guard = self.guard = Guard(self.model, self, repair=False, keep=_read_by_address)
-            # Every pinned tensor, not only derivation inputs, is checked when a load or
-            # update ends, so a rebinding raises through the call that made it.
-            self.runtime.add_load_check(guard.ledger.assert_stable)
+            self.recording = record_reads
+            # Every pinned tensor the guard checks, not only derivation inputs, is checked
+            # when a load or update ends, so a rebinding raises through the call that made
+            # it (the guard's ledger as it is then: narrowed after the first forward).
+            self.runtime.add_load_check(guard.assert_stable)
+
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[None]:
+        """One forward under the guard's checks, recorded while `recording`: then the
+        guard checks only the model's tensors it read, and lists what it read that the
+        model does not hold (`guard.inputs`). A forward that ran compiled code, or read
+        nothing of the model, leaves the whole model checked; either way later forwards
+        are not recorded. A forward that raises is not counted.
+
+        Raises:
+            StorageMovedError: A tensor or submodule the guard checks was rebound.
+            StaleError: Derived buffers are stale, or the last weight update failed or has
+                not ended.
+        """
+        guard = self.guard
+        if guard is None:
+            yield
+            return
+        with guard.replaying():
+            if not self.recording:
+                yield
+                return
+            with StepRecorder() as rec:
+                yield
+            self.recording = False
+            reads = rec.reads
+            if reads is not None and reads & guard.ledger.storages:
+                guard.narrow(reads, rec.outside())
 
     def status(self) -> dict[str, Any]:
         """What graphsafe holds for this model, as plain data (for `collective_rpc`)."""
         rt = self.runtime
         report = rt.last_report
+        guard = self.guard
         return {
             "pinned": rt.pinned,
             "stale": list(rt.stale),
             "updates": self.updates,
             "derived": [p for d in rt.derivations for p in d.outputs],
             "last_refresh_bytes": None if report is None else report.bytes_written,
+            # Whether the guard checks only what the first forward read, how many of the
+            # model's tensors it checks, and how many tensors that forward read that the
+            # model does not hold (input buffers, attention metadata).
+            "read_set": guard is not None and guard.reads is not None,
+            "checked": 0 if guard is None else len(guard.ledger),
+            "inputs": 0 if guard is None else len(guard.inputs),
         }
 
 

@@ -15,6 +15,7 @@ from graphsafe._declare.registry import Registry
 from graphsafe._errors import RegistrationError
 from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
 from graphsafe.integrations.vllm._patches import _patch_layerwise
+from graphsafe.integrations.vllm._reads import runs_forward, runs_op_by_op
 from graphsafe.integrations.vllm._registries import registries_from
 
 EXTENSION = "graphsafe.integrations.vllm.WorkerExtension"
@@ -136,7 +137,7 @@ class _Hooks:
             ret = fn(*args, **kwargs)
             a = self.att()
             if a is not None:
-                a.pin()
+                a.pin(record_reads=runs_op_by_op(self.worker))
             return ret
 
         return compile_or_warm_up_model
@@ -200,6 +201,9 @@ class _Hooks:
             guard = None if a is None else a.guard  # set once the model is pinned
             if guard is None:
                 return fn(*args, **kwargs)
+            if a is not None and a.recording and runs_forward(args, kwargs):
+                with a.recorded():  # the first forward after the pin: its read set
+                    return fn(*args, **kwargs)
             with guard.replaying():
                 return fn(*args, **kwargs)
 
@@ -233,7 +237,8 @@ class WorkerExtension:
 
         The engine has loaded its model and captured its graphs: the worker is wrapped as
         the plugin wraps it, the model attached (adopting in place the tensors vLLM's
-        code bound, such as DeepSeek V4's `hc_attn_fn_broadcast`) and pinned at once.
+        code bound, such as DeepSeek V4's `hc_attn_fn_broadcast`) and pinned at once
+        (an engine that runs op by op then takes its read set from its next forward).
         Graphs captured before do not read derived buffers made now: for that, use the
         plugin, which attaches before capture.
 
@@ -248,5 +253,5 @@ class WorkerExtension:
             instrument(self, registries)
             state = self._graphsafe  # type: ignore[attr-defined]
             state["model"] = attach(self.model_runner.get_model(), *registries)  # type: ignore[attr-defined]
-        state["model"].pin()
+        state["model"].pin(record_reads=runs_op_by_op(self))
         return self.graphsafe_status()

@@ -5,20 +5,25 @@ bf16 checkpoint keeps only the FP8 tensor and its scales). Between updates they 
 the meta device: the tensor object, its class, shape, stride, dtype and place in the
 module stay (`torch.utils.swap_tensors`), so loaders find what they expect and a stray
 read fails loudly instead of reading freed memory. The write tracker gives one real
-memory just before a load's first write into it lands, sends the write there, and counts
-the elements written. A derivation whose transient inputs are all completely written
-refreshes at once, in the middle of a bucketed update, and they are released again: the
-extra memory of an update is bounded by the layers in flight. One with a partly written
-input when the update ends is stale, and the guard refuses to replay it.
+memory just before a load's first write into it lands, sends the write there, and notes
+which elements the write defines (`Coverage`: a re-sent bucket defines nothing new, an
+`index_copy_` of one expert defines that expert). A derivation whose transient inputs
+are all completely written refreshes at once, in the middle of a bucketed update, and
+they are released again: the extra memory of an update is bounded by the layers in
+flight. One with a partly written input when the update ends is stale, and the guard
+refuses to replay it, saying what was written.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from graphsafe._runtime.binding import BoundDerivation
+from graphsafe._runtime.coverage import Coverage
 from graphsafe._runtime.inputs import Input
 
 __all__ = ["Transient", "Transients"]
@@ -27,8 +32,8 @@ __all__ = ["Transient", "Transients"]
 class Transient:
     """One transient input `inp`: where it lives, and what the current update wrote of it."""
 
-    __slots__ = ("_other", "device", "held", "input", "meta_sid", "numel", "real_sid",
-                 "written")
+    __slots__ = ("_other", "coverage", "device", "held", "input", "meta_base", "meta_sid",
+                 "numel", "real_base", "real_sid")
 
     def __init__(self, inp: Input) -> None:
         t = inp.tensor
@@ -37,11 +42,14 @@ class Transient:
         self.device = t.device
         self.numel = t.numel()
         self.held = t.device.type != "meta"
-        self.written = 0
+        self.coverage = Coverage(t)
+        """The elements the current update wrote."""
         self._other: torch.Tensor | None = None  # the swapped-out half, kept alive
         sid = id(t.untyped_storage())
         self.real_sid: int | None = sid if self.held else None
         self.meta_sid: int | None = None if self.held else sid
+        # The input's storage offset in each storage (0 in those `hold`/`release` make).
+        self.real_base = self.meta_base = int(t.storage_offset())
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -58,8 +66,8 @@ class Transient:
 
     @property
     def complete(self) -> bool:
-        """Whether the current update wrote as many elements as the input holds."""
-        return self.written >= self.numel
+        """Whether the current update wrote every element of the input."""
+        return self.coverage.complete
 
     def hold(self) -> None:
         """Give the input real memory (its values are undefined until written)."""
@@ -68,6 +76,7 @@ class Transient:
         t = self.tensor
         self._swap(torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=self.device))
         self.real_sid = id(t.untyped_storage())  # the meta half stays alive in _other
+        self.real_base = 0
         self.held = True
 
     def release(self) -> None:
@@ -78,8 +87,9 @@ class Transient:
             self._other = None  # frees the real memory
             self.real_sid = None
             self.meta_sid = id(t.untyped_storage())
+            self.meta_base = 0
             self.held = False
-        self.written = 0
+        self.coverage.reset()
 
     def _swap(self, data: torch.Tensor) -> None:
         t = self.tensor
@@ -92,7 +102,7 @@ class Transient:
 class Transients:
     """The transient inputs of one binding (`bound`: its derivations, topologically)."""
 
-    __slots__ = ("_by_input", "_by_storage", "readers")
+    __slots__ = ("_by_input", "_by_storage", "_lock", "readers")
 
     def __init__(self, bound: list[BoundDerivation]) -> None:
         self._by_input: dict[int, Transient] = {}
@@ -107,6 +117,9 @@ class Transients:
         self._by_storage: dict[int, Transient] = {}
         for tr in self._by_input.values():
             self._reindex(tr, ())
+        # Worker threads of a load write through trackers of their own, maybe into one
+        # input: each holds it and notes its write alone.
+        self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
         return bool(self._by_input)
@@ -118,22 +131,33 @@ class Transients:
         """The transient inputs `b` reads."""
         return [self._by_input[id(inp)] for inp in b.transient_inputs]
 
-    def on_write(self, t: torch.Tensor) -> tuple[Transient | None, torch.Tensor | None]:
-        """Before a write into `t` lands: if `t` is a view of a transient input (often
-        `.data`, maybe taken while it was on meta), hold the input and count the elements.
-        Returns the input (or None), and the real tensor to write instead of a meta `t`."""
+    def on_write(
+        self, t: torch.Tensor, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> tuple[Transient | None, torch.Tensor | None]:
+        """Before op `func` (`args`, `kwargs`) writes into `t`: if `t` is a view of a
+        transient input (often `.data`, maybe taken while it was on meta), hold the input
+        and note the elements the op defines. Returns the input (or None), and the real
+        tensor to write instead of a meta `t`."""
         sid = id(t.untyped_storage())
         tr = self._by_storage.get(sid)
         if tr is None:
             return None, None
-        before = tr.sids
-        tr.hold()
-        self._reindex(tr, before)
-        tr.written += t.numel()
+        with self._lock:
+            base = tr.meta_base if sid == tr.meta_sid else tr.real_base
+            tr.coverage.write(t, base, func, args, kwargs)
+            before = tr.sids
+            tr.hold()
+            self._reindex(tr, before)
         if t.device.type != "meta":
             return tr, None
-        real = tr.tensor.detach().as_strided(t.size(), t.stride(), t.storage_offset())
-        return tr, real
+        real = tr.tensor.detach()
+        # The same elements of the real storage (`t` may view it as another dtype).
+        shift = (tr.real_base - base) * real.element_size() // t.element_size()
+        at = t.storage_offset() + shift
+        if t.dtype == real.dtype:
+            return tr, real.as_strided(t.size(), t.stride(), at)
+        view = torch.empty(0, dtype=t.dtype, device=real.device)
+        return tr, view.set_(real.untyped_storage(), at, t.size(), t.stride())
 
     def blocked(self, b: BoundDerivation) -> Transient | None:
         """A transient input of `b` that is released, so `b` cannot be computed now."""
@@ -194,7 +218,7 @@ class Transients:
         before = tr.sids
         tr.hold()
         self._reindex(tr, before)
-        tr.written = tr.numel
+        tr.coverage.whole()
 
     def _reindex(self, tr: Transient, before: tuple[int, ...]) -> None:
         for sid in before:

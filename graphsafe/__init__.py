@@ -4,6 +4,7 @@ from graphsafe._declare.decorators import derive
 from graphsafe._errors import CaptureError
 from graphsafe._errors import DerivationDriftError
 from graphsafe._errors import GraphSafetyError
+from graphsafe._errors import GraphSafetyWarning
 from graphsafe._errors import ImpureDerivationError
 from graphsafe._errors import NotMaterializedError
 from graphsafe._errors import RegistrationError
@@ -14,6 +15,7 @@ from graphsafe._graphs.graph import Graph
 from graphsafe._memory.journal import mark_written
 from graphsafe._memory.ledger import Ledger
 from graphsafe._runtime.load_into import load_into
+from graphsafe._runtime.observer import observe_writes
 from graphsafe._declare.registry import Registry
 from graphsafe._declare.registry import default_registry
 from graphsafe._runtime.runtime import Runtime
@@ -35,6 +37,7 @@ __all__ = [
     "Drift",
     "Graph",
     "GraphSafetyError",
+    "GraphSafetyWarning",
     "ImpureDerivationError",
     "Ledger",
     "NotMaterializedError",
@@ -50,6 +53,7 @@ __all__ = [
     "graphsafe",
     "load_into",
     "mark_written",
+    "observe_writes",
     "runtime",
     "weight_update",
 ]

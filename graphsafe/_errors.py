@@ -11,6 +11,7 @@ __all__ = [
     "CaptureError",
     "DerivationDriftError",
     "GraphSafetyError",
+    "GraphSafetyWarning",
     "ImpureDerivationError",
     "NotMaterializedError",
     "RegistrationError",
@@ -176,6 +177,11 @@ class WeightLoadError(GraphSafetyError):
         super().__init__(summary, **kwargs)
 
 
+class GraphSafetyWarning(UserWarning):
+    """A guarantee graphsafe cannot give here, and how to get it: e.g. no process-wide
+    write observer without the compiled build (`graphsafe native build`)."""
+
+
 # Tracebacks name the public home of each error: `graphsafe.StaleError`.
 for _cls in (
     GraphSafetyError,
@@ -187,5 +193,6 @@ for _cls in (
     NotMaterializedError,
     CaptureError,
     WeightLoadError,
+    GraphSafetyWarning,
 ):
     _cls.__module__ = "graphsafe"

@@ -256,9 +256,13 @@ def naive_broadcast_control(rank: int, ctx: dict[str, Any]) -> None:
         return
     model, graph, out, call = ctx["model"], ctx["graph"], ctx["out"], ctx["call"]
     params = dict(model.named_parameters())
-    for name, t in ck:
-        dist.broadcast(params[name].data if name in params else torch.empty_like(t), src=0,
-                       group=group)
+    was = gs.observe_writes(False)  # the guard without the process-wide observer
+    try:
+        for name, t in ck:
+            dist.broadcast(params[name].data if name in params else torch.empty_like(t), src=0,
+                           group=group)
+    finally:
+        gs.observe_writes(was)
     for name, p in params.items():
         assert torch.equal(p, dict(ck)[name])
     if rank == 2:

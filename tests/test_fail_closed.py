@@ -243,7 +243,11 @@ def test_a_c10d_write_inside_an_update_is_tracked_without_being_declared() -> No
 def test_control_the_same_collective_outside_any_update_is_the_documented_boundary() -> None:
     net, x = _net(), _x()
     g, out = _capture(net, x)
-    dist.scatter(net.attn.weight.data, scatter_list=[NEW.clone()], src=0)
+    was = gs.observe_writes(False)  # the boundary without the process-wide observer
+    try:
+        dist.scatter(net.attn.weight.data, scatter_list=[NEW.clone()], src=0)
+    finally:
+        gs.observe_writes(was)
     g.replay()  # nothing tracked it: a stale replay, which gs.mark_written would prevent
     assert not torch.equal(out, _reference(net, x))
 
@@ -873,7 +877,11 @@ def test_control_a_write_landing_after_the_block_outside_any_load_is_a_stale_rep
     g, out = _capture(net, x)
     with gs.weight_update(net):
         pass
-    _copy_in(net, [("attn.weight", NEW)])
+    was = gs.observe_writes(False)  # the boundary without the process-wide observer
+    try:
+        _copy_in(net, [("attn.weight", NEW)])
+    finally:
+        gs.observe_writes(was)
     g.replay()
     assert not torch.equal(out, _reference(net, x))
 

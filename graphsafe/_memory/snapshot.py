@@ -204,6 +204,7 @@ class Witnesses(Sites):
     def record(self, indices: Iterable[int]) -> None:
         """Take the witnesses of site `indices` anew, after their dependents were refreshed
         (the clock shortcut is left alone: other sites may still lag behind it)."""
+        self.journal.sync()  # writes seen before this refresh are in the epochs it records
         indices = list(indices)
         holders, keys, plain = self.holders, self.keys, self.plain
         skeys = self._skeys
@@ -227,6 +228,7 @@ class Witnesses(Sites):
                 over the same sites: its tensors, ids and pointers are taken as they are
                 (a tensor rebound since then shows at the next check, as rebound).
         """
+        self.journal.sync()
         if (
             seen is not None
             and seen.holders == self.holders
@@ -261,6 +263,7 @@ class Witnesses(Sites):
 
     def unchanged(self) -> bool:
         """The flat check: same tensor objects, pointers, versions and epochs."""
+        self.journal.sync()  # writes seen elsewhere and not yet recorded first
         native = self._native
         if native is not None:
             if not native.same_witnesses(
@@ -297,6 +300,7 @@ class Witnesses(Sites):
         Returns:
             `(index, how)` per changed tensor, in site order; empty when none did.
         """
+        self.journal.sync()
         if self.unchanged():
             return []
         out: list[tuple[int, str]] = []

@@ -8,8 +8,12 @@
 - `tracker.cpp`: the load-time write tracker (`_runtime.tracking.NativeWriteTracker`), a
   RecordFunction callback instead of a Python dispatch mode, a fraction of a microsecond
   per op instead of about ten.
+- `observer.cpp`: the process-wide write observer (`_runtime.observer`), a global
+  RecordFunction callback noting writes into pinned models' storages made outside any
+  tracked load, in every thread. No Python dispatch mode can do that: modes are per
+  thread.
 
-Both compile into one extension, built for the installed torch and Python by `graphsafe
+They compile into one extension, built for the installed torch and Python by `graphsafe
 native build` (`scripts/setup` runs it; about half a minute with a C++ compiler) into
 `$GRAPHSAFE_CACHE/native` (default `~/.cache/graphsafe/native`). graphsafe loads it when
 it is there and uses the Python path when it is not. `GRAPHSAFE_NATIVE=0` turns it off;
@@ -40,6 +44,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -53,7 +58,7 @@ from graphsafe._native import cache
 __all__ = ["Native", "NativeBuildError", "build", "describe", "get", "path", "timed_build", "using"]
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "checks.cpp", _HERE / "tracker.cpp")
+_SOURCES = (_HERE / "checks.cpp", _HERE / "tracker.cpp", _HERE / "observer.cpp")
 _HEADERS = (_HERE / "tracker.h",)
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
@@ -63,7 +68,7 @@ _LIBS = ("-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python")
 
 
 class Native(Protocol):
-    """The compiled module's functions (see `checks.cpp` and `tracker.cpp`)."""
+    """The compiled module's functions (see `checks.cpp`, `tracker.cpp`, `observer.cpp`)."""
 
     def geometry(self, tensors: list[Any], /) -> bytes | None: ...
     def same_geometry(self, tensors: list[Any], expected: bytes, /) -> bool: ...
@@ -81,6 +86,13 @@ class Native(Protocol):
     def tracker_pop(self, tracker: int, /) -> bool: ...
     def tracker_written(self, tracker: int, /) -> set[int]: ...
     def tracker_free(self, tracker: int, /) -> None: ...
+    def observer_watch(self, keys: Iterable[int], /) -> None: ...
+    def observer_start(self) -> None: ...
+    def observer_stop(self) -> None: ...
+    def observer_running(self) -> bool: ...
+    def observer_pending(self) -> bool: ...
+    def observer_drain(self) -> tuple[dict[int, str], bool]: ...
+    def observer_quiet(self, enter: bool, /) -> None: ...
 
 
 class NativeBuildError(RuntimeError):
@@ -306,8 +318,38 @@ def _check(module: Any) -> None:
         ok = module.tracker_pop(tracker) and ok
     ok = ok and module.tracker_written(tracker) == {b.untyped_storage().data_ptr()}
     module.tracker_free(tracker)
+    ok = ok and _observer_check(module, b, c)
     if not ok:
         raise NativeBuildError("the built extension fails its self-check; not used")
+
+
+def _observer_check(module: Any, watched: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether the observer of a library not yet in use sees a write into `watched` by
+    any thread, and nothing else: not `other`, not a quiet scope's, not a tracked one's."""
+    key = watched.untyped_storage().data_ptr()
+    tracker = module.tracker_new([key])
+    module.observer_watch([key])
+    module.observer_start()
+    try:
+        with torch.no_grad():
+            other.add_(1)  # not watched
+            module.observer_quiet(True)
+            watched.data.add_(1)  # graphsafe's own
+            module.observer_quiet(False)
+            module.tracker_push(tracker)
+            watched.data.add_(1)  # a tracked load's
+            module.tracker_pop(tracker)
+            quiet_and_tracked = not module.observer_pending()
+            worker = threading.Thread(target=watched.data.mul_, args=(2,))
+            worker.start()
+            worker.join()
+    finally:
+        module.observer_stop()
+        module.observer_watch(())
+        module.tracker_free(tracker)
+    seen, blind = module.observer_drain()
+    return (quiet_and_tracked and not blind and list(seen) == [key]
+            and seen[key].startswith("aten::mul_") and not module.observer_running())
 
 
 def get() -> Native | None:

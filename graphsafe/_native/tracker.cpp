@@ -1,13 +1,15 @@
 // The load-time write tracker in C++: graphsafe/_runtime/tracking.py's WriteTracker
 // without a Python call per op (tracker_new, tracker_push, tracker_pop, tracker_written,
-// tracker_free; checks.cpp adds them to the module).
+// tracker_free; checks.cpp adds them, and observer.cpp's functions, to the module).
 //
 // A thread-local RecordFunction callback sees every dispatcher op of the thread that
 // tracks, with its arguments, before the op runs. For each argument the op's schema
 // marks as written (`Tensor(a!)`, and the first argument of c10d's in-place
 // collectives, whose schemas mark none), it notes the storage if a tracker of this
 // thread watches it. Writes are only noted, never refused or redirected: loads with
-// transient inputs (a write redirected to new memory) keep the Python tracker.
+// transient inputs (a write redirected to new memory) keep the Python tracker. While a
+// tracker is pushed, the process-wide observer (observer.cpp) skips the thread's ops:
+// the load records its writes itself.
 
 #include <Python.h>
 
@@ -15,13 +17,10 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <optional>
-#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
-#include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
 
 #include "tracker.h"
@@ -42,104 +41,27 @@ int64_t next_id = 1;
 thread_local std::vector<std::shared_ptr<Tracker>> active;
 thread_local at::CallbackHandle callback = 0;
 
-std::mutex writes_mu;
-std::unordered_map<std::string, std::vector<size_t>> writes_cache;
-
-// Keyed by operator and overload (`aten::add` and `aten::add.out` differ in what they
-// write). The cache's entries are never erased, so a reference to one stays valid.
-const std::vector<size_t>& writes_of(const at::RecordFunction& fn) {
-  static const std::vector<size_t> none;
-  std::optional<c10::OperatorName> op = fn.operator_name();
-  if (!op.has_value()) {
-    return none;  // not a dispatcher op: no schema, no arguments it writes
-  }
-  std::string name = std::move(op->name);
-  name += '.';
-  name += op->overload_name;
-  {
-    std::lock_guard<std::mutex> g(writes_mu);
-    auto it = writes_cache.find(name);
-    if (it != writes_cache.end()) {
-      return it->second;
-    }
-  }
-  std::vector<size_t> found;
-  std::optional<c10::FunctionSchema> schema = fn.operator_schema();
-  if (schema.has_value()) {
-    const auto& args = schema->arguments();
-    for (size_t i = 0; i < args.size(); ++i) {
-      const c10::AliasInfo* alias = args[i].alias_info();
-      if (alias != nullptr && alias->isWrite()) {
-        found.push_back(i);
-      }
-    }
-    const std::string& qualified = schema->name();
-    if (found.empty() && qualified.rfind("c10d::", 0) == 0 && qualified.back() == '_' &&
-        !args.empty()) {
-      found.push_back(0);
-    }
-  }
-  std::lock_guard<std::mutex> g(writes_mu);
-  return writes_cache.emplace(std::move(name), std::move(found)).first->second;
-}
-
-// graphsafe._memory.walk.storage_key: the storage's address, 0 when it has no bytes.
-int64_t storage_key(const at::Tensor& t) {
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl == nullptr || !impl->has_storage()) {
-    return 0;
-  }
-  try {
-    const c10::Storage& st = impl->storage();
-    return st.nbytes() ? reinterpret_cast<int64_t>(st.data()) : 0;
-  } catch (...) {
-    return 0;
-  }
-}
-
-void note_tensor(const at::Tensor& t) {
-  if (!t.defined()) {
-    return;
-  }
-  const int64_t key = storage_key(t);
-  if (key == 0) {
-    return;
-  }
-  for (const auto& tr : active) {
-    if (tr->watched.count(key) != 0) {
-      std::lock_guard<std::mutex> g(tr->mu);
-      tr->written.insert(key);
-    }
-  }
-}
-
-void note(const c10::IValue& v) {
-  if (v.isTensor()) {
-    note_tensor(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) {
-      note_tensor(t);
-    }
-  } else if (v.isList()) {  // Tensor?[] and Tensor[][] (collectives)
-    for (const c10::IValue& item : v.toListRef()) {
-      note(item);
-    }
-  }
-}
-
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   if (active.empty()) {
     return nullptr;
   }
-  const std::vector<size_t>& writes = writes_of(fn);
-  if (writes.empty()) {
+  const graphsafe_native::OpWrites& writes = graphsafe_native::writes_of(fn);
+  if (writes.args.empty()) {
     return nullptr;
   }
   const c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
-  for (size_t i : writes) {
-    if (i < inputs.size()) {
-      note(inputs[i]);
+  for (size_t i : writes.args) {
+    if (i >= inputs.size()) {
+      continue;
     }
+    graphsafe_native::each_key(inputs[i], [](int64_t key) {
+      for (const auto& tr : active) {
+        if (tr->watched.count(key) != 0) {
+          std::lock_guard<std::mutex> g(tr->mu);
+          tr->written.insert(key);
+        }
+      }
+    });
   }
   return nullptr;
 }
@@ -188,7 +110,9 @@ PyObject* tracker_push(PyObject* /*self*/, PyObject* id) {
   if (!at::isRecordFunctionEnabled()) {
     tr->blind = true;
   }
+  graphsafe_native::track_registrations();
   active.push_back(std::move(tr));
+  graphsafe_native::unobserved_enter();
   if (callback == 0) {
     callback = at::addThreadLocalCallback(
         at::RecordFunctionCallback(on_op).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
@@ -208,6 +132,7 @@ PyObject* tracker_pop(PyObject* /*self*/, PyObject* id) {
     return nullptr;
   }
   active.erase(std::next(it).base());
+  graphsafe_native::unobserved_exit();
   if (active.empty() && callback != 0) {
     at::removeCallback(callback);
     callback = 0;
@@ -266,6 +191,13 @@ PyMethodDef tracker_methods[] = {
     {"tracker_pop", tracker_pop, METH_O, "Stop; False if writes may have gone unseen."},
     {"tracker_written", tracker_written, METH_O, "Storage keys it saw written."},
     {"tracker_free", tracker_free, METH_O, "Forget it."},
+    {"observer_watch", observer_watch, METH_O, "Storage keys the observer watches."},
+    {"observer_start", observer_start, METH_NOARGS, "Observe every thread's ops."},
+    {"observer_stop", observer_stop, METH_NOARGS, "Stop observing."},
+    {"observer_running", observer_running, METH_NOARGS, "Whether it observes."},
+    {"observer_pending", observer_pending, METH_NOARGS, "Whether a drain has anything."},
+    {"observer_drain", observer_drain, METH_NOARGS, "(key -> first op, blind), cleared."},
+    {"observer_quiet", observer_quiet, METH_O, "Enter (True) or leave a quiet scope."},
     {nullptr, nullptr, 0, nullptr},
 };
 

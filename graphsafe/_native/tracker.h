@@ -1,13 +1,81 @@
-// What checks.cpp's module init takes from tracker.cpp: the write tracker's functions.
+// What the sources of the module share: the method tables checks.cpp's module init
+// adds, and what tracker.cpp and observer.cpp both use (which arguments an op writes,
+// a tensor's storage key, the thread's count of tracked loads and quiet scopes).
 
 #pragma once
 
 #include <Python.h>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/record_function.h>
+
 namespace graphsafe_native {
 
-// tracker_new, tracker_push, tracker_pop, tracker_written and tracker_free, ended by a
-// null entry as PyModule_AddFunctions expects.
+// tracker_* (tracker.cpp) and observer_* (observer.cpp), ended by a null entry as
+// PyModule_AddFunctions expects.
 extern PyMethodDef tracker_methods[];
+
+// What an op writes: the positions of the arguments its schema marks written (`Tensor(a!)`,
+// and the first argument of c10d's in-place collectives, whose schemas mark none), and
+// its name for messages ("aten::copy_", "aten::add.out").
+struct OpWrites {
+  std::vector<size_t> args;
+  std::string name;
+};
+
+// `fn`'s writes, from a cache of this thread keyed by the address of the op's schema
+// name (stable while the op is registered: any registration or deregistration empties
+// every thread's cache). The reference is valid until this thread's next call.
+const OpWrites& writes_of(const at::RecordFunction& fn);
+
+// Empties the caches of `writes_of` whenever an op is registered or deregistered (once
+// per process; before the first callback that uses them is added).
+void track_registrations();
+
+// graphsafe._memory.walk.storage_key: the storage's address, 0 when it has no bytes.
+int64_t storage_key(const at::Tensor& t);
+
+// The thread's depth of scopes the process-wide observer skips: tracked loads (they note
+// their writes themselves) and graphsafe's own writes. A load tracker's push and pop
+// move it too.
+void unobserved_enter();
+void unobserved_exit();
+
+// observer.cpp's functions, listed in tracker_methods.
+PyObject* observer_watch(PyObject* self, PyObject* keys);
+PyObject* observer_start(PyObject* self, PyObject* unused);
+PyObject* observer_stop(PyObject* self, PyObject* unused);
+PyObject* observer_running(PyObject* self, PyObject* unused);
+PyObject* observer_pending(PyObject* self, PyObject* unused);
+PyObject* observer_drain(PyObject* self, PyObject* unused);
+PyObject* observer_quiet(PyObject* self, PyObject* enter);
+
+// Calls `f(key)` for the storage key of every tensor in `v` (a tensor, a list of them,
+// a list of optional tensors or of lists), skipping undefined tensors and key 0.
+template <class F>
+void each_key(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    const int64_t key = storage_key(v.toTensor());
+    if (key != 0) {
+      f(key);
+    }
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) {
+      const int64_t key = t.defined() ? storage_key(t) : 0;
+      if (key != 0) {
+        f(key);
+      }
+    }
+  } else if (v.isList()) {  // Tensor?[] and Tensor[][] (collectives)
+    for (const c10::IValue& item : v.toListRef()) {
+      each_key(item, f);
+    }
+  }
+}
 
 }  // namespace graphsafe_native

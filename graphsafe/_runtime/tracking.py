@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from graphsafe import _native
 from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.observer import Quiet
 from graphsafe._runtime.transient import Transient, Transients
 
 __all__ = [
@@ -58,7 +59,8 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     `on_write(key, op_name)` runs BEFORE a watched storage is written: raising there
     refuses the write, so nothing is changed. A write into one of `transients` (the model's
-    transient inputs) holds its storage first and is counted there (`transient_written`).
+    transient inputs) holds its storage first and what it defines is noted there
+    (`transient_written`).
 
     Examples:
         >>> p = torch.nn.Parameter(torch.zeros(3))
@@ -83,6 +85,26 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.on_complete: Callable[[], None] | None = None
         """Called after an op completed a transient input (the load's own thread only)."""
         self._completed = False
+        self._quiet: list[Quiet] = []  # one per entry not yet exited
+
+    def __enter__(self) -> WriteTracker:
+        """Track this thread's ops. The process-wide observer skips them meanwhile: the
+        load records what it wrote itself."""
+        scope = Quiet()
+        scope.__enter__()
+        self._quiet.append(scope)
+        try:
+            super().__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._quiet.pop().__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            self._quiet.pop().__exit__(None, None, None)
 
     def __torch_dispatch__(
         self,
@@ -113,7 +135,7 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for index, name in writes:
                 arg = args[index] if index < nargs else kwargs.get(name)
                 if isinstance(arg, torch.Tensor):
-                    real = self._note(arg, func)
+                    real = self._note(arg, func, args, kwargs)
                     if real is not None:
                         if index < nargs:
                             args = (*args[:index], real, *args[index + 1 :])
@@ -122,16 +144,21 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 elif isinstance(arg, (list, tuple)):
                     for item in arg:
                         if isinstance(item, torch.Tensor):
-                            self._note(item, func)
+                            self._note(item, func, args, kwargs)
                         elif isinstance(item, (list, tuple)):  # Tensor[][] of collectives
                             for t in item:
                                 if isinstance(t, torch.Tensor):
-                                    self._note(t, func)
+                                    self._note(t, func, args, kwargs)
         return args, kwargs
 
-    def _note(self, t: torch.Tensor, func: Any) -> torch.Tensor | None:
+    def _note(
+        self, t: torch.Tensor, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """Note that op `func` (`args`, `kwargs`) writes `t`; returns the tensor to write
+        instead (a released transient input's new memory), or None."""
         if self.transients is not None:
-            tr, real = self.transients.on_write(t)  # a released input gets memory first
+            # A released input gets memory first; what the op defines of it is noted.
+            tr, real = self.transients.on_write(t, func, args, kwargs)
             if tr is not None:
                 self.transient_written.add(tr)
                 self._completed = self._completed or tr.complete

@@ -1,0 +1,182 @@
+"""Figure 8: what the process-wide write observer costs eager code while a model is pinned.
+
+While any model is pinned, the compiled observer's RecordFunction callback runs for
+every dispatcher op of every thread (`graphsafe/_native/observer.cpp`). Each row times
+the same eager step with the observer on and off (`gs.observe_writes`), alternated in
+one run, in CPU time of the thread: the median of the paired ratios (see harness.py) is
+its cost.
+
+- 8a-8c: a training step (forward, backward, AdamW step) of an MLP of 3 layers of hidden
+  size 64, 256 and 1024, batch 32. The MLP is the pinned model: a guarded graph captured
+  its inference forward, which reads a derived transposed weight per layer, so every
+  parameter the step writes is watched (the worst case: each optimizer write is noted).
+- 8d: a vLLM-style step: an eager forward, without grad, of 16 decode tokens through a
+  small Llama (4 layers, hidden 256), pinned by a guarded graph of the same forward.
+
+Without the compiled build there is no observer: the figure is one SKIP row saying so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from figures import Ctx, Sizes
+from harness import Row, interleave, paired
+from torch import nn
+
+import graphsafe as gs
+from graphsafe import _native
+from graphsafe._runtime.observer import OBSERVER
+from graphsafe.models import llama
+
+__all__ = ["fig8"]
+
+_BATCH = 32
+_LAYERS = 3
+
+
+def _mlp_class(registry: gs.Registry) -> type[nn.Module]:
+    """An MLP trained with its weights, whose inference forward reads `weight_t` per layer."""
+
+    class Block(nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
+            self.bias = nn.Parameter(torch.zeros(hidden))
+
+    @registry.derive(Block, "weight_t", inputs=["weight"])
+    def _weight_t(m: Block, w: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return w.t().contiguous() if out is None else out.copy_(w.t())
+
+    class MLP(nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(hidden) for _ in range(_LAYERS))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # training: reads the weights
+            for b in self.blocks:
+                x = torch.relu(torch.nn.functional.linear(x, b.weight, b.bias))  # [B, C]
+            return x
+
+        def infer(self, x: torch.Tensor) -> torch.Tensor:  # serving: the derived layout
+            for b in self.blocks:
+                x = torch.relu(x @ b.weight_t + b.bias)  # [B, C]
+            return x
+
+    return MLP
+
+
+def _pinned(model: nn.Module, forward: Callable[[], Any]) -> gs.Graph:
+    """A guarded CPU graph of `forward`: the model is pinned while it lives."""
+    graph = gs.Graph(backend="cpu", guard=model)
+    with torch.no_grad(), graph.capture():
+        forward()
+    return graph
+
+
+def _per_sample(step: Callable[[], Any], seconds: float) -> int:
+    """Steps per sample, so that one sample takes about `seconds` of CPU time."""
+    step()
+    one = max(min(_thread_seconds(step, 1) for _ in range(3)), 1e-6)
+    return max(1, round(seconds / one))
+
+
+def _thread_seconds(step: Callable[[], Any], number: int) -> float:
+    """CPU seconds of this thread per call of `step`: what the callback adds is CPU work
+    here, and other processes' load, which inflates wall time, does not count."""
+    start = time.thread_time()
+    for _ in range(number):
+        step()
+    return (time.thread_time() - start) / number
+
+
+def _on_off(ctx: Ctx, step: Callable[[], Any], seconds: float) -> tuple[Any, Any, float, int]:
+    """Stats of `step` with the observer on and off, alternated (twice the usual repeats:
+    the effect is small next to the noise); their paired ratio."""
+    number = _per_sample(step, seconds)
+    was = OBSERVER.enabled
+
+    def timed(enabled: bool) -> Callable[[], float]:
+        def case() -> float:
+            gs.observe_writes(enabled)  # outside the timed loop
+            assert OBSERVER.running == enabled
+            return _thread_seconds(step, number)
+        return case
+
+    try:
+        stats = interleave({"on": timed(True), "off": timed(False)}, 2 * ctx.sizes.repeats)
+    finally:
+        gs.observe_writes(was)
+    return stats["on"], stats["off"], paired(stats["on"], stats["off"]), number
+
+
+def _training_row(ctx: Ctx, fig: str, hidden: int, target: float | None) -> Row:
+    reg = gs.Registry()
+    gen = torch.Generator().manual_seed(hidden)
+    model = _mlp_class(reg)(hidden)
+    rt = gs.runtime(model, reg)
+    rt.refresh()
+    x = torch.randn(_BATCH, hidden, generator=gen)
+    y = torch.randn(_BATCH, hidden, generator=gen)
+    graph = _pinned(model, lambda: model.infer(x))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+    on, off, ratio, number = _on_off(ctx, step, 0.005 if ctx.sizes == Sizes.quick() else 0.1)
+    graph.reset()
+    return Row(
+        fig, f"training step, MLP {_LAYERS} x hidden {hidden}, observer on", on.median,
+        off.median, baseline_name="observer off", ratio=ratio, ratio_def="on / off",
+        op="<=" if target else "", target=target,
+        details={"steps_per_sample": number, "added_per_step_s": on.median - off.median,
+                 "spread": [round(on.spread, 3), round(off.spread, 3)]},
+    )
+
+
+def _decode_row(ctx: Ctx, fig: str, quick: bool) -> Row:
+    config = llama.LlamaConfig() if quick else llama.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+    )
+    model = llama.LlamaForCausalLM(config)
+    model.load_weights(llama.random_checkpoint(config, seed=0))
+    tokens = torch.randint(0, config.vocab_size, (16,), generator=torch.Generator().manual_seed(0))
+    graph = _pinned(model, lambda: model(tokens))
+
+    def step() -> None:
+        with torch.no_grad():
+            model(tokens)
+
+    on, off, ratio, number = _on_off(ctx, step, 0.005 if quick else 0.1)
+    graph.reset()
+    return Row(
+        fig, f"vLLM-style step: eager forward of 16 tokens, Llama {config.num_hidden_layers} "
+        f"x hidden {config.hidden_size}, observer on", on.median, off.median,
+        baseline_name="observer off", ratio=ratio, ratio_def="on / off",
+        details={"steps_per_sample": number, "added_per_step_s": on.median - off.median,
+                 "spread": [round(on.spread, 3), round(off.spread, 3)]},
+    )
+
+
+def fig8(ctx: Ctx) -> list[Row]:
+    """The observer's cost: training steps of three sizes (8a-8c), a decode step (8d)."""
+    if _native.get() is None:  # nothing to measure: not a failure of the figure
+        return [Row("8", "the process-wide write observer", skipped=(
+            "it needs the compiled build (`graphsafe native build`; not with GRAPHSAFE_NATIVE=0)"
+        ))]
+    quick = ctx.sizes == Sizes.quick()
+    hidden = (16, 32, 64) if quick else (64, 256, 1024)
+    rows = [
+        _training_row(ctx, fig, h, target)
+        for fig, h, target in zip(("8a", "8b", "8c"), hidden, (None, None, 1.05))
+    ]
+    rows.append(_decode_row(ctx, "8d", quick))
+    return rows

@@ -1,0 +1,327 @@
+// The process-wide write observer: writes into watched storages made outside any tracked
+// load, in any thread (graphsafe/_runtime/observer.py drives it: observer_watch,
+// observer_start, observer_stop, observer_running, observer_pending, observer_drain,
+// observer_quiet; tracker.cpp lists them in the module's method table).
+//
+// A global RecordFunction callback sees every dispatcher op of every thread before it
+// runs. For each argument the op's schema marks written (as the load tracker reads it:
+// `writes_of`), it notes the storage if it is watched, with the op's name, into one
+// pending set that `observer_drain` empties. Ops of a thread inside a tracked load
+// (their load records them) or a quiet scope (graphsafe's own writes) are skipped.
+//
+// The callback runs for every op while it is on, so the common path is short: a
+// thread-local depth, a thread-local cache of what the op writes keyed by a pointer,
+// and, only for ops that write, one atomic load to see whether the watched set changed
+// and a hash lookup per written storage. Ops that write nothing watched take no lock.
+
+#include <Python.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/function_schema.h>
+#include <ATen/record_function.h>
+
+#include "tracker.h"
+
+namespace graphsafe_native {
+
+namespace {
+
+// Bumped by every op registration or deregistration: a schema's address may then be
+// another op's, so every thread empties its cache of what ops write.
+std::atomic<uint64_t> op_generation{0};
+
+class Registrations final : public c10::OpRegistrationListener {
+ public:
+  void onOperatorRegistered(const c10::OperatorHandle& /*op*/) override {
+    op_generation.fetch_add(1, std::memory_order_acq_rel);
+  }
+  void onOperatorDeregistered(const c10::OperatorHandle& /*op*/) override {
+    op_generation.fetch_add(1, std::memory_order_acq_rel);
+  }
+};
+
+using Keys = std::unordered_set<int64_t>;
+
+// Ops cached per thread before the cache is emptied (names of ranges that are no
+// dispatcher op, each at its own address, must not make it grow without bound).
+constexpr size_t kMaxOps = 8192;
+
+// In front of the map, the ops seen last, by a few bits of their address: most ops hit
+// here, at the cost of a compare (the map hashes and divides).
+constexpr size_t kRecent = 256;
+
+struct Recent {
+  const void* key = nullptr;
+  const OpWrites* writes = nullptr;  // an entry of `ops` (stable until it is cleared)
+};
+
+struct ThreadState {
+  int unobserved = 0;  // tracked loads and quiet scopes entered, not left
+  uint64_t op_generation = UINT64_MAX;
+  std::unordered_map<const void*, OpWrites> ops;  // schema name's address -> its writes
+  std::array<Recent, kRecent> recent{};
+  uint64_t keys_generation = UINT64_MAX;
+  std::shared_ptr<const Keys> keys;  // the watched set as of keys_generation
+};
+
+thread_local ThreadState here;
+
+std::mutex watched_mu;
+std::shared_ptr<const Keys> watched;  // guarded by watched_mu
+std::atomic<uint64_t> watched_generation{0};  // moved under watched_mu with `watched`
+
+std::mutex pending_mu;
+std::unordered_map<int64_t, std::string> pending;  // key -> the first op that wrote it
+std::atomic<bool> any_pending{false};
+// RecordFunction was off at some point while observing: writes may have gone unseen.
+std::atomic<bool> blind{false};
+
+std::mutex callback_mu;
+at::CallbackHandle callback = 0;  // guarded by callback_mu
+std::atomic<bool> running{false};
+
+OpWrites compute_writes(const at::RecordFunction& fn) {
+  OpWrites found;
+  std::optional<c10::FunctionSchema> schema = fn.operator_schema();
+  if (!schema.has_value()) {
+    return found;  // not a dispatcher op: no schema, no arguments it writes
+  }
+  const auto& args = schema->arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::AliasInfo* alias = args[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) {
+      found.args.push_back(i);
+    }
+  }
+  const std::string& qualified = schema->name();
+  if (found.args.empty() && qualified.rfind("c10d::", 0) == 0 && qualified.back() == '_' &&
+      !args.empty()) {
+    found.args.push_back(0);
+  }
+  found.name = qualified;
+  if (!schema->overload_name().empty()) {
+    found.name += '.';
+    found.name += schema->overload_name();
+  }
+  return found;
+}
+
+void note(int64_t key, const Keys& keys, const std::string& op) {
+  if (keys.count(key) == 0) {
+    return;
+  }
+  std::lock_guard<std::mutex> g(pending_mu);
+  pending.try_emplace(key, op);
+  any_pending.store(true, std::memory_order_release);
+}
+
+const OpWrites& writes_in(ThreadState& state, const at::RecordFunction& fn) {
+  const uint64_t generation = op_generation.load(std::memory_order_acquire);
+  if (state.op_generation != generation || state.ops.size() >= kMaxOps) {
+    state.ops.clear();
+    state.recent.fill(Recent{});
+    state.op_generation = generation;
+  }
+  // A dispatcher op's name lives in its registered schema: one address per op and
+  // overload while it is registered. A range that is no dispatcher op has a name of
+  // its own, wherever it is; it writes nothing, whatever op once had that address.
+  const void* key = fn.name();
+  const auto bits = reinterpret_cast<uintptr_t>(key);
+  Recent& slot = state.recent[((bits >> 4) ^ (bits >> 12)) & (kRecent - 1)];
+  if (slot.key == key) {
+    return *slot.writes;
+  }
+  auto it = state.ops.find(key);
+  if (it == state.ops.end()) {
+    it = state.ops.emplace(key, compute_writes(fn)).first;
+  }
+  slot = Recent{key, &it->second};
+  return it->second;
+}
+
+std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& fn) {
+  ThreadState& state = here;
+  if (state.unobserved != 0) {
+    return nullptr;
+  }
+  const OpWrites& writes = writes_in(state, fn);
+  if (writes.args.empty()) {
+    return nullptr;
+  }
+  if (state.keys_generation != watched_generation.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> g(watched_mu);
+    state.keys = watched;
+    state.keys_generation = watched_generation.load(std::memory_order_relaxed);
+  }
+  const Keys* keys = state.keys.get();
+  if (keys == nullptr || keys->empty()) {
+    return nullptr;
+  }
+  const c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
+  for (size_t i : writes.args) {
+    if (i < inputs.size()) {
+      each_key(inputs[i], [&](int64_t key) { note(key, *keys, writes.name); });
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void track_registrations() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Kept for the life of the process: never deregistered, not even at exit, when the
+    // dispatcher may be gone before it.
+    new c10::RegistrationHandleRAII(c10::Dispatcher::singleton().addRegistrationListener(
+        std::make_unique<Registrations>()));
+  });
+}
+
+const OpWrites& writes_of(const at::RecordFunction& fn) {
+  return writes_in(here, fn);
+}
+
+int64_t storage_key(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl == nullptr || !t.defined() || !impl->has_storage()) {
+    return 0;
+  }
+  try {
+    const c10::Storage& st = impl->storage();
+    return st.nbytes() ? reinterpret_cast<int64_t>(st.data()) : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+void unobserved_enter() {
+  ++here.unobserved;
+}
+
+void unobserved_exit() {
+  ThreadState& state = here;
+  if (state.unobserved > 0) {
+    --state.unobserved;
+  }
+}
+
+// observer_watch(keys: iterable of int): the storages to watch, replacing the last set.
+PyObject* observer_watch(PyObject* /*self*/, PyObject* keys) {
+  auto next = std::make_shared<Keys>();
+  PyObject* it = PyObject_GetIter(keys);
+  if (it == nullptr) {
+    return nullptr;
+  }
+  while (PyObject* item = PyIter_Next(it)) {
+    const int64_t key = PyLong_AsLongLong(item);
+    Py_DECREF(item);
+    if (key == -1 && PyErr_Occurred()) {
+      break;
+    }
+    next->insert(key);
+  }
+  Py_DECREF(it);
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(watched_mu);
+  watched = std::move(next);
+  watched_generation.fetch_add(1, std::memory_order_acq_rel);
+  Py_RETURN_NONE;
+}
+
+// observer_start(): observe every thread's ops from now on (a second start does nothing).
+PyObject* observer_start(PyObject* /*self*/, PyObject* /*unused*/) {
+  track_registrations();
+  if (!at::isRecordFunctionEnabled()) {
+    blind.store(true, std::memory_order_release);
+  }
+  std::lock_guard<std::mutex> g(callback_mu);
+  if (callback == 0) {
+    callback = at::addGlobalCallback(
+        at::RecordFunctionCallback(observe).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+    running.store(true, std::memory_order_release);
+  }
+  Py_RETURN_NONE;
+}
+
+// observer_stop(): remove the callback (what is pending stays, for a last drain).
+PyObject* observer_stop(PyObject* /*self*/, PyObject* /*unused*/) {
+  std::lock_guard<std::mutex> g(callback_mu);
+  if (callback != 0) {
+    at::removeCallback(callback);
+    callback = 0;
+    running.store(false, std::memory_order_release);
+  }
+  Py_RETURN_NONE;
+}
+
+// observer_running() -> bool: whether the callback is on.
+PyObject* observer_running(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyBool_FromLong(running.load(std::memory_order_acquire));
+}
+
+// observer_pending() -> bool: whether a drain would return anything. RecordFunction off
+// in the calling thread while observing makes the observer blind.
+PyObject* observer_pending(PyObject* /*self*/, PyObject* /*unused*/) {
+  if (running.load(std::memory_order_acquire) && !at::isRecordFunctionEnabled()) {
+    blind.store(true, std::memory_order_release);
+  }
+  return PyBool_FromLong(any_pending.load(std::memory_order_acquire) ||
+                         blind.load(std::memory_order_acquire));
+}
+
+// observer_drain() -> (dict[int, str], bool): the keys written since the last drain, each
+// with the first op that wrote it, and whether writes may have gone unseen since then.
+PyObject* observer_drain(PyObject* /*self*/, PyObject* /*unused*/) {
+  std::unordered_map<int64_t, std::string> taken;
+  {
+    std::lock_guard<std::mutex> g(pending_mu);
+    taken.swap(pending);
+    any_pending.store(false, std::memory_order_release);
+  }
+  const bool was_blind = blind.exchange(false, std::memory_order_acq_rel);
+  PyObject* out = PyDict_New();
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (const auto& [key, op] : taken) {
+    PyObject* k = PyLong_FromLongLong(key);
+    PyObject* v = PyUnicode_FromStringAndSize(op.data(), static_cast<Py_ssize_t>(op.size()));
+    if (k == nullptr || v == nullptr || PyDict_SetItem(out, k, v) != 0) {
+      Py_XDECREF(k);
+      Py_XDECREF(v);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(k);
+    Py_DECREF(v);
+  }
+  return Py_BuildValue("(NO)", out, was_blind ? Py_True : Py_False);
+}
+
+// observer_quiet(enter: bool): enter (True) or leave (False) a scope of this thread
+// whose writes the observer skips (graphsafe's own: a refresh writing derived buffers).
+PyObject* observer_quiet(PyObject* /*self*/, PyObject* enter) {
+  if (enter == Py_True) {
+    unobserved_enter();
+  } else {
+    unobserved_exit();
+  }
+  Py_RETURN_NONE;
+}
+
+}  // namespace graphsafe_native

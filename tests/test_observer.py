@@ -1,0 +1,424 @@
+"""The process-wide write observer (`graphsafe._runtime.observer`).
+
+Writes into a pinned model outside any tracked load that move no version counter:
+`p.data.copy_(w)` in a script, a raw storage copy, fused optimizer steps, writes in a
+thread a loader starts or in any other thread. Each is refused by name by a guarded
+graph and repaired with `on_stale="refresh"`; its controls replay the same write
+silently stale, under an unguarded graph (the write really bypasses the graph) and
+under a guarded one with the observer off (what the guard did before it existed). A
+healthy sequence of loads, refreshes and unwatched writes is never refused.
+
+The observer exists only in the compiled build: without it (`GRAPHSAFE_NATIVE=0`) the
+controls run, and so does the test of the warning that says there is none.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from torch import nn
+
+import graphsafe as gs
+from graphsafe import _native
+from graphsafe._memory.journal import JOURNAL
+from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.observer import OBSERVER
+from graphsafe._runtime.tracking import WriteTracker
+
+needs_native = pytest.mark.skipif(
+    _native.get() is None,
+    reason="the process-wide observer needs the compiled build (`graphsafe native build`)",
+)
+
+SEEN = r"outside any tracked load \(seen by the process-wide write observer\)"
+
+
+@gs.graphsafe
+class Layer(nn.Module):
+    """`w` [4, 6] and its transpose, derived; `bias` is read by no derivation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6))
+        self.register_buffer("bias", torch.zeros(4))
+
+    @gs.derive("w_t", inputs=["w"])
+    def _w_t(self, w: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.transpose(w, 0, 1).contiguous() if out is None else out.copy_(w.t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w_t + self.bias  # [T, 4]
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, worker: str = "") -> None:
+        """Copy in place. `worker`: "direct", a thread it starts copies; "joins", that
+        thread calls `load_weights` (it joins this load)."""
+        if worker:
+            target = self.load_weights if worker == "joins" else self._copy
+            thread = threading.Thread(target=target, args=(weights,))
+            thread.start()
+            thread.join()
+        else:
+            self._copy(weights)
+
+    def _copy(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, w in weights:
+                getattr(self, name).data.copy_(w)
+
+
+def _loaded() -> tuple[Layer, torch.Tensor]:
+    layer = Layer()
+    layer.load_weights([("w", torch.randn(4, 6))])
+    return layer, torch.randn(2, 6)
+
+
+def _captured(
+    layer: Layer, x: torch.Tensor, guard: bool = True,
+    on_stale: Literal["raise", "refresh"] = "raise",
+) -> tuple[gs.Graph, torch.Tensor]:
+    graph = gs.Graph(backend="cpu", guard=layer if guard else None, on_stale=on_stale)
+    with torch.no_grad(), graph.capture():
+        out = layer(x)
+    return graph, out
+
+
+def _expected(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    """What the graph computes from the current weights (not from `w_t`, which may lag)."""
+    return (x @ layer.w.detach().t() + layer.bias).detach()
+
+
+# Each write changes `w` outside any tracked load without moving its version counter.
+def _script_copy(layer: Layer) -> None:
+    layer.w.data.copy_(torch.randn(4, 6))
+
+
+def _raw_storage_copy(layer: Layer) -> None:
+    layer.w.untyped_storage().copy_(torch.randn(4, 6).untyped_storage())
+
+
+def _fused_adamw(layer: Layer) -> None:
+    layer.w.grad = torch.randn(4, 6)
+    torch.optim.AdamW([layer.w], lr=0.1, fused=True).step()
+
+
+def _fused_sgd(layer: Layer) -> None:
+    layer.w.grad = torch.randn(4, 6)
+    torch.optim.SGD([layer.w], lr=0.1, fused=True).step()
+
+
+def _loader_thread(layer: Layer) -> None:
+    layer.load_weights([("w", torch.randn(4, 6))], worker="direct")
+
+
+def _plain_thread(layer: Layer) -> None:
+    thread = threading.Thread(target=layer.w.data.copy_, args=(torch.randn(4, 6),))
+    thread.start()
+    thread.join()
+
+
+WRITES: dict[str, tuple[Callable[[Layer], None], str]] = {
+    "script_data_copy": (_script_copy, "aten::copy_"),
+    "raw_storage_copy": (_raw_storage_copy, "aten::copy_"),
+    "fused_adamw_step": (_fused_adamw, "aten::_fused_adamw_"),
+    "fused_sgd_step": (_fused_sgd, "aten::_fused_sgd_"),
+    "thread_a_loader_starts": (_loader_thread, "aten::copy_"),
+    "plain_thread": (_plain_thread, "aten::copy_"),
+}
+
+
+@pytest.fixture
+def observer_off() -> Iterator[None]:
+    was = gs.observe_writes(False)
+    try:
+        yield
+    finally:
+        gs.observe_writes(was)
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(WRITES))
+def test_a_write_outside_any_load_is_refused_by_name(name: str) -> None:
+    write, op = WRITES[name]
+    layer, x = _loaded()
+    graph, out = _captured(layer, x)
+    graph.replay()
+    out.fill_(123.0)  # a replay would overwrite this
+    write(layer)
+    with pytest.raises(gs.StaleError, match=rf"w_t: w written by {op}\S* {SEEN}"):
+        graph.replay()
+    assert torch.equal(out, torch.full((2, 4), 123.0))  # nothing was replayed
+    gs.runtime(layer).refresh_stale()
+    graph.replay()
+    assert torch.equal(out, _expected(layer, x))
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(WRITES))
+def test_a_write_outside_any_load_is_repaired_with_refresh(name: str) -> None:
+    write, _ = WRITES[name]
+    layer, x = _loaded()
+    graph, out = _captured(layer, x, on_stale="refresh")
+    before = out.clone()
+    write(layer)
+    graph.replay()
+    assert torch.equal(out, _expected(layer, x)) and not torch.equal(out, before)
+
+
+@pytest.mark.parametrize("name", list(WRITES))
+def test_control_an_unguarded_graph_replays_the_write_stale(name: str) -> None:
+    write, _ = WRITES[name]
+    layer, x = _loaded()
+    graph, out = _captured(layer, x, guard=False)
+    old, version = out.clone(), layer.w._version
+    write(layer)
+    graph.replay()  # no error...
+    assert torch.equal(out, old)
+    assert not torch.equal(out, _expected(layer, x))  # ...and wrong
+    assert layer.w._version == version  # nothing the witnesses read moved
+
+
+@pytest.mark.parametrize("name", list(WRITES))
+def test_control_with_the_observer_off_a_guarded_graph_replays_the_write_stale(
+    name: str, observer_off: None
+) -> None:
+    write, _ = WRITES[name]
+    layer, x = _loaded()
+    graph, out = _captured(layer, x)
+    old = out.clone()
+    write(layer)
+    graph.replay()  # what the guard did before the observer: no error, stale
+    assert torch.equal(out, old) and not torch.equal(out, _expected(layer, x))
+    assert not OBSERVER.running
+
+
+@needs_native
+def test_a_healthy_sequence_is_never_refused() -> None:
+    layer, x = _loaded()
+    graph, out = _captured(layer, x)
+    rt = gs.runtime(layer)
+    for step in range(3):
+        layer.load_weights([("w", torch.randn(4, 6))])  # tracked
+        graph.replay()
+        assert torch.equal(out, _expected(layer, x)), step
+        layer.load_weights([("w", torch.randn(4, 6))], worker="joins")  # a worker joins
+        graph.replay()
+        assert torch.equal(out, _expected(layer, x)), step
+        # A write seen before a refresh is one that refresh read: the replay is fresh.
+        layer.w.data.copy_(torch.randn(4, 6))
+        rt.refresh()
+        graph.replay()
+        assert torch.equal(out, _expected(layer, x)), step
+        layer.w.data.mul_(2.0)
+        rt.refresh_stale()
+        graph.replay()
+        assert torch.equal(out, _expected(layer, x)), step
+        with gs.weight_update(layer):
+            layer.w.data.copy_(torch.randn(4, 6))
+        graph.replay()
+        assert torch.equal(out, _expected(layer, x)), step
+        layer.load_state_dict({"w": torch.randn(4, 6), "bias": torch.zeros(4)})
+        graph.replay()
+        assert torch.equal(out, _expected(layer, x)), step
+        # Writes no derivation reads: into a buffer of the model, and a tensor apart.
+        layer.bias.data.add_(1.0)
+        x.data.add_(1.0)
+        graph.replay()
+        assert torch.equal(out, _expected(layer, x)), step
+    assert rt.stale == ()
+    # Control: the observer is on here, and sees the write no refresh followed.
+    layer.w.data.copy_(torch.randn(4, 6))
+    with pytest.raises(gs.StaleError, match=rf"w written by aten::copy_ {SEEN}"):
+        graph.replay()
+
+
+@needs_native
+def test_a_refresh_writing_derived_buffers_is_not_an_observed_write() -> None:
+    layer, x = _loaded()
+    graph, out = _captured(layer, x)
+    buffer = storage_key(layer.w_t)
+    gs.runtime(layer).refresh()  # writes w_t, in a quiet scope
+    JOURNAL.sync()
+    assert "observer" not in JOURNAL.how_written(buffer)
+    graph.replay()
+    assert torch.equal(out, _expected(layer, x))
+    # Control: the same write, by the user, is seen.
+    layer.w_t.data.zero_()
+    with pytest.raises(gs.StaleError, match=rf"derived buffer w_t written by aten::zero_ {SEEN}"):
+        graph.replay()
+    assert "observer" in JOURNAL.how_written(buffer)
+
+
+@needs_native
+def test_a_load_tracked_by_the_python_tracker_is_not_observed() -> None:
+    """Loads with transient inputs (and `GRAPHSAFE_NATIVE=0`) track with the dispatch mode:
+    it marks its thread as inside a tracked load too."""
+    layer, x = _loaded()
+    graph, _ = _captured(layer, x)  # pins it while `graph` lives
+    native = _native.get()
+    assert native is not None and OBSERVER.running
+    JOURNAL.sync()
+    with WriteTracker({storage_key(layer.w): "w"}) as tracker:
+        layer.w.data.add_(1.0)
+    assert tracker.written == {storage_key(layer.w)}
+    assert not native.observer_pending()
+    layer.w.data.add_(1.0)  # control: outside it, the same write is observed
+    assert native.observer_pending()
+    graph.reset()
+
+
+@needs_native
+def test_the_observer_stays_on_while_another_model_is_pinned() -> None:
+    (a, x), (b, _) = _loaded(), _loaded()
+    graph_a, _ = _captured(a, x)
+    graph_b, out_b = _captured(b, x)
+    graph_a.reset()
+    assert OBSERVER.running
+    b.w.data.copy_(torch.randn(4, 6))
+    with pytest.raises(gs.StaleError, match=rf"w written by aten::copy_ {SEEN}"):
+        graph_b.replay()
+    a.w.data.copy_(torch.randn(4, 6))  # a is not pinned: no graph of it to refuse
+    gs.runtime(b).refresh()
+    graph_b.replay()
+    assert torch.equal(out_b, _expected(b, x))
+
+
+@needs_native
+def test_writes_record_function_cannot_see_fail_closed() -> None:
+    layer, x = _loaded()
+    graph, out = _captured(layer, x)
+    torch.autograd._enable_record_function(False)
+    try:
+        layer.w.data.copy_(torch.randn(4, 6))  # no op is seen now
+        with pytest.raises(gs.StaleError, match="RecordFunction was turned off"):
+            graph.replay()
+    finally:
+        torch.autograd._enable_record_function(True)
+    gs.runtime(layer).refresh()
+    graph.replay()
+    assert torch.equal(out, _expected(layer, x))
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import warnings
+    import torch
+    import graphsafe as gs
+    from test_observer import Layer
+
+    warnings.simplefilter("always")
+    layer = Layer()
+    layer.load_weights([("w", torch.randn(4, 6))])
+    x = torch.randn(2, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        graphs = [gs.Graph(backend="cpu", guard=layer) for _ in range(2)]
+        for graph in graphs:
+            with torch.no_grad(), graph.capture():
+                out = layer(x)
+    print(sum(issubclass(w.category, gs.GraphSafetyWarning) for w in caught))
+    print(*{str(w.message) for w in caught})
+    layer.w.data.copy_(torch.randn(4, 6))
+    try:
+        graphs[1].replay()
+        print("replayed", torch.equal(out, (x @ layer.w.t() + layer.bias).detach()))
+    except gs.StaleError:
+        print("refused")
+    """
+)
+
+
+def _run(env: dict[str, str], script: str = _SCRIPT) -> list[str]:
+    """`script`'s lines of output, run in a fresh process with `env` added."""
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join(
+        p for p in (str(here), str(here.parent), os.environ.get("PYTHONPATH", "")) if p
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        check=False, env={**os.environ, "PYTHONPATH": path, **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_without_the_compiled_build_the_first_pin_warns_once() -> None:
+    count, message, replay = _run({"GRAPHSAFE_NATIVE": "0"})
+    assert count == "1"
+    assert "process-wide write observer needs the compiled build" in message
+    assert "graphsafe native build" in message
+    assert replay == "replayed False"  # the write went unseen, as the warning says
+
+
+def test_control_with_the_observer_switched_off_nothing_warns() -> None:
+    lines = _run({"GRAPHSAFE_NATIVE": "0", "GRAPHSAFE_OBSERVER": "0"})
+    assert lines[0] == "0"
+
+
+@needs_native
+def test_the_environment_switch_turns_it_off() -> None:
+    assert _run({"GRAPHSAFE_OBSERVER": "0"})[-1] == "replayed False"  # today's behaviour
+    assert _run({})[-1] == "refused"  # control: on by default
+
+
+_UNPIN = textwrap.dedent(
+    """
+    import gc
+    import torch
+    import graphsafe as gs
+    from graphsafe import _native
+    from graphsafe._memory.journal import JOURNAL
+    from graphsafe._memory.walk import storage_key
+    from graphsafe._runtime.observer import OBSERVER
+    from test_observer import Layer
+
+    native = _native.get()
+    layer = Layer()
+    layer.load_weights([("w", torch.randn(4, 6))])
+    key = storage_key(layer.w)
+    print(OBSERVER.running, native.observer_running())
+    graph = gs.Graph(backend="cpu", guard=layer)
+    with torch.no_grad(), graph.capture():
+        layer(torch.randn(2, 6))
+    print(OBSERVER.running, native.observer_running())
+    layer.w.data.add_(1.0)
+    JOURNAL.sync()
+    epoch = JOURNAL.epochs_of([key])
+    print("observer" in JOURNAL.how_written(key))
+    graph.reset()  # the last pin of the process
+    print(OBSERVER.running, native.observer_running())
+    layer.w.data.add_(1.0)
+    JOURNAL.sync()
+    print(JOURNAL.epochs_of([key]) == epoch)
+    graph = gs.Graph(backend="cpu", guard=layer)
+    with torch.no_grad(), graph.capture():
+        layer(torch.randn(2, 6))
+    JOURNAL.sync()
+    epoch = JOURNAL.epochs_of([key])
+    layer.w.data.add_(1.0)  # seen, not yet recorded, when the graph is dropped
+    del graph
+    gc.collect()  # its finalizer releases the pin: the callback stops, the write is kept
+    running = OBSERVER.running
+    JOURNAL.sync()
+    print(running, JOURNAL.epochs_of([key]) != epoch)
+    """
+)
+
+
+@needs_native
+def test_unpinning_stops_the_callback() -> None:
+    """In a process of its own, so that no other test's pinned model keeps it on."""
+    before, pinned, seen, after, unchanged, dropped = _run({}, _UNPIN)
+    assert before == "False False" and pinned == "True True"
+    assert seen == "True"  # control: a write is recorded while pinned...
+    assert after == "False False" and unchanged == "True"  # ...and not after the last unpin
+    # A dropped graph releases its pin in a finalizer: the callback stops there too, and
+    # what it saw before is still recorded.
+    assert dropped == "False True"

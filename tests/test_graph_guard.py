@@ -130,7 +130,8 @@ def test_stale_derived_buffers_raise_at_replay() -> None:
     with pytest.raises(StaleError, match="do not match their inputs"):
         g.replay()
     assert torch.equal(out, torch.full((3,), -1.0))  # nothing was replayed
-    layer.load_weights([])  # a good load makes it usable again
+    # A complete load makes it usable again.
+    layer.load_weights([("w", torch.full((2, 3), 2.0)), ("bias", layer.bias.clone())])
     g.replay()
     with torch.no_grad():
         assert torch.equal(out, layer.w_scaled.sum(0) + layer.col_sum)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -77,6 +78,32 @@ def test_loads_of_models_that_die_leave_the_process_journal_as_it_was() -> None:
     assert len(JOURNAL) <= before
 
 
+def test_the_journal_heals_only_the_storages_it_is_given() -> None:
+    # A completed load heals what it wrote; every other failure's poison stays.
+    journal = Journal()
+    a, b = torch.zeros(8), torch.zeros(8)
+    journal.poison([a, b], "a failed load")
+    journal.heal([storage_key(a)])
+    assert journal.poisoned_among(frozenset([storage_key(a), storage_key(b)])) == {
+        storage_key(b): "a failed load"
+    }
+
+
+def test_a_second_write_moves_the_storages_epoch_and_makes_its_readers_stale() -> None:
+    journal = Journal()
+    w = torch.zeros(4)
+    holder = {"w": w}
+    key = storage_key(w)
+    witnesses = Witnesses([(holder, "w")], journal)
+    journal.advance([key], "the first load", lambda k: w.untyped_storage())
+    first = journal.epochs_of([key])[0]
+    witnesses.record([0])
+    assert witnesses.unchanged()
+    journal.advance([key], "the second load", lambda k: w.untyped_storage())
+    assert journal.epochs_of([key])[0] > first
+    assert witnesses.changed() == [(0, "written by the second load")]
+
+
 def _paths() -> list[bool]:
     # The compiled path where `graphsafe native build` made it (scripts/setup does).
     return [False, True] if _native.get() is not None or _built() else [False]
@@ -116,3 +143,46 @@ def test_witnesses_and_bindings_read_cells_and_slots_as_they_read_dicts(native: 
     assert not bindings.unchanged()
     cell.cell_contents = torch.zeros(3)
     assert [i for i, _ in witnesses.changed()] == [0, 1]
+
+
+# -----------------------------------------------------------------------------
+# gs.mark_written refuses what is not a tensor
+
+
+@pytest.mark.parametrize(
+    ("make", "kind", "fix"),
+    [
+        (lambda w: (t for t in [w]), "generator", r"`gs.mark_written\(\*the_generator\)`"),
+        (lambda w: [w], "list", r"`gs.mark_written\(\*the_list\)`"),
+        (lambda w: (w,), "tuple", r"`gs.mark_written\(\*the_tuple\)`"),
+        (lambda w: w.numpy(), "numpy.ndarray", r"the torch tensor the array views"),
+        (lambda w: nn.Linear(2, 2), "torch.nn.modules.linear.Linear",
+         r"`gs.mark_written\(\*module.parameters\(\)\)`"),
+        (lambda w: {"w": w}, "dict", r"`gs.mark_written\(\*the_dict.values\(\)\)`"),
+        (lambda w: 3, "int", r"pass the tensors that were written"),
+    ],
+    ids=["generator", "list", "tuple", "ndarray", "module", "dict", "int"],
+)
+def test_mark_written_refuses_what_is_not_a_tensor_and_records_nothing(
+    make: Callable[[torch.Tensor], object], kind: str, fix: str
+) -> None:
+    # Before: `AttributeError: '...' object has no attribute 'untyped_storage'`.
+    w = torch.zeros(4)
+    key = storage_key(w)
+    before = (JOURNAL.clock, JOURNAL.epochs_of([key]))
+    with pytest.raises(
+        gs.GraphSafetyError,
+        match=rf"gs.mark_written takes tensors; argument 2 of 2 is of type {kind}\n"
+        rf" +expected: +torch.Tensor arguments: `gs.mark_written\(\*tensors\)`\n"
+        rf" +got: +argument 2: {kind}\n +fix: +.*{fix}.*; nothing was recorded",
+    ):
+        gs.mark_written(w, make(w))  # type: ignore[arg-type]
+    assert (JOURNAL.clock, JOURNAL.epochs_of([key])) == before  # the first one neither
+
+
+def test_control_the_fix_it_gives_records_every_tensor() -> None:
+    a, b = torch.zeros(4), torch.zeros(4)
+    the_list = [a, b]
+    gs.mark_written(*the_list)
+    assert JOURNAL.epochs_of([storage_key(a), storage_key(b)]) == [JOURNAL.clock] * 2
+    assert JOURNAL.how_written(storage_key(b)) == "a write declared with gs.mark_written"

@@ -456,7 +456,8 @@ def test_an_exception_escaping_weight_update_leaves_what_was_written_stale() -> 
         assert torch.equal(getattr(layer, name), value)
     with pytest.raises(gs.StaleError):
         rt.assert_fresh()
-    layer.load_weights([])  # a good load retries the stale buffers
+    # A complete load heals the failure and retries the stale buffers.
+    layer.load_weights([("w", layer.w.detach().clone()), ("bias", layer.bias.clone())])
     assert rt.stale == ()
     rt.assert_fresh()
     _assert_correct(layer)
@@ -479,7 +480,7 @@ def test_a_failing_load_leaves_stale_and_a_good_load_clears_it() -> None:
         rt.assert_fresh()
     assert set(e.value.paths) == {"w_scaled", "col_sum"}
     assert "w_scaled" in str(e.value.path)
-    layer.load_weights([("bias", torch.zeros(3))])
+    layer.load_weights([("w", torch.full((2, 3), 2.0)), ("bias", torch.zeros(3))])  # complete
     assert rt.stale == ()
     rt.assert_fresh()
     _assert_correct(layer)
@@ -494,7 +495,7 @@ def test_a_load_failing_before_any_write_still_makes_the_model_unusable() -> Non
     with pytest.raises(gs.StaleError, match="the last weight update failed") as e:
         rt.assert_fresh()
     assert "KeyError" in str(e.value.got)
-    layer.load_weights([])
+    layer.load_weights([("w", layer.w.detach().clone()), ("bias", layer.bias.clone())])
     rt.assert_fresh()
 
 

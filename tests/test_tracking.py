@@ -8,10 +8,11 @@ loads when `graphsafe native build` has run).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from graphsafe import _native
@@ -213,3 +214,57 @@ def test_tracker_does_not_change_results() -> None:
     with WriteTracker({storage_key(a): "a"}):
         inside = (a @ a.t()).softmax(-1)
     assert torch.equal(inside, (a @ a.t()).softmax(-1))
+
+
+# -----------------------------------------------------------------------------
+# c10d: through the dispatcher, and on a bare backend object
+
+
+@pytest.fixture
+def gloo_group() -> Iterator[dist.ProcessGroup]:
+    """A one-process gloo group, destroyed after the test."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not built here")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        assert dist.group.WORLD is not None
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("path", ["dist.broadcast", "ProcessGroup.broadcast", "bare backend"])
+def test_a_broadcast_is_seen_through_the_dispatcher_and_not_on_a_bare_backend(
+    path: str,
+    tracker: Callable[[dict[int, str]], Tracker],
+    gloo_group: dist.ProcessGroup,
+) -> None:
+    p = _param()
+    backend = gloo_group._get_backend(torch.device("cpu"))
+    broadcast: dict[str, Callable[[torch.Tensor], object]] = {
+        "dist.broadcast": lambda t: dist.broadcast(t, src=0),
+        "ProcessGroup.broadcast": lambda t: gloo_group.broadcast(t, 0).wait(),
+        # The ProcessGroupGloo object itself: a C++ call, no op reaches the dispatcher.
+        "bare backend": lambda t: backend.broadcast([t]).wait(),
+    }
+    with tracker({storage_key(p): "p"}) as seen:
+        broadcast[path](p.data)
+    assert seen.written == (set() if path == "bare backend" else {storage_key(p)})
+
+
+def test_control_a_bare_backend_writes_and_no_tracker_sees_it(
+    tracker: Callable[[dict[int, str]], Tracker], gloo_group: dist.ProcessGroup
+) -> None:
+    # One process cannot show a broadcast's bytes landing; a scatter from rank 0 to
+    # itself can: the bare backend really writes, unseen, and `dist.scatter`'s same
+    # write is seen.
+    backend = gloo_group._get_backend(torch.device("cpu"))
+    opts = dist.ScatterOptions()
+    opts.rootRank = 0
+    bare, through = torch.zeros(3), torch.zeros(3)
+    src = torch.arange(1.0, 4.0)
+    with tracker({storage_key(bare): "bare", storage_key(through): "through"}) as seen:
+        backend.scatter([bare], [[src]], opts).wait()
+        dist.scatter(through, [src], src=0)
+    assert torch.equal(bare, src) and torch.equal(through, src)
+    assert seen.written == {storage_key(through)}

@@ -6,9 +6,9 @@ model it went through. A refresh records a witness of each input it read (identi
 storage pointer, `_version`, journal epoch): one that no longer matches was written or
 rebound since, so every runtime reading a storage sees its writes. Storages a failure
 left unusable are `poison`ed, and guards whose graphs read them refuse to replay until a
-refresh or a completed load heals them. What the journal holds of a storage dies with
-it: a later storage at the same address starts clean, and a long job's journal does not
-grow.
+refresh (of a derived buffer) or a completed load that writes them heals them. What the
+journal holds of a storage dies with it: a later storage at the same address starts
+clean, and a long job's journal does not grow.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from graphsafe._errors import GraphSafetyError
 from graphsafe._memory.walk import storage_key
 
 __all__ = ["JOURNAL", "Journal", "mark_written"]
@@ -42,7 +43,7 @@ class Journal:
         0
     """
 
-    __slots__ = ("_dead", "_epochs", "_how", "_lock", "_tracked", "clock", "poisoned")
+    __slots__ = ("_dead", "_epochs", "_how", "_lock", "_tracked", "clock", "poisoned", "sync")
 
     def __init__(self) -> None:
         self.clock = 0
@@ -51,10 +52,14 @@ class Journal:
         self.poisoned: dict[int, str] = {}
         """Storage key -> why it must not be read by a replay."""
         self._epochs: dict[int, int] = {}  # storage key -> the clock of its last write
-        self._how: dict[int, str] = {}  # storage key -> what last wrote it, for messages
+        self._how: dict[int, str] = {}  # clock -> what wrote at it, for messages
         self._tracked: set[int] = set()  # keys whose storage has a finalizer
         self._lock = threading.Lock()
         self._dead: list[int] = []  # keys whose storage died, forgotten at the next sweep
+        self.sync: Callable[[], None] = _nothing
+        """Records the writes seen elsewhere and not recorded yet; witnesses call it before
+        they compare or record epochs. The process-wide write observer installs its
+        drain here while it runs (`graphsafe._runtime.observer`); otherwise it does nothing."""
 
     def __len__(self) -> int:
         """How many storages the journal holds anything of."""
@@ -66,16 +71,21 @@ class Journal:
         """Record a write by `how` ("Model.load_weights", ...) into each storage of `keys`
         (key 0 is ignored). `storage_of(key)` gives the live storage, asked once per storage
         so that the journal forgets it when it dies; without it, the entry stays."""
+        written = keys if isinstance(keys, (set, frozenset)) else set(keys)
+        if 0 in written:
+            written = written - {0}
         with self._lock:
             self._sweep()
             self.clock += 1
-            clock = self.clock
-            for key in keys:
-                if key:
-                    self._epochs[key] = clock
-                    self._how[key] = how
-                    if storage_of is not None and key not in self._tracked:
-                        self._track(key, storage_of(key))
+            # A load of every tensor of a large model: one pass, in C.
+            self._epochs.update(dict.fromkeys(written, self.clock))
+            self._how[self.clock] = how
+            if len(self._how) > 2 * len(self._epochs) + 64:  # forget what no epoch holds
+                live = set(self._epochs.values())
+                self._how = {c: h for c, h in self._how.items() if c in live}
+            if storage_of is not None:
+                for key in written.difference(self._tracked):
+                    self._track(key, storage_of(key))
 
     def poison(self, tensors: Iterable[torch.Tensor], why: str) -> None:
         """Mark the storages of `tensors` unusable until healed (or until they die)."""
@@ -89,13 +99,20 @@ class Journal:
                         self._track(key, t.untyped_storage())
 
     def heal(self, keys: Iterable[int]) -> None:
-        """Clear the poison of storages that were refreshed or completely loaded."""
+        """Clear the poison of the storages `keys` (refreshed, or written by a load that
+        completed), and of no other."""
         if not self.poisoned:
             return
         with self._lock:
             self._sweep()
             for key in keys:
                 self.poisoned.pop(key, None)
+
+    def written_since(self, clock: int) -> set[int]:
+        """Storage keys written after the journal's clock read `clock` (by any path)."""
+        with self._lock:
+            self._sweep()
+            return {key for key, epoch in self._epochs.items() if epoch > clock}
 
     def poisoned_among(self, keys: frozenset[int]) -> dict[int, str]:
         """The poisoned storages among `keys` (key -> why; cheap when nothing is)."""
@@ -115,7 +132,7 @@ class Journal:
 
     def how_written(self, key: int) -> str:
         """What last wrote the storage `key`, for messages."""
-        return self._how.get(key, "a recorded write")
+        return self._how.get(self._epochs.get(key, -1), "a recorded write")
 
     def _track(self, key: int, storage: torch.UntypedStorage | None) -> None:
         if storage is not None and storage.data_ptr() == key:
@@ -133,7 +150,10 @@ class Journal:
             self.poisoned.pop(key, None)
             if self._epochs.pop(key, None) is not None:
                 self.clock += 1  # witnesses of that epoch look again
-            self._how.pop(key, None)
+
+
+def _nothing() -> None:
+    """`Journal.sync` when nothing records writes elsewhere."""
 
 
 JOURNAL = Journal()
@@ -154,10 +174,44 @@ def mark_written(*tensors: torch.Tensor) -> None:
     Args:
         *tensors: The tensors written (any view of the storage will do).
 
+    Raises:
+        GraphSafetyError: An argument is not a tensor (a list, a generator, a NumPy
+            array, a module); nothing is recorded.
+
     Examples:
         >>> w = torch.zeros(3)
         >>> w.numpy()[:] = 1.0  # invisible to torch
         >>> mark_written(w)
     """
+    for position, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):  # all checked before anything is recorded
+            raise _not_a_tensor(position, len(tensors), t)
     storages = {storage_key(t): t.untyped_storage() for t in tensors}
     JOURNAL.advance(storages, "a write declared with gs.mark_written", storages.get)
+
+
+def _not_a_tensor(position: int, count: int, value: object) -> GraphSafetyError:
+    """The refusal of `mark_written`'s argument `position` (of `count`), with its fix."""
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else (
+        f"{kind.__module__}.{kind.__qualname__}"
+    )
+    if isinstance(value, torch.nn.Module):
+        fix = "pass its tensors: `gs.mark_written(*module.parameters())`"
+    elif isinstance(value, dict):
+        fix = "pass its tensors: `gs.mark_written(*the_dict.values())`"
+    elif kind.__module__ == "numpy":
+        fix = ("pass the torch tensor the array views: after writing `w.numpy()`, "
+               "`gs.mark_written(w)`")
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        var = f"the_{kind.__name__}" if kind.__module__ == "builtins" else "the_tensors"
+        fix = f"unpack it: `gs.mark_written(*{var})`"
+    else:
+        fix = "pass the tensors that were written: `gs.mark_written(*tensors)`"
+    return GraphSafetyError(
+        f"gs.mark_written takes tensors; argument {position + 1} of {count} is of type "
+        f"{name}",
+        expected="torch.Tensor arguments: `gs.mark_written(*tensors)`",
+        got=f"argument {position + 1}: {name}",
+        fix=f"{fix}; nothing was recorded",
+    )

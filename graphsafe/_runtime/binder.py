@@ -25,6 +25,7 @@ from graphsafe._memory.walk import storage_paths, walk_tensors
 from graphsafe._runtime.binding import Binding, bind
 from graphsafe._runtime.checks import swapped_error
 from graphsafe._runtime.engine import Engine
+from graphsafe._runtime.model_map import ModelMap
 from graphsafe._runtime.state_dict import hook_state_dict
 
 __all__ = ["Binder", "derivations_for", "swapped_modules", "tensor_at"]
@@ -43,7 +44,8 @@ class Binder:
         hooks: What `load_state_dict` calls before and after it copies (held weakly).
     """
 
-    __slots__ = ("_engine", "_hooks", "_journal", "_model_ref", "_own", "_strict", "registries")
+    __slots__ = ("_engine", "_hooks", "_journal", "_map", "_model_class", "_model_ref", "_own",
+                 "_strict", "registries")
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class Binder:
         hooks: tuple[weakref.WeakMethod[Any], weakref.WeakMethod[Any]],
     ) -> None:
         self._model_ref = weakref.ref(model)
+        self._model_class = type(model).__name__
         self.registries: list[Registry] = [default_registry]
         if registry is not None and registry is not default_registry:
             self.registries.append(registry)
@@ -64,6 +67,12 @@ class Binder:
         self._own = own
         self._hooks = hooks
         self._engine: Engine | None = None
+        self._map: ModelMap | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the model still exists."""
+        return self._model_ref() is not None
 
     @property
     def model(self) -> nn.Module:
@@ -71,7 +80,8 @@ class Binder:
         model = self._model_ref()
         if model is None:
             raise GraphSafetyError(
-                "the model of this runtime no longer exists",
+                f"the model of this runtime (a {self._model_class}) no longer exists",
+                module_class=self._model_class,
                 expected="a model that is still referenced",
                 got="the model was garbage-collected",
                 fix="keep a reference to the model while using its runtime, e.g. "
@@ -106,6 +116,7 @@ class Binder:
             if pinned:
                 raise swapped_error(self.model, engine.binding, swapped)
         model = self.model
+        self._map = None  # another tree: walked anew at the next load
         binding = bind(model, self._derivations_for, self._own)
         self._engine = engine = Engine(
             binding, self.model_tensors, journal=self._journal, strict=self._strict
@@ -128,6 +139,14 @@ class Binder:
     def model_tensors(self) -> dict[int, str]:
         """`{storage key: path}` of every tensor of the model."""
         return storage_paths(self.model)
+
+    def model_map(self) -> ModelMap:
+        """Where every storage of the model is, walked again only if the model changed
+        since the last walk (see `ModelMap.holds`)."""
+        found = self._map
+        if found is None or not found.holds():
+            found = self._map = ModelMap(self.model)
+        return found
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor of the model."""

@@ -40,7 +40,9 @@ def graphsafe(
     Derivations marked with `gs.derive` in the class body are validated and registered.
     If the class has the loading method (defined or inherited), its first call materializes
     the derived buffers of the instance's whole module tree, and every later call
-    refreshes, in place, those whose inputs it wrote.
+    refreshes, in place, those whose inputs it wrote. The method may be a generator or
+    an `async def` (or return a generator): the load then lasts its whole iteration or
+    run.
 
     Args:
         cls: The class (when used bare).
@@ -102,8 +104,17 @@ def _wrap_loader(klass: type, *, load: str) -> None:
     fn = getattr(klass, load, None)
     if fn is None or is_wrapped_loader(fn):
         return
-    # A generator loader runs nothing until iterated: the load is tracked over its
-    # iteration, and ends when it is exhausted.
+    # A generator loader runs nothing until iterated, an async one until awaited: the
+    # load is tracked over its whole iteration (run), and ends when it is exhausted
+    # (returns). A plain loader that returns a generator is handled by `run_load`.
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def load_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await runtime(self).run_async_load(fn, self, args, kwargs)
+
+        setattr(klass, load, mark_wrapped(load_async))
+        return
     if inspect.isgeneratorfunction(fn):
 
         @functools.wraps(fn)

@@ -22,6 +22,7 @@ from graphsafe._memory.snapshot import Witnesses
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binding import Binding, BoundDerivation
 from graphsafe._runtime.checks import geometry_held, rebound_error, refuse_resized
+from graphsafe._runtime.observer import quiet
 from graphsafe._runtime.refresh import FAST, SLOW, copy_apart, materialize, refresh_checked
 from graphsafe._runtime.transient import Transients
 from graphsafe._runtime.watch import Watch
@@ -234,7 +235,8 @@ class Engine:
         try:
             # Buffers made under inference_mode would be inference tensors, which a later
             # refresh outside inference_mode may not write: always make normal tensors.
-            with torch.inference_mode(False), torch.no_grad():
+            # These writes are graphsafe's own, not writes outside a load: `quiet`.
+            with torch.inference_mode(False), torch.no_grad(), quiet():
                 for i in plan:
                     b = bound[i]
                     done += 1

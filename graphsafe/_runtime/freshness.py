@@ -2,8 +2,8 @@
 
 Why each derivation is stale is the engine's (`Engine.stale_reasons`: failed or never
 made, witnesses that no longer match, rebound inputs and buffers, writes of an update
-still in progress, poisoned storage); this turns the answer into a repair or a
-`StaleError`.
+still in progress, poisoned storage), and what a failed update still owes the runtime's
+(`Owed`); this turns the answers into a repair or a `StaleError`.
 """
 
 from __future__ import annotations
@@ -11,23 +11,31 @@ from __future__ import annotations
 from graphsafe._declare.decorators import is_wrapped_loader
 from graphsafe._errors import StaleError
 from graphsafe._runtime.engine import Engine
+from graphsafe._runtime.owed import Owed
 
-__all__ = ["check_fresh", "fresh_fix", "in_update_error", "unmaterialized_error"]
+__all__ = ["check_fresh", "fresh_fix", "in_update_error", "owed_error", "unmaterialized_error"]
+
+_HEAL = "load the weights again: a complete load heals it"
 
 
-def check_fresh(engine: Engine, keys: frozenset[int], model_class: type, *, repair: bool) -> None:
-    """Raise unless every derived buffer is fresh and no storage read is poisoned.
+def check_fresh(
+    engine: Engine, keys: frozenset[int], model_class: type, *, repair: bool,
+    owed: Owed | None = None,
+) -> None:
+    """Raise unless every derived buffer is fresh, nothing is owed and no storage read
+    is poisoned.
 
     Args:
         engine: The engine of the model's binding.
         keys: Storage keys the model's graphs read (for the journal's poison).
         model_class: The model's class, for messages.
-        repair: Refresh buffers stale by writes in place instead of raising; failures
-            and poisoned storage are never repaired.
+        repair: Refresh buffers stale by writes in place instead of raising; failures,
+            what is owed and poisoned storage are never repaired.
+        owed: What a failed update of the model still owes.
 
     Raises:
-        StaleError: Naming the stale buffers and how their inputs were written, or the
-            failed weight update.
+        StaleError: Naming the stale buffers and how their inputs were written, or what
+            a failed update still owes, or the failed weight update of another model.
     """
     stale = engine.stale_reasons(set())
     if stale and repair and not any(i in engine.reasons for i in stale):
@@ -47,15 +55,42 @@ def check_fresh(engine: Engine, keys: frozenset[int], model_class: type, *, repa
             got="; ".join(f"{engine.bound[i].path}: {why}" for i, why in list(stale.items())[:4]),
             fix=fresh_fix(model_class, unmaterialized),
         )
+    if owed:
+        raise owed_error(model_class, owed)
     failed = engine.journal.poisoned_among(keys)
     if failed:
         raise StaleError(
             "the last weight update failed; the model holds a mix of old and new weights",
             module_class=model_class.__name__,
             expected="a weight update that completed",
-            got=next(iter(failed.values())),
-            fix="load the weights again; the model is usable once a load completes",
+            got=f"{len(failed)} storage(s) it reads were left by a failure: "
+            f"{next(iter(failed.values()))}",
+            fix=f"{_HEAL} (of the model that failed, or of this one, writing the "
+            "storages they share)",
         )
+
+
+def owed_error(model_class: type, owed: Owed) -> StaleError:
+    """The error for a replay while a failed update's tensors are not all written again.
+
+    Args:
+        model_class: The model's class.
+        owed: What is owed.
+
+    Returns:
+        The error, naming how many tensors are owed and the first few.
+    """
+    paths = list(owed.paths)
+    shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+    return StaleError(
+        "the last weight update failed; the model holds a mix of old and new weights",
+        module_class=model_class.__name__,
+        path=paths[0],
+        expected="every tensor the failed update may have written, written again by "
+        "completed loads",
+        got=f"{len(paths)} tensor(s) still owed since {owed.why}: {shown}",
+        fix=f"{_HEAL} (a partial load heals only what it writes; a refresh heals nothing)",
+    )
 
 
 def fresh_fix(model_class: type, unmaterialized: bool) -> str:

@@ -1,17 +1,20 @@
 """One load or `weight_update` block of one model, from its beginning to its end.
 
-A `Load` watches the storages a load may write (derivation inputs, or every model tensor
-for an update block) at the dispatcher, in its thread and in worker threads that join it.
-Mid-load it refreshes derivations whose transient inputs became complete; at its end it
-records the writes in the journal and brings the derived buffers up to date, or, when
-the load raised, leaves them failed closed. The runtime's `Loads` drives it
-(`Load.begin`, `load.end`) under the model's lock; nothing else changes its fields.
+A `Load` watches every storage of the model at the dispatcher, in its thread (while the
+loader's own code runs: not between the steps of a generator or async loader) and in
+worker threads that join it. Mid-load it refreshes derivations whose transient inputs
+became complete; at its end it records the writes in the journal, heals the poison of
+what it wrote and brings the derived buffers up to date, or, when the load raised,
+leaves them failed closed. The runtime's `Loads` drives it (`Load.begin`, `load.end`)
+under the model's lock; nothing else changes its fields.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping
+import types
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,7 +38,8 @@ class Load:
     """One load or `weight_update` block in progress: what it has written so far.
 
     `watch` maps the storage keys to track to anything (e.g. paths); `taken` holds the
-    derivations whose inputs were found rebound (and taken) when it began.
+    derivations whose inputs were found rebound (and taken) when it began; `writes` the
+    paths an update named as all it writes (None: it may write any tensor).
     """
 
     __slots__ = (
@@ -49,10 +53,12 @@ class Load:
         "clock",
         "engine",
         "journal",
+        "stepping",
         "taken",
         "thread",
         "tracker",
         "watch",
+        "writes",
     )
 
     def __init__(
@@ -68,6 +74,9 @@ class Load:
         self.journal = journal
         self.clock = journal.clock
         self.taken = taken or set()
+        self.writes: frozenset[str] | None = None
+        self.stepping = False
+        """Whether the loader's own code runs now (its tracker is on)."""
         transients = engine.transients or None
         self.tracker = write_tracker(watch, transients)
         self._written: set[int] = set()
@@ -91,30 +100,46 @@ class Load:
         journal: Journal,
         *,
         pinned: bool,
-        everything: Mapping[int, str] | None = None,
+        everything: Mapping[int, str],
+        writes: frozenset[str] | None = None,
     ) -> Load:
-        """Begin a load: take (before pin) or refuse (after) what was rebound, and watch the
-        derivations' inputs, or all of `everything` (`{storage key: path}` of every model
-        tensor, for an update block)."""
+        """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
+        all of `everything` (`{storage key: path}` of every model tensor), the
+        derivations' inputs and their buffers; `writes`: see the class."""
         # Watch where the inputs are now: one rebound (before pin) through another model
-        # sharing it is taken here, so that this load's writes into it are seen.
+        # sharing it is taken here, so that this load's writes into it are seen. The
+        # inputs and buffers are watched whatever `everything` missed.
         taken = engine.scan_moved(pinned)
-        watch: Mapping[int, Any] = engine.watch.by_storage()
-        if everything:
-            watch = {**everything, **watch}
-        return cls(engine, watch, journal, taken)
+        watch: dict[int, Any] = {**everything, **engine.watch.by_storage()}
+        for key in engine.watch.storage_keys():
+            watch.setdefault(key, "a derived buffer")
+        load = cls(engine, watch, journal, taken)
+        load.writes = writes
+        return load
 
     @classmethod
-    def of_state_dict(cls, engine: Engine, journal: Journal) -> Load:
-        """The load `load_state_dict` made: its writes are seen by versions, and the
-        transient inputs its pre-hook held were written whole."""
+    def of_state_dict(cls, engine: Engine, journal: Journal, written: set[int]) -> Load:
+        """The load `load_state_dict` made: its writes (`written`) are seen by versions,
+        and the transient inputs its pre-hook held were written whole."""
         load = cls(engine, {}, journal)
+        load._written = written
         load._transient_written = {tr for tr in engine.transients if tr.held}
         return load
 
     def written_so_far(self) -> set[int]:
-        """Storage keys written so far, by the load's thread and by workers that joined."""
+        """Storage keys written so far, by the load's thread and by workers that joined
+        (once it stopped: all it wrote)."""
+        if self._done:
+            return self._written
         return self._written | self.tracker.written
+
+    def rewritten(self) -> set[int]:
+        """Once the load recorded its writes: the storage keys it wrote, with those
+        declared written (`gs.mark_written`) or written by other loads while it ran."""
+        written = self.written_so_far()
+        if self.journal.clock > self.clock + 1:  # more than this load's own record
+            written = written | self.journal.written_since(self.clock)
+        return written
 
     def transients_written(self) -> set[Transient]:
         """Transient inputs written so far."""
@@ -152,14 +177,25 @@ class Load:
         with self._cond:
             while self._workers:
                 self._cond.wait()
+            self._written = self.written_so_far()
             self._done = True
-            return self.written_so_far()
+            return self._written
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The loader's own code runs: under the tracker, `stepping` set."""
+        with self.tracker:
+            self.stepping = True
+            try:
+                yield
+            finally:
+                self.stepping = False
 
     def steps(self, inner: Generator[Any, None, Any]) -> Generator[Any, None, Any]:
         """Iterate a generator loader, each step under the tracker (the caller's code
         between steps is not); returns what it returns. Closed early: `LoaderClosed`."""
         while True:
-            with self.tracker:
+            with self.running():
                 try:
                     item = next(inner)
                 except StopIteration as stop:
@@ -169,6 +205,29 @@ class Load:
             except GeneratorExit:
                 inner.close()
                 raise LoaderClosed("the loader was closed before it ended") from None
+
+    @types.coroutine
+    def awaited(self, coro: Coroutine[Any, Any, Any]) -> Generator[Any, Any, Any]:
+        """Drive an async loader's coroutine step by step, each step under the tracker;
+        what it awaits is awaited outward (the event loop's other tasks run untracked
+        meanwhile). Returns what it returns; raises what it raises, or what was thrown
+        into it and it did not handle (a cancellation)."""
+        sent: Any = None
+        thrown: BaseException | None = None
+        while True:
+            with self.running():
+                try:
+                    future = coro.send(sent) if thrown is None else coro.throw(thrown)
+                except StopIteration as stop:
+                    return stop.value
+            sent, thrown = None, None
+            try:
+                sent = yield future
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # thrown in by the event loop: the loader's turn
+                thrown = exc
 
     def between_calls(self) -> None:
         """Between two loader calls of the load: refresh what transient inputs completed."""
@@ -230,19 +289,22 @@ class Load:
         # Those refreshed and released in the middle of the load are done with.
         touched = {tr for tr in self.transients_written() if tr.held}
         if exc is not None:
-            self._fail(written, touched, f"{what} raised {one_line(exc)}", model_tensors)
+            self._fail(written, touched, f"{what} raised {one_line(exc)}")
             return written
+        self.journal.heal(self.rewritten())  # written again: no longer what a failure left
         engine = self.engine
-        dirty = engine.scan_moved(pinned) | engine.consumers_of(written) | self.taken
-        # Anything recorded since the load began (a `gs.mark_written` in the loader):
-        # the witnesses are checked too.
-        if witnesses or self.journal.clock != self.clock + 1:
+        dirty = engine.scan_moved(pinned) | _consumers(engine, written) | self.taken
+        # Anything recorded since the load began (a `gs.mark_written` in the loader), or
+        # a write into a derived buffer itself: the witnesses are checked too.
+        if (witnesses or self.journal.clock != self.clock + 1
+                or not written.isdisjoint(
+                    engine.watch.storage_keys().difference(engine.watch.by_storage()))):
             dirty.update(engine.witness_dirty())
         dirty.update(b.index for b in engine.bound if b.buffers is None)
         dirty, incomplete = self._sort_transients(dirty, touched, what)
         kept = []
         for i, at in self._early.items():  # refreshed mid-load: stale only if written since
-            if i not in engine.consumers_of(written - at):
+            if i not in _consumers(engine, written - at):
                 dirty.discard(i)
                 kept.append(i)
         engine.watch.rewitness(kept)  # their inputs' journal epochs moved with this load
@@ -253,8 +315,6 @@ class Load:
             engine.transients.release()
         if self._reports:  # the whole load's refreshes in one report
             engine.report(RefreshReport.combined([*self._reports, final]))
-        if self.journal.poisoned:  # a completed load heals what a failed one poisoned
-            self.journal.heal(storage_key(t) for t in model_tensors())
         return written
 
     def _sort_transients(
@@ -271,32 +331,26 @@ class Load:
                 continue
             incomplete.append(tr)
             why = (f"its transient input {tr.input.path} was only partly written by {what} "
-                   f"({min(tr.written, tr.numel)} of {tr.numel} elements)")
+                   f"({tr.coverage.describe()})")
             engine.mark_stale(readers, why)
             dirty.difference_update(readers)
         return dirty, incomplete
 
-    def _fail(
-        self,
-        written: set[int],
-        touched: set[Transient],
-        why: str,
-        model_tensors: Callable[[], Iterable[torch.Tensor]],
-    ) -> None:
-        """A load that raised: what it may have written is stale, the model poisoned."""
+    def _fail(self, written: set[int], touched: set[Transient], why: str) -> None:
+        """A load that raised: the derived buffers reading what it wrote are stale (what
+        the model owes, and the poison of its storages, are the runtime's)."""
         engine = self.engine
-        dirty = engine.consumers_of(written) | self.taken
+        dirty = _consumers(engine, written) | self.taken
         dirty.update(i for inp in engine.watch.moved()[0] for i in inp.consumers)
         dirty.update(i for tr in touched for i in engine.transients.readers[id(tr)])
         engine.mark_stale(dirty, why)
         engine.transients.release()
-        # Every weight of the tree may be half-written; derived buffers are stale only
-        # where marked above.
-        buffers = {storage_key(t) for b in engine.bound for t in b.buffers or ()}
-        self.journal.poison(
-            (t for t in model_tensors() if storage_key(t) not in buffers),
-            f"the last weight update failed ({why})",
-        )
+
+
+def _consumers(engine: Engine, written: set[int]) -> set[int]:
+    """The derivations reading any of `written` (a load's writes may be every storage of a
+    large model, its derivations' inputs a few: they are picked out in one pass first)."""
+    return engine.consumers_of(written.intersection(engine.watch.by_storage()))
 
 
 def _storage_finder(

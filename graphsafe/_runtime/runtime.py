@@ -29,6 +29,7 @@ from graphsafe._runtime.freshness import (
     unmaterialized_error,
 )
 from graphsafe._runtime.loads import Loads
+from graphsafe._runtime.observer import OBSERVER
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 
@@ -48,6 +49,11 @@ class _OnePerModel(type):
     ) -> Any:
         with _CREATE:
             rt = _RUNTIMES.get(model) or _OWNERS.get(model)
+            if rt is not None and not rt._binder.alive:
+                # A submodule kept after the model that bound it was dropped: the dead
+                # model's runtime is forgotten, and the submodule gets one of its own.
+                del _OWNERS[model]
+                rt = None
             if rt is None:
                 rt = super().__call__(model, registry, strict=bool(strict))
                 _RUNTIMES[model] = rt
@@ -183,12 +189,14 @@ class Runtime(Loads, metaclass=_OnePerModel):
             if load is not None and load.written_so_far():
                 raise in_update_error(type(self.model), len(load.written_so_far()))
             engine = self._engine or self._bound_engine()  # module swaps: the ledger checks them
-            # The witnesses of every input and buffer in one flat comparison, then the
-            # journal's poisoned storages.
-            if (engine.stale or not engine.witnesses.unchanged()
+            if self._verdict is not None:
+                self._settle_state_dict()  # a load_state_dict that raised after its hooks
+            # The witnesses of every input and buffer in one flat comparison, what a failed
+            # update still owes, then the journal's poisoned storages.
+            if (engine.stale or not engine.witnesses.unchanged() or self._owed
                     or engine.reads_poisoned(self._pinned_keys)):
                 keys = engine.watch.storage_keys() | self._pinned_keys
-                check_fresh(engine, keys, type(self.model), repair=repair)
+                check_fresh(engine, keys, type(self.model), repair=repair, owed=self._owed)
 
     @contextlib.contextmanager
     def replaying(self, check: Callable[[], None], *, repair: bool) -> Iterator[None]:
@@ -245,6 +253,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
         refreshed first. While any holder keeps its pin, rebinding an input, a derived buffer
         or a submodule raises `StorageMovedError` at the next load, refresh or guarded replay.
         A graph pins with itself as `holder`; `pin()` is the manual pin `unpin()` releases.
+        While pinned, writes into what the derivations read or write, outside any tracked
+        load and in any thread, are seen (`gs.observe_writes`; the compiled build).
         Raises `StaleError` if the derived buffers were never materialized.
         """
         with self._lock:
@@ -253,6 +263,9 @@ class Runtime(Loads, metaclass=_OnePerModel):
                 self._bound_engine().refresh_readers(False, ())
             self._holders[holder] = self._holders.get(holder, 0) + 1
             self._pinned_keys = frozenset(self._binder.model_tensors())
+            # Writes into what the derivations read or write, outside any tracked load and
+            # in any thread, are seen from now on (`_runtime.observer`).
+            OBSERVER.watch(self, self._bound_engine().watch.storage_keys(), self._binder.tensors)
 
     def unpin(self, holder: object = _MANUAL) -> None:
         """Release `holder`'s pin (graphs captured under it must be re-captured)."""
@@ -264,6 +277,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
                 self._holders[holder] = count - 1
             if not self._holders:
                 self._pinned_keys = frozenset()
+                OBSERVER.unwatch(self)
 
 
 def runtime(
@@ -293,13 +307,26 @@ def runtime(
     return rt
 
 
-def weight_update(model: nn.Module) -> contextlib.AbstractContextManager[Runtime]:
-    """Shortcut for `gs.runtime(model).weight_update()`.
+def weight_update(
+    model: nn.Module, *, writes: Iterable[str] | None = None
+) -> contextlib.AbstractContextManager[Runtime]:
+    """Shortcut for `gs.runtime(model).weight_update(writes=writes)`.
+
+    Args:
+        model: The model to update.
+        writes: Dotted paths of every tensor the update writes, if known: should it
+            fail, only these (and what it wrote besides) must be loaded again, instead
+            of every weight of the model.
+
+    Raises:
+        GraphSafetyError: `writes` names a tensor the model does not have.
 
     Examples:
         >>> from torch import nn
         >>> model = nn.Linear(2, 2)
         >>> with weight_update(model) as rt:
         ...     assert rt is runtime(model)
+        >>> with weight_update(model, writes=["weight"]):
+        ...     _ = model.weight.data.fill_(1.0)
     """
-    return runtime(model).weight_update()
+    return runtime(model).weight_update(writes=writes)

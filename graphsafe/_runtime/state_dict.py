@@ -1,25 +1,30 @@
 """torch's `load_state_dict` and `state_dict` on a model with derived buffers.
 
 `load_state_dict` refreshes derived buffers as a load does (its copies are in place, so
-they move version counters); transient inputs the state dict holds get memory back
-before torch copies into them, and are not reported missing while released; `state_dict`
-leaves released ones out (they live on the meta device). The hooks hold what they call
-weakly, so the model does not keep its runtime alive through them.
+they move version counters: `StateDictLoad` finds what it wrote by them); transient
+inputs the state dict holds get memory back before torch copies into them, and are not
+reported missing while released; `state_dict` leaves released ones out (they live on the
+meta device). torch copies every entry that fits, runs the hooks, and only then raises
+for those that did not (a size mismatch, a strict load's missing or unexpected keys):
+the errors it collects tell a load that fails. The hooks hold what they call weakly, so
+the model does not keep its runtime alive through them.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
+from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.engine import Engine
 
-__all__ = ["forgive_released", "hold_in_state_dict", "hook_state_dict"]
+__all__ = ["StateDictLoad", "forgive_released", "hold_in_state_dict", "hook_state_dict"]
 
-_Before = Callable[[nn.Module, dict[str, Any], str], None]
+_Before = Callable[[nn.Module, dict[str, Any], str, list[str]], None]
 _After = Callable[[nn.Module, Any], None]
 _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _DROPPING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -32,15 +37,18 @@ def hook_state_dict(
     after: weakref.WeakMethod[_After],
 ) -> None:
     """Install the hooks on `model` (once) and on the owners of its transient inputs:
-    `before(module, state_dict, prefix)` runs before torch copies, `after(module,
-    incompatible_keys)` once it has."""
+    `before(module, state_dict, prefix, error_msgs)` runs before torch copies (torch
+    collects its errors in `error_msgs`), `after(module, incompatible_keys)` once it
+    has."""
     if model not in _HOOKED:
 
         def pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                     *_: Any) -> None:
+                     *rest: Any) -> None:
+            # rest: local_metadata, strict (always True here), missing_keys,
+            # unexpected_keys, error_msgs
             fn = before()
             if fn is not None:
-                fn(module, state_dict, prefix)
+                fn(module, state_dict, prefix, rest[-1])
 
         def post_hook(module: nn.Module, incompatible: Any) -> None:
             fn = after()
@@ -55,6 +63,41 @@ def hook_state_dict(
         if owner is not None and owner not in _DROPPING:
             owner.register_state_dict_post_hook(_drop_released)  # type: ignore[no-untyped-call]
             _DROPPING.add(owner)
+
+
+class StateDictLoad:
+    """One `load_state_dict` in progress: the version of every model tensor before torch
+    copies, and the list torch collects its errors in (`errors`; it raises once the
+    hooks ran if the list holds any).
+
+    Args:
+        tensors: Every tensor of the model.
+        errors: The `error_msgs` list the pre-hook was given.
+    """
+
+    __slots__ = ("_before", "errors")
+
+    def __init__(self, tensors: Iterable[torch.Tensor], errors: list[str]) -> None:
+        self._before = {id(t): (t, _version(t)) for t in tensors}
+        self.errors = errors
+
+    def written(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """Storage keys of `tensors` (the model's, now) that torch copied into (their
+        version moved) or put in place (`assign=True`)."""
+        found = set()
+        for t in tensors:
+            before = self._before.get(id(t))
+            if before is None or before[0] is not t or _version(t) != before[1]:
+                found.add(storage_key(t))
+        found.discard(0)
+        return found
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # an inference tensor has none: counted as written
+        return -1
 
 
 def hold_in_state_dict(engine: Engine, state_dict: dict[str, Any], prefix: str) -> None:

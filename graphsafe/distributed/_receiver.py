@@ -65,7 +65,9 @@ def receive_weights(
     Entries the loader refuses (`gs.WeightLoadError`) are collected, not fatal on the
     wire: the remaining entries of the bucket are retried and the later buckets still
     load, so that every refusal is named; then the call raises `WeightSyncError` with
-    `.rejected`, and the model stays failed closed.
+    `.rejected`, and the model stays failed closed. A failed sync whose entries all name
+    tensors of the model owes only those (`Runtime.expect_writes`): a later sync of them
+    heals it; otherwise every weight of the model must be loaded again.
 
     Args:
         model: The model to load into; it needs a `load_weights(pairs)` method.
@@ -198,6 +200,7 @@ def _receive(
 ) -> None:
     """The body of the sync: metadata, then each bucket into staging and the loader."""
     plan = state.plan = _metadata(src, group, state)
+    runtime(model).expect_writes(_sync_writes(model, plan))
     wires = plan.wires
     buckets = len(plan.sizes)
     ring = _Ring(wires, _Ring.size(wires, plan.bucket_bytes, overlap))
@@ -229,6 +232,16 @@ def _receive(
             # A broadcast still writes into it: no later sync may reuse it.
             del table[key]
     state.completed = True
+
+
+def _sync_writes(model: nn.Module, plan: _Plan) -> list[str] | None:
+    """The tensors the sync writes, should it fail: its entries, when each names a tensor
+    of the model; None (any tensor) when the loader maps names (stacked projections) or
+    keeps only some entries (a pipeline stage)."""
+    names = [e.name for e in plan.entries]
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    known.update(n for n, _ in model.named_buffers(remove_duplicate=False))
+    return names if known.issuperset(names) else None
 
 
 def _metadata(

@@ -1,0 +1,185 @@
+"""Every storage of one model, walked once and walked again only when the model changed.
+
+Every tracked load watches every storage of its model, so that what it writes reaches
+the journal whoever else reads it. Walking a model of thousands of tensors costs more
+than tracking a load of them, so the binder keeps the walk's `ModelMap` and asks it,
+before each load, whether it still holds (`ModelMap.holds`): a flat check of what could
+change it. It sees a tensor rebound or moved where the walk found one (`.to()`,
+`share_memory_()`, `p.data = w`, a new parameter object), any entry added to, removed
+from or replaced in a module's parameters, buffers, submodules or attributes, and an
+object on the way to tensors (a list, a kernel object, a closure) replaced, grown or
+shrunk. It cannot see a tensor put into an object that held none when it was walked
+(the watch of the derivations' own inputs and buffers, taken by the engine, never
+depends on it).
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe._memory.snapshot import PLAIN, Bindings
+from graphsafe._memory.walk import Site, step, storage_key, walk, walk_modules
+
+__all__ = ["ModelMap"]
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_TABLES = ("_parameters", "_buffers", "_modules")
+_DICT = operator.attrgetter("__dict__")
+_CALL = weakref.ref.__call__
+
+
+class ModelMap:
+    """One walk of a model: where each storage is, which tensors are its weights, and
+    the flat record that tells whether the walk still describes the model.
+
+    Args:
+        model: The root module.
+    """
+
+    __slots__ = ("_bindings", "_holders", "_ids", "_lens", "_modules", "_names", "_nested",
+                 "_refs", "_table_ids", "_tables", "by_path", "keys", "weights")
+
+    def __init__(self, model: nn.Module) -> None:
+        reach = walk(model)
+        modules = list(dict.fromkeys(s.module for s in walk_modules(model)))
+        at = {id(m): i for i, m in enumerate(modules)}
+        self.keys: dict[int, str] = {}
+        """Storage key -> the first path holding it (every storage with bytes)."""
+        self.by_path: dict[str, int] = {}
+        """Dotted path of every tensor -> its storage key (0: no bytes)."""
+        weights: list[str] = []
+        direct: list[tuple[Any, Any, object, int, tuple[int, ...]]] = []
+        nested: list[tuple[int, Any, tuple[Any, ...], int, int]] = []
+        with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+            for site in reach.sites:
+                t = site.tensor
+                key = storage_key(t)
+                self.by_path[site.path] = key
+                if key:
+                    self.keys.setdefault(key, site.path)
+                if _is_weight(site) and (t.numel() or t.device.type == "meta"):
+                    weights.append(site.path)
+                ptr = _data_ptr(t)
+                if ptr is None:
+                    continue  # no storage to move (sparse, a wrapper subclass)
+                if site.chain or site.container is _DICT(site.module):  # an attribute
+                    nested.append((at[id(site.module)], site.key, site.chain, id(t), ptr))
+                else:  # a module's parameters or buffers: tables that hold no module
+                    direct.append((site.container, site.key, t, ptr, ()))
+        self.weights: tuple[str, ...] = tuple(weights)
+        """Paths of the model's weights: parameters and persistent buffers (what a
+        checkpoint holds), those on the meta device included (released transient
+        inputs), zero-size ones left out."""
+        self._bindings = Bindings(direct, 0)
+        self._nested = nested
+        # The modules, their dicts and tables are read through weak references each time:
+        # a record that held them would keep a dropped model (and its runtime) alive.
+        self._modules = [weakref.ref(m) for m in modules]
+        dicts = list(map(_DICT, modules))
+        slots = [(i, name) for i, d in enumerate(dicts) for name in _TABLES if name in d]
+        self._tables = ([i for i, _ in slots], [name for _, name in slots])
+        tables = self._tables_of(dicts)
+        self._table_ids = list(map(id, tables))
+        # Every entry the bindings above do not read, by identity: attributes, submodules,
+        # and parameter or buffer slots holding None (holder: a dict's index, a table's
+        # index after them).
+        entries = [(i, k) for i, d in enumerate(dicts) for k in d if k not in _MODULE_INTERNALS]
+        entries += [(len(dicts) + j, k) for j, t in enumerate(tables) for k, v in t.items()
+                    if not isinstance(v, torch.Tensor)]
+        self._holders = [h for h, _ in entries]
+        self._names = [k for _, k in entries]
+        self._ids = _ids_at([*dicts, *tables], self._holders, self._names)
+        # Where each object on the way to tensors is, by id: nothing the model drops is
+        # kept alive by this record.
+        self._refs = [(at[id(r.module)], r.key, r.chain, id(r.obj)) for r in reach.refs]
+        self._lens = self._sizes(dicts, tables)
+
+    def holds(self) -> bool:
+        """Whether the model still has exactly the tensors and storages walked."""
+        # Flat passes (maps of C calls): this runs before every load.
+        modules = list(map(_CALL, self._modules))
+        if None in modules:  # a module was dropped
+            return False
+        try:
+            dicts = list(map(_DICT, modules))
+            tables = self._tables_of(dicts)
+            return (
+                list(map(id, tables)) == self._table_ids
+                and _ids_at([*dicts, *tables], self._holders, self._names) == self._ids
+                and self._sizes(dicts, tables) == self._lens
+                and self._bindings.unchanged()
+                and all(_still_tensor(dicts[i], *rest) for i, *rest in self._nested)
+            )
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+            return False
+        finally:
+            self._bindings.seen = None  # what it read: kept by nothing
+
+    def _tables_of(self, dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The parameter, buffer and submodule tables of the modules whose dicts are
+        `dicts`."""
+        index, names = self._tables
+        return list(map(dict.__getitem__, map(dicts.__getitem__, index), names))
+
+    def _sizes(self, dicts: list[dict[str, Any]], tables: list[dict[str, Any]]) -> list[int]:
+        """The size of every module dict and table, then, for every object on the way to
+        tensors, -1 if another object is there now, else its size."""
+        sizes = [*map(len, dicts), *map(len, tables)]
+        for i, key, chain, obj in self._refs:
+            now = _resolve(dicts[i], key, chain)
+            sizes.append(_size(now) if id(now) == obj else -1)
+        return sizes
+
+    def paths_of(self, keys: Iterable[int]) -> list[str]:
+        """Every path whose storage is among `keys`."""
+        wanted = set(keys)
+        return [p for p, k in self.by_path.items() if k and k in wanted]
+
+
+def _is_weight(site: Site) -> bool:
+    module = site.module
+    if site.chain:
+        return False
+    if site.container is module._parameters:
+        return True
+    return site.container is module._buffers and (
+        site.key not in module._non_persistent_buffers_set
+    )
+
+
+def _data_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _ids_at(holders: list[dict[str, Any]], index: list[int], keys: list[Any]) -> list[int]:
+    """The id of what `holders[index[i]]` holds under `keys[i]`, for each i."""
+    return list(map(id, map(dict.get, map(holders.__getitem__, index), keys)))
+
+
+def _resolve(holder: Any, key: Any, chain: tuple[Any, ...]) -> Any:
+    value = holder[key]
+    for k in chain:
+        value = step(value, k)
+    return value
+
+
+def _size(obj: Any) -> int:
+    """How many things `obj` holds (a list grown, an attribute added)."""
+    if isinstance(obj, (list, tuple, dict)):
+        return len(obj)
+    d = getattr(obj, "__dict__", None)
+    return len(d) if type(d) is dict else 0
+
+
+def _still_tensor(holder: Any, key: Any, chain: tuple[Any, ...], obj: int, ptr: int) -> bool:
+    t = _resolve(holder, key, chain)
+    return id(t) == obj and isinstance(t, torch.Tensor) and _data_ptr(t) == ptr

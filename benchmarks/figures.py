@@ -728,6 +728,7 @@ def fig7(ctx: Ctx) -> list[Row]:
         {"capture": ctx.timer(capture), "refit": refit_case, "untracked": untracked_case},
         repeats,
     )
+    rt.refresh_stale()  # the untracked baseline wrote behind the guard (the observer saw it)
     graphs[0].replay()  # the last capture still replays after the refits
     graphs[0].reset()
     c, r, u = stats["capture"], stats["refit"], stats["untracked"]

@@ -27,10 +27,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from figures import FIGURES, Ctx, Sizes, warm
+from figures import FIGURES as _FIGURES
+from figures import Ctx, Sizes, warm
 from harness import Row, add_machine_args, fmt_bytes, machine, why
+from observer import fig8
+from reach import fig9
 
 import graphsafe
+
+FIGURES = {**_FIGURES, "8": fig8, "9": fig9}
+"""Figure number to function, in order: figures.py's, the write observer's, the walk's."""
 
 
 def _fmt(value: float | None, unit: str) -> str:

@@ -341,8 +341,10 @@ class RefitMachine(RuleBasedStateMachine):
         draft.load_weights([])  # materializes draft.mix
         self.net = Side(net, ReferenceNet, NET_SITES)
         self.draft = Side(draft, ReferenceDraft, DRAFT_SITES)
-        # Storages poisoned by a failed load of the net (held, so no address is reused).
+        # Storages poisoned by a failed load of the net (held, so no address is reused),
+        # and the net's weights it may have written that no completed load wrote since.
         self.poisoned: dict[int, torch.UntypedStorage] = {}
+        self.owed: set[str] = set()
         self.interrupted: Literal["no", "yes", "maybe"] = "no"  # a net derivation raised
         # Net derivations its engine holds failed, redone by its next run of any plan:
         # certainly (those reading what a failed load wrote), or perhaps (after an interrupt,
@@ -362,12 +364,15 @@ class RefitMachine(RuleBasedStateMachine):
 
     def _net_failed(self) -> bool:
         """Certainly refused: an interrupted derivation, or a failed load not yet redone."""
-        return self.interrupted == "yes" or not self.net.storages().isdisjoint(self.poisoned)
+        return self.interrupted == "yes" or bool(self.owed)
 
     def _allowed(self, side: Side) -> set[str]:
         """What a guarded replay of `side` may do now: "ok", "stale", "moved"."""
         if side.moved:
-            return {"moved"}
+            # A moved tensor the graph reads is StorageMovedError; one it reads only through
+            # a derived buffer leaves that buffer stale: StaleError. Never a replay.
+            return {"moved"} if any(m.startswith("module ") for m in side.moved) else {
+                "moved", "stale"}
         if side is self.net and self._net_failed():
             return {"stale"}
         if side.dirty and side.mode == "raise":
@@ -388,21 +393,29 @@ class RefitMachine(RuleBasedStateMachine):
             side.dirty |= side.readers(storages)
 
     def _loaded(
-        self, side: Side, readers: dict[int, set[str]], *, everything: bool = False
+        self, side: Side, readers: dict[int, set[str]], *, everything: bool = False,
+        written: set[int],
     ) -> None:
-        """A tracked load through `side` completed; `readers` is, per side, what reads the
-        storages it wrote. Its own derivations are refreshed (all of them at the end of an
-        update block); the other model's are refreshed or left stale."""
+        """A tracked load through `side` completed, writing the storages `written`;
+        `readers` is, per side, what reads them. Its own derivations are refreshed (all of
+        them at the end of an update block); the other model's are refreshed or left
+        stale."""
         own = set(side.sites) if everything else readers[id(side)]
         side.dirty -= own
         side.maybe -= own
         if side is self.net:
             self._net_ran()
-        for key in side.storages() | {_storage(t) for t in side.model.buffers()}:
-            self.poisoned.pop(key, None)  # a completed load heals what a failed one poisoned
+        self._rewritten(written)
         for other in self.sides:
             if other is not side:
                 self._touched(other, readers[id(other)])
+
+    def _rewritten(self, written: set[int]) -> None:
+        """A completed load wrote `written`: it heals their poison, and what the net owed
+        there, and nothing else."""
+        for key in written:
+            self.poisoned.pop(key, None)
+        self.owed -= {n for n, p in self.net.model.named_parameters() if _storage(p) in written}
 
     def _touched(self, side: Side, readers: set[str]) -> None:
         """Another model wrote what `readers` read: they are refreshed or stale."""
@@ -433,6 +446,7 @@ class RefitMachine(RuleBasedStateMachine):
     def _failed_load(self, readers: dict[int, set[str]], written: set[int]) -> None:
         for p in self.net.model.parameters():
             self.poisoned[_storage(p)] = p.untyped_storage()
+        self.owed |= set(NAMES)  # every weight of the net: it was to write them all
         self.failed |= self.net.readers(written)  # what read them is marked failed
         self._touched(self.draft, readers[id(self.draft)])
 
@@ -471,7 +485,8 @@ class RefitMachine(RuleBasedStateMachine):
             return
         assert not should_fail, "a load that should have failed completed"
         self._rebound(written, before, draft_storages)
-        self._loaded(self.net, readers)
+        self._loaded(self.net, readers,
+                     written={*before.values(), *(_storage(p) for p in written.values())})
 
     def _rebound(
         self, written: dict[str, nn.Parameter], before: dict[str, int], draft_storages: set[int]
@@ -505,7 +520,7 @@ class RefitMachine(RuleBasedStateMachine):
             assert self.net.moved
             self._touched(self.draft, readers[id(self.draft)])
             return
-        self._loaded(self.net, readers, everything=True)
+        self._loaded(self.net, readers, everything=True, written=self.net.storages())
 
     @rule(seed=st.integers(0, 2**16), at=st.integers(0, len(NAMES)))
     def load_wrong_shape(self, seed: int, at: int) -> None:
@@ -538,7 +553,7 @@ class RefitMachine(RuleBasedStateMachine):
             assert self.net.moved
             self._touched(self.draft, readers[id(self.draft)])
             return
-        self._loaded(self.net, readers, everything=True)
+        self._loaded(self.net, readers, everything=True, written=self.net.storages())
 
     @rule(seed=st.integers(0, 2**16), keep=st.sets(st.sampled_from(NAMES), min_size=1))
     def load_racing_a_replay(self, seed: int, keep: set[str]) -> None:
@@ -549,7 +564,8 @@ class RefitMachine(RuleBasedStateMachine):
             return
         before = side.expected_output() if "ok" in self._allowed(side) else None
         weights = [e for e in _checkpoint(seed) if e[0] in keep]
-        readers = self._readers({_storage(side.model.get_parameter(n)) for n, _ in weights})
+        storages = {_storage(side.model.get_parameter(n)) for n, _ in weights}
+        readers = self._readers(storages)
         errors: list[BaseException] = []
 
         def load() -> None:
@@ -571,7 +587,7 @@ class RefitMachine(RuleBasedStateMachine):
             assert isinstance(errors[0], gs.GraphSafetyError) and side.moved, errors[0]
             self._touched(self.draft, readers[id(self.draft)])
         else:
-            self._loaded(side, readers)
+            self._loaded(side, readers, written=storages)
         if side.moved:
             assert isinstance(replayed, gs.StorageMovedError), (
                 "a stale replay was not refused: the graph moved (racing a load)"
@@ -635,7 +651,7 @@ class RefitMachine(RuleBasedStateMachine):
             assert self.net.moved
             self._touched(self.draft, readers[id(self.draft)])
             return
-        self._loaded(self.net, readers, everything=True)
+        self._loaded(self.net, readers, everything=True, written=storages)
 
     # -- the module tree changes ----------------------------------------------------------
 
@@ -682,6 +698,8 @@ class RefitMachine(RuleBasedStateMachine):
                 gs.runtime(net).refresh()
         except KeyboardInterrupt:
             assert target.fault is None
+            if during != "refresh":  # the loader completed: the refresh at its end raised
+                self._rewritten(self.net.storages())
             self._net_ran()  # the plan ran up to the interrupt (the rest is marked failed)
             self.net.dirty.clear()
             self.net.maybe.clear()
@@ -789,9 +807,10 @@ class RefitMachine(RuleBasedStateMachine):
             return
         draft = self.draft.model
         weights = _checkpoint(seed, sorted(keep))
-        readers = self._readers({_storage(draft.get_parameter(n)) for n, _ in weights})
+        storages = {_storage(draft.get_parameter(n)) for n, _ in weights}
+        readers = self._readers(storages)
         draft.load_weights(weights)
-        self._loaded(self.draft, readers)
+        self._loaded(self.draft, readers, written=storages)
 
     # -- replays --------------------------------------------------------------------------
 

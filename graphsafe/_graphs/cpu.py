@@ -41,6 +41,7 @@ from graphsafe._graphs.cpu_codegen import (
     static_aliases,
     storage_alias,
 )
+from graphsafe._graphs.reads import CompiledWatch
 from graphsafe._graphs.source import user_frame as _user_frame
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.tracking import written_args
@@ -342,11 +343,12 @@ class CPUBackend:
         tensor([2., 3.])
     """
 
-    __slots__ = ("_compiled", "_external", "_state")
+    __slots__ = ("_compiled", "_external", "_state", "_trusted")
 
     def __init__(self) -> None:
         self._compiled: CompiledGraph | None = None
         self._external: list[torch.Tensor] = []
+        self._trusted = False
         self._state = CaptureState()
 
     def warmup(self, fn: Callable[[], object], iters: int) -> None:
@@ -365,15 +367,19 @@ class CPUBackend:
         """
         with self._state.capturing():
             recorder = _Recorder()
-            with _ValueReadGuard(), recorder:
+            watch = CompiledWatch()
+            with _ValueReadGuard(), recorder, watch:
                 yield
             self._compiled = recorder.compile()
             self._external = recorder.externals
+            self._trusted = not watch.compiled
 
     @property
     def reads(self) -> frozenset[int] | None:
-        """Storage keys of what the body read that was made outside the capture: exact,
-        since the replay runs nothing but recorded ops."""
+        """Storage keys of what the body read that was made outside the capture; None when
+        compiled code ran in it (its kernels may read what no recorded op names)."""
+        if not self._trusted:
+            return None
         return frozenset(k for t in self._external if (k := storage_key(t)))
 
     def outside(self) -> list[torch.Tensor]:

@@ -3,10 +3,11 @@
 A graph reads only what its body's ops read; a guard that checks only those refuses no
 replay for a stale tensor the graph never reads, and `Graph.inputs` lists what the graph
 reads that the model does not own (static inputs, KV caches). The CPU graph records every
-op anyway and replays only those, so its read set is exact. On CUDA, `ReadRecorder` notes
+op anyway, so its read set is what its eager body read. On CUDA, `ReadRecorder` notes
 the storages of every tensor argument of every op during capture; kernels that bypass the
-dispatcher (Triton, inductor: `torch.compile`'s code) read memory no op names, so a capture
-that ran any (`compiled`) is not trusted, and the guard checks the whole model instead.
+dispatcher (Triton, inductor: `torch.compile`'s code) read memory no op names, so on
+either backend a capture that ran compiled code is not trusted, and the guard checks the
+whole model instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe._memory.walk import storage_key
 
-__all__ = ["ReadRecorder", "compiled_code"]
+__all__ = ["CompiledWatch", "ReadRecorder", "compiled_code"]
 
 # Where code that launches kernels past the dispatcher lives: dynamo's transformed
 # frames, FX graph modules, inductor's generated modules, Triton's launcher.
@@ -35,6 +36,29 @@ def compiled_code(frame: FrameType) -> bool:
     return code.co_name.startswith(_COMPILED_NAMES) or any(
         f in code.co_filename for f in _COMPILED_FILES
     )
+
+
+class CompiledWatch:
+    """While entered, notes whether any Python frame ran compiled code (`compiled_code`),
+    keeping a profiler already set (coverage tools) running."""
+
+    def __init__(self) -> None:
+        self.compiled = False
+        self._previous: Any = None
+
+    def __enter__(self) -> CompiledWatch:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self._previous)
+
+    def _profile(self, frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and not self.compiled and compiled_code(frame):
+            self.compiled = True
+        if self._previous is not None:
+            self._previous(frame, event, arg)
 
 
 class ReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch stubs
@@ -53,8 +77,12 @@ class ReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         super().__init__()  # type: ignore[no-untyped-call]
         self.read: dict[int, torch.Tensor] = {}  # storage key -> a tensor read there
         self.made: set[int] = set()
-        self.compiled = False
-        self._previous: Any = None
+        self._watch = CompiledWatch()
+
+    @property
+    def compiled(self) -> bool:
+        """Whether compiled code ran while it was entered."""
+        return self._watch.compiled
 
     @property
     def reads(self) -> frozenset[int] | None:
@@ -66,20 +94,13 @@ class ReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         return [t for k, t in self.read.items() if k not in self.made]
 
     def __enter__(self) -> ReadRecorder:
-        self._previous = sys.getprofile()
-        sys.setprofile(self._profile)
+        self._watch.__enter__()
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        sys.setprofile(self._previous)
-
-    def _profile(self, frame: FrameType, event: str, arg: object) -> None:
-        if event == "call" and not self.compiled and compiled_code(frame):
-            self.compiled = True
-        if self._previous is not None:
-            self._previous(frame, event, arg)
+        self._watch.__exit__(*exc)
 
     def __torch_dispatch__(
         self,

@@ -271,8 +271,8 @@ class Ledger:
         return cls(model, pins, bindings, tuple(held.values()), label, refs)
 
     def restricted(self, storages: Set[int]) -> Ledger:
-        """This snapshot, keeping only the tensors in `storages` (what a graph reads) and
-        the modules and objects on the way to them.
+        """This snapshot, keeping only the tensors in `storages` (what a graph reads), the
+        objects on the way to them, and every submodule binding.
 
         Examples:
             >>> m = nn.Linear(2, 2)
@@ -280,18 +280,9 @@ class Ledger:
             ('bias',)
         """
         pins = tuple(p for p in self._pins if p.storage in storages)
-        # The modules holding a kept tensor, and every module above them.
-        parents: dict[int, list[nn.Module]] = {}
-        for b in self._bindings:
-            parents.setdefault(id(b.module), []).append(b.parent)
-        needed: set[int] = set()
-        todo = [p.site.module for p in pins]
-        while todo:
-            m = todo.pop()
-            if id(m) not in needed:
-                needed.add(id(m))
-                todo.extend(parents.get(id(m), ()))
-        bindings = tuple(b for b in self._bindings if id(b.module) in needed)
+        # Every submodule binding stays: derivations are bound through the module tree, so
+        # a module replaced under a graph leaves buffers it reads computed from the old one.
+        bindings = self._bindings
         return Ledger._of(self._root, pins, bindings, self._label, self._all_refs)
 
     @property

@@ -107,4 +107,5 @@ class Guard:
             StaleError: Derived buffers are stale (and not repaired), or the last weight
                 update failed or has not ended.
         """
-        return self.runtime.replaying(self.ledger.assert_stable, repair=self._repair)
+        return self.runtime.replaying(
+            self.ledger.assert_stable, repair=self._repair, reads=self.reads)

@@ -201,6 +201,27 @@ class Witnesses(Sites):
         new._clock = -1
         return new
 
+    def carried(self, sites: Sequence[tuple[Any, Any]], rows: Sequence[int | None]) -> Witnesses:
+        """New witnesses over `sites`; site `j` keeps the record of this one's row
+        `rows[j]` (None: recorded now). Rows of one holder may repeat (one source read by
+        several dependents, each witnessed on its own).
+
+        Args:
+            sites: The new `(holder, key)` list.
+            rows: For each new site, the old row whose record it keeps, or None.
+
+        Returns:
+            The new witnesses.
+        """
+        new = Witnesses(sites, self.journal)
+        for j, i in enumerate(rows):
+            if i is not None:
+                new._ids[j], new._ptrs[j] = self._ids[i], self._ptrs[i]
+                new._versions[j], new._epochs[j] = self._versions[i], self._epochs[i]
+                new._skeys[j] = self._skeys[i]
+        new._clock = -1
+        return new
+
     def record(self, indices: Iterable[int]) -> None:
         """Take the witnesses of site `indices` anew, after their dependents were refreshed
         (the clock shortcut is left alone: other sites may still lag behind it)."""

@@ -21,6 +21,7 @@ import torch
 
 from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import one_line
+from graphsafe._lineage.recorder import Lineage, Recorder
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.engine import Engine
@@ -53,6 +54,7 @@ class Load:
         "clock",
         "engine",
         "journal",
+        "lineage",
         "stepping",
         "taken",
         "thread",
@@ -79,6 +81,8 @@ class Load:
         """Whether the loader's own code runs now (its tracker is on)."""
         transients = engine.transients or None
         self.tracker = write_tracker(watch, transients)
+        self.lineage = Lineage()
+        """What the loader's own code computed from what (`graphsafe._lineage`)."""
         self._written: set[int] = set()
         self._transient_written: set[Transient] = set()
         self._reports: list[RefreshReport] = []  # refreshes run in the middle of the load
@@ -184,7 +188,7 @@ class Load:
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         """The loader's own code runs: under the tracker, `stepping` set."""
-        with self.tracker:
+        with self.tracker, Recorder(self.lineage):
             self.stepping = True
             try:
                 yield

@@ -69,6 +69,9 @@ class Loads:
     def _bound_engine(self) -> Engine:
         raise NotImplementedError
 
+    def _settle_lineage(self, load: Load) -> None:
+        """What `load` computed from the weights (the runtime's discovery takes it)."""
+
     @property
     def _engine(self) -> Engine | None:
         return self._binder.current
@@ -255,6 +258,7 @@ class Loads:
                 self._fail(load.rewritten(), load.writes, f"{what} raised {one_line(exc)}",
                            paths)
         if exc is None:
+            self._settle_lineage(load)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()

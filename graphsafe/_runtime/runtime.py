@@ -18,6 +18,8 @@ from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._declare.spec import DerivationInfo, RefreshReport
+from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
+from graphsafe._lineage.recorder import Lineage
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binder import Binder, tensor_at
@@ -28,6 +30,7 @@ from graphsafe._runtime.freshness import (
     in_update_error,
     unmaterialized_error,
 )
+from graphsafe._runtime.load import Load
 from graphsafe._runtime.loads import Loads
 from graphsafe._runtime.observer import OBSERVER
 
@@ -101,6 +104,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
         self._holders: dict[object, int] = {}
         # Every model storage while pinned: poison on any refuses the graphs' replays.
         self._pinned_keys: frozenset[int] = frozenset()
+        self._discovery = Discovery(JOURNAL)
 
     # -- binding ---------------------------------------------------------------------
 
@@ -148,6 +152,54 @@ class Runtime(Loads, metaclass=_OnePerModel):
             return tuple(b.info() for b in self._bound_engine().bound)
 
     @property
+    def discovered(self) -> tuple[Discovered, ...]:
+        """What the model's observed loads computed from its weights without a
+        declaration (packed, transposed, absorbed copies; kernel handles), where each is
+        held, from which weights, how, and whether it is stale or exempted."""
+        with self._lock:
+            return self._discovery.info()
+
+    def exempt(self, path: str, *, why: str) -> None:
+        """Never check the discovered tensor at `path` (one meant to differ from its
+        sources, such as a copy deliberately frozen); `why` is listed with it.
+
+        Raises:
+            GraphSafetyError: `path` is not a discovered tensor, or `why` is empty.
+        """
+        with self._lock:
+            self._discovery.exempt(path, why, type(self.model))
+
+    def adopt(self, *paths: str) -> tuple[Discovered, ...]:
+        """Refresh the discovered tensors at `paths` (all if none) in place when they are
+        stale and a replay repairs (`on_stale="refresh"`), like declared derivations.
+
+        Only a chain that is a pure function of its sources is adopted: it is run twice
+        now, and both results must equal what the model holds, bitwise. A handle (a value
+        that left torch) is refused. Returns the entries asked for, each with `adopted`
+        and, if refused, why (`refused`)."""
+        with self._lock:
+            self._discovery.adopt(paths or None)
+            infos = self._discovery.info()
+            return tuple(d for d in infos if not paths or d.path in paths)
+
+    def adopt_lineage(self, lineage: Lineage) -> None:
+        """Take what an engine's first load recorded before the model was known
+        (`graphsafe._lineage.record()`): the tensors it computed from the model's
+        weights are discovered now, and checked from now on."""
+        with self._lock:
+            self._discovery.settle(lineage, self.model)
+            lineage.release()
+
+    def audit_items(self) -> list[AuditItem]:
+        """The discovered tensors the content audit recomputes (not exempted)."""
+        with self._lock:
+            return self._discovery.audit_items()
+
+    def _settle_lineage(self, load: Load) -> None:
+        self._discovery.settle(load.lineage, self.model)
+        load.lineage.release()
+
+    @property
     def last_report(self) -> RefreshReport | None:
         """The report of the last refresh, including those run by loads."""
         return self._engine.last_report if self._engine is not None else None
@@ -173,12 +225,18 @@ class Runtime(Loads, metaclass=_OnePerModel):
         with self._lock:
             return all(b.buffers is not None for b in self._bound_engine().bound)
 
-    def assert_fresh(self, *, repair: bool = False) -> None:
-        """Raise unless every derived buffer matches its inputs and the last update held.
+    def assert_fresh(
+        self, *, repair: bool = False, reads: frozenset[int] | None = None
+    ) -> None:
+        """Raise unless every derived buffer matches its inputs and the last update held,
+        and no tensor the model derived without a declaration (`discovered`) is stale.
 
         Args:
-            repair: Refresh stale buffers in place instead of raising for them. A failed
-                or unfinished update is never repaired.
+            repair: Refresh stale buffers in place instead of raising for them (and the
+                discovered tensors `adopt`ed). A failed or unfinished update is never
+                repaired.
+            reads: Storage keys a graph reads: discovered tensors outside it are not
+                checked (None: all are).
 
         Raises:
             StaleError: Naming the stale buffers and how their inputs were written, or
@@ -197,14 +255,19 @@ class Runtime(Loads, metaclass=_OnePerModel):
                     or engine.reads_poisoned(self._pinned_keys)):
                 keys = engine.watch.storage_keys() | self._pinned_keys
                 check_fresh(engine, keys, type(self.model), repair=repair, owed=self._owed)
+            if self._discovery:
+                self._discovery.check(type(self.model), reads, repair=repair)
 
     @contextlib.contextmanager
-    def replaying(self, check: Callable[[], None], *, repair: bool) -> Iterator[None]:
+    def replaying(
+        self, check: Callable[[], None], *, repair: bool, reads: frozenset[int] | None = None
+    ) -> Iterator[None]:
         """Hold the model still for one replay: `check()` (a graph's ledger), then
-        `assert_fresh(repair=repair)`, under the lock that loads of the model take."""
+        `assert_fresh(repair=repair, reads=reads)`, under the lock that loads of the
+        model take."""
         with self._lock:
             check()
-            self.assert_fresh(repair=repair)
+            self.assert_fresh(repair=repair, reads=reads)
             yield
 
     # -- refresh ---------------------------------------------------------------------
@@ -265,7 +328,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
             self._pinned_keys = frozenset(self._binder.model_tensors())
             # Writes into what the derivations read or write, outside any tracked load and
             # in any thread, are seen from now on (`_runtime.observer`).
-            OBSERVER.watch(self, self._bound_engine().watch.storage_keys(), self._binder.tensors)
+            OBSERVER.watch(self, self._bound_engine().watch.storage_keys()
+                           | self._discovery.source_keys(), self._binder.tensors)
 
     def unpin(self, holder: object = _MANUAL) -> None:
         """Release `holder`'s pin (graphs captured under it must be re-captured)."""

@@ -1,0 +1,11 @@
+"""Provenance: what an engine derives from its weights without declaring it.
+
+A dispatch mode records the ops of an observed load (`record`); once it ends, the model
+is walked and each tensor it keeps that was computed from its weights is discovered
+(`resolve`), then witnessed and checked like a derivation (`discovery`).
+"""
+
+from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
+from graphsafe._lineage.recorder import Lineage, Recorder, record
+
+__all__ = ["AuditItem", "Discovered", "Discovery", "Lineage", "Recorder", "record"]

@@ -1,0 +1,344 @@
+"""Engine-derived state of one model: what its loads computed from its weights without a
+declaration, kept like a derivation.
+
+After every observed load the runtime hands its recorded lineage here (`settle`). Each
+tensor the model holds that the load computed from its weights is an entry, with a
+witness of each source (identity, pointer, `_version`, journal epoch) taken then. An
+entry is stale once a source is written or rebound after that (a bare `load_weights` that
+skips the engine's post-load step); one the next load computes again (re-derived in
+place, or made anew) is witnessed anew. Entries are checked with the guard's freshness
+check, through one flat comparison of all witnesses; an entry no graph reads blocks
+nothing, and an exempted one is never checked.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from graphsafe._errors import GraphSafetyError, StaleError
+from graphsafe._lineage.recorder import Arg, Call, Lineage
+from graphsafe._lineage.resolve import Found, Source, find, recompute, sources_of
+from graphsafe._memory.journal import Journal
+from graphsafe._memory.snapshot import PLAIN, Witnesses
+from graphsafe._memory.walk import Site, step, storage_key
+
+__all__ = ["AuditItem", "Discovered", "Discovery", "stale_error"]
+
+
+class Discovered(BaseModel):
+    """One tensor a model derived from its weights without a declaration
+    (`Runtime.discovered`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    """Where the model holds it (`lm_head.quant_method.kernel.packed`, `<cell>` steps for
+    closures)."""
+    module_class: str
+    """Class of the module it hangs off."""
+    sources: tuple[str, ...]
+    """Dotted paths of the weights it was computed from."""
+    chain: str
+    """How: the op chain from the first source (shortened)."""
+    opaque: bool
+    """Whether a value left torch on the way (a kernel handle): it cannot be recomputed."""
+    exempt: str | None
+    """Why it is exempted (`Runtime.exempt`), or None: checked."""
+    stale: str | None
+    """Why it no longer matches its sources (a source written since), or None."""
+    adopted: bool
+    """Whether stale values are recomputed in place (`Runtime.adopt`)."""
+    refused: str | None
+    """Why `Runtime.adopt` refused it, if it did."""
+
+
+class AuditItem(NamedTuple):
+    """A discovered tensor for the content audit: `held` (what the model holds) and
+    `recompute()` (its value from the current sources, out of place; None: cannot)."""
+
+    path: str
+    held: torch.Tensor
+    recompute: Callable[[], torch.Tensor | None]
+    sources: tuple[str, ...]
+    opaque: bool
+
+
+class _Entry:
+    """One discovered tensor: where it is held, from what, and how it was last written."""
+
+    __slots__ = ("adopted", "chain", "module_class", "opaque", "path", "refused", "site",
+                 "sources", "tensor", "writer")
+
+    def __init__(self, found: Found) -> None:
+        site = found.site
+        self.path = site.path
+        self.site = site
+        self.module_class = type(site.module).__name__
+        self.tensor = weakref.ref(site.tensor)
+        self.sources: tuple[Source, ...] = found.sources
+        self.chain = " -> ".join(found.chain)
+        self.opaque = found.opaque
+        self.writer: tuple[Call, Arg] = found.writer
+        self.adopted = False
+        self.refused: str | None = None
+
+    def held(self) -> torch.Tensor | None:
+        return self.tensor()
+
+    def recompute(self) -> torch.Tensor | None:
+        held = self.tensor()
+        if held is None or self.opaque:
+            return None
+        return recompute(self.writer, held, self.sources)
+
+    def key(self) -> int:
+        t = self.tensor()
+        return 0 if t is None else storage_key(t)
+
+
+class Discovery:
+    """The discovered entries of one model, their witnesses and exemptions.
+
+    Args:
+        journal: Whose epochs the witnesses take.
+    """
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+        self._entries: list[_Entry] = []
+        self._exempt: dict[str, str] = {}
+        self._witnesses: Witnesses | None = None
+        self._owner: list[int] = []  # witness row -> entry index
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- after a load -----------------------------------------------------------------
+
+    def settle(self, lineage: Lineage, model: nn.Module) -> None:
+        """Take what a completed load recorded: entries it computed (anew or again) are
+        witnessed now; the rest keep their witnesses."""
+        alive = lineage.alive()
+        if not alive:
+            return
+        sources = sources_of(model)
+        candidates = alive - sources.keys()
+        if not candidates:
+            return
+        found = {f.site.path: f for f in find(lineage, model, sources, candidates)}
+        kept = [e for e in self._entries if e.path not in found and _still_held(e)]
+        fresh = [_Entry(f) for f in found.values()]
+        old_rows = {id(e): [r for r, o in enumerate(self._owner) if o == i]
+                    for i, e in enumerate(self._entries)}
+        self._entries = kept + fresh
+        self._rebuild(old_rows)
+
+    def _rebuild(self, old_rows: dict[int, list[int]]) -> None:
+        sites: list[tuple[dict[str, object], str]] = []
+        rows: list[int | None] = []
+        owner: list[int] = []
+        for i, e in enumerate(self._entries):
+            before = old_rows.get(id(e), [])
+            for j, src in enumerate(e.sources):
+                sites.append((src.holder, src.key))
+                rows.append(before[j] if j < len(before) else None)
+                owner.append(i)
+        old = self._witnesses
+        if old is None or not sites:
+            self._witnesses = Witnesses(sites, self._journal) if sites else None
+        else:
+            self._witnesses = old.carried(sites, rows)
+        self._owner = owner
+
+    # -- what the user reads and decides ---------------------------------------------
+
+    def exempt(self, path: str, why: str, model_class: type) -> None:
+        """Exempt the entry at `path` from every check (and the audit)."""
+        if not why.strip():
+            raise GraphSafetyError(
+                "an exemption needs a reason",
+                module_class=model_class.__name__, path=path,
+                expected='`rt.exempt(path, why="...")` with why it may differ from its sources',
+                got="an empty reason",
+                fix="say why: the reason is listed with the exemption in `rt.discovered`",
+            )
+        if not any(e.path == path for e in self._entries):
+            known = ", ".join(e.path for e in self._entries[:6]) or "none"
+            raise GraphSafetyError(
+                f"{path!r} is not a tensor the model derived without a declaration",
+                module_class=model_class.__name__, path=path,
+                expected=f"one of the discovered paths: {known}",
+                got=path,
+                fix="pick a path from `gs.runtime(model).discovered`",
+            )
+        self._exempt[path] = why
+
+    def adopt(self, paths: Iterable[str] | None) -> None:
+        """Recompute stale values of the entries at `paths` (None: all) in place from now
+        on, where the recorded chain is a pure function of its sources: run twice, both
+        results must equal what the model holds, bitwise. Refusals are kept (`refused`)."""
+        wanted = None if paths is None else set(paths)
+        for e in self._entries:
+            if wanted is not None and e.path not in wanted:
+                continue
+            e.adopted, e.refused = False, _refusal(e)
+            if e.refused is None:
+                e.adopted = True
+
+    def info(self) -> tuple[Discovered, ...]:
+        """What was discovered, with sources, how, and why stale."""
+        stale = dict(self._stale_rows(None))
+        out = []
+        for i, e in enumerate(self._entries):
+            out.append(Discovered(
+                path=e.path, module_class=e.module_class,
+                sources=tuple(s.path for s in e.sources), chain=e.chain, opaque=e.opaque,
+                exempt=self._exempt.get(e.path), stale=stale.get(i),
+                adopted=e.adopted, refused=e.refused,
+            ))
+        return tuple(out)
+
+    def source_keys(self) -> frozenset[int]:
+        """Storage keys of every source (for the process-wide write observer)."""
+        with PLAIN():
+            return frozenset(
+                storage_key(t) for e in self._entries for s in e.sources
+                if isinstance(t := s.holder.get(s.key), torch.Tensor)
+            )
+
+    def audit_items(self) -> list[AuditItem]:
+        """Every entry not exempted, for the content audit."""
+        items = []
+        for e in self._entries:
+            held = e.held()
+            if held is None or e.path in self._exempt:
+                continue
+            items.append(AuditItem(e.path, held, e.recompute,
+                                   tuple(s.path for s in e.sources), e.opaque))
+        return items
+
+    # -- the guard's check ------------------------------------------------------------
+
+    def unchanged(self) -> bool:
+        """The flat check: no source of any entry written or rebound since."""
+        w = self._witnesses
+        return w is None or w.unchanged()
+
+    def _stale_rows(self, reads: frozenset[int] | None) -> list[tuple[int, str]]:
+        """(entry index, why) per stale entry that is checked (read, not exempted)."""
+        w = self._witnesses
+        if w is None or w.unchanged():
+            return []
+        out: dict[int, str] = {}
+        for row, how in w.changed():
+            i = self._owner[row]
+            e = self._entries[i]
+            if i in out or e.path in self._exempt:
+                continue
+            if reads is not None and e.key() not in reads:
+                continue
+            src = e.sources[[r for r, o in enumerate(self._owner) if o == i].index(row)]
+            out[i] = f"its source {src.path} was {how}"
+        return sorted(out.items())
+
+    def check(self, model_class: type, reads: frozenset[int] | None, *, repair: bool) -> None:
+        """Raise `StaleError` for every checked stale entry (repairing adopted ones first
+        when `repair`)."""
+        if self.unchanged():
+            return
+        stale = self._stale_rows(reads)
+        if repair:
+            stale = [(i, why) for i, why in stale if not self._repair(i)]
+        if stale:
+            raise stale_error(model_class, [(self._entries[i], why) for i, why in stale])
+
+    def _repair(self, i: int) -> bool:
+        e = self._entries[i]
+        held = e.held()
+        if not e.adopted or held is None:
+            return False
+        value = e.recompute()
+        if value is None:
+            return False
+        with torch.no_grad():
+            held.copy_(value)
+        assert self._witnesses is not None
+        self._witnesses.record([r for r, o in enumerate(self._owner) if o == i])
+        return True
+
+
+def _still_held(e: _Entry) -> bool:
+    held = e.held()
+    return held is not None and _read(e.site) is held
+
+
+def _read(site: Site) -> object:
+    """What `site` holds now (None if the way to it is gone)."""
+    try:
+        value = site.container[site.key]
+        for key in site.chain:
+            value = step(value, key)
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError):
+        return None
+    return value
+
+
+def _refusal(e: _Entry) -> str | None:
+    """Why `e` cannot be recomputed in place, or None."""
+    held = e.held()
+    if held is None:
+        return "it is no longer held"
+    if e.opaque:
+        return ("its chain went through a value that left torch (a kernel handle): it "
+                "cannot be refreshed in place")
+    first, second = e.recompute(), e.recompute()
+    if first is None or second is None:
+        return "its recorded chain cannot be run again (a constant it read is gone)"
+    if not (torch.equal(first, second) and torch.equal(first, held)):
+        return "running its recorded chain again does not give what the model holds, bitwise"
+    return None
+
+
+def stale_error(model_class: type, stale: list[tuple[_Entry, str]]) -> StaleError:
+    """The refusal of a replay that would read engine-derived state computed from
+    weights written since."""
+    first = stale[0][0]
+    paths = [e.path for e, _ in stale]
+    got = "; ".join(
+        f"{e.path} (from {', '.join(s.path for s in e.sources)} by {e.chain}): {why}"
+        for e, why in stale[:4]
+    )
+    declare = _declare_line(first)
+    return StaleError(
+        f"{len(stale)} tensor(s) the model derived from its weights (found without a "
+        "declaration) were not recomputed after their sources were written",
+        paths=paths,
+        module_class=first.module_class,
+        path=", ".join(paths[:8]) + (" ..." if len(paths) > 8 else ""),
+        expected="every tensor computed from the weights recomputed after they are written",
+        got=got,
+        fix="re-run the engine's post-load processing over what was written (in vLLM, "
+        "its layerwise processing of the written layers, not `reload_weights` from disk, "
+        f"which would discard the sync){declare}; or exempt it if it is meant to differ: "
+        f'`gs.runtime(model).exempt("{first.path}", why="...")`',
+    )
+
+
+def _declare_line(e: _Entry) -> str:
+    """`; or declare it: <the registry line>` where the tensor is a module attribute."""
+    site = e.site
+    if site.chain or not isinstance(site.key, str):
+        return ""
+    prefix = e.path.rsplit(".", 1)[0] + "." if "." in e.path else ""
+    inputs = [s.path[len(prefix):] for s in e.sources if s.path.startswith(prefix)]
+    if len(inputs) != len(e.sources):
+        return ""
+    return (f"; or declare it as a derivation: `@registry.derive({e.module_class}, "
+            f"{site.key!r}, inputs={inputs!r})` over a function computing it")
+

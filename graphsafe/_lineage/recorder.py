@@ -1,0 +1,248 @@
+"""Provenance: which tensors an observed load computed from which storages, by which ops.
+
+While a load runs, a dispatch mode (`Recorder`) notes each op as a `Call`: the op, its
+arguments (a tensor argument as an `Arg`: the storage it views, the geometry of the view,
+and what last wrote that storage in the recording) and what it wrote. Every storage an op
+writes (a new result, or an argument the op mutates) gets the call as its latest writer;
+a view shares its base's storage and writer. Results that leave torch (an op returning an
+int that becomes a kernel handle, as vLLM's `torch.tensor(<int from the op>)`) keep the
+call that made them: a small int64 tensor whose values an op returned is written by it.
+
+Storages are told apart by identity (`_cdata`), never by address, and each is held by a
+`StorageWeakRef` for as long as the recording lives, so an identity freed meanwhile is
+never reused under it. What the recording means for a model is resolved once the load
+ends (`graphsafe._lineage.resolve`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Arg", "Call", "Lineage", "Recorder", "record", "sid_of"]
+
+_VIEW_FREE = frozenset({"aten::detach", "aten::lift_fresh", "aten::alias"})
+"""Ops whose result is their argument for lineage: the result keeps the writer."""
+
+
+class Arg(NamedTuple):
+    """A tensor argument of a recorded call: the storage `sid` it views, with `size`,
+    `stride`, `offset` and `dtype`, and `writer` (the call that last wrote the storage in
+    the recording, None for a storage made before it). `keep` holds a weak reference to
+    the storage for one made before the recording (a constant it may be replayed with;
+    never a reference to the tensor, which `torch.utils.swap_tensors` would refuse)."""
+
+    sid: int
+    writer: Call | None
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    keep: StorageWeakRef | None
+
+
+class Call:
+    """One recorded op: `func` with `args`/`kwargs` (tensors as `Arg`), the storages it
+    wrote (`outs`: result position -> the result's `Arg`), and whether it returned values
+    that left torch (`opaque`)."""
+
+    __slots__ = ("args", "func", "kwargs", "mutated", "opaque", "outs")
+
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.outs: dict[int, Arg] = {}
+        self.mutated: tuple[int, ...] = ()
+        self.opaque = False
+
+    @property
+    def name(self) -> str:
+        """The op's name for messages (`aten.t`, `_C.convert_weight_packed`)."""
+        schema = getattr(self.func, "_schema", None)
+        name = schema.name if schema is not None else str(self.func)
+        ns, _, op = name.partition("::")
+        return f"{ns}.{op}" if op else name
+
+    def inputs(self) -> Iterator[Arg]:
+        """Every tensor argument."""
+        for a in (*self.args, *self.kwargs.values()):
+            if isinstance(a, Arg):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                yield from (x for x in a if isinstance(x, Arg))
+
+
+def sid_of(t: torch.Tensor) -> int:
+    """The identity of `t`'s storage (0 for a tensor without one)."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+class Lineage:
+    """What a recording found: the latest writer of each storage it saw written, and the
+    values that left torch, with the call that made each."""
+
+    __slots__ = ("_refs", "handles", "writers")
+
+    def __init__(self) -> None:
+        self.writers: dict[int, tuple[Call, Arg]] = {}
+        """Storage identity -> (the call that last wrote it, the written tensor's `Arg`)."""
+        self.handles: dict[int, Call] = {}
+        """An int an op returned -> that op's call."""
+        self._refs: dict[int, StorageWeakRef] = {}
+
+    def __len__(self) -> int:
+        return len(self.writers)
+
+    def hold(self, t: torch.Tensor, sid: int) -> StorageWeakRef:
+        """Keep `sid` from being reused while the recording lives."""
+        ref = self._refs.get(sid)
+        if ref is None:
+            ref = self._refs[sid] = StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+        return ref
+
+    def alive(self) -> set[int]:
+        """Identities of the written storages that are still alive."""
+        refs = self._refs
+        return {sid for sid in self.writers if not refs[sid].expired()}  # type: ignore[no-untyped-call]
+
+    def release(self) -> None:
+        """Forget everything (the storages' identities may be reused from now on)."""
+        self.writers.clear()
+        self.handles.clear()
+        self._refs.clear()
+
+
+def _mutated(func: Any) -> tuple[int, ...]:
+    """Positions of the arguments `func` writes, by its schema."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple(
+        i for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+_MUTATED: dict[Any, tuple[int, ...]] = {}
+
+
+class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records every op run under it into `lineage` (see the module)."""
+
+    def __init__(self, lineage: Lineage | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.lineage = lineage if lineage is not None else Lineage()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # A tensor without a storage (a wrapper subclass) has no lineage to follow.
+        with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+            self._note(func, args, kwargs, out)
+        return out
+
+    def _arg(self, t: torch.Tensor) -> Arg:
+        sid = sid_of(t)
+        known = self.lineage.writers.get(sid)
+        writer = None if known is None else known[0]
+        keep = self.lineage.hold(t, sid) if writer is None and sid else None
+        return Arg(sid, writer, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
+                   t.dtype, keep)
+
+    def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        lineage = self.lineage
+        name = func._schema.name if hasattr(func, "_schema") else ""
+        if name in _VIEW_FREE:
+            self._handle_tensor(out)
+            return
+        # No closure here: a recursive one is a reference cycle, and would keep the
+        # arguments alive (and `torch.utils.swap_tensors` refusing them) until a collection.
+        call = Call(func, tuple(self._conv(a) for a in args),
+                    {k: self._conv(v) for k, v in kwargs.items()})
+        seen = next(call.inputs(), None) is not None
+        mutated = _MUTATED.get(func)
+        if mutated is None:
+            mutated = _MUTATED[func] = _mutated(func)
+        call.mutated = mutated
+        in_sids = {a.sid for a in call.inputs()}
+        for pos in mutated:
+            if pos < len(args) and isinstance(args[pos], torch.Tensor):
+                t = args[pos]
+                sid = sid_of(t)
+                if sid:
+                    lineage.hold(t, sid)
+                    lineage.writers[sid] = (call, self._arg_written(t, sid))
+        results = out if isinstance(out, (list, tuple)) else (out,)
+        for i, r in enumerate(results):
+            if isinstance(r, torch.Tensor):
+                if r.device.type == "meta":
+                    continue
+                sid = sid_of(r)
+                if not sid or sid in in_sids:  # a view of (or the mutated) argument
+                    continue
+                arg = self._arg_written(r, sid)
+                call.outs[i] = arg
+                lineage.hold(r, sid)
+                lineage.writers[sid] = (call, arg)
+            elif isinstance(r, int) and not isinstance(r, bool) and seen:
+                call.opaque = True
+                lineage.handles[r] = call
+        if not seen and not call.outs and not mutated:
+            return
+        self._handle_tensor(out)
+
+    def _conv(self, a: Any) -> Any:
+        """An argument as recorded: a tensor as its `Arg` (None for a meta tensor)."""
+        if isinstance(a, torch.Tensor):
+            return None if a.device.type == "meta" else self._arg(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return type(a)(self._conv(x) for x in a)
+        return a
+
+    @staticmethod
+    def _arg_written(t: torch.Tensor, sid: int) -> Arg:
+        return Arg(sid, None, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
+                   t.dtype, None)
+
+    def _handle_tensor(self, out: Any) -> None:
+        """A small int64 tensor holding an int an op returned: written by that op."""
+        handles = self.lineage.handles
+        if (not handles or not isinstance(out, torch.Tensor) or out.dtype != torch.int64
+                or out.numel() > 4 or out.device.type != "cpu"):
+            return
+        for v in out.reshape(-1).tolist():
+            call = handles.get(v)
+            if call is not None:
+                sid = sid_of(out)
+                self.lineage.hold(out, sid)
+                self.lineage.writers[sid] = (call, self._arg_written(out, sid))
+                return
+
+
+@contextlib.contextmanager
+def record(lineage: Lineage | None = None) -> Iterator[Lineage]:
+    """Record the lineage of every op run in the block (this thread), for a model not
+    known yet: an engine's first load and post-load step. Hand the result to
+    `gs.runtime(model).adopt_lineage(lineage)` once the model exists.
+
+    Examples:
+        >>> w = torch.ones(2, 2)
+        >>> with record() as lin:
+        ...     packed = w.t().contiguous()
+        >>> sid_of(packed) in lin.writers
+        True
+    """
+    rec = Recorder(lineage)
+    with rec:
+        yield rec.lineage

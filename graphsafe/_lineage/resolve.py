@@ -1,0 +1,222 @@
+"""What a recorded lineage means for one model: which tensors it holds were computed from
+which of its weights, and how; and the recomputation of such a tensor from the weights
+as they are now.
+
+A *source* is a tensor the model keeps as a parameter or buffer (weights, and declared
+derived buffers). A tensor the model holds anywhere the walk reaches (an attribute, a
+kernel object, a closure, a partial), whose storage the recording saw written and whose
+writers reach a source, is *found*; one whose writers reach no source (a rotary cache
+computed from the config) is not. A view of a source is the source itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from graphsafe._lineage.recorder import Arg, Call, Lineage, sid_of
+from graphsafe._memory.snapshot import PLAIN
+from graphsafe._memory.walk import Site, walk
+
+__all__ = ["Found", "Source", "find", "recompute", "sources_of", "trace"]
+
+_CHAIN = 4
+"""Ops kept at each end of a chain in messages."""
+
+
+class Source(NamedTuple):
+    """A weight the model keeps: `holder[key]` (`module._parameters`, "weight") at `path`."""
+
+    path: str
+    holder: dict[str, Any]
+    key: str
+    sid: int
+
+
+class Found(NamedTuple):
+    """A tensor the model holds (`site`) that the recording saw computed from `sources`
+    by `chain` (op names, the first from a source), last written by `writer`."""
+
+    site: Site
+    sources: tuple[Source, ...]
+    chain: tuple[str, ...]
+    opaque: bool
+    writer: tuple[Call, Arg]
+
+
+def sources_of(model: nn.Module) -> dict[int, Source]:
+    """Every parameter and buffer of `model` by storage identity (the first path of each)."""
+    found: dict[int, Source] = {}
+    with PLAIN():
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            head = f"{prefix}." if prefix else ""
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        sid = sid_of(t)
+                        if sid and sid not in found:
+                            found[sid] = Source(head + name, table, name, sid)
+    return found
+
+
+def trace(
+    writer: Call, sources: dict[int, Source]
+) -> tuple[tuple[Source, ...], tuple[str, ...], bool]:
+    """The sources `writer`'s result was computed from, the op chain from the first of
+    them, and whether a value left torch on the way (a handle)."""
+    found: dict[int, Source] = {}
+    opaque = False
+    chains: dict[int, tuple[str, ...] | None] = {}
+
+    def visit(call: Call) -> tuple[str, ...] | None:
+        nonlocal opaque
+        key = id(call)
+        if key in chains:
+            return chains[key]
+        chains[key] = None  # a cycle cannot happen (writers precede readers); be safe
+        opaque = opaque or call.opaque
+        best: tuple[str, ...] | None = None
+        for a in call.inputs():
+            src = sources.get(a.sid)
+            if src is not None:
+                found.setdefault(src.sid, src)
+                sub: tuple[str, ...] | None = (src.path,)
+            elif a.writer is not None:
+                sub = visit(a.writer)
+            else:
+                sub = None
+            if sub is not None and best is None:
+                best = sub
+        chain = None if best is None else (*best, call.name)
+        chains[key] = chain
+        return chain
+
+    chain = visit(writer) or ()
+    if len(chain) > 2 * _CHAIN + 1:
+        chain = (*chain[:_CHAIN], "...", *chain[-_CHAIN:])
+    return tuple(found.values()), chain, opaque
+
+
+def find(
+    lineage: Lineage, model: nn.Module, sources: dict[int, Source], among: set[int]
+) -> list[Found]:
+    """The tensors `model` holds whose storage is one of `among` (written in the recording)
+    and whose writers reach a source; one per storage, at its first path."""
+    out: list[Found] = []
+    taken: set[int] = set()
+    for site in walk(model).sites:
+        with PLAIN():
+            sid = sid_of(site.tensor)
+        if sid not in among or sid in taken or sid in sources:
+            continue
+        taken.add(sid)
+        writer = lineage.writers[sid]
+        srcs, chain, opaque = trace(writer[0], sources)
+        if srcs:
+            out.append(Found(site, srcs, chain, opaque, writer))
+    return out
+
+
+class _Unreplayable(Exception):
+    """The chain cannot be run again (a handle, a constant gone, a layout that moved)."""
+
+
+def recompute(
+    writer: tuple[Call, Arg], held: torch.Tensor, sources: Iterable[Source]
+) -> torch.Tensor | None:
+    """Run the recorded chain again over the sources as they are now, out of place
+    (nothing the model holds is written), and return the result viewed as `held` is, or
+    None when it cannot be run again: it went through a handle (an op whose result left
+    torch), a constant it read is gone, or a result's layout differs from the recording's.
+    """
+    by_sid = {s.sid: s for s in sources}
+    memo: dict[int, dict[int, torch.Tensor]] = {}
+    try:
+        with torch.no_grad(), PLAIN():
+            base = _run(writer[0], by_sid, memo)[writer[1].sid]
+            return _view(base, _geometry(held), held.dtype)
+    except (_Unreplayable, RuntimeError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
+
+
+def _view(
+    base: torch.Tensor, geometry: tuple[tuple[int, ...], tuple[int, ...], int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    if base.dtype != dtype:
+        raise _Unreplayable("a view of another dtype")
+    size, stride, offset = geometry
+    return base.as_strided(size, stride, offset)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing a copy of `t`'s whole storage as `t` views it (so that an op that
+    writes it writes no storage the model or another replayed value holds)."""
+    storage = t.untyped_storage().clone()  # type: ignore[no-untyped-call]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        storage, t.storage_offset(), t.shape, t.stride()
+    )
+
+
+def _run(
+    call: Call, sources: dict[int, Source], memo: dict[int, dict[int, torch.Tensor]]
+) -> dict[int, torch.Tensor]:
+    """Run `call` again; return each storage it wrote -> a tensor over its new value."""
+    done = memo.get(id(call))
+    if done is not None:
+        return done
+    if call.opaque:
+        raise _Unreplayable(f"{call.name} returned a value that left torch")
+
+    def value(a: Any) -> Any:
+        if isinstance(a, Arg):
+            return _arg_value(a, sources, memo)
+        if isinstance(a, (list, tuple)):
+            return type(a)(value(x) for x in a)
+        return a
+
+    args = [value(a) for a in call.args]
+    kwargs = {k: value(v) for k, v in call.kwargs.items()}
+    written: dict[int, torch.Tensor] = {}
+    for pos in call.mutated:
+        if pos < len(args) and isinstance(args[pos], torch.Tensor):
+            args[pos] = _own(args[pos])
+            written[call.args[pos].sid] = args[pos]
+    out = call.func(*args, **kwargs)
+    results = out if isinstance(out, (list, tuple)) else (out,)
+    for i, arg in call.outs.items():
+        r = results[i]
+        if not isinstance(r, torch.Tensor) or _geometry(r) != (arg.size, arg.stride, arg.offset):
+            raise _Unreplayable(f"{call.name} gave a result of another layout")
+        written[arg.sid] = r
+    memo[id(call)] = written
+    return written
+
+
+def _arg_value(
+    a: Arg, sources: dict[int, Source], memo: dict[int, dict[int, torch.Tensor]]
+) -> torch.Tensor:
+    geometry = (a.size, a.stride, a.offset)
+    src = sources.get(a.sid)
+    if src is not None:
+        now = src.holder.get(src.key)
+        if not isinstance(now, torch.Tensor):
+            raise _Unreplayable(f"the source {src.path} is gone")
+        return _view(now, geometry, a.dtype)
+    if a.writer is not None:
+        return _view(_run(a.writer, sources, memo)[a.sid], geometry, a.dtype)
+    if a.keep is None or a.keep.expired():  # type: ignore[no-untyped-call]
+        raise _Unreplayable("a constant it read is gone")
+    storage = torch.UntypedStorage._new_with_weak_ptr(a.keep.cdata)
+    return torch.empty(0, dtype=a.dtype, device=storage.device).set_(
+        storage, a.offset, a.size, a.stride)
+
+
+Recompute = Callable[[], "torch.Tensor | None"]

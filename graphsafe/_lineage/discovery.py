@@ -14,7 +14,7 @@ nothing, and an exempted one is never checked.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -121,9 +121,12 @@ class Discovery:
 
     # -- after a load -----------------------------------------------------------------
 
-    def settle(self, lineage: Lineage, model: nn.Module) -> None:
+    def settle(
+        self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]]
+    ) -> None:
         """Take what a completed load recorded: entries it computed (anew or again) are
-        witnessed now; the rest keep their witnesses."""
+        witnessed now; the rest keep their witnesses. `sites()` gives every tensor the
+        model holds (a walk)."""
         alive = lineage.alive()
         if not alive:
             return
@@ -131,7 +134,7 @@ class Discovery:
         candidates = alive - sources.keys()
         if not candidates:
             return
-        found = {f.site.path: f for f in find(lineage, model, sources, candidates)}
+        found = {f.site.path: f for f in find(lineage, sites(), sources, candidates)}
         kept = [e for e in self._entries if e.path not in found and _still_held(e)]
         fresh = [_Entry(f) for f in found.values()]
         old_rows = {id(e): [r for r, o in enumerate(self._owner) if o == i]
@@ -193,7 +196,7 @@ class Discovery:
 
     def info(self) -> tuple[Discovered, ...]:
         """What was discovered, with sources, how, and why stale."""
-        stale = dict(self._stale_rows(None))
+        stale = dict(self._stale_rows(None, exempted=True))
         out = []
         for i, e in enumerate(self._entries):
             out.append(Discovered(
@@ -230,8 +233,11 @@ class Discovery:
         w = self._witnesses
         return w is None or w.unchanged()
 
-    def _stale_rows(self, reads: frozenset[int] | None) -> list[tuple[int, str]]:
-        """(entry index, why) per stale entry that is checked (read, not exempted)."""
+    def _stale_rows(
+        self, reads: frozenset[int] | None, *, exempted: bool = False
+    ) -> list[tuple[int, str]]:
+        """(entry index, why) per stale entry that is checked (read; not exempted, unless
+        `exempted`)."""
         w = self._witnesses
         if w is None or w.unchanged():
             return []
@@ -239,7 +245,7 @@ class Discovery:
         for row, how in w.changed():
             i = self._owner[row]
             e = self._entries[i]
-            if i in out or e.path in self._exempt:
+            if i in out or (e.path in self._exempt and not exempted):
                 continue
             if reads is not None and e.key() not in reads:
                 continue

@@ -17,6 +17,7 @@ ends (`graphsafe._lineage.resolve`).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -24,7 +25,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Arg", "Call", "Lineage", "Recorder", "record", "sid_of"]
+from graphsafe._memory.walk import storage_key
+
+__all__ = ["RECORDING", "Arg", "Call", "Lineage", "Recorder", "record", "recording", "sid_of"]
+
+RECORDING = [os.environ.get("GRAPHSAFE_PROVENANCE", "1") != "0"]
+"""Whether observed loads record provenance (`GRAPHSAFE_PROVENANCE=0` turns it off: then
+nothing an engine derives undeclared is discovered, and none of it is checked)."""
 
 _VIEW_FREE = frozenset({"aten::detach", "aten::lift_fresh", "aten::alias"})
 """Ops whose result is their argument for lineage: the result keeps the writer."""
@@ -132,25 +139,29 @@ def _mutated(func: Any) -> tuple[int, ...]:
     )
 
 
+def _is_view(func: Any) -> bool:
+    """Whether `func` only returns views of its arguments and writes nothing (nothing to
+    record: a view shares its base's storage and writer)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns or _mutated(func):
+        return False
+    return all(r.alias_info is not None for r in schema.returns)
+
+
 _MUTATED: dict[Any, tuple[int, ...]] = {}
+_VIEWS: dict[Any, bool] = {}
 
 
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records every op run under it into `lineage` (see the module)."""
 
-    def __init__(self, lineage: Lineage | None = None) -> None:
+    def __init__(self, lineage: Lineage | None = None,
+                 weights: frozenset[int] = frozenset()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.lineage = lineage if lineage is not None else Lineage()
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # A tensor without a storage (a wrapper subclass) has no lineage to follow.
-        with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
-            self._note(func, args, kwargs, out)
-        return out
+        self.weights = weights
+        """Storage keys of the model's weights: a write into one alone (the loader's
+        `copy_`) is not recorded, since lineage stops at a weight."""
 
     def _arg(self, t: torch.Tensor) -> Arg:
         sid = sid_of(t)
@@ -202,6 +213,26 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return
         self._handle_tensor(out)
 
+    def _dispatch(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        view = _VIEWS.get(func)
+        if view is None:
+            view = _VIEWS[func] = _is_view(func)
+        if view:
+            if self.lineage.handles:
+                self._handle_tensor(out)  # `torch.tensor(<int>)` is a `lift_fresh`
+            return out
+        weights = self.weights
+        if weights and func is _COPY and storage_key(args[0]) in weights:
+            return out  # a weight loaded: what reads it stops there
+        # A tensor without a storage (a wrapper subclass) has no lineage to follow.
+        with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+            self._note(func, args, kwargs, out)
+        return out
+
     def _conv(self, a: Any) -> Any:
         """An argument as recorded: a tensor as its `Arg` (None for a meta tensor)."""
         if isinstance(a, torch.Tensor):
@@ -228,6 +259,22 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.lineage.hold(out, sid)
                 self.lineage.writers[sid] = (call, self._arg_written(out, sid))
                 return
+
+
+def recording(
+    lineage: Lineage, weights: frozenset[int] = frozenset()
+) -> contextlib.AbstractContextManager[object]:
+    """What a load runs its loader's code under: a `Recorder` into `lineage` (`weights`:
+    see `Recorder.weights`), unless recording is off."""
+    if RECORDING[0]:
+        return Recorder(lineage, weights)
+    return contextlib.nullcontext()
+
+
+# Set after the class is made, so that TorchDispatchMode does not wrap it in a
+# dynamo-disabling frame at every op (a load is never compiled).
+Recorder.__torch_dispatch__ = Recorder._dispatch  # type: ignore[method-assign,assignment]
+_COPY = torch.ops.aten.copy_.default
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from torch import nn
 
 from graphsafe._lineage.recorder import Arg, Call, Lineage, sid_of
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import Site, walk
+from graphsafe._memory.walk import Site
 
 __all__ = ["Found", "Source", "find", "recompute", "sources_of", "trace"]
 
@@ -101,13 +101,14 @@ def trace(
 
 
 def find(
-    lineage: Lineage, model: nn.Module, sources: dict[int, Source], among: set[int]
+    lineage: Lineage, sites: Iterable[Site], sources: dict[int, Source], among: set[int]
 ) -> list[Found]:
-    """The tensors `model` holds whose storage is one of `among` (written in the recording)
-    and whose writers reach a source; one per storage, at its first path."""
+    """The tensors held at `sites` (a walk of the model) whose storage is one of `among`
+    (written in the recording) and whose writers reach a source; one per storage, at its
+    first path."""
     out: list[Found] = []
     taken: set[int] = set()
-    for site in walk(model).sites:
+    for site in sites:
         with PLAIN():
             sid = sid_of(site.tensor)
         if sid not in among or sid in taken or sid in sources:

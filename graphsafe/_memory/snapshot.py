@@ -331,11 +331,11 @@ class Witnesses(Sites):
                 out.append((i, "rebound"))
             elif _ptr(t) != self._ptrs[i]:
                 out.append((i, "rebound to new storage"))
-            elif _version(t) != self._versions[i]:
-                out.append((i, "written in place outside a tracked load (its version moved)"))
-            elif epochs[i] != self._epochs[i]:
+            elif epochs[i] != self._epochs[i]:  # the journal knows what wrote it
                 how = self.journal.how_written(self._skeys[i])
                 out.append((i, f"written by {how}"))
+            elif _version(t) != self._versions[i]:
+                out.append((i, "written in place outside a tracked load (its version moved)"))
         return out
 
 

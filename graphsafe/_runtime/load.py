@@ -21,7 +21,7 @@ import torch
 
 from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import one_line
-from graphsafe._lineage.recorder import Lineage, Recorder
+from graphsafe._lineage.recorder import Lineage, recording
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.engine import Engine
@@ -60,6 +60,7 @@ class Load:
         "thread",
         "tracker",
         "watch",
+        "weights",
         "writes",
     )
 
@@ -82,6 +83,8 @@ class Load:
         transients = engine.transients or None
         self.tracker = write_tracker(watch, transients)
         self.lineage = Lineage()
+        self.weights: frozenset[int] = frozenset()
+        """Storage keys of the model's weights when it began (for the recorder)."""
         """What the loader's own code computed from what (`graphsafe._lineage`)."""
         self._written: set[int] = set()
         self._transient_written: set[Transient] = set()
@@ -106,6 +109,7 @@ class Load:
         pinned: bool,
         everything: Mapping[int, str],
         writes: frozenset[str] | None = None,
+        weights: frozenset[int] = frozenset(),
     ) -> Load:
         """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
         all of `everything` (`{storage key: path}` of every model tensor), the
@@ -119,6 +123,7 @@ class Load:
             watch.setdefault(key, "a derived buffer")
         load = cls(engine, watch, journal, taken)
         load.writes = writes
+        load.weights = weights
         return load
 
     @classmethod
@@ -188,7 +193,7 @@ class Load:
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         """The loader's own code runs: under the tracker, `stepping` set."""
-        with self.tracker, Recorder(self.lineage):
+        with self.tracker, recording(self.lineage, self.weights):
             self.stepping = True
             try:
                 yield

@@ -223,6 +223,7 @@ class Loads:
         before = self._binder.model_map()
         load = self._load = Load.begin(
             engine, self._journal, pinned=self.pinned, everything=before.keys, writes=writes,
+            weights=before.weight_keys,
         )
         try:
             yield load

@@ -187,7 +187,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
         (`graphsafe._lineage.record()`): the tensors it computed from the model's
         weights are discovered now, and checked from now on."""
         with self._lock:
-            self._discovery.settle(lineage, self.model)
+            self._discovery.settle(lineage, self.model,
+                                   lambda: self._binder.model_map().sites)
             lineage.release()
 
     def audit_items(self) -> list[AuditItem]:
@@ -196,7 +197,9 @@ class Runtime(Loads, metaclass=_OnePerModel):
             return self._discovery.audit_items()
 
     def _settle_lineage(self, load: Load) -> None:
-        self._discovery.settle(load.lineage, self.model)
+        if load.lineage:
+            self._discovery.settle(load.lineage, self.model,
+                                   lambda: self._binder.model_map().sites)
         load.lineage.release()
 
     @property

@@ -1,0 +1,154 @@
+"""Figure 11: what recording provenance costs, and what discovered state costs a replay.
+
+- 11a: a first load of ~2,000 small tensors (vLLM-style), tracked with provenance
+  recorded, against the untracked load; the same tracked load without recording
+  (`GRAPHSAFE_PROVENANCE=0`) is in the details, so the recorder's own share shows.
+- 11b: the same for the first load of the flagship preset (`fig7_preset`, flash at full
+  size), with a post-load step that packs a copy of every layer's attention weight, as an
+  engine's would.
+- 11c: a guarded replay of a graph that reads the packed copies (discovered, checked at
+  every replay), against the same graph over the same model whose copies were made with
+  recording off (nothing discovered): the per-replay cost of discovered state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_models import llm_stack_class, untracked_load
+from harness import Row, interleave, paired
+from torch import nn
+
+import graphsafe as gs
+import graphsafe.models.deepseek_v4 as dsv4
+from graphsafe._lineage.recorder import RECORDING
+
+__all__ = ["fig11"]
+
+
+def _without_recording(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        RECORDING[0] = False
+        try:
+            return fn()
+        finally:
+            RECORDING[0] = True
+
+    return run
+
+
+def _post_load(model: nn.Module) -> None:
+    """An engine's post-load step: a kernel-layout copy of every 2-D weight, kept in a
+    closure on its module."""
+    for module in model.modules():
+        for name, w in list(module._parameters.items()):
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                packed = w.detach().t().contiguous()
+                setattr(module, f"{name}_kernel", lambda packed=packed: packed)
+
+
+def _kernels(model: nn.Module) -> list[Callable[[], torch.Tensor]]:
+    return [v for m in model.modules() for k, v in vars(m).items() if k.endswith("_kernel")]
+
+
+def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
+              ckpt: list[tuple[str, torch.Tensor]], target: float) -> Row:
+    """A first load and post-load step of a model built anew for each sample."""
+    last: list[nn.Module] = []
+
+    def first_load(track: bool) -> Callable[[], float]:
+        def case() -> float:
+            last.clear()
+            model = make()  # untimed
+            last.append(model)
+            if not track:
+                return ctx.clock.time(lambda: (untracked_load(model, ckpt), _post_load(model)))
+
+            def load() -> None:  # one observed load: the loader, then the post-load step
+                with gs.weight_update(model):
+                    model.load_weights(ckpt)
+                    _post_load(model)
+
+            return ctx.clock.time(load)
+
+        return case
+
+    stats = interleave({
+        "recorded": first_load(True),
+        "not_recorded": _without_recording(first_load(True)),
+        "untracked": first_load(False),
+    }, ctx.sizes.repeats)
+    r, n, u = stats["recorded"], stats["not_recorded"], stats["untracked"]
+    probe = make()
+    with gs.weight_update(probe):
+        probe.load_weights(ckpt)
+        _post_load(probe)
+    found = len(gs.runtime(probe).discovered)
+    return Row(fig, f"{name}: first load + post-load, recorded", r.median, u.median,
+               "untracked load + post-load", ratio=paired(r, u),
+               ratio_def="recorded / untracked", op="<=", target=target,
+               details={"tensors": len(ckpt), "discovered": found,
+                        "not_recorded_ratio": round(paired(n, u), 3),
+                        "recorded_over_not_recorded": round(paired(r, n), 3)})
+
+
+def fig11(ctx: Any) -> list[Row]:
+    """Provenance on a first load (small tensors, the flagship), and per replay."""
+    reg = gs.Registry()
+    layers = ctx.sizes.fig4_small_layers
+    gen = torch.Generator().manual_seed(3)
+
+    def small() -> nn.Module:
+        return llm_stack_class(reg, 32, 32)(layers)
+
+    probe = small()
+    ckpt = [(n, torch.randn(p.shape, generator=gen)) for n, p in probe.named_parameters()]
+    rows = [_load_row(ctx, "11a", f"{len(ckpt)} small tensors", small, ckpt, 1.5)]
+
+    preset = ctx.sizes.fig7_preset
+    config = dsv4.DeepseekV4Config.preset(preset)
+
+    def flagship() -> nn.Module:
+        return dsv4.DeepseekV4Model(config)
+
+    fckpt = list(dsv4.random_checkpoint(config, seed=0))
+    rows.append(_load_row(ctx, "11b", preset, flagship, fckpt, 1.5))
+    rows.append(_replay_row(ctx, layers, reg, ckpt))
+    return rows
+
+
+def _replay_row(ctx: Any, layers: int, reg: gs.Registry,
+                ckpt: list[tuple[str, torch.Tensor]]) -> Row:
+    def build(record: bool) -> tuple[nn.Module, gs.Graph]:
+        model = llm_stack_class(reg, 32, 32)(layers)
+        model.load_weights(ckpt)
+        post = (lambda: _post_in_update(model)) if record else _without_recording(
+            lambda: _post_in_update(model))
+        post()
+        kernels = _kernels(model)
+        g = gs.Graph(backend="cpu", guard=model)
+        with torch.no_grad(), g.capture():
+            total = torch.zeros(())
+            for k in kernels:
+                total = total + k().sum()
+        return model, g
+
+    def _post_in_update(model: nn.Module) -> None:
+        with gs.weight_update(model):
+            _post_load(model)
+
+    found_model, found = build(True)
+    plain_model, plain = build(False)
+    n_found = len(gs.runtime(found_model).discovered)
+    assert n_found > 0 and not gs.runtime(plain_model).discovered
+    stats = interleave({
+        "discovered": ctx.timer(found.replay, number=20),
+        "none": ctx.timer(plain.replay, number=20),
+    }, ctx.sizes.repeats)
+    d, n = stats["discovered"], stats["none"]
+    return Row("11c", f"guarded replay reading {n_found} discovered tensors", d.median,
+               n.median, "the same replay, nothing discovered", ratio=paired(d, n),
+               ratio_def="discovered / none", op="<=", target=1.1,
+               details={"discovered": n_found})

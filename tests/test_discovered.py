@@ -1,0 +1,359 @@
+"""State an engine derives from its weights without declaring it is found, and guarded.
+
+`Engine` below is written the way serving engines are: its loader copies the weights,
+then a post-load step computes kernel-layout copies and keeps them wherever it likes (an
+attribute, a kernel object, a closure, a `functools.partial`, a handle made by a custom
+op). Nothing is declared. A bare sync (the RL path: `load_weights(..., post=False)`)
+writes the weights and skips the post-load step, so every copy goes stale; the guarded
+replay must refuse it by name, and each control replays the same capture unguarded and
+reads the stale copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import graphsafe as gs
+from graphsafe._lineage import record
+
+C = 4
+_PACKED: dict[int, torch.Tensor] = {}  # the custom ops' kernel state: handle -> packed
+
+
+@torch.library.custom_op("gstest::make_handle", mutates_args=())
+def make_handle(w: torch.Tensor) -> int:
+    """A kernel library's handle: the packed weight lives behind an int."""
+    key = len(_PACKED) + 1
+    _PACKED[key] = w.t().contiguous()
+    return key
+
+
+@torch.library.custom_op("gstest::handle_mm", mutates_args=())
+def handle_mm(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return x @ _PACKED[int(handle.item())]
+
+
+@handle_mm.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+class Kernel:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.packed = w.t().contiguous()  # [C, C]
+
+
+class Handler:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.handle = torch.tensor(make_handle(w), dtype=torch.int64)
+
+
+def _post_attr(m: Engine) -> None:
+    m.lin.packed = m.lin.weight.t().contiguous()
+
+
+def _post_kernel(m: Engine) -> None:
+    m.lin.kernel = Kernel(m.lin.weight)
+
+
+def _post_closure(m: Engine) -> None:
+    packed = m.lin.weight.t().contiguous()
+    m.lin.apply = lambda x: x @ packed
+
+
+def _post_partial(m: Engine) -> None:
+    m.lin.apply = functools.partial(torch.matmul, other=m.lin.weight.t().contiguous())
+
+
+def _post_handle(m: Engine) -> None:
+    handler = Handler(m.lin.weight)
+    m.lin.apply = lambda x: handle_mm(x, handler.handle)
+
+
+def _run_attr(m: Engine, x: torch.Tensor) -> torch.Tensor:
+    return x @ m.lin.packed
+
+
+def _run_kernel(m: Engine, x: torch.Tensor) -> torch.Tensor:
+    return x @ m.lin.kernel.packed
+
+
+def _run_apply(m: Engine, x: torch.Tensor) -> torch.Tensor:
+    return m.lin.apply(x)  # type: ignore[no-any-return]
+
+
+Post = Callable[["Engine"], None]
+Run = Callable[["Engine", torch.Tensor], torch.Tensor]
+CASES: list[tuple[Post, Run, str]] = [
+    (_post_attr, _run_attr, "lin.packed"),
+    (_post_kernel, _run_kernel, "lin.kernel.packed"),
+    (_post_closure, _run_apply, "lin.apply.<closure packed>"),
+    (_post_partial, _run_apply, "lin.apply.keywords.other"),
+    (_post_handle, _run_apply, "lin.apply.<closure handler>.handle"),
+]
+IDS = ["attribute", "kernel-object", "closure", "partial", "handle"]
+
+
+@gs.graphsafe
+class Engine(nn.Module):
+    """An engine-style model: a loader, and a post-load step nobody declared."""
+
+    def __init__(self, post: Post, run: Run) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+        self.post, self.run = post, run
+        self.rope = torch.zeros(C)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+        if post:
+            self.post(self)
+            with torch.no_grad():  # from the config only: no weight feeds it
+                self.rope.copy_(torch.arange(C, dtype=torch.float32).cos())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(self, x) + self.rope
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    return {"lin.weight": torch.randn(C, C, generator=torch.Generator().manual_seed(seed))}
+
+
+def _reference(weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return x @ weights["lin.weight"].t() + torch.arange(C, dtype=torch.float32).cos()
+
+
+def _captured(case: tuple[Post, Run, str], *, guard: bool) -> tuple[Engine, gs.Graph,
+                                                                      torch.Tensor]:
+    m = Engine(case[0], case[1])
+    m.load_weights(_weights(0))
+    g = gs.Graph(backend="cpu", guard=m if guard else None)
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(2, C))
+    return m, g, y
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_what_the_post_load_step_derived_is_discovered_with_its_source(
+    case: tuple[Post, Run, str],
+) -> None:
+    m = Engine(case[0], case[1])
+    m.load_weights(_weights(0))
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found) == {case[2]}  # not the rope cache: no weight feeds it
+    d = found[case[2]]
+    assert d.sources == ("lin.weight",)
+    assert d.chain.startswith("lin.weight -> ")
+    assert d.opaque == (case[2].endswith("handle"))
+    assert d.stale is None and d.exempt is None
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_bare_sync_leaves_it_stale_and_the_replay_is_refused_by_name(
+    case: tuple[Post, Run, str],
+) -> None:
+    m, g, _ = _captured(case, guard=True)
+    m.load_weights(_weights(1), post=False)  # the weights only: no post-load step
+    with pytest.raises(gs.StaleError) as info:
+        g.replay()
+    assert info.value.paths == (case[2],)
+    message = str(info.value)
+    assert case[2] in message and "lin.weight" in message
+    assert "written by Engine.load_weights" in message
+    assert "post-load" in message and "exempt" in message
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_control_unguarded_the_replay_reads_the_stale_copy(
+    case: tuple[Post, Run, str],
+) -> None:
+    m, g, y = _captured(case, guard=False)
+    new = _weights(1)
+    m.load_weights(new, post=False)
+    g.replay()
+    x = torch.ones(2, C)
+    assert torch.allclose(y, _reference(_weights(0), x))  # the old weights' output
+    assert not torch.allclose(y, _reference(new, x))
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=IDS[:4])
+def test_the_full_load_with_its_post_load_step_replays_exactly(
+    case: tuple[Post, Run, str],
+) -> None:
+    m = Engine(case[0], case[1])
+    m.load_weights(_weights(0))
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(2, C))
+    # Re-derived in place: the post-load step writes into what it made the first time.
+    m.post = _rederive_in_place(case[2])
+    new = _weights(1)
+    m.load_weights(new)
+    g.replay()
+    assert torch.allclose(y, _reference(new, torch.ones(2, C)))
+    assert all(d.stale is None for d in gs.runtime(m).discovered)
+
+
+def _rederive_in_place(path: str) -> Post:
+    def post(m: Engine) -> None:
+        held = _held(m, path)
+        with torch.no_grad():
+            held.copy_(m.lin.weight.t())
+
+    return post
+
+
+def _held(m: Engine, path: str) -> torch.Tensor:
+    from graphsafe._memory.walk import walk_tensors
+
+    return next(s.tensor for s in walk_tensors(m) if s.path == path)
+
+
+def test_rebuilt_on_every_load_without_a_graph_is_no_false_alarm() -> None:
+    m = Engine(_post_kernel, _run_kernel)
+    m.load_weights(_weights(0))
+    old = m.lin.kernel.packed
+    new = _weights(1)
+    m.load_weights(new)  # a new kernel object, from the new weights
+    assert m.lin.kernel.packed is not old
+    gs.runtime(m).assert_fresh()
+    assert [d.stale for d in gs.runtime(m).discovered] == [None]
+    assert torch.allclose(m(torch.ones(2, C)), _reference(new, torch.ones(2, C)))
+
+
+def test_rebuilt_after_capture_is_a_moved_storage() -> None:
+    m, g, _ = _captured(CASES[1], guard=True)
+    m.load_weights(_weights(1))  # the post-load step makes a new kernel object
+    with pytest.raises(gs.StorageMovedError, match="lin.kernel"):
+        g.replay()
+
+
+def test_a_stale_copy_the_graph_does_not_read_blocks_nothing() -> None:
+    m = Engine(_post_kernel, lambda m, x: x @ m.lin.weight.t())  # reads the weight only
+    m.load_weights(_weights(0))
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(2, C))
+    new = _weights(1)
+    m.load_weights(new, post=False)
+    g.replay()  # the kernel's copy is stale, but no graph reads it
+    assert torch.allclose(y, _reference(new, torch.ones(2, C)))
+    (d,) = gs.runtime(m).discovered
+    assert d.path == "lin.kernel.packed" and d.stale is not None
+    with pytest.raises(gs.StaleError):  # a check of the whole model still sees it
+        gs.runtime(m).assert_fresh()
+
+
+def test_control_without_a_read_set_the_same_stale_copy_blocks() -> None:
+    m = Engine(_post_kernel, lambda m, x: x @ m.lin.weight.t())
+    m.load_weights(_weights(0))
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        m(torch.ones(2, C))
+    assert g._guard is not None
+    g._guard.reads = None  # as a graph whose reads are unknown (compiled code ran)
+    m.load_weights(_weights(1), post=False)
+    with pytest.raises(gs.StaleError, match="lin.kernel.packed"):
+        g.replay()
+
+
+def test_a_deliberately_frozen_copy_once_exempted_replays() -> None:
+    m, g, y = _captured(CASES[0], guard=True)
+    rt = gs.runtime(m)
+    with pytest.raises(gs.GraphSafetyError, match="reason"):
+        rt.exempt("lin.packed", why=" ")
+    with pytest.raises(gs.GraphSafetyError, match="discovered"):
+        rt.exempt("lin.nothing", why="frozen")
+    rt.exempt("lin.packed", why="a teacher copy, frozen on purpose")
+    m.load_weights(_weights(1), post=False)
+    g.replay()  # exempted: the frozen copy is what the graph is meant to read
+    assert torch.allclose(y, _reference(_weights(0), torch.ones(2, C)))
+    (d,) = rt.discovered
+    assert d.exempt == "a teacher copy, frozen on purpose" and d.stale is not None
+
+
+def test_an_in_place_write_through_the_weight_outside_any_load_is_seen() -> None:
+    m, g, _ = _captured(CASES[0], guard=True)
+    with torch.no_grad():
+        m.lin.weight.mul_(2)  # its version counter moves
+    with pytest.raises(gs.StaleError, match="lin.packed"):
+        g.replay()
+
+
+def test_adopted_copies_are_refreshed_in_place_by_a_repairing_replay() -> None:
+    m = Engine(_post_partial, _run_apply)
+    m.load_weights(_weights(0))
+    (d,) = gs.runtime(m).adopt()
+    assert d.adopted and d.refused is None
+    g = gs.Graph(backend="cpu", guard=m, on_stale="refresh")
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(2, C))
+    new = _weights(1)
+    m.load_weights(new, post=False)
+    g.replay()
+    assert torch.allclose(y, _reference(new, torch.ones(2, C)))
+    assert gs.runtime(m).discovered[0].stale is None
+
+
+def test_control_not_adopted_a_repairing_replay_still_refuses() -> None:
+    m = Engine(_post_partial, _run_apply)
+    m.load_weights(_weights(0))
+    g = gs.Graph(backend="cpu", guard=m, on_stale="refresh")
+    with torch.no_grad(), g.capture():
+        m(torch.ones(2, C))
+    m.load_weights(_weights(1), post=False)
+    with pytest.raises(gs.StaleError, match="lin.apply.keywords.other"):
+        g.replay()
+
+
+def test_a_handle_is_refused_for_adoption_and_says_why() -> None:
+    m = Engine(_post_handle, _run_apply)
+    m.load_weights(_weights(0))
+    (d,) = gs.runtime(m).adopt()
+    assert not d.adopted and d.refused is not None and "handle" in d.refused
+
+
+def test_an_impure_chain_is_refused_for_adoption() -> None:
+    def post(m: Engine) -> None:
+        m.lin.packed = m.lin.weight.t() + torch.rand(C, C)  # not a function of the weight
+
+    m = Engine(post, _run_attr)
+    m.load_weights(_weights(0))
+    (d,) = gs.runtime(m).adopt()
+    assert not d.adopted and d.refused is not None and "bitwise" in d.refused
+
+
+def test_the_first_load_of_an_engine_recorded_before_the_model_was_known() -> None:
+    with record() as lineage:  # an engine builds and loads before graphsafe sees it
+        m = Engine(_post_kernel, _run_kernel)
+        with torch.no_grad():
+            m.lin.weight.copy_(_weights(0)["lin.weight"])
+        m.post(m)
+    rt = gs.runtime(m)
+    rt.adopt_lineage(lineage)
+    assert [d.path for d in rt.discovered] == ["lin.kernel.packed"]
+    m.load_weights(_weights(1), post=False)
+    with pytest.raises(gs.StaleError, match="lin.kernel.packed"):
+        rt.assert_fresh()
+
+
+def test_a_declared_derivation_is_not_discovered_again() -> None:
+    reg = gs.Registry()
+
+    @reg.derive(nn.Linear, "packed", inputs=["weight"])
+    def packed(m: nn.Module, w: torch.Tensor, *, out: Any = None) -> torch.Tensor:
+        return w.t().contiguous() if out is None else out.copy_(w.t())
+
+    m = Engine(lambda m: None, _run_attr)
+    gs.runtime(m, reg)
+    m.load_weights(_weights(0))
+    assert gs.runtime(m).discovered == ()
+    assert gs.runtime(m).stale == ()

@@ -27,16 +27,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+from audit import fig10
 from figures import FIGURES as _FIGURES
 from figures import Ctx, Sizes, warm
 from harness import Row, add_machine_args, fmt_bytes, machine, why
 from observer import fig8
+from provenance import fig11
 from reach import fig9
 
 import graphsafe
 
-FIGURES = {**_FIGURES, "8": fig8, "9": fig9}
-"""Figure number to function, in order: figures.py's, the write observer's, the walk's."""
+FIGURES = {**_FIGURES, "8": fig8, "9": fig9, "10": fig10, "11": fig11}
+"""Figure number to function, in order: figures.py's, the write observer's, the walk's,
+the content audit's, provenance's."""
 
 
 def _fmt(value: float | None, unit: str) -> str:

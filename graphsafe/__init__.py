@@ -12,10 +12,13 @@ from graphsafe._errors import StaleError
 from graphsafe._errors import StorageMovedError
 from graphsafe._errors import WeightLoadError
 from graphsafe._graphs.graph import Graph
+from graphsafe._lineage.discovery import Discovered
 from graphsafe._memory.journal import mark_written
 from graphsafe._memory.ledger import Ledger
 from graphsafe._runtime.load_into import load_into
 from graphsafe._runtime.observer import observe_writes
+from graphsafe._runtime.audit import AuditReport
+from graphsafe._runtime.audit import audit
 from graphsafe._declare.registry import Registry
 from graphsafe._declare.registry import default_registry
 from graphsafe._runtime.runtime import Runtime
@@ -29,11 +32,13 @@ from graphsafe._declare.spec import Drift
 from graphsafe._declare.spec import RefreshReport
 
 __all__ = [
+    "AuditReport",
     "CaptureError",
     "Derivation",
     "DerivationDriftError",
     "DerivationInfo",
     "DerivationReport",
+    "Discovered",
     "Drift",
     "Graph",
     "GraphSafetyError",
@@ -48,6 +53,7 @@ __all__ = [
     "StaleError",
     "StorageMovedError",
     "WeightLoadError",
+    "audit",
     "default_registry",
     "derive",
     "graphsafe",

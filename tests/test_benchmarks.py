@@ -18,6 +18,7 @@ def test_quick_run_reports_every_figure_as_json():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)  # nothing but JSON on stdout
     figures = {row["figure"] for row in report["rows"]}
-    assert {"1a", "1b", "2a", "3a", "4a", "4b", "5a", "5b", "5c", "6a", "6b", "7a"} <= figures
+    assert {"1a", "1b", "2a", "3a", "4a", "4b", "5a", "5b", "5c", "6a", "6b", "7a",
+            "10a", "10b", "10c", "10d", "11a", "11b", "11c"} <= figures
     measured = [row for row in report["rows"] if not row["skipped"]]
     assert all(row["value"] is not None and row["value"] >= 0 for row in measured)

@@ -15,6 +15,7 @@ from graphsafe._graphs.capture import CaptureState
 from graphsafe._graphs.cpu import CPUBackend
 from graphsafe._graphs.guard import Guard
 from graphsafe._memory.ledger import Ledger
+from graphsafe._runtime.audit import Auditor, AuditReport
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
@@ -53,9 +54,18 @@ class Graph:
         on_stale: `"raise"` a `StaleError` when a guarded replay finds stale derived
             buffers, or `"refresh"` them in place and replay. Moved storage and a failed
             or unfinished weight update always raise.
+        audit_every: With a guard, run the content audit (`gs.audit`) before every
+            `audit_every`-th replay, under the model's lock after the guard's other
+            checks: a derived tensor that differs from its recomputation raises
+            `StaleError` and nothing is replayed, whatever `on_stale` says (the audit
+            found a write no mechanism saw: there is no witness to repair from). A
+            failed audit runs again at the next replay, until one passes. The graph
+            keeps the audit's scratch block (as large as the largest derivation output)
+            between audits. None (the default): never.
 
     Raises:
-        ValueError: Unknown `backend` or `on_stale`, or a pool given to the CPU backend.
+        ValueError: Unknown `backend` or `on_stale`, a pool given to the CPU backend, or
+            an `audit_every` that is not a positive integer, or given without a guard.
         CaptureError: `backend="cuda"` where CUDA is not available.
 
     Examples:
@@ -72,13 +82,17 @@ class Graph:
 
     __slots__ = (
         "__weakref__",
+        "_audit_every",
+        "_auditor",
         "_backend",
         "_backend_name",
         "_guard",
+        "_last_audit",
         "_model",
         "_pool",
         "_repair",
         "_state",
+        "_until_audit",
     )
 
     def __init__(
@@ -88,9 +102,20 @@ class Graph:
         pool: PoolHandle | None = None,
         *,
         on_stale: OnStale = "raise",
+        audit_every: int | None = None,
     ) -> None:
         if on_stale not in ("raise", "refresh"):
             raise ValueError(f"on_stale must be 'raise' or 'refresh', not {on_stale!r}")
+        if audit_every is not None and (
+            isinstance(audit_every, bool) or not isinstance(audit_every, int) or audit_every < 1
+        ):
+            raise ValueError(f"audit_every must be a positive integer or None, not {audit_every!r}")
+        if audit_every is not None and guard is None:
+            raise ValueError("audit_every audits the guarded model: pass guard=model too")
+        self._audit_every = audit_every
+        self._until_audit = audit_every or 0  # replays left before the next audit
+        self._auditor = Auditor() if audit_every is not None else None
+        self._last_audit: AuditReport | None = None
         self._repair = on_stale == "refresh"
         self._backend_name = _choose(backend, guard)
         self._pool = pool
@@ -148,6 +173,11 @@ class Graph:
         None without a guard, before capture, or where they are not known (a CUDA capture
         that ran compiled kernels), where the guard checks the whole model."""
         return self._guard.reads if self._guard is not None else None
+
+    @property
+    def last_audit(self) -> AuditReport | None:
+        """The report of the last audit a replay ran (`audit_every`), or None."""
+        return self._last_audit
 
     @property
     def captured(self) -> bool:
@@ -209,6 +239,8 @@ class Graph:
         self._release()
         self._backend = self._make_backend()
         self._state = CaptureState()
+        if self._auditor is not None:  # its scratch block goes with the capture
+            self._auditor = Auditor()
 
     def _release(self) -> None:
         if self._guard is not None:
@@ -223,11 +255,26 @@ class Graph:
             StorageMovedError: With a guard, a pinned tensor or submodule was rebound
                 after capture. Nothing is replayed.
             StaleError: With a guard, derived buffers are stale, or the last weight update
-                failed or has not ended. Nothing is replayed.
+                failed or has not ended; with `audit_every`, the audit of this replay
+                found a derived tensor that differs from its recomputation. Nothing is
+                replayed.
         """
         self._state.check_replay()
         if self._guard is None:
             self._backend.replay()
             return
         with self._guard.replaying():
+            if self._auditor is not None:
+                self._audit(self._guard)
             self._backend.replay()
+
+    def _audit(self, guard: Guard) -> None:
+        """Count this replay; on every `audit_every`-th, audit under the lock the guard
+        holds, after its checks (and repairs) ran."""
+        assert self._audit_every is not None and self._auditor is not None
+        self._until_audit -= 1
+        if self._until_audit > 0:
+            return
+        self._until_audit = 1  # a failed audit runs again at the next replay
+        self._last_audit = self._auditor.run(guard.runtime, atol=0.0, rtol=0.0)
+        self._until_audit = self._audit_every

@@ -137,8 +137,10 @@ class Discovery:
         found = {f.site.path: f for f in find(lineage, sites(), sources, candidates)}
         kept = [e for e in self._entries if e.path not in found and _still_held(e)]
         fresh = [_Entry(f) for f in found.values()]
-        old_rows = {id(e): [r for r, o in enumerate(self._owner) if o == i]
-                    for i, e in enumerate(self._entries)}
+        by_entry: dict[int, list[int]] = {}
+        for row, i in enumerate(self._owner):
+            by_entry.setdefault(i, []).append(row)
+        old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
         self._entries = kept + fresh
         self._rebuild(old_rows)
 

@@ -130,6 +130,13 @@ class Runtime(Loads, metaclass=_OnePerModel):
     def _bound_engine(self) -> Engine:
         return self._binder.engine(self.pinned)
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[Engine]:
+        """Hold the model still (its lock: loads wait) and give the bound engine, for a
+        reader of every derivation (the content audit)."""
+        with self._lock:
+            yield self._bound_engine()
+
     def _own(self, module: nn.Module) -> None:
         _OWNERS[module] = self
 

@@ -13,6 +13,7 @@ from graphsafe._errors import StorageMovedError
 from graphsafe._errors import WeightLoadError
 from graphsafe._graphs.graph import Graph
 from graphsafe._lineage.discovery import Discovered
+from graphsafe._lineage.probes import register_probe
 from graphsafe._memory.journal import mark_written
 from graphsafe._memory.ledger import Ledger
 from graphsafe._runtime.load_into import load_into
@@ -60,6 +61,7 @@ __all__ = [
     "load_into",
     "mark_written",
     "observe_writes",
+    "register_probe",
     "runtime",
     "weight_update",
 ]

@@ -358,3 +358,40 @@ def test_a_declared_derivation_is_not_discovered_again() -> None:
     m.load_weights(_weights(0))
     assert gs.runtime(m).discovered == ()
     assert gs.runtime(m).stale == ()
+
+
+def _probe(handle: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The handle's kernel on a probe input, against the reference over its weight now."""
+    x = torch.randn(3, C, generator=torch.Generator().manual_seed(5))
+    return handle_mm(x, handle), x @ args[0].t()
+
+
+def test_the_audit_finds_every_stale_copy_by_name_and_probes_handles() -> None:
+    gs.register_probe("gstest.make_handle", _probe, atol=1e-6, rtol=1e-5)
+    models = [Engine(post, run) for post, run, _ in CASES]
+    for m in models:
+        m.load_weights(_weights(0))
+        report = gs.audit(m)
+        assert report.discovered == tuple(d.path for d in gs.runtime(m).discovered)
+        assert report.unchecked == ()
+    for m, (_, _, path) in zip(models, CASES):
+        m.load_weights(_weights(1), post=False)
+        with pytest.raises(gs.StaleError) as info:
+            gs.audit(m)
+        assert info.value.paths == (path,)
+
+
+def test_control_a_handle_without_a_probe_is_listed_unchecked() -> None:
+    from graphsafe._lineage.probes import PROBES
+
+    saved = PROBES.pop("gstest.make_handle", None)
+    try:
+        m = Engine(_post_handle, _run_apply)
+        m.load_weights(_weights(0))
+        m.load_weights(_weights(1), post=False)
+        report = gs.audit(m)  # stale, but nothing can check it: said, not passed
+        assert [u.path for u in report.unchecked] == ["lin.kernel_fn.<closure handler>.handle"]
+        assert "probe" in report.unchecked[0].why
+    finally:
+        if saved is not None:
+            PROBES["gstest.make_handle"] = saved

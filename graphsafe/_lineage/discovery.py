@@ -23,7 +23,15 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError, StaleError
 from graphsafe._lineage.recorder import Arg, Call, Lineage
-from graphsafe._lineage.resolve import Found, Source, find, recompute, sources_of
+from graphsafe._lineage.probes import PROBES
+from graphsafe._lineage.resolve import (
+    Found,
+    Source,
+    arguments_now,
+    find,
+    recompute,
+    sources_of,
+)
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
 from graphsafe._memory.walk import Site, step, storage_key
@@ -60,13 +68,19 @@ class Discovered(BaseModel):
 
 class AuditItem(NamedTuple):
     """A discovered tensor for the content audit: `held` (what the model holds) and
-    `recompute()` (its value from the current sources, out of place; None: cannot)."""
+    `recompute()` (its value from the current sources, out of place; None: cannot). A
+    handle with a registered probe has `probe()`: (the kernel's result with the handle on
+    a probe input, the reference result over its current sources), to agree within
+    `atol`/`rtol`; None if it cannot be run."""
 
     path: str
     held: torch.Tensor
     recompute: Callable[[], torch.Tensor | None]
     sources: tuple[str, ...]
     opaque: bool
+    probe: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    atol: float = 0.0
+    rtol: float = 0.0
 
 
 class _Entry:
@@ -224,8 +238,13 @@ class Discovery:
             held = e.held()
             if held is None or e.path in self._exempt:
                 continue
-            items.append(AuditItem(e.path, held, e.recompute,
-                                   tuple(s.path for s in e.sources), e.opaque))
+            sources = tuple(s.path for s in e.sources)
+            probe = PROBES.get(e.writer[0].name) if e.opaque else None
+            if probe is None:
+                items.append(AuditItem(e.path, held, e.recompute, sources, e.opaque))
+                continue
+            items.append(AuditItem(e.path, held, e.recompute, sources, e.opaque,
+                                   _probing(e, held, probe.run), probe.atol, probe.rtol))
         return items
 
     # -- the guard's check ------------------------------------------------------------
@@ -279,6 +298,16 @@ class Discovery:
         assert self._witnesses is not None
         self._witnesses.record([r for r, o in enumerate(self._owner) if o == i])
         return True
+
+
+def _probing(
+    e: _Entry, held: torch.Tensor, run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor] | None]:
+    def probe() -> tuple[torch.Tensor, torch.Tensor] | None:
+        args = arguments_now(e.writer[0], e.sources)
+        return None if args is None else run(held, args)
+
+    return probe
 
 
 def _still_held(e: _Entry) -> bool:

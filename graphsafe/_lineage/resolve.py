@@ -21,7 +21,7 @@ from graphsafe._lineage.recorder import Arg, Call, Lineage, sid_of
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site
 
-__all__ = ["Found", "Source", "find", "recompute", "sources_of", "trace"]
+__all__ = ["Found", "Source", "arguments_now", "find", "recompute", "sources_of", "trace"]
 
 _CHAIN = 4
 """Ops kept at each end of a chain in messages."""
@@ -139,6 +139,26 @@ def recompute(
         with torch.no_grad(), PLAIN():
             base = _run(writer[0], by_sid, memo)[writer[1].sid]
             return _view(base, _geometry(held), held.dtype)
+    except (_Unreplayable, RuntimeError, TypeError, ValueError, IndexError):
+        return None
+
+
+def arguments_now(call: Call, sources: Iterable[Source]) -> list[Any] | None:
+    """The arguments of `call` (an op that made a handle) with each tensor recomputed
+    from the sources as they are now, out of place; None if one cannot be."""
+    by_sid = {s.sid: s for s in sources}
+    memo: dict[int, dict[int, torch.Tensor]] = {}
+
+    def value(a: Any) -> Any:
+        if isinstance(a, Arg):
+            return _arg_value(a, by_sid, memo)
+        if isinstance(a, (list, tuple)):
+            return type(a)(value(x) for x in a)
+        return a
+
+    try:
+        with torch.no_grad(), PLAIN():
+            return [value(a) for a in call.args]
     except (_Unreplayable, RuntimeError, TypeError, ValueError, IndexError):
         return None
 

@@ -327,8 +327,21 @@ def _discovered(
         mismatches.append(_Mismatch(item.path, what, None,
                                     f"recomputing it raised {one_line(exc)}", how))
         return 0
+    if r is None and item.probe is not None:  # a handle: run it against the reference
+        with torch.inference_mode(False), torch.no_grad():
+            pair = item.probe()
+        if pair is not None:
+            got = compare(pair[0], pair[1], atol=item.atol, rtol=item.rtol)
+            if got is not None:
+                mismatches.append(_Mismatch(
+                    item.path, what + " (a handle, probed against the reference op)", None,
+                    got, how))
+            else:
+                discovered.append(item.path)
+            return pair[0].nbytes
     if r is None:
-        why = ("an opaque result (a value that left torch, such as a packed-kernel handle)"
+        why = ("an opaque result (a value that left torch, such as a packed-kernel handle) "
+               "with no probe registered (`graphsafe.register_probe`)"
                if item.opaque else "its recorded op chain cannot be run again")
         unchecked.append(Unchecked(path=item.path, why=why))
         return 0

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from graphsafe._errors import GraphSafetyError, StaleError
-from graphsafe._lineage.recorder import Arg, Call, Lineage
 from graphsafe._lineage.probes import PROBES
+from graphsafe._lineage.recorder import Arg, Call, Lineage
 from graphsafe._lineage.resolve import (
     Found,
     Source,

@@ -263,7 +263,7 @@ class Discovery:
         if w is None or w.unchanged():
             return []
         out: dict[int, str] = {}
-        for row, how in w.changed():
+        for row, how in w.changed(by_journal=True):
             i = self._owner[row]
             e = self._entries[i]
             if i in out or (e.path in self._exempt and not exempted):

@@ -315,8 +315,9 @@ class Witnesses(Sites):
             self._clock = clock
         return True
 
-    def changed(self) -> list[tuple[int, str]]:
-        """Which tensors changed since they were recorded, and how.
+    def changed(self, *, by_journal: bool = False) -> list[tuple[int, str]]:
+        """Which tensors changed since they were recorded, and how (`by_journal`: what
+        the journal recorded as the writer first, where it recorded one).
 
         Returns:
             `(index, how)` per changed tensor, in site order; empty when none did.
@@ -331,11 +332,13 @@ class Witnesses(Sites):
                 out.append((i, "rebound"))
             elif _ptr(t) != self._ptrs[i]:
                 out.append((i, "rebound to new storage"))
-            elif epochs[i] != self._epochs[i]:  # the journal knows what wrote it
-                how = self.journal.how_written(self._skeys[i])
-                out.append((i, f"written by {how}"))
+            elif by_journal and epochs[i] != self._epochs[i]:  # what wrote it, by name
+                out.append((i, f"written by {self.journal.how_written(self._skeys[i])}"))
             elif _version(t) != self._versions[i]:
                 out.append((i, "written in place outside a tracked load (its version moved)"))
+            elif epochs[i] != self._epochs[i]:
+                how = self.journal.how_written(self._skeys[i])
+                out.append((i, f"written by {how}"))
         return out
 
 

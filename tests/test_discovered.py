@@ -395,3 +395,27 @@ def test_control_a_handle_without_a_probe_is_listed_unchecked() -> None:
     finally:
         if saved is not None:
             PROBES["gstest.make_handle"] = saved
+
+
+def test_a_source_made_anew_without_a_graph_leaves_the_copy_stale() -> None:
+    m = Engine(_post_kernel, _run_kernel)
+    m.load_weights(_weights(0))
+    m.lin.weight = nn.Parameter(_weights(1)["lin.weight"])  # a reload that rebinds
+    with pytest.raises(gs.StaleError, match="rebound") as info:
+        gs.runtime(m).assert_fresh()
+    assert info.value.paths == ("lin.kernel.packed",)
+
+
+def test_a_script_write_into_a_source_while_pinned_is_caught() -> None:
+    from graphsafe._runtime.observer import OBSERVER
+
+    m, g, _ = _captured(CASES[1], guard=True)
+    m.lin.weight.data.copy_(_weights(1)["lin.weight"])  # no load, no version counter
+    if OBSERVER.running:  # the compiled build's observer journals it: the guard refuses
+        with pytest.raises(gs.StaleError, match=re.escape("lin.kernel.packed")):
+            g.replay()
+    else:  # the Python path: invisible to the guard, visible to the audit
+        g.replay()
+    with pytest.raises(gs.StaleError) as info:
+        gs.audit(m)
+    assert info.value.paths == ("lin.kernel.packed",)

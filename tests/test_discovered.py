@@ -419,3 +419,103 @@ def test_a_script_write_into_a_source_while_pinned_is_caught() -> None:
     with pytest.raises(gs.StaleError) as info:
         gs.audit(m)
     assert info.value.paths == ("lin.kernel.packed",)
+
+
+def test_only_the_first_load_is_recorded_unless_every_load_is_asked_for() -> None:
+    from graphsafe._lineage.recorder import RECORDING
+
+    def late(m: Engine) -> None:  # the post-load step runs from the second load on
+        if getattr(m, "loads", 0) >= 1:
+            m.lin.packed = m.lin.weight.t().contiguous()
+        m.loads = getattr(m, "loads", 0) + 1
+
+    first = Engine(late, _run_attr)
+    first.load_weights(_weights(0))
+    first.load_weights(_weights(0))
+    assert gs.runtime(first).discovered == ()  # made by a load that was not recorded
+    saved, RECORDING[0] = RECORDING[0], "all"
+    try:
+        every = Engine(late, _run_attr)
+        every.load_weights(_weights(0))
+        every.load_weights(_weights(0))
+    finally:
+        RECORDING[0] = saved
+    assert [d.path for d in gs.runtime(every).discovered] == ["lin.packed"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_what_is_discovered_does_not_keep_the_model_alive(case: tuple[Post, Run, str]) -> None:
+    import gc
+    import weakref
+
+    m = Engine(case[0], case[1])
+    m.load_weights(_weights(0))
+    assert gs.runtime(m).discovered
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
+
+
+_LIB = torch.library.Library("gstest_implicit", "DEF")
+_LIB.define("make_handle(Tensor w) -> int")
+
+
+def _implicit_handle(w: torch.Tensor) -> int:
+    """Python above the dispatcher: only the int it returns carries the weight."""
+    key = len(_PACKED) + 1
+    _PACKED[key] = w.t().contiguous()
+    return key
+
+
+_LIB.impl("make_handle", _implicit_handle, "CompositeImplicitAutograd")
+
+
+def test_a_handle_from_an_op_no_dispatch_mode_sees_is_discovered() -> None:
+    # Registered CompositeImplicitAutograd (as vLLM's create_onednn_mm_handler is): the
+    # op decomposes above the dispatcher, and `torch.tensor(<int>)` dispatches nothing.
+    def post(m: Engine) -> None:
+        handle = torch.tensor(torch.ops.gstest_implicit.make_handle(m.lin.weight.t()),
+                              dtype=torch.int64)
+        m.lin.kernel_fn = lambda x: handle_mm(x, handle)
+
+    m = Engine(post, _run_apply)
+    m.load_weights(_weights(0))
+    (d,) = gs.runtime(m).discovered
+    assert d.path == "lin.kernel_fn.<closure handle>" and d.opaque
+    assert d.sources == ("lin.weight",)
+    m.load_weights(_weights(1), post=False)
+    with pytest.raises(gs.StaleError, match=re.escape("lin.kernel_fn.<closure handle>")):
+        gs.runtime(m).assert_fresh()
+
+
+def test_an_item_read_during_the_load_is_no_handle() -> None:
+    def post(m: Engine) -> None:
+        n = int(m.lin.weight.abs().argmax().item()) % 3 + 1  # an int from a weight
+        m.lin.packed = m.lin.weight.t().contiguous()
+        m.lin.count = torch.tensor(n, dtype=torch.int64)  # a config-like int, not derived
+
+    m = Engine(post, _run_attr)
+    m.load_weights(_weights(0))
+    assert [d.path for d in gs.runtime(m).discovered] == ["lin.packed"]
+
+
+def test_a_model_with_declared_and_discovered_state_is_freed_whole() -> None:
+    import gc
+    import weakref
+
+    import graphsafe.models.deepseek_v4 as dsv4
+
+    config = dsv4.DeepseekV4Config.preset("tiny")
+    m = dsv4.DeepseekV4Model(config)
+    with gs.weight_update(m):
+        m.load_weights(dsv4.random_checkpoint(config, seed=0))
+        for module in m.modules():  # a post-load step: packed copies on every layer
+            w = module._parameters.get("weight")
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                module.packed = w.detach().t().contiguous()
+    assert gs.runtime(m).discovered and gs.runtime(m).derivations
+    refs = [weakref.ref(m), *(weakref.ref(x) for x in m.modules())]
+    del m, module, w
+    gc.collect()
+    assert all(r() is None for r in refs)  # no runtime keeps a submodule (or itself) alive

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -83,6 +83,31 @@ class AuditItem(NamedTuple):
     rtol: float = 0.0
 
 
+class _Place(NamedTuple):
+    """Where an entry is held: the module's `table` (`_parameters`, `_buffers`, or None
+    for its `__dict__`) at `key`, then each step of `chain`. The module is held weakly:
+    a module's `__dict__` holds its submodules, and a runtime that held them would keep
+    itself alive through `_OWNERS`."""
+
+    module: weakref.ref[nn.Module]
+    table: str | None
+    key: Any
+    chain: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, site: Site) -> _Place:
+        m = site.module
+        table = next((n for n in ("_parameters", "_buffers")
+                      if site.container is m.__dict__.get(n)), None)
+        return cls(weakref.ref(m), table, site.key, site.chain)
+
+    def container(self) -> Any:
+        m = self.module()
+        if m is None:
+            return None
+        return vars(m) if self.table is None else vars(m)[self.table]
+
+
 class _Entry:
     """One discovered tensor: where it is held, from what, and how it was last written."""
 
@@ -92,7 +117,7 @@ class _Entry:
     def __init__(self, found: Found) -> None:
         site = found.site
         self.path = site.path
-        self.site = site
+        self.site = _Place.of(site)
         self.module_class = type(site.module).__name__
         self.tensor = weakref.ref(site.tensor)
         self.sources: tuple[Source, ...] = found.sources
@@ -110,6 +135,10 @@ class _Entry:
         if held is None or self.opaque:
             return None
         return recompute(self.writer, held, self.sources)
+
+    def source_paths(self) -> tuple[str, ...]:
+        """The paths of the sources, once each (a staging copy stands for its weight)."""
+        return tuple(dict.fromkeys(s.path for s in self.sources))
 
     def key(self) -> int:
         t = self.tensor()
@@ -129,6 +158,8 @@ class Discovery:
         self._exempt: dict[str, str] = {}
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
+        self.recorded = False
+        """Whether a load of the model was recorded (the first observed load is)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -145,18 +176,41 @@ class Discovery:
         if not alive:
             return
         sources = sources_of(model)
+        for staged, weight in lineage.copied.items():  # a staging copy stands for its weight
+            if weight in sources and staged not in sources:
+                sources[staged] = sources[weight]._replace(sid=staged)
         candidates = alive - sources.keys()
         if not candidates:
             return
         found = {f.site.path: f for f in find(lineage, sites(), sources, candidates)}
         kept = [e for e in self._entries if e.path not in found and _still_held(e)]
         fresh = [_Entry(f) for f in found.values()]
-        by_entry: dict[int, list[int]] = {}
-        for row, i in enumerate(self._owner):
-            by_entry.setdefault(i, []).append(row)
+        by_entry = self._rows_by_entry()
         old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
         self._entries = kept + fresh
         self._rebuild(old_rows)
+
+    def follow(self, written: set[int]) -> None:
+        """After a load that was not recorded: an entry it wrote (re-derived in place), or
+        whose place now holds a new tensor (rebuilt by the post-load step, from the same
+        sources), is witnessed anew; the others keep their witnesses."""
+        rows = self._rows_by_entry()
+        again: list[int] = []
+        for i, e in enumerate(self._entries):
+            now = _read(e.site)
+            if isinstance(now, torch.Tensor) and now is not e.held():
+                e.tensor = weakref.ref(now)  # rebuilt where it was
+                again.extend(rows.get(i, []))
+            elif e.key() in written:
+                again.extend(rows.get(i, []))
+        if again and self._witnesses is not None:
+            self._witnesses.record(again)
+
+    def _rows_by_entry(self) -> dict[int, list[int]]:
+        by_entry: dict[int, list[int]] = {}
+        for row, i in enumerate(self._owner):
+            by_entry.setdefault(i, []).append(row)
+        return by_entry
 
     def _rebuild(self, old_rows: dict[int, list[int]]) -> None:
         sites: list[tuple[dict[str, object], str]] = []
@@ -217,7 +271,7 @@ class Discovery:
         for i, e in enumerate(self._entries):
             out.append(Discovered(
                 path=e.path, module_class=e.module_class,
-                sources=tuple(s.path for s in e.sources), chain=e.chain, opaque=e.opaque,
+                sources=e.source_paths(), chain=e.chain, opaque=e.opaque,
                 exempt=self._exempt.get(e.path), stale=stale.get(i),
                 adopted=e.adopted, refused=e.refused,
             ))
@@ -238,7 +292,7 @@ class Discovery:
             held = e.held()
             if held is None or e.path in self._exempt:
                 continue
-            sources = tuple(s.path for s in e.sources)
+            sources = e.source_paths()
             probe = PROBES.get(e.writer[0].name) if e.opaque else None
             if probe is None:
                 items.append(AuditItem(e.path, held, e.recompute, sources, e.opaque))
@@ -315,10 +369,13 @@ def _still_held(e: _Entry) -> bool:
     return held is not None and _read(e.site) is held
 
 
-def _read(site: Site) -> object:
+def _read(site: _Place) -> object:
     """What `site` holds now (None if the way to it is gone)."""
+    container = site.container()
+    if container is None:
+        return None
     try:
-        value = site.container[site.key]
+        value = container[site.key]
         for key in site.chain:
             value = step(value, key)
     except (KeyError, IndexError, AttributeError, ValueError, TypeError):
@@ -348,7 +405,7 @@ def stale_error(model_class: type, stale: list[tuple[_Entry, str]]) -> StaleErro
     first = stale[0][0]
     paths = [e.path for e, _ in stale]
     got = "; ".join(
-        f"{e.path} (from {', '.join(s.path for s in e.sources)} by {e.chain}): {why}"
+        f"{e.path} (from {', '.join(e.source_paths())} by {e.chain}): {why}"
         for e, why in stale[:4]
     )
     declare = _declare_line(first)

@@ -22,16 +22,28 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch._ops import OpOverload, OpOverloadPacket
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe._memory.walk import storage_key
 
 __all__ = ["RECORDING", "Arg", "Call", "Lineage", "Recorder", "record", "recording", "sid_of"]
 
-RECORDING = [os.environ.get("GRAPHSAFE_PROVENANCE", "1") != "0"]
-"""Whether observed loads record provenance (`GRAPHSAFE_PROVENANCE=0` turns it off: then
-nothing an engine derives undeclared is discovered, and none of it is checked)."""
+def _mode(value: str) -> str:
+    value = value.strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    return "all" if value == "all" else "first"
+
+
+RECORDING = [_mode(os.environ.get("GRAPHSAFE_PROVENANCE", "first"))]
+"""Which observed loads record provenance: "first" (the default: a model's first
+observed load, where an engine runs its post-load step), "all" (every load: a dispatch
+mode on every op, which costs a small-tensor load several times its untracked time), or
+"off" (nothing an engine derives undeclared is discovered, nor checked). Set with
+`GRAPHSAFE_PROVENANCE=first|all|0`."""
 
 _VIEW_FREE = frozenset({"aten::detach", "aten::lift_fresh", "aten::alias"})
 """Ops whose result is their argument for lineage: the result keeps the writer."""
@@ -97,17 +109,20 @@ class Lineage:
     """What a recording found: the latest writer of each storage it saw written, and the
     values that left torch, with the call that made each."""
 
-    __slots__ = ("_refs", "handles", "writers")
+    __slots__ = ("_refs", "copied", "handles", "writers")
 
     def __init__(self) -> None:
         self.writers: dict[int, tuple[Call, Arg]] = {}
         """Storage identity -> (the call that last wrote it, the written tensor's `Arg`)."""
         self.handles: dict[int, Call] = {}
         """An int an op returned -> that op's call."""
+        self.copied: dict[int, int] = {}
+        """A storage copied whole into a weight -> that weight's storage (a staging copy:
+        what was computed from it was computed from the weight)."""
         self._refs: dict[int, StorageWeakRef] = {}
 
     def __len__(self) -> int:
-        return len(self.writers)
+        return len(self.writers) + len(self.handles)
 
     def hold(self, t: torch.Tensor, sid: int) -> StorageWeakRef:
         """Keep `sid` from being reused while the recording lives."""
@@ -125,6 +140,7 @@ class Lineage:
         """Forget everything (the storages' identities may be reused from now on)."""
         self.writers.clear()
         self.handles.clear()
+        self.copied.clear()
         self._refs.clear()
 
 
@@ -206,7 +222,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 call.outs[i] = arg
                 lineage.hold(r, sid)
                 lineage.writers[sid] = (call, arg)
-            elif isinstance(r, int) and not isinstance(r, bool) and seen:
+            elif (isinstance(r, int) and not isinstance(r, bool) and seen
+                  and not name.startswith("aten::")):  # `.item()` makes no handle
                 call.opaque = True
                 lineage.handles[r] = call
         if not seen and not call.outs and not mutated:
@@ -227,11 +244,30 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         weights = self.weights
         if weights and func is _COPY and storage_key(args[0]) in weights:
-            return out  # a weight loaded: what reads it stops there
+            src = args[1]  # a weight loaded: what reads it stops there
+            if isinstance(src, torch.Tensor) and src.shape == args[0].shape:
+                sid = sid_of(src)
+                if sid:
+                    self.lineage.hold(src, sid)
+                    self.lineage.copied[sid] = sid_of(args[0])
+            return out
         # A tensor without a storage (a wrapper subclass) has no lineage to follow.
         with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
             self._note(func, args, kwargs, out)
         return out
+
+    def __enter__(self) -> Recorder:
+        # Ops registered CompositeImplicitAutograd (vLLM's `create_onednn_mm_handler`)
+        # and `torch.tensor(<int>)` never reach a dispatch mode: a function mode sees them.
+        self._functions = _Functions(self)
+        self._functions.__enter__()  # type: ignore[no-untyped-call]
+        return super().__enter__()  # type: ignore[no-any-return,no-untyped-call]
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def _conv(self, a: Any) -> Any:
         """An argument as recorded: a tensor as its `Arg` (None for a meta tensor)."""
@@ -264,11 +300,39 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 def recording(
     lineage: Lineage, weights: frozenset[int] = frozenset()
 ) -> contextlib.AbstractContextManager[object]:
-    """What a load runs its loader's code under: a `Recorder` into `lineage` (`weights`:
-    see `Recorder.weights`), unless recording is off."""
-    if RECORDING[0]:
+    """What a recording load runs its loader's code under: a `Recorder` into `lineage`
+    (`weights`: see `Recorder.weights`), unless recording is off."""
+    if RECORDING[0] != "off":
         return Recorder(lineage, weights)
     return contextlib.nullcontext()
+
+
+class _Functions(TorchFunctionMode):
+    """The half of a `Recorder` above the dispatcher: an op called through `torch.ops`
+    with tensor arguments that returns an int makes a handle; `torch.tensor` of a handle
+    is written by the op that made it."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.tensor:
+            self.recorder._handle_tensor(out)
+        elif (isinstance(out, int) and not isinstance(out, bool)
+              and isinstance(func, (OpOverload, OpOverloadPacket))
+              and not str(getattr(func, "name", lambda: "")()).startswith("aten::")
+              and any(isinstance(a, torch.Tensor) for a in args)):
+            rec = self.recorder
+            call = Call(func, tuple(rec._conv(a) for a in args),
+                        {k: rec._conv(v) for k, v in kwargs.items()})
+            call.opaque = True
+            rec.lineage.handles[out] = call
+        return out
 
 
 # Set after the class is made, so that TorchDispatchMode does not wrap it in a

@@ -82,7 +82,7 @@ def trace(
         for a in call.inputs():
             src = sources.get(a.sid)
             if src is not None:
-                found.setdefault(src.sid, src)
+                found.setdefault(src.sid, src)  # a staging copy: the same path again
                 sub: tuple[str, ...] | None = (src.path,)
             elif a.writer is not None:
                 sub = visit(a.writer)
@@ -97,7 +97,7 @@ def trace(
     chain = visit(writer) or ()
     if len(chain) > 2 * _CHAIN + 1:
         chain = (*chain[:_CHAIN], "...", *chain[-_CHAIN:])
-    return tuple(found.values()), chain, opaque
+    return tuple(found.values()), chain, opaque  # a staging copy's too: replays read it
 
 
 def find(

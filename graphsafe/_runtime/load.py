@@ -55,6 +55,7 @@ class Load:
         "engine",
         "journal",
         "lineage",
+        "record",
         "stepping",
         "taken",
         "thread",
@@ -83,6 +84,8 @@ class Load:
         transients = engine.transients or None
         self.tracker = write_tracker(watch, transients)
         self.lineage = Lineage()
+        self.record = False
+        """Whether the loader's ops are recorded (`graphsafe._lineage.recorder.RECORDING`)."""
         self.weights: frozenset[int] = frozenset()
         """Storage keys of the model's weights when it began (for the recorder)."""
         """What the loader's own code computed from what (`graphsafe._lineage`)."""
@@ -110,6 +113,7 @@ class Load:
         everything: Mapping[int, str],
         writes: frozenset[str] | None = None,
         weights: frozenset[int] = frozenset(),
+        record: bool = False,
     ) -> Load:
         """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
         all of `everything` (`{storage key: path}` of every model tensor), the
@@ -124,6 +128,7 @@ class Load:
         load = cls(engine, watch, journal, taken)
         load.writes = writes
         load.weights = weights
+        load.record = record
         return load
 
     @classmethod
@@ -193,7 +198,8 @@ class Load:
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         """The loader's own code runs: under the tracker, `stepping` set."""
-        with self.tracker, recording(self.lineage, self.weights):
+        with self.tracker, (recording(self.lineage, self.weights) if self.record
+                                 else contextlib.nullcontext()):
             self.stepping = True
             try:
                 yield

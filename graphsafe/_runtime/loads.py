@@ -69,8 +69,13 @@ class Loads:
     def _bound_engine(self) -> Engine:
         raise NotImplementedError
 
-    def _settle_lineage(self, load: Load) -> None:
-        """What `load` computed from the weights (the runtime's discovery takes it)."""
+    def _records(self) -> bool:
+        """Whether the next load records provenance (the runtime decides)."""
+        return False
+
+    def _settle_lineage(self, load: Load, written: set[int]) -> None:
+        """What `load` computed from the weights (the runtime's discovery takes it);
+        `written`: the storage keys it wrote."""
 
     @property
     def _engine(self) -> Engine | None:
@@ -223,7 +228,7 @@ class Loads:
         before = self._binder.model_map()
         load = self._load = Load.begin(
             engine, self._journal, pinned=self.pinned, everything=before.keys, writes=writes,
-            weights=before.weight_keys,
+            weights=before.weight_keys, record=self._records(),
         )
         try:
             yield load
@@ -259,7 +264,7 @@ class Loads:
                 self._fail(load.rewritten(), load.writes, f"{what} raised {one_line(exc)}",
                            paths)
         if exc is None:
-            self._settle_lineage(load)
+            self._settle_lineage(load, written)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()

@@ -43,7 +43,7 @@ class ModelMap:
     """
 
     __slots__ = ("_bindings", "_holders", "_ids", "_lens", "_modules", "_names", "_nested",
-                 "_refs", "_table_ids", "_tables", "by_path", "keys", "sites", "weight_keys",
+                 "_refs", "_table_ids", "_tables", "by_path", "keys", "weight_keys",
                  "weights")
 
     def __init__(self, model: nn.Module) -> None:
@@ -73,8 +73,6 @@ class ModelMap:
                     nested.append((at[id(site.module)], site.key, site.chain, id(t), ptr))
                 else:  # a module's parameters or buffers: tables that hold no module
                     direct.append((site.container, site.key, t, ptr, ()))
-        self.sites: list[Site] = reach.sites
-        """Every tensor the walk found, where it is held."""
         self.weights: tuple[str, ...] = tuple(weights)
         """Paths of the model's weights: parameters and persistent buffers (what a
         checkpoint holds), those on the meta device included (released transient

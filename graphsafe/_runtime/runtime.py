@@ -19,9 +19,9 @@ from torch import nn
 from graphsafe._declare.registry import Registry
 from graphsafe._declare.spec import DerivationInfo, RefreshReport
 from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
-from graphsafe._lineage.recorder import Lineage
+from graphsafe._lineage.recorder import RECORDING, Lineage
 from graphsafe._memory.journal import JOURNAL
-from graphsafe._memory.walk import storage_key
+from graphsafe._memory.walk import storage_key, walk
 from graphsafe._runtime.binder import Binder, tensor_at
 from graphsafe._runtime.checks import pinned_registry_error, runtime_conflict_error
 from graphsafe._runtime.engine import Engine
@@ -195,7 +195,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
         weights are discovered now, and checked from now on."""
         with self._lock:
             self._discovery.settle(lineage, self.model,
-                                   lambda: self._binder.model_map().sites)
+                                   lambda: walk(self.model).sites)
+            self._discovery.recorded = True
             lineage.release()
 
     def audit_items(self) -> list[AuditItem]:
@@ -203,11 +204,19 @@ class Runtime(Loads, metaclass=_OnePerModel):
         with self._lock:
             return self._discovery.audit_items()
 
-    def _settle_lineage(self, load: Load) -> None:
-        if load.lineage:
-            self._discovery.settle(load.lineage, self.model,
-                                   lambda: self._binder.model_map().sites)
-        load.lineage.release()
+    def _records(self) -> bool:
+        mode = RECORDING[0]
+        return mode == "all" or (mode == "first" and not self._discovery.recorded)
+
+    def _settle_lineage(self, load: Load, written: set[int]) -> None:
+        if load.record:
+            if load.lineage:
+                self._discovery.settle(load.lineage, self.model,
+                                       lambda: walk(self.model).sites)
+            self._discovery.recorded = True
+            load.lineage.release()
+        elif self._discovery:
+            self._discovery.follow(written)
 
     @property
     def last_report(self) -> RefreshReport | None:

@@ -14,6 +14,7 @@ from graphsafe._errors import WeightLoadError
 from graphsafe._graphs.graph import Graph
 from graphsafe._lineage.discovery import Discovered
 from graphsafe._lineage.probes import register_probe
+from graphsafe._lineage.recorder import record as record_lineage
 from graphsafe._memory.journal import mark_written
 from graphsafe._memory.ledger import Ledger
 from graphsafe._runtime.load_into import load_into
@@ -61,6 +62,7 @@ __all__ = [
     "load_into",
     "mark_written",
     "observe_writes",
+    "record_lineage",
     "register_probe",
     "runtime",
     "weight_update",

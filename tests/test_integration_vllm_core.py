@@ -87,6 +87,7 @@ def test_attach_materializes_and_load_weights_is_one_update_each() -> None:
         "stale": [],
         "updates": 1,
         "derived": ["lin.weight_t"],
+        "discovered": {},
         "last_refresh_bytes": 48,
         "read_set": False,  # pinned without recording: the whole model is checked
         "checked": 4,

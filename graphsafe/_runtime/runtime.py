@@ -191,7 +191,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
 
     def adopt_lineage(self, lineage: Lineage) -> None:
         """Take what an engine's first load recorded before the model was known
-        (`graphsafe._lineage.record()`): the tensors it computed from the model's
+        (`gs.record_lineage()`): the tensors it computed from the model's
         weights are discovered now, and checked from now on."""
         with self._lock:
             self._discovery.settle(lineage, self.model,

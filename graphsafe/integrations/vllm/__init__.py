@@ -7,22 +7,28 @@ buffers (`"module:attribute"`, a `gs.Registry` or a function returning one):
     gsv.enable("my_pkg.derived:registry")      # sets GRAPHSAFE_VLLM_REGISTRIES
     llm = LLM(model=..., worker_extension_cls=gsv.EXTENSION)
 
+`gsv.enable()` with no registry declares nothing: graphsafe then checks only what vLLM's
+own code derives from the weights, found by provenance.
+
 vLLM loads graphsafe's `vllm.general_plugins` entry point in every process it starts
 (front end, engine core, workers); with `GRAPHSAFE_VLLM_REGISTRIES` set, the plugin wraps
 each worker as it is created:
 
-- after `load_model`: binds graphsafe's runtime to the loaded model with those
-  registries and materializes the derived buffers (adopting tensors vLLM's own code
-  already bound, such as DeepSeek V4's `hc_attn_fn_broadcast`);
+- `load_model`: vLLM's first load and post-load step run under graphsafe's lineage
+  recorder; then graphsafe's runtime is bound to the loaded model with those registries,
+  the derived buffers are materialized (adopting tensors vLLM's own code already bound,
+  such as DeepSeek V4's `hc_attn_fn_broadcast`), and what that load computed from the
+  weights without a declaration is discovered (the CPU build's packed LM head:
+  `graphsafe_status()["discovered"]`), and checked from then on;
 - after `compile_or_warm_up_model` (where vLLM captures its CUDA graphs): pins the model;
 - `reload_weights`, the weight-transfer session (`start_weight_update` ...
   `finish_weight_update`), vLLM's layerwise reload and `model.load_weights` (as a worker
   extension reaches it through `collective_rpc`) each run as one graphsafe weight update:
   derived buffers refresh once, at its end, and a rebound tensor raises there;
-- before each `execute_model`: the guard's checks (nothing moved, nothing stale), so a
-  mistake raises through the engine call that made or met it. An engine that runs op by
-  op (`enforce_eager=True`) records its first forward, and from then on the guard checks
-  only the model's tensors that forward read.
+- before each `execute_model`: the guard's checks (nothing moved, nothing stale, declared
+  or discovered), so a mistake raises through the engine call that made or met it. An
+  engine that runs op by op (`enforce_eager=True`) records its first forward, and from
+  then on the guard checks only the model's tensors that forward read.
 
 On vLLM's CPU backend, linear layers read by a derivation keep their weights (vLLM's own
 `_cpu_skip_gemm_dispatch`); other layers are packed into kernels as usual.

@@ -13,7 +13,7 @@ from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._graphs.guard import Guard
-from graphsafe._memory.walk import Site
+from graphsafe._memory.walk import Site, storage_key
 from graphsafe._runtime.runtime import Runtime, runtime
 from graphsafe.integrations.vllm._reads import StepRecorder
 
@@ -39,6 +39,11 @@ class Attachment:
         self.recording = False
         """Whether the next guarded forward is recorded, to narrow the guard to its reads."""
         self.updates = 0
+        self._read_paths: frozenset[str] = frozenset()
+        """Where the discovered tensors the recorded forward read are held: a forward
+        that runs op by op reads whatever is bound there, so a later load that binds a
+        new one (vLLM's post-load step makes a new kernel handle) keeps it in the read
+        set."""
         self._open: contextlib.ExitStack | None = None
         self._owner: object = None
 
@@ -74,6 +79,7 @@ class Attachment:
             return
         stack.close()
         self.updates += 1
+        self._follow_read_paths()
 
     def updating(self, owner: object, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` run as one weight update (or inside the one open)."""
@@ -141,17 +147,40 @@ class Attachment:
             reads = rec.reads
             if reads is not None and reads & guard.ledger.storages:
                 guard.narrow(reads, rec.outside())
+                self._read_paths = frozenset(p for p, k in self._discovered() if k in reads)
+
+    def _discovered(self) -> list[tuple[str, int]]:
+        """(path, storage key) of each discovered tensor that is checked (not exempted)."""
+        return [(i.path, storage_key(i.held)) for i in self.runtime.audit_items()]
+
+    def _follow_read_paths(self) -> None:
+        """After an update: add to the read set the discovered tensors now held where the
+        recorded forward read one (`_read_paths`)."""
+        guard = self.guard
+        if guard is None or guard.reads is None or not self._read_paths:
+            return
+        keys = {k for p, k in self._discovered() if k and p in self._read_paths}
+        if not keys <= guard.reads:
+            guard.narrow(guard.reads | keys, guard.inputs)
 
     def status(self) -> dict[str, Any]:
         """What graphsafe holds for this model, as plain data (for `collective_rpc`)."""
         rt = self.runtime
         report = rt.last_report
         guard = self.guard
+        found = rt.discovered
         return {
             "pinned": rt.pinned,
-            "stale": list(rt.stale),
+            # Declared derived buffers, then discovered tensors, whose inputs were
+            # written since they were computed (read by the engine's forward or not).
+            "stale": list(
+                dict.fromkeys([*rt.stale, *(d.path for d in found if d.stale and not d.exempt)])
+            ),
             "updates": self.updates,
             "derived": [p for d in rt.derivations for p in d.outputs],
+            # What vLLM's own code derived from the weights without a declaration (found
+            # by provenance), each with the weights it was computed from.
+            "discovered": {d.path: list(d.sources) for d in found},
             "last_refresh_bytes": None if report is None else report.bytes_written,
             # Whether the guard checks only what the first forward read, how many of the
             # model's tensors it checks, and how many tensors that forward read that the

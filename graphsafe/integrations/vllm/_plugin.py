@@ -8,20 +8,24 @@ import os
 from typing import Any
 
 from graphsafe.integrations.vllm._patches import _keep_cpu_weights, _once
-from graphsafe.integrations.vllm._registries import ENV, registries_from
+from graphsafe.integrations.vllm._registries import ENV, NO_REGISTRY, registries_from
 from graphsafe.integrations.vllm._worker import instrument
 
 
 def enable(*registries: str) -> None:
     """Turn the plugin on for engines started later by this process and its children.
 
+    Whatever is named, graphsafe records the engine's first load and post-load step and
+    checks what vLLM's own code derived from the weights there (`graphsafe_status()`'s
+    `discovered`); the registries add the derived buffers you declare.
+
     Args:
         *registries: `"module:attribute"` names of `gs.Registry` objects (or of functions
-            returning one), importable in every vLLM process.
+            returning one), importable in every vLLM process. None: no declarations, only
+            what is discovered (`GRAPHSAFE_VLLM_REGISTRIES` names an empty registry).
     """
-    os.environ[ENV] = ",".join(registries)
-    if registries:
-        plugin()
+    os.environ[ENV] = ",".join(registries) or NO_REGISTRY
+    plugin()
 
 
 def plugin() -> None:

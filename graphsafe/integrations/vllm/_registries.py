@@ -13,6 +13,15 @@ from graphsafe._errors import RegistrationError
 ENV = "GRAPHSAFE_VLLM_REGISTRIES"
 """Environment variable naming the registries, comma-separated `module:attribute`."""
 
+NO_REGISTRY = "graphsafe.integrations.vllm._registries:no_registry"
+"""What `enable()` names when given no registry: the plugin is on, and graphsafe checks
+what vLLM's own code derives from the weights (found by provenance) and nothing declared."""
+
+
+def no_registry() -> Registry:
+    """An empty registry (`NO_REGISTRY`)."""
+    return Registry()
+
 
 def registries_from(spec: str | Iterable[str | Registry]) -> list[Registry]:
     """The registries named by `spec` (the format of `GRAPHSAFE_VLLM_REGISTRIES`).

@@ -13,6 +13,7 @@ from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import RegistrationError
+from graphsafe._lineage import Lineage, record
 from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
 from graphsafe.integrations.vllm._patches import _patch_layerwise
 from graphsafe.integrations.vllm._reads import runs_forward, runs_op_by_op
@@ -24,7 +25,9 @@ EXTENSION = "graphsafe.integrations.vllm.WorkerExtension"
 _Fn = Callable[..., Any]
 
 
-def attach(model: nn.Module, *registries: Registry | str) -> Attachment:
+def attach(
+    model: nn.Module, *registries: Registry | str, lineage: Lineage | None = None
+) -> Attachment:
     """Bind graphsafe to a loaded vLLM model and materialize its derived buffers.
 
     `model.load_weights` becomes a graphsafe load (a weight update of its own, or part
@@ -33,10 +36,22 @@ def attach(model: nn.Module, *registries: Registry | str) -> Attachment:
 
     Args:
         model: The model, after vLLM loaded it.
-        *registries: Registries, or `module:attribute` names of them.
+        *registries: Registries, or `module:attribute` names of them (none: graphsafe
+            checks only what it discovers).
+        lineage: What `gs.record_lineage()` recorded around vLLM's first load
+            and post-load step (`process_weights_after_loading`): the tensors that load
+            computed from the weights without a declaration (a packed copy of the LM
+            head, DeepSeek V4's mHC broadcast weight) are discovered, and checked from
+            now on (`gs.runtime(model).discovered`).
 
     Returns:
         The attachment (the same one on a second call).
+
+    Example:
+        >>> with record() as lineage:                      # doctest: +SKIP
+        ...     model = load_and_post_process()            # vLLM's first load
+        >>> attach(model, lineage=lineage).status()["discovered"]  # doctest: +SKIP
+        {'lm_head.cpu_linear.<closure handler>.handler_tensor': ['lm_head.weight'], ...}
 
     Raises:
         RegistrationError: A derivation reads a weight vLLM's CPU backend dropped, or a
@@ -44,12 +59,16 @@ def attach(model: nn.Module, *registries: Registry | str) -> Attachment:
     """
     have = _ATTACHED.get(model)
     if have is not None:
+        if lineage is not None:
+            have.runtime.adopt_lineage(lineage)
         return have
     _patch_layerwise()
     regs = registries_from(registries)
     _refuse_packed_inputs(model, regs)
     att = Attachment(model, regs)
     att.runtime.refresh()
+    if lineage is not None:  # after the refresh: declared buffers are not discovered
+        att.runtime.adopt_lineage(lineage)
     _ATTACHED[model] = att
     load: _Fn = getattr(model, "load_weights")  # noqa: B009 (a vLLM method)
     token = object()
@@ -125,8 +144,12 @@ class _Hooks:
     def after_load(self, fn: _Fn) -> _Fn:
         @functools.wraps(fn)
         def load_model(*args: Any, **kwargs: Any) -> Any:
-            ret = fn(*args, **kwargs)
-            self.state["model"] = attach(self.worker.model_runner.get_model(), *self.registries)
+            # vLLM's first load and post-load step run before the model is known: their
+            # lineage is recorded now and resolved against the model once it exists.
+            with record() as lineage:
+                ret = fn(*args, **kwargs)
+            model = self.worker.model_runner.get_model()
+            self.state["model"] = attach(model, *self.registries, lineage=lineage)
             return ret
 
         return load_model
@@ -231,6 +254,23 @@ class WorkerExtension:
         state = getattr(self, "_graphsafe", None) or {}
         a = state.get("model")
         return None if a is None else a.status()
+
+    def graphsafe_exempt(self, path: str, why: str) -> dict[str, Any] | None:
+        """Never check the discovered tensor at `path` on this worker's model (one meant to
+        differ from its weights); `why` is listed with it in `rt.discovered`.
+
+        Returns:
+            `graphsafe_status()` after exempting (None where graphsafe is not attached).
+
+        Raises:
+            GraphSafetyError: `path` is not a discovered tensor, or `why` is empty.
+        """
+        state = getattr(self, "_graphsafe", None) or {}
+        a: Attachment | None = state.get("model")
+        if a is None:
+            return None
+        a.runtime.exempt(path, why=why)
+        return a.status()
 
     def graphsafe_attach(self, registries: list[str]) -> dict[str, Any] | None:
         """Attach graphsafe to this running worker: the one call, without the plugin.

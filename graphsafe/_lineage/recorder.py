@@ -235,6 +235,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        with _NO_FUNCTION_MODES():  # what the recorder reads of tensors is not recorded
+            return self._after(func, args, kwargs, out)
+
+    def _after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         view = _VIEWS.get(func)
         if view is None:
             view = _VIEWS[func] = _is_view(func)
@@ -307,6 +311,9 @@ def recording(
     return contextlib.nullcontext()
 
 
+_NO_FUNCTION_MODES = torch._C.DisableTorchFunction
+
+
 class _Functions(TorchFunctionMode):
     """The half of a `Recorder` above the dispatcher: an op called through `torch.ops`
     with tensor arguments that returns an int makes a handle; `torch.tensor` of a handle
@@ -321,6 +328,13 @@ class _Functions(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not isinstance(func, (OpOverload, OpOverloadPacket)) and func is not torch.tensor:
+            return out  # a tensor method: the dispatch mode below sees its ops
+        with _NO_FUNCTION_MODES():
+            self._note(func, args, kwargs, out)
+        return out
+
+    def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if func is torch.tensor:
             self.recorder._handle_tensor(out)
         elif (isinstance(out, int) and not isinstance(out, bool)
@@ -332,7 +346,6 @@ class _Functions(TorchFunctionMode):
                         {k: rec._conv(v) for k, v in kwargs.items()})
             call.opaque = True
             rec.lineage.handles[out] = call
-        return out
 
 
 # Set after the class is made, so that TorchDispatchMode does not wrap it in a

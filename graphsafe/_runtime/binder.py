@@ -21,7 +21,7 @@ from graphsafe._declare.registry import Registry, default_registry
 from graphsafe._declare.spec import Derivation
 from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._memory.journal import Journal
-from graphsafe._memory.walk import storage_paths, walk_tensors
+from graphsafe._memory.walk import Reach, storage_paths, walk, walk_tensors
 from graphsafe._runtime.binding import Binding, bind
 from graphsafe._runtime.checks import swapped_error
 from graphsafe._runtime.engine import Engine
@@ -139,6 +139,12 @@ class Binder:
     def model_tensors(self) -> dict[int, str]:
         """`{storage key: path}` of every tensor of the model."""
         return storage_paths(self.model)
+
+    def walked(self) -> Reach:
+        """A walk of the model now, kept as the next `model_map` (one walk for both)."""
+        reach = walk(self.model)
+        self._map = ModelMap(self.model, reach)
+        return reach
 
     def model_map(self) -> ModelMap:
         """Where every storage of the model is, walked again only if the model changed

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from graphsafe._memory.snapshot import PLAIN, Bindings
-from graphsafe._memory.walk import Site, step, storage_key, walk, walk_modules
+from graphsafe._memory.walk import Reach, Site, step, storage_key, walk, walk_modules
 
 __all__ = ["ModelMap"]
 
@@ -46,8 +46,8 @@ class ModelMap:
                  "_refs", "_table_ids", "_tables", "by_path", "keys", "weight_keys",
                  "weights")
 
-    def __init__(self, model: nn.Module) -> None:
-        reach = walk(model)
+    def __init__(self, model: nn.Module, reach: Reach | None = None) -> None:
+        reach = walk(model) if reach is None else reach  # `reach`: a walk of it just made
         modules = list(dict.fromkeys(s.module for s in walk_modules(model)))
         at = {id(m): i for i, m in enumerate(modules)}
         self.keys: dict[int, str] = {}

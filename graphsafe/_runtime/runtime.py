@@ -21,7 +21,7 @@ from graphsafe._declare.spec import DerivationInfo, RefreshReport
 from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
 from graphsafe._lineage.recorder import RECORDING, Lineage
 from graphsafe._memory.journal import JOURNAL
-from graphsafe._memory.walk import storage_key, walk
+from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binder import Binder, tensor_at
 from graphsafe._runtime.checks import pinned_registry_error, runtime_conflict_error
 from graphsafe._runtime.engine import Engine
@@ -195,7 +195,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
         weights are discovered now, and checked from now on."""
         with self._lock:
             self._discovery.settle(lineage, self.model,
-                                   lambda: walk(self.model).sites)
+                                   lambda: self._binder.walked().sites)
             self._discovery.recorded = True
             lineage.release()
 
@@ -212,7 +212,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
         if load.record:
             if load.lineage:
                 self._discovery.settle(load.lineage, self.model,
-                                       lambda: walk(self.model).sites)
+                                       lambda: self._binder.walked().sites)
             self._discovery.recorded = True
             load.lineage.release()
         elif self._discovery:

@@ -34,12 +34,13 @@ from harness import Row, add_machine_args, fmt_bytes, machine, why
 from observer import fig8
 from provenance import fig11
 from reach import fig9
+from verify_oracle import fig12
 
 import graphsafe
 
-FIGURES = {**_FIGURES, "8": fig8, "9": fig9, "10": fig10, "11": fig11}
+FIGURES = {**_FIGURES, "8": fig8, "9": fig9, "10": fig10, "11": fig11, "12": fig12}
 """Figure number to function, in order: figures.py's, the write observer's, the walk's,
-the content audit's, provenance's."""
+the content audit's, provenance's, verify's oracle's."""
 
 
 def _fmt(value: float | None, unit: str) -> str:

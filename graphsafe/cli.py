@@ -80,10 +80,11 @@ def _run(args: argparse.Namespace, target: VerifyTarget) -> VerifyReport:
             target, pp=args.pp, preset=args.preset, backend=args.backend,
             refits=args.refits, seed=args.seed, progress=say,
             timeout=DEFAULT_TIMEOUT if args.timeout is None else args.timeout,
+            oracle=args.oracle, audit=args.audit,
         )
     return run_verify(
         target, preset=args.preset, backend=args.backend, refits=args.refits,
-        seed=args.seed, progress=say,
+        seed=args.seed, oracle=args.oracle, audit=args.audit, progress=say,
     )
 
 
@@ -113,11 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser(
         "verify",
-        help="capture a model, refit it in buckets, replay, and compare to eager",
+        help="capture a model, refit it in buckets, replay, and compare to a fresh model",
         description="Capture the forward of a model as a graph, load new weights bucket by "
-        "bucket several times, replay after each refit and compare to eager; then show that "
-        "the naive variant goes stale and that the guard catches it. Exit 0 only if every "
-        "refit is exact and the control is detected.",
+        "bucket several times; after each refit replay, audit the derived tensors, and "
+        "compare with a model built fresh from the same checkpoint; then show that the "
+        "naive variant goes stale and that the guard catches it. Exit 0 only if every "
+        "refit is exact, nothing is stale, and the control is detected.",
     )
     verify.add_argument(
         "--target", "--model", default="deepseek_v4",
@@ -129,6 +131,15 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--refits", type=int, default=3, help="number of refits (default 3)")
     verify.add_argument("--preset", default="tiny", help="model size preset (default tiny)")
     verify.add_argument("--seed", type=int, default=0, help="seed of weights and buckets")
+    verify.add_argument(
+        "--oracle", choices=("fresh", "self"), default="fresh",
+        help="what each replay is compared with: fresh (default), a model built anew from "
+        "the refit's checkpoint, its parameters and derived buffers compared too; self, "
+        "the model's own eager forward, which reads the same derived state as the replay "
+        "(the check before the fresh oracle: blind to writes graphsafe does not see)",
+    )
+    verify.add_argument("--no-audit", dest="audit", action="store_false",
+                        help="skip the content audit (graphsafe.audit) after every refit")
     verify.add_argument("--json", action="store_true",
                         help="print the report as JSON on stdout, nothing else")
     verify.add_argument(

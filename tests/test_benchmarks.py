@@ -19,6 +19,6 @@ def test_quick_run_reports_every_figure_as_json():
     report = json.loads(done.stdout)  # nothing but JSON on stdout
     figures = {row["figure"] for row in report["rows"]}
     assert {"1a", "1b", "2a", "3a", "4a", "4b", "5a", "5b", "5c", "6a", "6b", "7a",
-            "10a", "10b", "10c", "10d", "11a", "11b", "11c"} <= figures
+            "10a", "10b", "10c", "10d", "11a", "11b", "11c", "12a", "12b"} <= figures
     measured = [row for row in report["rows"] if not row["skipped"]]
     assert all(row["value"] is not None and row["value"] >= 0 for row in measured)

@@ -32,6 +32,9 @@ def test_verify_json_reports_exact_refits_and_a_detected_control(capsys):
     assert report.refits[0].critical_last
     assert report.control.stale_read and report.control.caught
     assert "StorageMovedError" in (report.control.guard_error or "")
+    # Held to a model built fresh from each checkpoint, and audited.
+    assert report.oracle == "fresh" and report.audit
+    assert all(r.audited == 1 and r.stale == () and r.error is None for r in report.refits)
 
 
 def test_verify_says_each_phase_with_its_time_on_stderr_as_it_goes(capsys):
@@ -56,6 +59,7 @@ def test_python_dash_m_prints_the_table_and_exits_zero():
     )
     assert done.returncode == 0, done.stderr
     assert "max|replay-eager|" in done.stdout
+    assert "oracle: fresh model from the checkpoint, after every refit" in done.stdout
     assert "stale read reproduced" in done.stdout
     assert "PASS" in done.stdout
 

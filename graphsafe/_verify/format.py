@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+from graphsafe._verify.oracle import ORACLES
 from graphsafe._verify.report import VerifyReport
 
 __all__ = ["format_report"]
 
 _LEGEND = (
     "(buckets: load calls; critical last: derivation inputs came last; refreshed: "
-    "derivations recomputed; storage held: no tensor moved; 0 replay-eager is exact)"
+    "derivations recomputed; storage held: no tensor moved; replay-eager: the replay "
+    "against the oracle's eager output, 0 is exact; a stale verdict names the tensors)"
 )
 _PP_LEGEND = (
     "(buckets: broadcasts of the sync; critical last: derivation inputs came last; "
     "refreshed: derivations recomputed on all stages; storage held: no tensor of any "
-    "stage moved; replay-eager: last stage's replayed logits against the trainer's "
-    "eager logits)"
+    "stage moved; replay-eager: last stage's replayed logits against the oracle's "
+    "eager logits, on the trainer)"
 )
 
 
@@ -36,6 +38,7 @@ def _refits(report: VerifyReport) -> list[str]:
     lines = [
         f"graphsafe verify: {report.target} (preset {report.preset}) on {report.device}, "
         f"{where}{graph}, torch {report.torch_version}",
+        _oracle(report),
         "",
         f"{'refit':>5}  {'buckets':>7}  {'critical last':>13}  {'refreshed':>9}  "
         f"{'storage held':>12}  {'max|replay-eager|':>17}  {'max|new-old|':>12}  verdict",
@@ -49,6 +52,19 @@ def _refits(report: VerifyReport) -> list[str]:
         )
     lines.append(_PP_LEGEND if report.pp else _LEGEND)
     return lines
+
+
+def _oracle(report: VerifyReport) -> str:
+    """Which oracle the replays were held to, and whether the audit ran, with their time."""
+    where = ", on the trainer" if report.pp else ""
+    unaudited = max((r.unaudited for r in report.refits), default=0)
+    cannot = (f"; {unaudited} derived tensor(s) it cannot recompute, vouched for by the "
+              "oracle alone" if unaudited else "")
+    audit = (f"content audit after every refit{' on every stage' if report.pp else ''} "
+             f"({report.audit_seconds:.2f} s in all{cannot})" if report.audit
+             else "content audit: off")
+    return (f"oracle: {ORACLES[report.oracle]}{where}, after every refit "
+            f"({report.oracle_seconds:.2f} s in all); {audit}")
 
 
 def _syncs(report: VerifyReport) -> list[str]:
@@ -81,5 +97,11 @@ def _verdict(report: VerifyReport) -> list[str]:
         "",
         *([f"guard checks: {report.guard}"] if report.guard else []),
         f"tolerance {report.tolerance:.0e}; "
-        + ("PASS: every refit exact, control detected" if report.ok else "FAIL"),
+        + ("PASS: every refit exact, control detected" if report.ok else _failed(report)),
     ]
+
+
+def _failed(report: VerifyReport) -> str:
+    """`FAIL`, naming the tensors a refit left stale."""
+    stale = sorted({p for r in report.refits for p in r.stale})
+    return f"FAIL: stale after a refit: {', '.join(stale)}" if stale else "FAIL"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from graphsafe._verify.oracle import Oracle
 from graphsafe._verify.target import VerifyTarget
 
 __all__ = ["Job"]
@@ -22,3 +23,8 @@ class Job:
     refits: int
     seed: int
     timeout: float
+    oracle: Oracle = "fresh"
+    """The trainer's eager logits come from a model built fresh from each refit's
+    checkpoint (`fresh`), or from its own model, refitted (`self`)."""
+    audit: bool = True
+    """Every stage audits its derived tensors after each sync."""

@@ -30,6 +30,7 @@ import torch
 from graphsafe._errors import GraphSafetyError
 from graphsafe._verify.backend import choose_backend
 from graphsafe._verify.job import Job
+from graphsafe._verify.oracle import Oracle
 from graphsafe._verify.processes import (
     Results,
     context,
@@ -62,6 +63,8 @@ def run_verify_pp(
     refits: int = 3,
     seed: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
+    oracle: Oracle = "fresh",
+    audit: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Run verify with a trainer process and `pp` pipeline-stage processes over gloo.
@@ -75,6 +78,10 @@ def run_verify_pp(
         seed: Seed of weights, inputs and bucket sizes.
         timeout: Seconds every collective (and joining the group) may wait before it
             fails; positive.
+        oracle: The trainer's eager logits: `fresh`, from a model built anew from each
+            refit's checkpoint; `self`, from its own model, refitted with the same
+            loader as the stages (blind to writes graphsafe does not see).
+        audit: Every stage runs the content audit (`graphsafe.audit`) after each sync.
         progress: Called with a line of text as the run goes.
 
     Returns:
@@ -97,7 +104,7 @@ def run_verify_pp(
                                "wait for another on this machine")
     chosen = choose_backend(backend)
     job = Job(target=target, preset=preset, device=chosen, backend=chosen, pp=pp,
-              refits=refits, seed=seed, timeout=timeout)
+              refits=refits, seed=seed, timeout=timeout, oracle=oracle, audit=audit)
     check_stages(job)
     ended = _run(job, say)
     if ended.report is None:

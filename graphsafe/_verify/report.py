@@ -32,14 +32,27 @@ class RefitRow(BaseModel):
     storage_held: bool
     """Whether every tensor the graph reads kept its storage."""
     max_abs_diff: float
-    """max |replay - eager| on the new weights."""
+    """max |replay - eager| on the new weights, eager being the oracle's output (see
+    `VerifyReport.oracle`)."""
     weights_effect: float
-    """max |eager(new) - eager(old)|: how much the refit changed the output."""
+    """max |eager(new) - eager(old)|: how much the refit changed the oracle's output."""
     verdict: Verdict
-    """`exact`: replay equals eager; `stale`: it does not; `no-effect`: the refit did not
-    change the output, so the row proves nothing; `error`: the refit raised."""
+    """`exact`: replay equals eager and nothing is stale; `stale`: the replay differs
+    from eager, or `stale` names tensors; `no-effect`: the refit did not change the
+    output, so the row proves nothing; `error`: the refit raised."""
     error: str | None = None
-    """The error, where one was raised."""
+    """What went wrong, in one line: the error the refit or the replay raised, or what
+    found tensors stale (the fresh model's comparison, the audit)."""
+    stale: tuple[str, ...] = ()
+    """Tensors the refit left stale, by path: each parameter or declared derived buffer
+    that differs from the fresh model's of the same name, and each derived tensor the
+    content audit found differing from its recomputation."""
+    audited: int | None = None
+    """Derived tensors the content audit (`graphsafe.audit`) recomputed and found equal;
+    None when no audit ran or it found a mismatch."""
+    unaudited: int = 0
+    """Derived tensors the audit could not recompute (a transient input released between
+    updates, an opaque handle), which only the fresh model vouches for."""
 
 
 class ControlRow(BaseModel):
@@ -83,7 +96,16 @@ class SyncRow(BaseModel):
     storage_held: bool
     """Whether every tensor of the stage kept its storage."""
     error: str | None = None
-    """What the stage raised, if it raised."""
+    """What the stage raised, if it raised, or what its content audit found."""
+    stale: tuple[str, ...] = ()
+    """Derived tensors the stage's content audit found stale."""
+    audited: int | None = None
+    """Derived tensors the stage's content audit checked and found equal; None when no
+    audit ran or it found a mismatch."""
+    unaudited: int = 0
+    """Derived tensors the stage's audit could not recompute."""
+    audit_seconds: float = 0.0
+    """Wall time of the stage's content audit."""
 
 
 class VerifyReport(BaseModel):
@@ -117,12 +139,26 @@ class VerifyReport(BaseModel):
     guard: str = ""
     """Which path the guard's checks took in this process: `native (...)` (compiled,
     `graphsafe native build`) or `python (...)`, with the reason."""
+    oracle: Literal["fresh", "self"] = "fresh"
+    """What each replay is compared with: `fresh`, the eager output of a model built anew
+    from the checkpoint after every refit (its parameters and derived buffers compared
+    too); `self`, the eager output of the model under test, which reads the same derived
+    state as its replay (blind to writes graphsafe does not see)."""
+    audit: bool = True
+    """Whether the content audit (`graphsafe.audit`) ran after every refit."""
+    oracle_seconds: float = 0.0
+    """Wall time spent on the oracle over all refits: building, loading and running the
+    fresh models and comparing their tensors (`fresh`), or the eager forwards (`self`)."""
+    audit_seconds: float = 0.0
+    """Wall time of the content audits over all refits."""
 
 
-def verdict(diff: float, effect: float) -> Verdict:
-    """A refit that raised nothing: `stale` beyond the tolerance, `no-effect` when the
-    new weights did not change the output, else `exact`."""
-    return "stale" if diff > TOLERANCE else "no-effect" if effect <= TOLERANCE else "exact"
+def verdict(diff: float, effect: float, stale: Sequence[str] = ()) -> Verdict:
+    """A refit that raised nothing: `stale` beyond the tolerance or with tensors found
+    stale, `no-effect` when the new weights did not change the output, else `exact`."""
+    if diff > TOLERANCE or stale:
+        return "stale"
+    return "no-effect" if effect <= TOLERANCE else "exact"
 
 
 def passed(rows: Sequence[RefitRow], control: ControlRow) -> bool:

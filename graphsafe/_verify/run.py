@@ -1,25 +1,30 @@
 """`run_verify`: `graphsafe verify` in one process.
 
-Capture the forward with a guarded graph, refit it in random buckets several times,
-replay and compare with eager after each; then the naive variant, unguarded and guarded.
+Capture the forward with a guarded graph, refit it in random buckets several times;
+after each, replay, audit the model's derived tensors and compare the replay with a
+model built fresh from the refit's checkpoint (`oracle`); then the naive variant,
+unguarded and guarded.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
 
 from graphsafe import _native
-from graphsafe._errors import GraphSafetyError, one_line
+from graphsafe._errors import GraphSafetyError
 from graphsafe._graphs.graph import Graph
 from graphsafe._runtime.runtime import runtime, weight_update
 from graphsafe._verify.backend import choose_backend
 from graphsafe._verify.measure import Phases, max_abs_diff, pointers
+from graphsafe._verify.oracle import Oracle, audit_model, differing, fresh_model
+from graphsafe._verify.quote import quote
 from graphsafe._verify.report import (
     TOLERANCE,
     ControlRow,
@@ -42,6 +47,8 @@ def run_verify(
     backend: str = "auto",
     refits: int = 3,
     seed: int = 0,
+    oracle: Oracle = "fresh",
+    audit: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Capture, refit, replay and compare; then the naive control.
@@ -52,6 +59,12 @@ def run_verify(
         backend: `auto`, `cuda` or `cpu`.
         refits: How many refits of the managed model.
         seed: Seed of weights, inputs and bucket splits.
+        oracle: What each replay is compared with: `fresh`, a model built anew from the
+            checkpoint after every refit (its parameters and declared derived buffers
+            compared with the model's too); `self`, the model's own eager forward, which
+            reads the same derived state as the replay (the check before the fresh
+            oracle, blind to writes graphsafe does not see).
+        audit: Run the content audit (`graphsafe.audit`) after every refit.
         progress: Called with a line of text as the run goes.
 
     Returns:
@@ -62,7 +75,8 @@ def run_verify(
     """
     say = progress or (lambda line: None)
     chosen = choose_backend(backend)
-    run = _Run(target, preset, torch.device(chosen), seed, random.Random(seed), say)
+    run = _Run(target, preset, torch.device(chosen), seed, random.Random(seed), say,
+               oracle, audit)
     with run.phase(f"build {target.name} ({preset}) and load its first weights"):
         model, x = run.build(naive=False)
     with torch.no_grad():
@@ -83,6 +97,10 @@ def run_verify(
         refits=tuple(rows),
         control=control,
         ok=passed(rows, control),
+        oracle=oracle,
+        audit=audit,
+        oracle_seconds=run.oracle_seconds,
+        audit_seconds=run.audit_seconds,
     )
 
 
@@ -96,6 +114,10 @@ class _Run:
     seed: int
     rng: random.Random
     say: Callable[[str], None]
+    oracle: Oracle = "fresh"
+    audit: bool = True
+    oracle_seconds: float = 0.0
+    audit_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.phase = Phases(self.say)
@@ -106,68 +128,118 @@ class _Run:
         model.load_weights(self.target.checkpoint(model, self.seed))  # type: ignore[operator]
         return model, self.target.example_input(model, self.seed)
 
-    def refit(self, model: nn.Module, k: int, critical_last: bool) -> int:
-        """Load refit `k`'s weights in random buckets, in one update; the bucket count."""
+    def refit(self, model: nn.Module, k: int, critical_last: bool) -> tuple[Checkpoint, int]:
+        """Load refit `k`'s weights in random buckets, in one update; the checkpoint and
+        the bucket count."""
         ck = self.target.checkpoint(model, self.seed + 1 + k)
         buckets = _buckets(ck, self.rng, self.target.critical, critical_last)
         with weight_update(model):
             for bucket in buckets:
                 model.load_weights(bucket)  # type: ignore[operator]
-        return len(buckets)
+        return ck, len(buckets)
+
+    def judge(self, model: nn.Module, ck: Checkpoint, x: Inputs) -> _Judged:
+        """After a refit's replay: the audit, then the oracle's output and the tensors
+        of `model` that differ from the fresh model's."""
+        audited = audit_model(model) if self.audit else None
+        self.audit_seconds += audited.seconds if audited is not None else 0.0
+        t0 = time.perf_counter()
+        stale: list[str] = []
+        problems: list[str] = []
+        if self.oracle == "fresh":
+            fresh = fresh_model(self.target, self.preset, self.device, ck)
+            eager = fresh(*x)
+            wrong = differing(model, fresh, self.target.name)
+            del fresh
+            if wrong is not None:
+                stale += wrong.paths
+                problems.append(quote(wrong))
+        else:
+            eager = model(*x)
+        self.oracle_seconds += time.perf_counter() - t0
+        if audited is not None:
+            stale += [p for p in audited.stale if p not in stale]
+            problems += [audited.problem] if audited.problem else []
+        return _Judged(eager, tuple(stale), "; ".join(problems) or None,
+                       audited.checked if audited is not None else None,
+                       audited.unchecked if audited is not None else 0)
+
+
+class _Judged(NamedTuple):
+    """What the oracle and the audit made of one refit."""
+
+    eager: torch.Tensor
+    stale: tuple[str, ...]
+    problem: str | None
+    audited: int | None
+    unaudited: int
 
 
 def _refits(
     run: _Run, graph: Graph, out: torch.Tensor, model: nn.Module, x: Inputs, refits: int
 ) -> list[RefitRow]:
-    """The managed model's refits, each replayed and compared with eager."""
+    """The managed model's refits, each replayed and compared with the oracle."""
     rows: list[RefitRow] = []
     previous = model(*x).clone()
+    checks = ", ".join([*(["audit"] if run.audit else []),
+                        "fresh model" if run.oracle == "fresh" else "eager"])
     for k in range(refits):
         critical_last = k == 0
         before = pointers(model)
         try:
-            with run.phase(f"refit {k + 1}/{refits}: bucketed load, replay, eager"):
-                nb = run.refit(model, k, critical_last)
+            with run.phase(f"refit {k + 1}/{refits}: bucketed load, replay, {checks}"):
+                ck, nb = run.refit(model, k, critical_last)
                 report = runtime(model).last_report
                 graph.replay()
-                eager = model(*x)
+                judged = run.judge(model, ck, x)
         except GraphSafetyError as exc:
             rows.append(RefitRow(
                 refit=k + 1, buckets=0, critical_last=critical_last, refreshed=(),
                 storage_held=False, max_abs_diff=float("inf"), weights_effect=0.0,
-                verdict="error", error=one_line(exc),
+                verdict="error", error=quote(exc),
             ))
-            run.say(f"refit {k + 1}: {one_line(exc)}")
+            run.say(f"refit {k + 1}: {quote(exc)}")
             continue
+        eager = judged.eager
         diff, effect = max_abs_diff(out, eager), max_abs_diff(eager, previous)
         previous = eager.clone()
         rows.append(RefitRow(
             refit=k + 1, buckets=nb, critical_last=critical_last,
             refreshed=report.refreshed if report is not None else (),
             storage_held=pointers(model) == before, max_abs_diff=diff, weights_effect=effect,
-            verdict=verdict(diff, effect),
+            verdict=verdict(diff, effect, judged.stale), error=judged.problem,
+            stale=judged.stale, audited=judged.audited, unaudited=judged.unaudited,
         ))
-        run.say(f"refit {k + 1}: {rows[-1].verdict}")
+        run.say(f"refit {k + 1}: {rows[-1].verdict}"
+                + (f": {judged.problem}" if judged.problem else ""))
     return rows
 
 
 def _control(run: _Run, backend: Literal["cuda", "cpu"]) -> ControlRow:
-    """The naive variant refitted once under an unguarded and a guarded graph."""
-    naive, nx = run.build(naive=True)
+    """The naive variant refitted once under an unguarded and a guarded graph, each step
+    said as it goes (on the flash preset the whole takes tens of seconds)."""
+    with run.phase("control 1/5: build the naive variant and load its first weights"):
+        naive, nx = run.build(naive=True)
     plain = Graph(backend=backend)
-    with plain.capture(warmup=lambda: naive(*nx)):
+    with run.phase("control 2/5: capture it unguarded"), plain.capture(
+        warmup=lambda: naive(*nx)
+    ):
         plain_out = naive(*nx)
     guarded = Graph(backend=backend, guard=naive)
-    with guarded.capture(warmup=lambda: naive(*nx)):
+    with run.phase("control 3/5: capture it guarded"), guarded.capture(
+        warmup=lambda: naive(*nx)
+    ):
         naive(*nx)
-    run.refit(naive, 0, critical_last=True)
-    plain.replay()
-    ndiff = max_abs_diff(plain_out, naive(*nx))
-    guard_error: str | None = None
-    try:
-        guarded.replay()
-    except GraphSafetyError as exc:
-        guard_error = one_line(exc)
+    with run.phase("control 4/5: refit it once (bucketed load)"):
+        run.refit(naive, 0, critical_last=True)
+    with run.phase("control 5/5: replay unguarded, run eagerly, replay guarded"):
+        plain.replay()
+        ndiff = max_abs_diff(plain_out, naive(*nx))
+        guard_error: str | None = None
+        try:
+            guarded.replay()
+        except GraphSafetyError as exc:
+            guard_error = quote(exc)
     return ControlRow(
         unguarded_max_abs_diff=ndiff,
         stale_read=ndiff > TOLERANCE,

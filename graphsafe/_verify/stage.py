@@ -18,11 +18,13 @@ import torch.distributed as dist
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
-from graphsafe._errors import GraphSafetyError, one_line
+from graphsafe._errors import GraphSafetyError
 from graphsafe._graphs.graph import Graph
 from graphsafe._verify.job import Job
 from graphsafe._verify.measure import pointers
 from graphsafe._verify.messages import gather_rows, recv_stream, send_stream
+from graphsafe._verify.oracle import audit_model
+from graphsafe._verify.quote import quote
 from graphsafe.distributed import ReceiveReport, receive_weights
 
 __all__ = ["check_stages", "stage", "stage_model"]
@@ -143,20 +145,22 @@ class _Stage:
             try:
                 graph.replay()
             except GraphSafetyError as exc:
-                error = one_line(exc)
+                error = quote(exc)
         send_stream(out if error is None else None, self.next)
         return error
 
     def sync(self, graph: Graph, out: torch.Tensor, pipe: _Pipe) -> dict[str, Any]:
-        """One refit: receive the sync, replay in turn; the stage's row for the trainer."""
+        """One refit: receive the sync, replay in turn, audit; the stage's row for the
+        trainer."""
         before = pointers(pipe.model)
         report: ReceiveReport | None = None
         error: str | None = None
         try:
             report = receive_weights(pipe.model, src=0)
         except GraphSafetyError as exc:
-            error = one_line(exc)
+            error = quote(exc)
         error = self.forward(graph, out, pipe, error)
+        audited = audit_model(pipe.model) if self.job.audit and error is None else None
         return {
             "stage": self.pp_rank, "layers": self.layers,
             "accepted": len(report.accepted) if report else 0,
@@ -165,7 +169,12 @@ class _Stage:
             "seconds": report.seconds if report else 0.0,
             "refresh_seconds": report.refresh_seconds if report else 0.0,
             "refreshed": report.refresh.refreshed if report and report.refresh else (),
-            "storage_held": pointers(pipe.model) == before, "error": error,
+            "storage_held": pointers(pipe.model) == before,
+            "error": error if audited is None else audited.problem,
+            "stale": audited.stale if audited is not None else (),
+            "audited": audited.checked if audited is not None else None,
+            "unaudited": audited.unchecked if audited is not None else 0,
+            "audit_seconds": audited.seconds if audited is not None else 0.0,
         }
 
     def control(self) -> None:
@@ -184,5 +193,5 @@ class _Stage:
         try:
             guarded.replay()
         except GraphSafetyError as exc:
-            refused = one_line(exc)
+            refused = quote(exc)
         gather_rows({"stage": self.pp_rank, "error": refused})

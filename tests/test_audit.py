@@ -377,10 +377,20 @@ def test_audit_recomputes_a_discovered_engine_derived_tensor() -> None:
     assert "engine-derived, from w" in str(info.value)
 
 
+_KERNELS: dict[int, torch.Tensor] = {}
+
+
+@torch.library.custom_op("gstest_audit::make_handle", mutates_args=())
+def make_handle(w: torch.Tensor) -> int:
+    """A kernel library's handle: its packed weight lives behind an int."""
+    _KERNELS[len(_KERNELS) + 1] = w.t().contiguous()
+    return len(_KERNELS)
+
+
 @gs.graphsafe
 class Handle(nn.Module):
-    """A post-load step that makes a handle: a value that left torch (an int from the
-    weights, as vLLM's `torch.tensor(<int from the op>)`)."""
+    """A post-load step that makes a handle: a value that left torch (an int an op made
+    from the weights, as vLLM's `torch.tensor(<int from the op>)`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -391,7 +401,7 @@ class Handle(nn.Module):
         for _, t in weights:
             self.w.data.copy_(t)
         if self.handle is None:
-            self.handle = torch.tensor(int((self.w * 100).sum().to(torch.int64)))
+            self.handle = torch.tensor(make_handle(self.w), dtype=torch.int64)
 
 
 def test_an_opaque_engine_derived_result_is_reported_unchecked_not_passed() -> None:

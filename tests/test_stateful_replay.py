@@ -12,19 +12,41 @@ derivation. It keeps, per model, what those writes must have done to the derived
 certainly stale, possibly stale (where the contract allows a refusal or a refresh),
 failed, or moved under the graph.
 
+The net is also an engine: its loader ends with a post-load step nobody declared, which
+packs `emb.weight` and `proj` into one fused copy that its forward reads, kept off the
+module tree, on a kernel object or in a closure. Each example draws how the step makes it:
+once, on the first load only (the seed bug: every later write leaves it stale); re-derived
+in place by `copy_` on every load that runs the step; allocated at construction and filled
+by an op's `out=` on every such load; or rebuilt, a new kernel object or closure each time
+(under a captured graph, `StorageMovedError` until the graph is captured again). graphsafe
+must find the copy by itself (`rt.discovered`). A bare sync (`bare_sync`: tracked loads
+that skip the step, one call per parameter as TRL syncs vLLM, or all at once), as well as
+`load_state_dict`, a load through the draft, writes outside a load and a replaced `emb`,
+leaves it certainly stale: a guarded replay that reads it must raise `StaleError` in both
+modes, unless the copy was adopted (`rt.adopt()`) and the graph repairs; the next load
+that runs the step heals it. The machine keeps what it knows of the copy (fresh, stale,
+or either where the contract allows a refusal) and whether it is adopted.
+
 Invariants, checked at every guarded replay:
 
 - No silent stale replay: the replay raises `gs.StaleError` / `gs.StorageMovedError`, or
-  its output equals an eager forward of a plain model (no derived buffers) built from the
-  current weights.
+  its output equals an eager forward of a plain model (no derived buffers, no packed copy)
+  built from the current weights; a stale packed copy read is such a failure.
 - No healthy replay refused: when every write went through a tracked path and nothing
-  moved since the capture, the replay succeeds. And what must refuse does: moved storage
-  or a swapped module raises `StorageMovedError` (with `gs.Drift`s), a failed update
-  `StaleError` in both modes, a write outside a load `StaleError` unless the graph
-  refreshes (then the replay is correct).
+  moved since the capture, the replay succeeds. And what must refuse does: moved storage,
+  a swapped module or a rebuilt holder raises `StorageMovedError` (with `gs.Drift`s), a
+  failed update `StaleError` in both modes, a write outside a load `StaleError` unless the
+  graph refreshes (then the replay is correct), a stale packed copy `StaleError` unless
+  adopted and the graph refreshes.
+
+and after every step: `rt.discovered` lists the packed copy the net holds (no other), from
+both weights, stale exactly when the machine knows it stale; a copy the machine holds fresh
+is what packing the current weights gives.
 
 Examples are of up to 50 steps: the `ci` profile runs 25 of them (a few seconds),
-`HYPOTHESIS_PROFILE=long` 1,000 (about 47,000 steps, a minute and a half).
+`HYPOTHESIS_PROFILE=long` 1,000 (about 47,000 steps, a few minutes). The controls run the
+machine against a guard that refuses nothing (unguarded), one that refuses everything, and
+one with provenance off (`GRAPHSAFE_PROVENANCE=0`, nothing discovered): each must fail.
 """
 
 from __future__ import annotations
@@ -53,6 +75,7 @@ from hypothesis.stateful import (
 from torch import nn
 
 import graphsafe as gs
+from graphsafe._lineage import recorder
 
 N, C, MIX = 3, 5, 6
 Weights = Sequence[tuple[str, torch.Tensor]]
@@ -68,6 +91,9 @@ class Block(nn.Module):
 
     `fault`, when set, is raised once by `fn_sum`: an interrupt inside a derivation.
     """
+
+    fn_sum: torch.Tensor
+    fn_scaled: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,13 +116,65 @@ class Block(nn.Module):
         return torch.tanh(x @ self.fn_scaled.t())  # [T, MIX]
 
 
+def _mixed(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """The blocks' outputs, summed."""
+    outs: list[torch.Tensor] = [b(x) for b in blocks]
+    return outs[0] + outs[1]  # [T, MIX]
+
+
+class Kernel:
+    """An engine's kernel object: the packed weight its forward reads, off the module tree."""
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed  # [C + MIX, C]
+
+    def run(self, a: torch.Tensor) -> torch.Tensor:
+        return a @ self.packed  # [T, C]
+
+
+def _kernel_fn(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The packed weight held only by a closure (as vLLM's CPU `cpu_linear` lambda)."""
+
+    def kernel_fn(a: torch.Tensor) -> torch.Tensor:
+        return a @ packed  # [T, C]
+
+    return kernel_fn
+
+
+Style = Literal["once", "copy", "out", "rebuild"]
+Holder = Literal["kernel", "closure"]
+STYLES: tuple[Style, ...] = ("once", "copy", "out", "rebuild")
+HOLDERS: tuple[Holder, ...] = ("kernel", "closure")
+ENGINE_PATHS: dict[Holder, str] = {
+    "kernel": "kernel.packed", "closure": "kernel_fn.<closure packed>"}
+ENGINE_SOURCES = ("emb.weight", "proj")
+
+
 @gs.graphsafe
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """Declared derivations, and an engine's post-load step nobody declared: it packs
+    `emb.weight` and `proj` into one fused, transposed copy that the forward reads, held
+    by a kernel object or a closure (`holder`), made the way `style` says: `once`, on the
+    first load only; made on the first load and re-derived in place by `copy_` on every
+    load that runs the step (`copy`); allocated at construction and filled in place by an
+    op's `out=` on every load that runs the step, the first included (`out`); or
+    `rebuild`, a new object each time."""
+
+    proj_t: torch.Tensor
+    emb_half: torch.Tensor
+
+    def __init__(self, style: Style = "copy", holder: Holder = "kernel") -> None:
         super().__init__()
         self.blocks = nn.ModuleList([Block(), Block()])
         self.proj = nn.Parameter(torch.randn(C, MIX), requires_grad=False)
         self.emb = nn.Linear(C, C, bias=False)
+        self.style, self.holder = style, holder
+        self.kernel: Kernel | None = None
+        self.kernel_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if style == "out":  # allocated at startup, filled by every post-load step
+            self._hold(torch.empty(C + MIX, C))
+        self.loads = 0  # loader bodies run: tells a load refused at its start from one
+        # refused at its end
 
     @gs.derive("proj_t", inputs=["proj"])
     def _proj_t(self, proj: torch.Tensor) -> torch.Tensor:
@@ -107,10 +185,50 @@ class Net(nn.Module):
         return torch.mul(weight.t(), 0.5, out=out)  # [C, C]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mixed = sum(b(x) for b in self.blocks)  # [T, MIX]
-        return mixed @ self.proj_t + x @ self.emb_half  # [T, C]
+        mixed = _mixed(self.blocks, x)  # [T, MIX]
+        fused = torch.cat([x, mixed], dim=1)  # [T, C + MIX]
+        engine = self.kernel.run(fused) if self.kernel is not None else (
+            self.kernel_fn(fused) if self.kernel_fn is not None else 0)
+        return mixed @ self.proj_t + x @ self.emb_half + engine  # [T, C]
 
-    def load_weights(self, weights: Weights, *, rebind: bool = False) -> None:
+    def packed(self) -> torch.Tensor | None:
+        """The packed copy the post-load step made (None before the first)."""
+        if self.kernel is not None:
+            return self.kernel.packed
+        if self.kernel_fn is not None:
+            cell = self.kernel_fn.__closure__
+            assert cell is not None
+            held = cell[0].cell_contents
+            assert isinstance(held, torch.Tensor)
+            return held
+        return None
+
+    def post_load(self) -> None:
+        """The engine's post-load step (runs inside the tracked load that calls it)."""
+        held = self.packed()
+        if held is not None and self.style == "once":
+            return
+        with torch.no_grad():
+            if self.style == "out":
+                assert held is not None
+                torch.cat([self.emb.weight.t(), self.proj.t()], out=held)
+                return
+            packed = torch.cat([self.emb.weight.t(), self.proj.t()])  # [C + MIX, C]
+            if held is not None and self.style == "copy":
+                held.copy_(packed)
+                return
+        self._hold(packed)
+
+    def _hold(self, packed: torch.Tensor) -> None:
+        if self.holder == "kernel":
+            self.kernel = Kernel(packed)
+        else:
+            self.kernel_fn = _kernel_fn(packed)
+
+    def load_weights(self, weights: Weights, *, rebind: bool = False, post: bool = True) -> None:
+        """Load `weights`, then run the post-load step unless `post` is False (a bare
+        sync: the RL path that writes the weights only)."""
+        self.loads += 1
         params = dict(self.named_parameters())
         for name, w in weights:
             if name == "boom":
@@ -124,11 +242,15 @@ class Net(nn.Module):
                 p.data = w.clone()  # the pre-fix loader: binds new storage
             else:
                 p.data.copy_(w)
+        if post:
+            self.post_load()
 
 
 @gs.graphsafe
 class Draft(nn.Module):
     """A draft model holding the net's embedding submodule, its head tied to `net.proj`."""
+
+    mix: torch.Tensor
 
     def __init__(self, net: Net) -> None:
         super().__init__()
@@ -172,8 +294,12 @@ class ReferenceNet(nn.Module):
         self.emb = nn.Linear(C, C, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mixed = sum(b(x) for b in self.blocks)  # [T, MIX]
-        return mixed @ self.proj.t() + x @ (self.emb.weight.t() * 0.5)  # [T, C]
+        mixed = _mixed(self.blocks, x)  # [T, MIX]
+        half = x @ (self.emb.weight.t() * 0.5)  # [T, C]
+        # The packed copy's term, packed from the weights now (the same ops: same rounding)
+        packed = torch.cat([self.emb.weight.t(), self.proj.t()])  # [C + MIX, C]
+        engine = torch.cat([x, mixed], dim=1) @ packed  # [T, C]
+        return mixed @ self.proj.t() + half + engine  # [T, C]
 
 
 class ReferenceDraft(nn.Module):
@@ -193,7 +319,8 @@ def _eager_reference(model: nn.Module, reference: type[nn.Module], x: torch.Tens
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     ref.load_state_dict(weights, assign=True)
     with torch.no_grad():
-        return ref(x)
+        out: torch.Tensor = ref(x)
+    return out
 
 
 SHAPES = {name: p.shape for name, p in Net().named_parameters()}
@@ -241,6 +368,18 @@ def _lookup(model: nn.Module, path: str) -> torch.Tensor | None:
 
 def _storage(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
+
+
+def _pack(net: Net) -> torch.Tensor:
+    """What the post-load step packs from the net's current weights."""
+    with torch.no_grad():
+        return torch.cat([net.emb.weight.t(), net.proj.t()])  # [C + MIX, C]
+
+
+def _held(net: Net) -> torch.Tensor:
+    held = net.packed()
+    assert held is not None, "the post-load step ran on the first load"
+    return held
 
 
 def _closure(names: Iterable[str]) -> set[str]:
@@ -328,15 +467,19 @@ class Side:
 
 class RefitMachine(RuleBasedStateMachine):
     guarded = True  # the control below captures the net without a guard
+    lists = True  # the controls check the replays only, not what `rt.discovered` lists
+    provenance = True  # a control runs with provenance off: nothing is discovered
 
     @initialize(
-        seed=st.integers(0, 2**16), mode=st.sampled_from(MODES), dmode=st.sampled_from(MODES)
+        seed=st.integers(0, 2**16), mode=st.sampled_from(MODES), dmode=st.sampled_from(MODES),
+        style=st.sampled_from(STYLES), holder=st.sampled_from(HOLDERS),
     )
-    def setup(self, seed: int, mode: OnStale, dmode: OnStale) -> None:
+    def setup(self, seed: int, mode: OnStale, dmode: OnStale, style: Style,
+              holder: Holder) -> None:
         gc.collect(1)  # the last example's models go now, not in the middle of this one
         torch.manual_seed(seed)
-        net = Net()
-        net.load_weights(_checkpoint(seed))
+        net = Net(style, holder)
+        net.load_weights(_checkpoint(seed))  # its post-load step makes the packed copy
         draft = Draft(net)
         draft.load_weights([])  # materializes draft.mix
         self.net = Side(net, ReferenceNet, NET_SITES)
@@ -353,6 +496,15 @@ class RefitMachine(RuleBasedStateMachine):
         self.perhaps_failed: set[str] = set()
         # A net submodule was replaced and the net's runtime has not re-bound since.
         self.rebind_pending = False
+        # The net's packed copy (made by its post-load step, discovered, never declared):
+        # "fresh" (what packing the current weights gives, and graphsafe knows it),
+        # "stale" (a source was written, or replaced, since it was packed: a guarded replay
+        # must refuse unless it repairs an adopted copy), "maybe" (fresh, or stale with
+        # graphsafe knowing it: a replay may refuse, and one that runs is checked).
+        self.engine: Literal["fresh", "stale", "maybe"] = "fresh"
+        # Whether the discovered entry is adopted (`rt.adopt()`); None: not known (a load
+        # that re-derives the copy may or may not keep an adoption).
+        self.adopted: bool | None = False
         self.capture(mode)
         self.capture_draft(dmode)
 
@@ -362,6 +514,12 @@ class RefitMachine(RuleBasedStateMachine):
     def sides(self) -> tuple[Side, Side]:
         return (self.net, self.draft)
 
+    @property
+    def netm(self) -> Net:
+        """The net itself, typed."""
+        assert isinstance(self.net.model, Net)
+        return self.net.model
+
     def _net_failed(self) -> bool:
         """Certainly refused: an interrupted derivation, or a failed load not yet redone."""
         return self.interrupted == "yes" or bool(self.owed)
@@ -369,18 +527,72 @@ class RefitMachine(RuleBasedStateMachine):
     def _allowed(self, side: Side) -> set[str]:
         """What a guarded replay of `side` may do now: "ok", "stale", "moved"."""
         if side.moved:
-            # A moved tensor the graph reads is StorageMovedError; one it reads only through
-            # a derived buffer leaves that buffer stale: StaleError. Never a replay.
-            return {"moved"} if any(m.startswith("module ") for m in side.moved) else {
-                "moved", "stale"}
+            # A moved tensor the graph reads is StorageMovedError, and so is a replaced
+            # module or a rebuilt holder it reads through (a new kernel object or closure).
+            # One it reads only through a derived buffer leaves that buffer stale:
+            # StaleError, or, where the guard repairs, the buffer recomputed in place from
+            # the moved tensor and a replay (checked against the reference like any).
+            certain = any(m.startswith(("module ", "holder ")) for m in side.moved)
+            if certain:
+                return {"moved"}
+            return {"moved", "stale", "ok"} if side.mode == "refresh" else {"moved", "stale"}
         if side is self.net and self._net_failed():
             return {"stale"}
         if side.dirty and side.mode == "raise":
             return {"stale"}
+        engine = self._engine_allows(side)
+        if "ok" not in engine:
+            return {"stale"}
         unsure = self.interrupted == "maybe" if side is self.net else self._draft_poisoned()
-        if side.maybe or unsure:
+        if side.maybe or unsure or "stale" in engine:
             return {"ok", "stale"}
         return {"ok"}
+
+    def _engine_allows(self, side: Side) -> set[str]:
+        """What the net's packed copy allows a guarded replay of `side`."""
+        if side is not self.net or self.engine == "fresh":
+            return {"ok"}
+        if self.engine == "maybe":
+            return {"ok", "stale"}
+        if side.mode == "refresh" and self.adopted:
+            return {"ok"}  # a repairing guard recomputes an adopted copy in place
+        if side.mode == "refresh" and self.adopted is None:
+            return {"ok", "stale"}
+        return {"stale"}  # nothing repairs it: on_stale="refresh" refuses too
+
+    # -- the packed copy ------------------------------------------------------------------
+
+    def _engine_sources(self) -> set[int]:
+        net = self.netm
+        return {_storage(net.emb.weight), _storage(net.proj)}
+
+    def _engine_wrote(self, storages: set[int]) -> None:
+        """Storages were written without the post-load step (so far): the copy reading
+        any of them is stale."""
+        if not storages.isdisjoint(self._engine_sources()):
+            self.engine = "stale"
+
+    def _engine_derived(self, *, settled: bool) -> None:
+        """The post-load step ran in a load that completed (`settled`: the load ended
+        normally, so graphsafe took its lineage), after its writes."""
+        net = self.netm
+        if net.style == "once":
+            return  # made on the first load only: nothing is re-derived
+        self.engine = "fresh" if settled else "maybe"
+        if settled:
+            self.adopted = None  # found again: a new entry, or the adopted one
+        if net.style == "rebuild" and self.net.graph is not None:
+            self.net.moved.add(f"holder {'kernel' if net.holder == 'kernel' else 'kernel_fn'}")
+
+    def _loader_ran(self, loads: int, storages: set[int], *, post: bool) -> None:
+        """A load was refused (`GraphSafetyError`): if its loader ran (`loads`: the net's
+        count before), it wrote `storages` and ran the post-load step if `post`, and
+        graphsafe may not have taken what it derived."""
+        if self.netm.loads == loads:
+            return  # refused before the loader ran
+        self._engine_wrote(storages)
+        if post:
+            self._engine_derived(settled=False)
 
     def _draft_poisoned(self) -> bool:
         # The net's failed load poisons its tensors, shared ones included: the draft's guard
@@ -391,6 +603,7 @@ class RefitMachine(RuleBasedStateMachine):
         """A write outside any tracked load that the guards see: every reader is stale."""
         for side in self.sides:
             side.dirty |= side.readers(storages)
+        self._engine_wrote(storages)
 
     def _loaded(
         self, side: Side, readers: dict[int, set[str]], *, everything: bool = False,
@@ -415,6 +628,7 @@ class RefitMachine(RuleBasedStateMachine):
         there, and nothing else."""
         for key in written:
             self.poisoned.pop(key, None)
+        self._engine_wrote(written)  # the caller notes a post-load step after this
         self.owed -= {n for n, p in self.net.model.named_parameters() if _storage(p) in written}
 
     def _touched(self, side: Side, readers: set[str]) -> None:
@@ -448,6 +662,7 @@ class RefitMachine(RuleBasedStateMachine):
             self.poisoned[_storage(p)] = p.untyped_storage()
         self.owed |= set(NAMES)  # every weight of the net: it was to write them all
         self.failed |= self.net.readers(written)  # what read them is marked failed
+        self._engine_wrote(written)  # the loader raised before its post-load step
         self._touched(self.draft, readers[id(self.draft)])
 
     def _refreshed(self, side: Side) -> None:
@@ -463,21 +678,27 @@ class RefitMachine(RuleBasedStateMachine):
         if self.net.graph is None or not self.guarded:
             self.rebind_pending = False
 
-    def _load(self, weights: Weights, *, rebind: bool = False, should_fail: bool = False) -> None:
+    def _load(
+        self, weights: Weights, *, rebind: bool = False, should_fail: bool = False,
+        post: bool = True,
+    ) -> None:
         self._net_used()
-        net = self.net.model
+        net = self.netm
         params = dict(net.named_parameters())
         written = {n: params[n] for n, _ in weights if n in params}
         before = {n: _storage(p) for n, p in written.items()}
         readers = self._readers(set(before.values()))
         draft_storages = self.draft.storages()
+        loads = self.netm.loads
         try:
-            net.load_weights(weights, rebind=rebind)
+            net.load_weights(weights, rebind=rebind, post=post)
         except gs.GraphSafetyError as exc:
             # After pin, a rebinding loader (or any load into a swapped tree) is refused.
             self._rebound(written, before, draft_storages)
             assert self.net.moved, f"a load was refused: {exc}"
             self._touched(self.draft, readers[id(self.draft)])
+            self._loader_ran(loads, {*before.values(), *(_storage(p) for p in written.values())},
+                             post=post)
             return
         except (ValueError, RuntimeError, KeyboardInterrupt):
             assert should_fail
@@ -487,6 +708,8 @@ class RefitMachine(RuleBasedStateMachine):
         self._rebound(written, before, draft_storages)
         self._loaded(self.net, readers,
                      written={*before.values(), *(_storage(p) for p in written.values())})
+        if post:
+            self._engine_derived(settled=True)
 
     def _rebound(
         self, written: dict[str, nn.Parameter], before: dict[str, int], draft_storages: set[int]
@@ -500,27 +723,55 @@ class RefitMachine(RuleBasedStateMachine):
 
     @rule(seed=st.integers(0, 2**16))
     def load_full(self, seed: int) -> None:
+        """A full load with the post-load step: heals what a bare sync left stale."""
         self._load(_checkpoint(seed))
 
-    @rule(seed=st.integers(0, 2**16), keep=st.sets(st.sampled_from(NAMES), min_size=1))
-    def load_partial(self, seed: int, keep: set[str]) -> None:
-        self._load([e for e in _checkpoint(seed) if e[0] in keep])
+    @rule(
+        seed=st.integers(0, 2**16), keep=st.sets(st.sampled_from(NAMES), min_size=1),
+        post=st.booleans(),
+    )
+    def load_partial(self, seed: int, keep: set[str], post: bool) -> None:
+        self._load([e for e in _checkpoint(seed) if e[0] in keep], post=post)
 
-    @rule(seed=st.integers(0, 2**16), cuts=st.lists(st.integers(1, len(NAMES) - 1), max_size=3))
-    def load_bucketed(self, seed: int, cuts: list[int]) -> None:
+    @rule(
+        seed=st.integers(0, 2**16), keep=st.sets(st.sampled_from(NAMES), min_size=1),
+        per_parameter=st.booleans(),
+    )
+    def bare_sync(self, seed: int, keep: set[str], per_parameter: bool) -> None:
+        """Tracked loads of the weights that skip the post-load step, as TRL syncs vLLM
+        (`model.load_weights([(name, p)])`, one call per parameter): the packed copy of
+        a weight written is stale, and no mode of the guard repairs it unless adopted."""
+        weights = [e for e in _checkpoint(seed) if e[0] in keep]
+        for batch in [[e] for e in weights] if per_parameter else [weights]:
+            self._load(batch, post=False)
+
+    @rule(
+        seed=st.integers(0, 2**16), cuts=st.lists(st.integers(1, len(NAMES) - 1), max_size=3),
+        post=st.sampled_from(["none", "each", "end"]),
+    )
+    def load_bucketed(self, seed: int, cuts: list[int], post: str) -> None:
+        """Buckets in one `gs.weight_update`; the post-load step after no bucket, after
+        each, or once at the end of the block."""
         ck = _checkpoint(seed)
         edges = [0, *sorted(set(cuts)), len(ck)]
         readers = self._readers(self.net.storages())
         self._net_used()
+        net = self.netm
+        loads = net.loads
         try:
-            with gs.weight_update(self.net.model):
+            with gs.weight_update(net):
                 for a, b in pairwise(edges):
-                    self.net.model.load_weights(ck[a:b])
+                    net.load_weights(ck[a:b], post=post == "each")
+                if post == "end":
+                    net.post_load()
         except gs.GraphSafetyError:
             assert self.net.moved
             self._touched(self.draft, readers[id(self.draft)])
+            self._loader_ran(loads, self.net.storages(), post=post != "none")
             return
         self._loaded(self.net, readers, everything=True, written=self.net.storages())
+        if post != "none":
+            self._engine_derived(settled=True)
 
     @rule(seed=st.integers(0, 2**16), at=st.integers(0, len(NAMES)))
     def load_wrong_shape(self, seed: int, at: int) -> None:
@@ -538,30 +789,38 @@ class RefitMachine(RuleBasedStateMachine):
         ck.insert(at, (fault, torch.zeros(1)))
         self._load(ck, should_fail=True)
 
-    @rule(seed=st.integers(0, 2**16), name=st.sampled_from(NAMES))
-    def load_rebinding(self, seed: int, name: str) -> None:
-        self._load(_checkpoint(seed, [name]), rebind=True)
+    @rule(seed=st.integers(0, 2**16), name=st.sampled_from(NAMES), post=st.booleans())
+    def load_rebinding(self, seed: int, name: str, post: bool) -> None:
+        self._load(_checkpoint(seed, [name]), rebind=True, post=post)
 
     @rule(seed=st.integers(0, 2**16))
     def load_state_dict(self, seed: int) -> None:
-        net = self.net.model
+        """`load_state_dict` writes the weights and runs no post-load step."""
+        net = self.netm
         readers = self._readers(self.net.storages())
         self._net_used()
+        versions = [net.emb.weight._version, net.proj._version]
         try:
             net.load_state_dict(dict(_checkpoint(seed)))
         except gs.GraphSafetyError:
             assert self.net.moved
             self._touched(self.draft, readers[id(self.draft)])
+            if versions != [net.emb.weight._version, net.proj._version]:
+                self._engine_wrote(self._engine_sources())
             return
         self._loaded(self.net, readers, everything=True, written=self.net.storages())
 
-    @rule(seed=st.integers(0, 2**16), keep=st.sets(st.sampled_from(NAMES), min_size=1))
-    def load_racing_a_replay(self, seed: int, keep: set[str]) -> None:
+    @rule(
+        seed=st.integers(0, 2**16), keep=st.sets(st.sampled_from(NAMES), min_size=1),
+        post=st.booleans(),
+    )
+    def load_racing_a_replay(self, seed: int, keep: set[str], post: bool) -> None:
         """A load in another thread while the main thread replays: the replay sees all old
         or all new weights, or raises."""
         side = self.net
         if side.graph is None:
             return
+        moved_before, loads = bool(side.moved), self.netm.loads
         before = side.expected_output() if "ok" in self._allowed(side) else None
         weights = [e for e in _checkpoint(seed) if e[0] in keep]
         storages = {_storage(side.model.get_parameter(n)) for n, _ in weights}
@@ -570,7 +829,7 @@ class RefitMachine(RuleBasedStateMachine):
 
         def load() -> None:
             try:
-                side.model.load_weights(weights)
+                self.netm.load_weights(weights, post=post)
             except BaseException as exc:
                 errors.append(exc)
 
@@ -586,16 +845,23 @@ class RefitMachine(RuleBasedStateMachine):
         if errors:
             assert isinstance(errors[0], gs.GraphSafetyError) and side.moved, errors[0]
             self._touched(self.draft, readers[id(self.draft)])
+            self._loader_ran(loads, storages, post=post)
         else:
             self._loaded(side, readers, written=storages)
-        if side.moved:
+            if post:
+                self._engine_derived(settled=True)
+        if moved_before:
             # StaleError where the graph reads the moved tensor only through a buffer.
             assert isinstance(replayed, (gs.StorageMovedError, gs.StaleError)), (
                 "a stale replay was not refused: the graph moved (racing a load)"
             )
             return
         if replayed is not None:
+            if isinstance(replayed, gs.StaleError) and side.mode == "refresh":
+                side.maybe |= side.dirty  # repaired before it refused (the packed copy)
+                side.dirty.clear()
             return
+        # Moved now, the load rebuilt the packed copy's holder: the replay ran before it.
         after = side.expected_output() if "ok" in self._allowed(side) else None
         candidates = [t for t in (before, after) if t is not None]
         assert candidates, "a stale replay was not refused (racing a load)"
@@ -603,7 +869,7 @@ class RefitMachine(RuleBasedStateMachine):
         assert any(torch.allclose(side.out, t) for t in candidates), (
             "the replay racing a load matches neither the old nor the new weights"
         )
-        self._replayed(side)
+        self._replayed(side, racing=True)
 
     # -- writes outside a load ------------------------------------------------------------
 
@@ -645,12 +911,15 @@ class RefitMachine(RuleBasedStateMachine):
             return
         readers = self._readers(storages)
         self._net_used()
+        loads = self.netm.loads
         try:
             with gs.weight_update(self.net.model):
+                self.netm.loads += 1  # the block's body ran
                 write()
         except gs.GraphSafetyError:
             assert self.net.moved
             self._touched(self.draft, readers[id(self.draft)])
+            self._loader_ran(loads, storages, post=False)
             return
         self._loaded(self.net, readers, everything=True, written=storages)
 
@@ -658,14 +927,22 @@ class RefitMachine(RuleBasedStateMachine):
 
     @rule(path=st.sampled_from(SUBMODULES), fresh=st.booleans())
     def swap_a_submodule(self, path: str, fresh: bool) -> None:
-        net = self.net.model
+        net = self.netm
         old = net.get_submodule(path)
         if fresh:
             new: nn.Module = Block() if path.startswith("blocks") else nn.Linear(C, C, bias=False)
         else:
             new = copy.deepcopy(old)
         if path == "emb":
+            assert isinstance(new, nn.Linear)
             net.emb = new
+            # The packed copy was made from the replaced module's weight: a fresh module
+            # holds other values; a copy the same ones, in a tensor the copy was not made
+            # from (graphsafe may take that for stale).
+            if fresh:
+                self.engine = "stale"
+            elif self.engine == "fresh":
+                self.engine = "maybe"
         else:
             net.blocks[int(path.rpartition(".")[2])] = new
         if self.net.graph is not None:
@@ -682,12 +959,14 @@ class RefitMachine(RuleBasedStateMachine):
     )
     def interrupt_a_derivation(self, block: int, seed: int, during: str) -> None:
         """A KeyboardInterrupt inside `fn_sum` while a load, update or refresh runs it."""
-        net = self.net.model
+        net = self.netm
         target = net.blocks[block]
+        assert isinstance(target, Block)
         target.fault = KeyboardInterrupt
         ck = _checkpoint(seed)
         readers = self._readers(self.net.storages() if during != "refresh" else set())
         self._net_used()
+        loads = net.loads
         try:
             if during == "load":
                 net.load_weights(ck)
@@ -701,6 +980,7 @@ class RefitMachine(RuleBasedStateMachine):
             assert target.fault is None
             if during != "refresh":  # the loader completed: the refresh at its end raised
                 self._rewritten(self.net.storages())
+                self._engine_derived(settled=False)  # its post-load step ran
             self._net_ran()  # the plan ran up to the interrupt (the rest is marked failed)
             self.net.dirty.clear()
             self.net.maybe.clear()
@@ -711,6 +991,7 @@ class RefitMachine(RuleBasedStateMachine):
         except gs.GraphSafetyError:
             assert self.net.moved, "a load or refresh was refused"
             self._touched(self.draft, readers[id(self.draft)])
+            self._loader_ran(loads, self.net.storages(), post=during != "refresh")
             return
         finally:
             target.fault = None
@@ -807,11 +1088,30 @@ class RefitMachine(RuleBasedStateMachine):
             # covers it.
             return
         draft = self.draft.model
+        assert isinstance(draft, Draft)
         weights = _checkpoint(seed, sorted(keep))
         storages = {_storage(draft.get_parameter(n)) for n, _ in weights}
         readers = self._readers(storages)
         draft.load_weights(weights)
         self._loaded(self.draft, readers, written=storages)
+
+    # -- the packed copy, adopted ---------------------------------------------------------
+
+    @rule()
+    def adopt_the_packed_copy(self) -> None:
+        """`rt.adopt()`: a repairing guard recomputes the packed copy in place from then
+        on. Only a copy equal to its recorded chain run again over its sources is adopted."""
+        if not self.provenance:
+            return
+        net = self.netm
+        found = {d.path: d for d in gs.runtime(net).adopt()}
+        d = found[ENGINE_PATHS[net.holder]]
+        if self.engine == "fresh":
+            assert d.adopted, f"a fresh packed copy was refused for adoption: {d.refused}"
+        if not torch.equal(_held(net), _pack(net)):
+            assert not d.adopted, "a stale packed copy was adopted"
+            assert d.refused is not None and "bitwise" in d.refused, d.refused
+        self.adopted = d.adopted
 
     # -- replays --------------------------------------------------------------------------
 
@@ -832,10 +1132,14 @@ class RefitMachine(RuleBasedStateMachine):
         except gs.StorageMovedError as exc:
             assert "moved" in allowed, f"the guard refused a healthy replay: {exc}"
             assert isinstance(exc.drifts, tuple), exc.drifts
-            assert exc.drifts and all(isinstance(d, gs.Drift) for d in exc.drifts), exc.drifts
+            drifts = [d for d in exc.drifts if isinstance(d, gs.Drift)]
+            assert drifts and len(drifts) == len(exc.drifts), exc.drifts
             swapped = {m.removeprefix("module ") for m in side.moved if m.startswith("module ")}
             if swapped == {m.removeprefix("module ") for m in side.moved}:
-                assert any(d.what == "module" and d.path in swapped for d in exc.drifts), exc.drifts
+                assert any(d.what == "module" and d.path in swapped for d in drifts), drifts
+            if all(m.startswith("holder ") for m in side.moved):
+                rebuilt = {m.removeprefix("holder ") for m in side.moved}
+                assert any(d.what == "holder" and d.path in rebuilt for d in drifts), drifts
             return
         except gs.StaleError as exc:
             assert "stale" in allowed, (
@@ -857,12 +1161,18 @@ class RefitMachine(RuleBasedStateMachine):
         assert side.graph is not None
         side.graph.replay()
 
-    def _replayed(self, side: Side) -> None:
+    def _replayed(self, side: Side, *, racing: bool = False) -> None:
         side.maybe.clear()  # nothing was stale, or the graph refreshed it
         if side.mode == "refresh":
             side.dirty.clear()
         if side is self.net and self.interrupted == "maybe":
             self.interrupted = "no"  # the net redid what it held failed (else it refuses)
+        if side is self.net and self.engine == "stale":
+            # It replayed, so the guard repaired the adopted copy; racing a load, it may
+            # have replayed before the load left the copy stale again.
+            self.engine = "maybe" if racing else "fresh"
+            if not racing:
+                self.adopted = True
 
     def teardown(self) -> None:
         # Release the graphs' pins, so that the next example starts from clean runtimes.
@@ -883,6 +1193,42 @@ class RefitMachine(RuleBasedStateMachine):
     def graphs_hold_their_pins(self) -> None:
         assert gs.runtime(self.net.model).pinned == (self.net.graph is not None and self.guarded)
         assert gs.runtime(self.draft.model).pinned
+
+    @invariant()
+    def the_machine_knows_the_packed_copy(self) -> None:
+        """The machine's own bookkeeping: a copy it holds fresh is what packing the
+        current weights gives."""
+        if self.engine == "fresh":
+            net = self.netm
+            assert torch.equal(_held(net), _pack(net)), "the machine lost track of the copy"
+
+    @invariant()
+    def discovered_lists_the_packed_copy(self) -> None:
+        """`rt.discovered` lists the copy the model holds, from `emb.weight` and `proj`,
+        stale exactly when a source was written since it was packed."""
+        if not self.lists:
+            return
+        net = self.netm
+        rt = gs.runtime(net)
+        path = ENGINE_PATHS[net.holder]
+        found = {d.path: d for d in rt.discovered}
+        assert set(found) == {path}, sorted(found)
+        d = found[path]
+        assert set(d.sources) == set(ENGINE_SOURCES) and not d.opaque, d
+        if self.engine == "maybe":
+            return
+        (item,) = [i for i in rt.audit_items() if i.path == path]
+        assert item.held is _held(net), (
+            f"rt.discovered lists at {path} a packed copy the model no longer holds: the "
+            "post-load step that made the held one was not discovered")
+        if self.engine == "fresh":
+            assert d.stale is None, f"a fresh packed copy is listed stale: {d.stale}"
+        else:
+            assert d.stale is not None, (
+                f"the packed copy at {path} is stale (a source was written or replaced "
+                "since it was packed), and rt.discovered lists it fresh")
+        if self.adopted is not None:
+            assert d.adopted == self.adopted, (d.adopted, self.adopted)
 
     @invariant()
     def stale_names_what_was_written(self) -> None:
@@ -906,17 +1252,29 @@ class UnguardedMachine(RefitMachine):
     """The net's graphs captured without a guard: nothing refuses a stale replay."""
 
     guarded = False
+    lists = False
 
 
 class OverCautiousMachine(RefitMachine):
     """A guard that refuses every replay, healthy ones included."""
 
+    lists = False
+
     def _guarded_replay(self, side: Side) -> None:
         raise gs.StaleError("refused")
 
 
+class BlindMachine(RefitMachine):
+    """Provenance off (`GRAPHSAFE_PROVENANCE=0`): what the post-load step derives is not
+    discovered, so nothing refuses a replay that reads a stale packed copy."""
+
+    lists = False
+    provenance = False
+
+
 # Stateful examples are long: the profile's examples, of 50 steps each.
-STEPS = settings(settings(), stateful_step_count=50, max_examples=settings().max_examples)
+STEPS = settings(settings(), stateful_step_count=50, max_examples=settings().max_examples,
+                 report_multiple_bugs=False)
 TestRefitMachine = RefitMachine.TestCase
 TestRefitMachine.settings = STEPS
 # A control stops at the first failure it finds: no database, no shrinking; the same
@@ -931,12 +1289,16 @@ CONTROL = settings(
     [
         (UnguardedMachine, r"stale replay was not refused|not close|matches neither"),
         (OverCautiousMachine, r"refused a healthy replay"),
+        (BlindMachine, r"stale replay was not refused|not close|matches neither"),
     ],
-    ids=["unguarded", "over-cautious"],
+    ids=["unguarded", "over-cautious", "provenance-off"],
 )
 def test_control_the_machine_catches_a_broken_guard(
-    machine: Callable[[], RuleBasedStateMachine], message: str
+    machine: type[RefitMachine], message: str
 ) -> None:
+    saved = recorder.RECORDING[0]
+    if not machine.provenance:
+        recorder.RECORDING[0] = "off"  # as GRAPHSAFE_PROVENANCE=0
     try:
         run_state_machine_as_test(machine, settings=CONTROL)
     except AssertionError as e:
@@ -953,6 +1315,8 @@ def test_control_the_machine_catches_a_broken_guard(
         pass
     else:
         pytest.fail("the machine did not catch the broken guard")
+    finally:
+        recorder.RECORDING[0] = saved
 
 
 # -- regressions the machine found ----------------------------------------------------------
@@ -983,7 +1347,9 @@ def test_a_load_through_the_draft_after_a_net_submodule_was_replaced_works() -> 
     net.load_weights([])
     draft = Draft(net)
     draft.load_weights([])
-    net.blocks[0].fault = RuntimeError
+    block = net.blocks[0]
+    assert isinstance(block, Block)
+    block.fault = RuntimeError
     with pytest.raises(RuntimeError, match="interrupted inside a derivation"):
         net.load_weights(_checkpoint(1))  # blocks.0's derivations are held failed
     net.blocks[0] = Block()  # not pinned: the net re-binds at its next load or refresh
@@ -991,3 +1357,68 @@ def test_a_load_through_the_draft_after_a_net_submodule_was_replaced_works() -> 
     draft.load_weights(_checkpoint(2, ["head.weight"]))
     net.load_weights([])
     assert torch.equal(net.proj_t, net.proj.t())
+
+
+# The machine's findings in engine-derived state (each the minimal example it shrank to, and
+# each with its control: the copy the graph reads really is stale).
+
+
+def _captured_net(net: Net) -> tuple[gs.Graph, torch.Tensor, torch.Tensor]:
+    x = torch.randn(4, C)
+    gs.runtime(net).refresh()
+    g = gs.Graph(backend="cpu", guard=net)
+    with torch.no_grad(), g.capture():
+        out = net(x)
+    return g, x, out
+
+
+@pytest.mark.parametrize("holder", HOLDERS)
+def test_a_copy_filled_through_out_is_discovered_and_a_bare_sync_refused(holder: Holder) -> None:
+    torch.manual_seed(0)
+    net = Net("out", holder)  # allocated at startup; the post-load step fills it by `out=`
+    net.load_weights(_checkpoint(0))
+    assert [d.path for d in gs.runtime(net).discovered] == [ENGINE_PATHS[holder]]
+    g, _, _ = _captured_net(net)
+    net.load_weights(_checkpoint(1), post=False)  # a bare sync
+    assert not torch.equal(_held(net), _pack(net))  # control: the copy is stale
+    with pytest.raises(gs.StaleError, match=re.escape(ENGINE_PATHS[holder])):
+        g.replay()
+
+
+def test_a_copy_made_from_a_replaced_module_is_stale() -> None:
+    torch.manual_seed(0)
+    net = Net("copy", "kernel")
+    net.load_weights(_checkpoint(0))
+    net.emb = nn.Linear(C, C, bias=False)  # no graph yet: the tree may change
+    g, _, _ = _captured_net(net)
+    assert not torch.equal(_held(net), _pack(net))  # control: packed from the old emb
+    with pytest.raises(gs.StaleError, match=re.escape("kernel.packed")):
+        g.replay()
+
+
+@pytest.mark.parametrize("holder", HOLDERS)
+@pytest.mark.parametrize("how", ["interrupted", "refused"])
+def test_a_copy_rebuilt_by_a_load_that_raised_at_its_end_is_not_taken_for_fresh(
+    holder: Holder, how: str,
+) -> None:
+    """The loader and its post-load step ran, then the load raised at its end: a
+    derivation interrupted in the refresh there, or the pin refusing a rebound weight."""
+    torch.manual_seed(0)
+    net = Net("rebuild", holder)
+    net.load_weights(_checkpoint(0))
+    if how == "interrupted":
+        block = net.blocks[0]
+        assert isinstance(block, Block)
+        block.fault = KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            net.load_weights(_checkpoint(1))
+    else:
+        pinned, _, _ = _captured_net(net)
+        with pytest.raises(gs.StorageMovedError):
+            net.load_weights(_checkpoint(1, ["proj"]), rebind=True)
+        pinned.reset()
+    net.load_weights(_checkpoint(2), post=False)  # a bare sync: the rebuilt copy is stale
+    g, _, _ = _captured_net(net)
+    assert not torch.equal(_held(net), _pack(net))  # control
+    with pytest.raises(gs.StaleError, match=re.escape(ENGINE_PATHS[holder])):
+        g.replay()

@@ -120,6 +120,8 @@ class _Entry:
         self.site = _Place.of(site)
         self.module_class = type(site.module).__name__
         self.tensor = weakref.ref(site.tensor)
+        """The tensor last witnessed computed from the sources (what is held may be
+        another: rebuilt by a load that failed)."""
         self.sources: tuple[Source, ...] = found.sources
         self.chain = " -> ".join(found.chain)
         self.opaque = found.opaque
@@ -128,10 +130,12 @@ class _Entry:
         self.refused: str | None = None
 
     def held(self) -> torch.Tensor | None:
-        return self.tensor()
+        """What the model holds at the entry's place now."""
+        now = _read(self.site)
+        return now if isinstance(now, torch.Tensor) else None
 
     def recompute(self) -> torch.Tensor | None:
-        held = self.tensor()
+        held = self.held()
         if held is None or self.opaque:
             return None
         return recompute(self.writer, held, self.sources)
@@ -141,7 +145,7 @@ class _Entry:
         return tuple(dict.fromkeys(s.path for s in self.sources))
 
     def key(self) -> int:
-        t = self.tensor()
+        t = self.held()
         return 0 if t is None else storage_key(t)
 
 
@@ -190,21 +194,46 @@ class Discovery:
         self._entries = kept + fresh
         self._rebuild(old_rows)
 
-    def follow(self, written: set[int]) -> None:
+    def follow(self, written: set[int], existed: set[int] | None) -> None:
         """After a load that was not recorded: an entry it wrote (re-derived in place), or
-        whose place now holds a new tensor (rebuilt by the post-load step, from the same
-        sources), is witnessed anew; the others keep their witnesses."""
+        whose place now holds a tensor it made (rebuilt by the post-load step, from the
+        same sources: its storage is not one of those that `existed` when it began; None:
+        not known, and a rebuilt one is not taken for fresh), is
+        witnessed anew; the others keep their witnesses (one found rebuilt by an earlier
+        load that failed stays as stale as that load left it)."""
         rows = self._rows_by_entry()
         again: list[int] = []
         for i, e in enumerate(self._entries):
             now = _read(e.site)
-            if isinstance(now, torch.Tensor) and now is not e.held():
-                e.tensor = weakref.ref(now)  # rebuilt where it was
-                again.extend(rows.get(i, []))
+            if isinstance(now, torch.Tensor) and now is not e.tensor():
+                if existed is not None and storage_key(now) not in existed:  # by this load
+                    e.tensor = weakref.ref(now)
+                    again.extend(rows.get(i, []))
             elif e.key() in written:
                 again.extend(rows.get(i, []))
         if again and self._witnesses is not None:
             self._witnesses.record(again)
+
+    def rehome(self, model: nn.Module) -> None:
+        """Read each source where the model holds it now: a module replaced since (a new
+        `emb`) shows as its weights rebound, so what was computed from the old one is
+        stale."""
+        if not self._entries:
+            return
+        now = {s.path: s for s in sources_of(model).values()}
+        moved = False
+        for e in self._entries:
+            srcs = []
+            for s in e.sources:
+                here = now.get(s.path)
+                if here is not None and here.holder is not s.holder:
+                    s, moved = s._replace(holder=here.holder), True
+                srcs.append(s)
+            e.sources = tuple(srcs)
+        if moved and self._witnesses is not None:
+            rows = list(range(len(self._owner)))
+            sites = [(s.holder, s.key) for e in self._entries for s in e.sources]
+            self._witnesses = self._witnesses.carried(sites, rows)
 
     def _rows_by_entry(self) -> dict[int, list[int]]:
         by_entry: dict[int, list[int]] = {}
@@ -365,8 +394,8 @@ def _probing(
 
 
 def _still_held(e: _Entry) -> bool:
-    held = e.held()
-    return held is not None and _read(e.site) is held
+    witnessed = e.tensor()
+    return witnessed is not None and _read(e.site) is witnessed
 
 
 def _read(site: _Place) -> object:

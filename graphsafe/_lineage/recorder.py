@@ -77,7 +77,8 @@ class Call:
         self.args = args
         self.kwargs = kwargs
         self.outs: dict[int, Arg] = {}
-        self.mutated: tuple[int, ...] = ()
+        self.mutated: tuple[int | str, ...] = ()
+        """The arguments the op wrote: positions, or names of keyword arguments (`out=`)."""
         self.opaque = False
 
     @property
@@ -201,15 +202,22 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         mutated = _MUTATED.get(func)
         if mutated is None:
             mutated = _MUTATED[func] = _mutated(func)
-        call.mutated = mutated
         in_sids = {a.sid for a in call.inputs()}
+        wrote: list[int | str] = []
         for pos in mutated:
-            if pos < len(args) and isinstance(args[pos], torch.Tensor):
+            where: int | str = pos
+            if pos < len(args):
                 t = args[pos]
+            else:  # passed by keyword, as `out=` is
+                name_ = str(func._schema.arguments[pos].name)
+                where, t = name_, kwargs.get(name_)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                wrote.append(where)
                 sid = sid_of(t)
                 if sid:
                     lineage.hold(t, sid)
                     lineage.writers[sid] = (call, self._arg_written(t, sid))
+        call.mutated = tuple(wrote)
         results = out if isinstance(out, (list, tuple)) else (out,)
         for i, r in enumerate(results):
             if isinstance(r, torch.Tensor):

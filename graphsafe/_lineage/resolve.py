@@ -206,10 +206,13 @@ def _run(
     args = [value(a) for a in call.args]
     kwargs = {k: value(v) for k, v in call.kwargs.items()}
     written: dict[int, torch.Tensor] = {}
-    for pos in call.mutated:
-        if pos < len(args) and isinstance(args[pos], torch.Tensor):
-            args[pos] = _own(args[pos])
-            written[call.args[pos].sid] = args[pos]
+    for where in call.mutated:  # a position, or a keyword (`out=`)
+        if isinstance(where, int):
+            args[where] = _own(args[where])
+            written[call.args[where].sid] = args[where]
+        else:
+            kwargs[where] = _own(kwargs[where])
+            written[call.kwargs[where].sid] = kwargs[where]
     out = call.func(*args, **kwargs)
     results = out if isinstance(out, (list, tuple)) else (out,)
     for i, arg in call.outs.items():

@@ -73,9 +73,12 @@ class Loads:
         """Whether the next load records provenance (the runtime decides)."""
         return False
 
-    def _settle_lineage(self, load: Load, written: set[int]) -> None:
+    def _settle_lineage(
+        self, load: Load, written: set[int], existed: set[int] | None
+    ) -> None:
         """What `load` computed from the weights (the runtime's discovery takes it);
-        `written`: the storage keys it wrote."""
+        `written`: the storage keys it wrote; `existed`: the model's when it began (None:
+        not known, as for `load_state_dict`)."""
 
     @property
     def _engine(self) -> Engine | None:
@@ -264,7 +267,8 @@ class Loads:
                 self._fail(load.rewritten(), load.writes, f"{what} raised {one_line(exc)}",
                            paths)
         if exc is None:
-            self._settle_lineage(load, written)
+            self._settle_lineage(load, written,
+                                 None if before is None else set(before.values()))
             _tell_others(self, written)
             for check in self._load_checks:
                 check()

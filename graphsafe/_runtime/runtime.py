@@ -164,6 +164,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
         declaration (packed, transposed, absorbed copies; kernel handles), where each is
         held, from which weights, how, and whether it is stale or exempted."""
         with self._lock:
+            self._discovery.rehome(self.model)  # a module replaced since: its weights moved
             return self._discovery.info()
 
     def exempt(self, path: str, *, why: str) -> None:
@@ -208,7 +209,9 @@ class Runtime(Loads, metaclass=_OnePerModel):
         mode = RECORDING[0]
         return mode == "all" or (mode == "first" and not self._discovery.recorded)
 
-    def _settle_lineage(self, load: Load, written: set[int]) -> None:
+    def _settle_lineage(
+        self, load: Load, written: set[int], existed: set[int] | None
+    ) -> None:
         if load.record:
             if load.lineage:
                 self._discovery.settle(load.lineage, self.model,
@@ -216,7 +219,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
             self._discovery.recorded = True
             load.lineage.release()
         elif self._discovery:
-            self._discovery.follow(written)
+            self._discovery.rehome(self.model)
+            self._discovery.follow(written, existed)
 
     @property
     def last_report(self) -> RefreshReport | None:
@@ -275,6 +279,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
                 keys = engine.watch.storage_keys() | self._pinned_keys
                 check_fresh(engine, keys, type(self.model), repair=repair, owed=self._owed)
             if self._discovery:
+                if not self._holders:  # pinned, the ledger sees a replaced module
+                    self._discovery.rehome(self.model)
                 self._discovery.check(type(self.model), reads, repair=repair)
 
     @contextlib.contextmanager
@@ -343,6 +349,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
             self.check_pinnable()
             if not self._holders:
                 self._bound_engine().refresh_readers(False, ())
+            self._discovery.rehome(self.model)  # a module replaced before the capture
             self._holders[holder] = self._holders.get(holder, 0) + 1
             self._pinned_keys = frozenset(self._binder.model_tensors())
             # Writes into what the derivations read or write, outside any tracked load and

@@ -111,8 +111,8 @@ class _Place(NamedTuple):
 class _Entry:
     """One discovered tensor: where it is held, from what, and how it was last written."""
 
-    __slots__ = ("adopted", "chain", "module_class", "opaque", "path", "refused", "site",
-                 "sources", "tensor", "writer")
+    __slots__ = ("adopted", "chain", "module_class", "opaque", "path", "refused", "seen",
+                 "site", "sources", "tensor", "writer")
 
     def __init__(self, found: Found) -> None:
         site = found.site
@@ -122,6 +122,8 @@ class _Entry:
         self.tensor = weakref.ref(site.tensor)
         """The tensor last witnessed computed from the sources (what is held may be
         another: rebuilt by a load that failed)."""
+        self.seen = self.tensor
+        """What the last load that ended (or failed) left at the place."""
         self.sources: tuple[Source, ...] = found.sources
         self.chain = " -> ".join(found.chain)
         self.opaque = found.opaque
@@ -194,25 +196,32 @@ class Discovery:
         self._entries = kept + fresh
         self._rebuild(old_rows)
 
-    def follow(self, written: set[int], existed: set[int] | None) -> None:
+    def follow(self, written: set[int]) -> None:
         """After a load that was not recorded: an entry it wrote (re-derived in place), or
-        whose place now holds a tensor it made (rebuilt by the post-load step, from the
-        same sources: its storage is not one of those that `existed` when it began; None:
-        not known, and a rebuilt one is not taken for fresh), is
-        witnessed anew; the others keep their witnesses (one found rebuilt by an earlier
-        load that failed stays as stale as that load left it)."""
+        whose place now holds a tensor the last load that ended did not leave there
+        (rebuilt by this load's post-load step, from the same sources), is witnessed
+        anew; the others keep their witnesses. Told apart by the tensor objects (held
+        weakly), never by address: a storage freed in the load may be reused by the new
+        one."""
         rows = self._rows_by_entry()
         again: list[int] = []
         for i, e in enumerate(self._entries):
             now = _read(e.site)
-            if isinstance(now, torch.Tensor) and now is not e.tensor():
-                if existed is not None and storage_key(now) not in existed:  # by this load
-                    e.tensor = weakref.ref(now)
-                    again.extend(rows.get(i, []))
+            if isinstance(now, torch.Tensor) and now is not e.seen():
+                e.tensor = e.seen = weakref.ref(now)  # rebuilt where it was, by this load
+                again.extend(rows.get(i, []))
             elif e.key() in written:
                 again.extend(rows.get(i, []))
         if again and self._witnesses is not None:
             self._witnesses.record(again)
+
+    def failed(self) -> None:
+        """A load failed: what it left at each entry's place is seen, and not taken for
+        fresh by the next load (its witnesses stay as stale as the failure left them)."""
+        for e in self._entries:
+            now = _read(e.site)
+            if isinstance(now, torch.Tensor):
+                e.seen = weakref.ref(now)
 
     def rehome(self, model: nn.Module) -> None:
         """Read each source where the model holds it now: a module replaced since (a new

@@ -73,12 +73,12 @@ class Loads:
         """Whether the next load records provenance (the runtime decides)."""
         return False
 
-    def _settle_lineage(
-        self, load: Load, written: set[int], existed: set[int] | None
-    ) -> None:
+    def _settle_lineage(self, load: Load, written: set[int]) -> None:
         """What `load` computed from the weights (the runtime's discovery takes it);
-        `written`: the storage keys it wrote; `existed`: the model's when it began (None:
-        not known, as for `load_state_dict`)."""
+        `written`: the storage keys it wrote."""
+
+    def _lineage_failed(self) -> None:
+        """A load failed: what it rebuilt is not taken for fresh by the next one."""
 
     @property
     def _engine(self) -> Engine | None:
@@ -252,11 +252,15 @@ class Loads:
     ) -> None:
         """End `load` (`exc`: what it raised), then settle what the model owes; `before`:
         the storage key of each path when it began (a tensor rebound since was written)."""
+        ended = False
         try:
             written = load.end(what, exc, pinned=self.pinned,
                                model_tensors=self._binder.tensors, witnesses=witnesses)
+            ended = True
         finally:
             self._load = None
+            if exc is not None or not ended:
+                self._lineage_failed()
             paths = {tr.input.path for tr in load.transients_written()}
             if before is not None and (self._owed or exc is not None):
                 now = self._binder.model_map().by_path
@@ -267,8 +271,7 @@ class Loads:
                 self._fail(load.rewritten(), load.writes, f"{what} raised {one_line(exc)}",
                            paths)
         if exc is None:
-            self._settle_lineage(load, written,
-                                 None if before is None else set(before.values()))
+            self._settle_lineage(load, written)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()

@@ -209,9 +209,10 @@ class Runtime(Loads, metaclass=_OnePerModel):
         mode = RECORDING[0]
         return mode == "all" or (mode == "first" and not self._discovery.recorded)
 
-    def _settle_lineage(
-        self, load: Load, written: set[int], existed: set[int] | None
-    ) -> None:
+    def _lineage_failed(self) -> None:
+        self._discovery.failed()
+
+    def _settle_lineage(self, load: Load, written: set[int]) -> None:
         if load.record:
             if load.lineage:
                 self._discovery.settle(load.lineage, self.model,
@@ -220,7 +221,7 @@ class Runtime(Loads, metaclass=_OnePerModel):
             load.lineage.release()
         elif self._discovery:
             self._discovery.rehome(self.model)
-            self._discovery.follow(written, existed)
+            self._discovery.follow(written)
 
     @property
     def last_report(self) -> RefreshReport | None:

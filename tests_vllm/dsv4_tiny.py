@@ -18,6 +18,8 @@ import tempfile
 
 import torch
 
+from graphsafe import recipes
+
 # --------------------------------------------------------------------------
 # tiny config
 # --------------------------------------------------------------------------
@@ -353,3 +355,15 @@ def random_checkpoint(model, seed):
                 t = torch.randint(0, n_exp, shape, generator=g).to(p.dtype)
             out.append((ck, t))
     return out
+
+
+def prefix_finalize(self: torch.nn.Module) -> None:
+    """`finalize_mhc_broadcast_weights` as it shipped: a new tensor on every load."""
+    layer = self.layers[self.start_layer]
+    layer.hc_attn_fn_broadcast = (
+        layer.hc_attn_fn.detach().view(-1, layer.hc_mult, layer.hidden_size).sum(dim=1)
+    )
+
+
+def folded(layer: torch.nn.Module) -> torch.Tensor:
+    return recipes.fold_streams(layer.hc_mult, layer.hidden_size)(layer, layer.hc_attn_fn)

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import graphsafe as gs
-from graphsafe import recipes
 from graphsafe.integrations import vllm as gsv
 
 PATH = "model.layers.0.hc_attn_fn_broadcast"
@@ -33,25 +32,13 @@ def model(world: None) -> torch.nn.Module:
     return m
 
 
-def prefix_finalize(self: torch.nn.Module) -> None:
-    """`finalize_mhc_broadcast_weights` as it shipped: a new tensor on every load."""
-    layer = self.layers[self.start_layer]
-    layer.hc_attn_fn_broadcast = (
-        layer.hc_attn_fn.detach().view(-1, layer.hc_mult, layer.hidden_size).sum(dim=1)
-    )
-
-
-def folded(layer: torch.nn.Module) -> torch.Tensor:
-    return recipes.fold_streams(layer.hc_mult, layer.hidden_size)(layer, layer.hc_attn_fn)
-
-
 def test_graphsafe_adopts_vllms_tensor_and_matches_fold_streams(model: torch.nn.Module) -> None:
     layer = model.model.layers[0]
     vllms = layer.hc_attn_fn_broadcast
     att = gsv.attach(model, gsv.deepseek_v4_registry())
     assert layer._buffers["hc_attn_fn_broadcast"] is vllms  # adopted: object and storage
     assert att.status()["derived"] == [PATH]
-    assert torch.equal(layer.hc_attn_fn_broadcast, folded(layer))
+    assert torch.equal(layer.hc_attn_fn_broadcast, dsv4.folded(layer))
 
 
 def test_fixed_finalize_passes_pinned_with_no_false_alarm(model: torch.nn.Module) -> None:
@@ -64,7 +51,7 @@ def test_fixed_finalize_passes_pinned_with_no_false_alarm(model: torch.nn.Module
         with att.guard.replaying():  # what runs before each engine step
             pass
         assert layer.hc_attn_fn_broadcast.data_ptr() == ptr
-        assert torch.equal(layer.hc_attn_fn_broadcast, folded(layer))
+        assert torch.equal(layer.hc_attn_fn_broadcast, dsv4.folded(layer))
     assert att.updates == 2 and not att.runtime.stale
 
 
@@ -73,7 +60,7 @@ def test_prefix_finalize_raises_storage_moved_naming_the_buffer(
 ) -> None:
     att = gsv.attach(model, gsv.deepseek_v4_registry())
     att.pin()
-    monkeypatch.setattr(type(model.model), "finalize_mhc_broadcast_weights", prefix_finalize)
+    monkeypatch.setattr(type(model.model), "finalize_mhc_broadcast_weights", dsv4.prefix_finalize)
     with pytest.raises(gs.StorageMovedError) as e:
         dsv4.load(model, dsv4.random_checkpoint(model, 1))
     assert PATH in str(e.value)
@@ -88,6 +75,6 @@ def test_control_without_graphsafe_the_prefix_finalize_moves_silently(
 ) -> None:
     layer = model.model.layers[0]
     ptr = layer.hc_attn_fn_broadcast.data_ptr()
-    monkeypatch.setattr(type(model.model), "finalize_mhc_broadcast_weights", prefix_finalize)
+    monkeypatch.setattr(type(model.model), "finalize_mhc_broadcast_weights", dsv4.prefix_finalize)
     dsv4.load(model, dsv4.random_checkpoint(model, 1))  # no error from vLLM itself
     assert layer.hc_attn_fn_broadcast.data_ptr() != ptr  # a captured graph reads the old

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import graphsafe as gs
-from graphsafe import recipes
 from graphsafe._lineage import record
 from graphsafe.integrations import vllm as gsv
 
@@ -39,18 +38,6 @@ def loaded(*, recorded: bool) -> tuple[torch.nn.Module, gsv.Attachment]:
     att = gsv.attach(model, lineage=lineage if recorded else None)
     att.pin()
     return model, att
-
-
-def prefix_finalize(self: torch.nn.Module) -> None:
-    """`finalize_mhc_broadcast_weights` as it shipped: a new tensor on every load."""
-    layer = self.layers[self.start_layer]
-    layer.hc_attn_fn_broadcast = (
-        layer.hc_attn_fn.detach().view(-1, layer.hc_mult, layer.hidden_size).sum(dim=1)
-    )
-
-
-def folded(layer: torch.nn.Module) -> torch.Tensor:
-    return recipes.fold_streams(layer.hc_mult, layer.hidden_size)(layer, layer.hc_attn_fn)
 
 
 def skip_finalize_write(model: torch.nn.Module) -> None:
@@ -81,7 +68,7 @@ def test_the_fixed_finalize_re_derives_in_place_with_no_false_alarm(world: None)
         with att.guard.replaying():  # what runs before each engine step
             pass
         assert layer.hc_attn_fn_broadcast.data_ptr() == ptr
-        assert torch.equal(layer.hc_attn_fn_broadcast, folded(layer))
+        assert torch.equal(layer.hc_attn_fn_broadcast, dsv4.folded(layer))
     assert att.updates == 2 and att.status()["stale"] == []
 
 
@@ -89,7 +76,7 @@ def test_the_prefix_finalize_is_caught_without_the_registry(
     world: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, att = loaded(recorded=True)
-    monkeypatch.setattr(type(model.model), "finalize_mhc_broadcast_weights", prefix_finalize)
+    monkeypatch.setattr(type(model.model), "finalize_mhc_broadcast_weights", dsv4.prefix_finalize)
     with pytest.raises(gs.StorageMovedError, match=PATH.replace(".", r"\.")):
         dsv4.load(model, dsv4.random_checkpoint(model, 1))
     assert att.guard is not None
@@ -104,7 +91,7 @@ def test_control_without_graphsafe_the_prefix_finalize_moves_silently(
     dsv4.load(model, dsv4.random_checkpoint(model, 0))
     layer = model.model.layers[0]
     ptr = layer.hc_attn_fn_broadcast.data_ptr()
-    monkeypatch.setattr(type(model.model), "finalize_mhc_broadcast_weights", prefix_finalize)
+    monkeypatch.setattr(type(model.model), "finalize_mhc_broadcast_weights", dsv4.prefix_finalize)
     dsv4.load(model, dsv4.random_checkpoint(model, 1))  # no error from vLLM itself
     assert layer.hc_attn_fn_broadcast.data_ptr() != ptr  # a captured graph reads the old
 
@@ -129,4 +116,4 @@ def test_control_unrecorded_the_same_write_serves_a_stale_broadcast(world: None)
     with att.guard.replaying():
         pass
     layer = model.model.layers[0]
-    assert not torch.equal(layer.hc_attn_fn_broadcast, folded(layer))
+    assert not torch.equal(layer.hc_attn_fn_broadcast, dsv4.folded(layer))

@@ -355,6 +355,7 @@ class Discovery:
         if w is None or w.unchanged():
             return []
         out: dict[int, str] = {}
+        rows = self._rows_by_entry()
         for row, how in w.changed(by_journal=True):
             i = self._owner[row]
             e = self._entries[i]
@@ -362,7 +363,7 @@ class Discovery:
                 continue
             if reads is not None and e.key() not in reads:
                 continue
-            src = e.sources[[r for r, o in enumerate(self._owner) if o == i].index(row)]
+            src = e.sources[rows[i].index(row)]
             out[i] = f"its source {src.path} was {how}"
         return sorted(out.items())
 
@@ -388,7 +389,7 @@ class Discovery:
         with torch.no_grad():
             held.copy_(value)
         assert self._witnesses is not None
-        self._witnesses.record([r for r, o in enumerate(self._owner) if o == i])
+        self._witnesses.record(self._rows_by_entry().get(i, []))
         return True
 
 

@@ -12,9 +12,16 @@
    and loading overlapped with the broadcasts, the default, and not, `overlap=False`),
    and with buckets of a sixteenth.
    Each time runs from a barrier to a barrier, so it ends when the receiver has the
-   data (and, for the sync, has loaded and refreshed).
+   data (and, for the sync, has loaded and refreshed). Every sync checks its
+   completeness (the receivers' verdict on the metadata) before any data moves; the
+   same syncs with `verify=True` give the checksums' cost per GiB.
 2. A trainer and two pipeline stages of DeepSeek V4 (`--preset`, flash by default): the
    stages' refresh time against their whole sync time, and the staging memory.
+3. Faults, each in a world of its own (the tiny DeepSeek V4 on a trainer and two
+   stages, group timeout `--fault-timeout`): the trainer SIGKILLed mid-sync, a receiver
+   SIGKILLed mid-sync, a receiver refusing the sync's entries, a receiver stalled past
+   the timeout in its loader. For each: the time from the fault to the verdict (the
+   error) of the slowest other rank, and what each rank was told to do next.
 
 Prints medians and ratios; `--json` prints them as JSON. The exit status is always 0.
 """
@@ -22,9 +29,12 @@ Prints medians and ratios; `--json` prints them as JSON. The exit status is alwa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import queue as queue_mod
+import signal
 import socket
 import statistics
 import time
@@ -111,11 +121,12 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
                 for (name, _), part in zip(ck, packed.split(sizes)):
                     params[name].data.copy_(part.view_as(params[name]))
 
-    def sync(bucket: int, overlap: bool = True, direct: bool = True) -> Callable[[], None]:
+    def sync(bucket: int, overlap: bool = True, direct: bool = True,
+             verify: bool = False) -> Callable[[], None]:
         def run() -> None:
             if rank == 0:
                 gsd.send_weights(ck, src=0, bucket_bytes=bucket, overlap=overlap,
-                                 direct_bytes=16 << 20 if direct else None)
+                                 direct_bytes=16 << 20 if direct else None, verify=verify)
             else:
                 reports.append(gsd.receive_weights(model, src=0,  # type: ignore[arg-type]
                                                    overlap=overlap))
@@ -127,7 +138,8 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
     runs = {"raw": raw, "loop": loop, "loop_async": loop_async, "copies": copies,
             "one": sync(256 << 20), "one_packed": sync(256 << 20, direct=False),
             "quarter": sync(quarter), "quarter_serial": sync(quarter, overlap=False),
-            "sixteenth": sync(sixteenth)}
+            "sixteenth": sync(sixteenth), "one_verified": sync(256 << 20, verify=True),
+            "quarter_verified": sync(quarter, verify=True)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
         for key, run in runs.items():
@@ -188,6 +200,129 @@ def _figure2(rank: int, preset: str, repeats: int) -> dict[str, Any] | None:
     }
 
 
+_FAULTS = ("trainer_killed", "receiver_killed", "receiver_refuses", "receiver_stalls")
+
+
+class _Dies(torch.Tensor):
+    """A tensor the process dies (SIGKILL) packing: the trainer killed mid-sync."""
+
+    queue: Any = None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if func is torch.Tensor.copy_:
+            _died(_Dies.queue, 0)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _died(results: Any, rank: int) -> None:
+    results.put(("fault", rank, time.monotonic(), "SIGKILL"))
+    results.close()
+    results.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fault_child(rank: int, port: int, fault: str, timeout: float, results: Any) -> None:
+    from graphsafe.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, random_checkpoint
+
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        delta = datetime.timedelta(seconds=timeout)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=3, timeout=delta)
+        group = dist.new_group(timeout=delta)
+        full = DeepseekV4Config.preset("tiny")
+        model = None if rank == 0 else DeepseekV4Model(
+            DeepseekV4Config.preset("tiny", pp_rank=rank - 1, pp_size=2))
+        expects = None
+        if rank == 0:
+            gsd.send_weights(random_checkpoint(full, 0), src=0, group=group, bucket_bytes=16 << 10)
+        else:
+            gsd.receive_weights(model, src=0, group=group)  # type: ignore[arg-type]
+        dist.barrier(group=group)
+        if rank == 2 and fault in ("receiver_killed", "receiver_stalls"):
+            real, calls = model.load_weights, [0]  # type: ignore[union-attr]
+
+            def loader(pairs: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 3:
+                    if fault == "receiver_killed":
+                        _died(results, rank)
+                    results.put(("fault", rank, time.monotonic(), "stalled"))
+                    time.sleep(timeout + 2)
+                return real(pairs)
+
+            model.load_weights = loader  # type: ignore[union-attr, method-assign]
+        if rank == 2 and fault == "receiver_refuses":
+            expects = {n for n, _ in model.named_parameters()} | {"needed.by.rank2"}  # type: ignore[union-attr]
+        try:
+            if rank == 0:
+                ck = random_checkpoint(full, 1)
+                if fault == "trainer_killed":
+                    _Dies.queue = results
+                    ck = [(n, t.as_subclass(_Dies) if n == "layers.2.hc_ffn_fn" else t)
+                          for n, t in ck]
+                if fault == "receiver_refuses":
+                    results.put(("fault", rank, time.monotonic(), "sync begins"))
+                gsd.send_weights(ck, src=0, group=group, bucket_bytes=16 << 10)
+            else:
+                gsd.receive_weights(model, src=0, group=group,  # type: ignore[arg-type]
+                                    expects=expects)
+            results.put(("verdict", rank, time.monotonic(), "no error"))
+        except gsd.WeightSyncError as exc:
+            results.put(("verdict", rank, time.monotonic(), exc.recovery))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(code)
+
+
+def _figure3(timeout: float) -> dict[str, Any]:
+    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods()
+                         else "spawn")
+    out: dict[str, Any] = {"timeout": timeout, "faults": {}}
+    for fault in _FAULTS:
+        results = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [ctx.Process(target=_fault_child, args=(r, port, fault, timeout, results))
+                 for r in range(3)]
+        for p in procs:
+            p.start()
+        events: list[tuple[str, int, float, str]] = []
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not all(p.exitcode is not None for p in procs):
+            with contextlib.suppress(queue_mod.Empty):
+                events.append(results.get(timeout=0.2))
+        while True:
+            try:
+                events.append(results.get(timeout=0.2))
+            except queue_mod.Empty:
+                break
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join(timeout=10)
+        at = min((t for kind, _, t, _ in events if kind == "fault"), default=float("nan"))
+        # The faulty rank's own verdict is not counted (the refusing sync's start is no
+        # rank's fault).
+        faulty = {r for kind, r, _, what in events if kind == "fault" and what != "sync begins"}
+        verdicts = {r: (t - at, what) for kind, r, t, what in events
+                    if kind == "verdict" and r not in faulty}
+        out["faults"][fault] = {"verdicts": verdicts,
+                                "slowest": max((v for v, _ in verdicts.values()),
+                                               default=float("nan"))}
+    return out
+
+
 def _child(rank: int, world: int, port: int, figure: str, args: dict[str, Any],
            results: Any) -> None:
     code = 0
@@ -241,15 +376,21 @@ def main() -> None:
     parser.add_argument("--preset", default="flash", help="DeepSeek V4 preset of figure 2")
     parser.add_argument("--tensor-mib", default="1,16",
                         help="tensor sizes of figure 1 (MiB, comma-separated): one run each")
+    parser.add_argument("--fault-timeout", type=float, default=5.0,
+                        help="group timeout of figure 3's worlds (seconds)")
+    parser.add_argument("--figures", default="1,2,3", help="which figures to run")
     parser.add_argument("--json", action="store_true", help="print JSON, nothing else")
     a = parser.parse_args()
+    figures = a.figures.split(",")
     f1s = [_run("1", 2, {"mib": a.mib, "repeats": a.repeats, "tensor_mib": int(t)})
-           for t in a.tensor_mib.split(",")]
-    f2 = _run("2", 3, {"preset": a.preset, "repeats": a.repeats})
+           for t in a.tensor_mib.split(",")] if "1" in figures else []
+    f2 = _run("2", 3, {"preset": a.preset, "repeats": a.repeats}) if "2" in figures else None
+    f3 = _figure3(a.fault_timeout) if "3" in figures else None
     if a.json:
-        print(json.dumps({"figure1": f1s, "figure2": f2}, indent=2))
+        print(json.dumps({"figure1": f1s, "figure2": f2, "figure3": f3}, indent=2))
     else:
-        print("\n\n".join([*(_table1(f1) for f1 in f1s), _table2(f2)]))
+        print("\n\n".join([*(_table1(f1) for f1 in f1s), *([_table2(f2)] if f2 else []),
+                            *([_table3(f3)] if f3 else [])]))
 
 
 def _table1(f1: dict[str, Any]) -> str:
@@ -271,12 +412,20 @@ def _table1(f1: dict[str, Any]) -> str:
         ("quarter_serial", "  the same, overlap=False (copies not overlapped)"),
         ("sixteenth",
          f"send_weights/receive_weights, {f1['sixteenth_bucket'] >> 20} MiB buckets"),
+        ("one_verified", "send_weights(verify=True), one bucket"),
+        ("quarter_verified", f"send_weights(verify=True), {f1['quarter_bucket'] >> 20} MiB "
+         "buckets"),
     ):
         rows.append(f"   {what:<58} {s[key]:>9.4f} {f1['bytes'] / s[key] / 2**30:>7.2f} "
                     f"{s[key] / s['raw']:>6.2f}x")
     best = min(s["one"], s["one_packed"], s["quarter"], s["sixteenth"])
     rows.append(f"   fastest sync / hand-written pack-broadcast-unpack: {best / s['copies']:.2f}x "
                 "(the packing and unpacking copies are what separates a sync from raw)")
+    gib = f1["bytes"] / 2**30
+    rows.append(f"   checksums (verify=True): +{(s['one_verified'] - s['one']) / gib:.3f} s/GiB "
+                f"with one bucket, +{(s['quarter_verified'] - s['quarter']) / gib:.3f} s/GiB "
+                f"with {f1['quarter_bucket'] >> 20} MiB buckets "
+                f"({s['quarter_verified'] / s['quarter']:.2f}x the unverified sync)")
     rows.append(f"   receiver refresh (one derived buffer) {f1['refresh_seconds'] * 1e3:.2f} ms; "
                 f"staging {f1['staging_bytes'] / 2**20:.1f} MiB (the one-bucket sync's; "
                 "the smaller buckets' two slots fit in it)")
@@ -299,6 +448,20 @@ def _table2(f2: dict[str, Any]) -> str:
             f"{st['refresh_seconds']:>10.5f} {st['refresh_seconds'] / st['seconds']:>12.2%} "
             f"{st['staging_bytes'] / 2**20:>12.1f}  {', '.join(st['refreshed']) or '-'}"
         )
+    return "\n".join(rows)
+
+
+
+def _table3(f3: dict[str, Any]) -> str:
+    rows = [
+        f"3. faults: tiny DeepSeek V4, trainer + 2 stages, group timeout {f3['timeout']:.0f} s; "
+        "time from the fault to each other rank's error",
+        f"   {'fault':<18} {'slowest s':>10}  per rank (seconds, recovery it names)",
+    ]
+    for fault, got in f3["faults"].items():
+        per = ", ".join(f"rank {r}: {t:.3f} {what}" for r, (t, what) in sorted(
+            got["verdicts"].items()))
+        rows.append(f"   {fault:<18} {got['slowest']:>10.3f}  {per}")
     return "\n".join(rows)
 
 

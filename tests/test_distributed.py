@@ -315,36 +315,41 @@ def sender_raises(rank: int, ctx: dict[str, Any]) -> None:
 
 
 def rejection(rank: int, ctx: dict[str, Any]) -> None:
+    """Stage 0's loader refuses an entry of the wrong shape: it is named, the rest of
+    the sync still loads there, and every receiver (stage 1 too, which loaded all of its
+    entries) fails closed, as the sender is told."""
     group = ctx["group"]
     ck = _checkpoint(7)
     bad = "layers.0.hc_attn_fn"
     wrong = [(n, torch.zeros(24, 255) if n == bad else t) for n, t in ck]
-    wrong.insert(10, ("bogus.entry", torch.zeros(3)))
     if rank == 0:
         with pytest.raises(gsd.WeightSyncError,
-                           match=r"receiver rank\(s\) 1, 2 did not apply the sync") as caught:
+                           match=r"receiver rank\(s\) 1 did not apply the sync") as caught:
             gsd.send_weights(wrong, src=0, group=group, bucket_bytes=_BUCKET)
-        assert caught.value.failed_ranks == (1, 2)
+        assert caught.value.failed_ranks == (1,) and caught.value.recovery == "resend"
         gsd.send_weights(_checkpoint(8), src=0, group=group, bucket_bytes=_BUCKET)
         return
     model, graph, out, call = ctx["model"], ctx["graph"], ctx["out"], ctx["call"]
-    expected = {"bogus.entry", bad} if rank == 1 else {"bogus.entry"}
-    with pytest.raises(gsd.WeightSyncError,
-                       match=rf"rank {rank}: the loader of DeepseekV4Model rejected "
-                       rf"{len(expected)} entr") as caught:
-        gsd.receive_weights(model, src=0, group=group)
-    assert {r.name for r in caught.value.rejected} == expected
-    assert "'bogus.entry'" in str(caught.value) and "unknown checkpoint entry" in str(caught.value)
-    report = caught.value.report
-    assert isinstance(report, gsd.ReceiveReport)
     params = dict(model.named_parameters())
-    assert set(report.accepted) == set(params) - {bad}  # collected: the rest was loaded
     if rank == 1:
+        with pytest.raises(gsd.WeightSyncError,
+                           match=r"rank 1: the loader of DeepseekV4Model rejected 1 entry"
+                           ) as caught:
+            gsd.receive_weights(model, src=0, group=group)
+        assert [r.name for r in caught.value.rejected] == [bad]
         assert "wrong shape" in str(caught.value)
+        report = caught.value.report
+        assert isinstance(report, gsd.ReceiveReport)
+        assert set(report.accepted) == set(params) - {bad}  # collected: the rest was loaded
         # Control: the model really is half-applied, so a replay would mix old and new.
         assert torch.equal(params["layers.0.attn_norm.weight"],
                            dict(ck)["layers.0.attn_norm.weight"])
         assert not torch.equal(params[bad], dict(ck)[bad])
+    else:  # every entry of this stage loaded, but the sync did not land everywhere
+        with pytest.raises(gsd.WeightSyncError,
+                           match=r"rank 2: receiver rank\(s\) 1 did not apply the sync"):
+            gsd.receive_weights(model, src=0, group=group)
+        assert all(torch.equal(p, dict(ck)[n]) for n, p in params.items())
     with pytest.raises(gs.StaleError, match="failed"):
         graph.replay()
     gsd.receive_weights(model, src=0, group=group)
@@ -423,8 +428,9 @@ def direct_abort(rank: int, ctx: dict[str, Any]) -> None:
 
 
 def dead_sender(rank: int, ctx: dict[str, Any]) -> None:
-    """The sender dies (os._exit) while packing a bucket: the receivers raise at once,
-    or at the latest by the group's timeout, and fail closed. The world ends here."""
+    """The sender dies (os._exit) while packing a bucket: the receivers raise at once
+    (the store rank 0 served is gone, or the bucket's broadcast fails), say that a new
+    world is needed, and fail closed. The world ends here."""
     group = ctx["group"]
     ck = _checkpoint(9)
     if rank == 0:
@@ -433,8 +439,10 @@ def dead_sender(rank: int, ctx: dict[str, Any]) -> None:
         raise AssertionError("the sender should have died")
     graph = ctx["graph"]
     with pytest.raises(gsd.WeightSyncError,
-                       match=r"bucket \d+ of \d+ did not arrive from rank 0"):
+                       match=r"bucket \d+ of \d+ did not arrive from rank 0|the store of the "
+                       r"default group is gone") as caught:
         gsd.receive_weights(ctx["model"], src=0, group=group)
+    assert caught.value.recovery == "world"  # rank 0 served the store: a new world heals
     with pytest.raises(gs.StaleError, match="failed"):
         graph.replay()
 

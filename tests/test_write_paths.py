@@ -661,19 +661,21 @@ def _sync_side(rank: int, port: int, results: Any) -> None:
             for i, sync in enumerate(syncs):
                 if i % 2 == 0:
                     with pytest.raises(gsd.WeightSyncError, match="did not apply"):
-                        gsd.send_weights(sync, src=0, group=group)
+                        gsd.send_weights(sync, src=0, group=group, partial=True)
                 else:
-                    gsd.send_weights(sync, src=0, group=group)
+                    gsd.send_weights(sync, src=0, group=group, partial=True)
         else:
             x = _x()
             for cls in (Synced, Renamed):  # two syncs each: one rejected, one complete
                 m = cls()
                 m.load_weights([])
                 g, out = _capture(m, x)
+                # The checkpoint names each loader takes (Renamed maps `W` to `weight`).
+                expects = ["W", "bias"] if cls is Renamed else None
                 with pytest.raises(gsd.WeightSyncError, match="rejected 1 entry"):
-                    gsd.receive_weights(m, src=0, group=group)
+                    gsd.receive_weights(m, src=0, group=group, expects=expects)
                 _refused(g)
-                gsd.receive_weights(m, src=0, group=group)  # `weight` written again
+                gsd.receive_weights(m, src=0, group=group, expects=expects)  # `weight` again
                 if cls is Synced:  # its sync named `weight`: nothing else was owed
                     g.replay()
                     assert torch.equal(out, _reference(m, x))

@@ -7,17 +7,35 @@ what it holds, so a pipeline rank skips the layers another rank owns.
 
 The wire protocol, in order:
 
-1. **Metadata**, one `broadcast_object_list`: a sync id, the protocol version, and per
-   entry its name, shape, dtype, bucket and byte offset; the byte size of every bucket.
-   A sender that fails before this point broadcasts an abort record instead.
-2. **Buckets**, one `broadcast` each, of a flat byte buffer: the entries of the bucket,
+1. **Metadata**, posted to the default group's store (rank 0 serves it), not through a
+   collective: a sync id, the protocol version, whether the sync is partial or verified,
+   and per entry its name, shape, dtype, bucket and byte offset; the byte size of every
+   bucket. Receivers wait for it with a timeout of their own (`wait_timeout`, none by
+   default), so a train step of any length fits between syncs; the group's timeout
+   bounds only the transfer. A sender that fails before this point posts an abort
+   record instead.
+2. **Verdict**, one `all_gather` of one byte per entry and rank: each receiver says
+   which entries it expects and whether the sync lacks any entry it expects (unless
+   the sync is partial). A sync that lacks an expected entry, or carries one no receiver
+   expects, is refused on every rank, naming the entries, before any data moves.
+3. **Buckets**, one `broadcast` each, of a flat byte buffer: the entries of the bucket,
    each at an offset aligned to 64 bytes, then a 32-byte trailer (a magic number, the
    sync id, the bucket index, a status). A bucket holds at most `bucket_bytes` of data;
    a tensor larger than that travels alone in a bucket of its own size (never split, so
-   the loader always gets whole tensors). A sender that fails while packing a bucket
-   broadcasts that bucket with the status *abort* in its trailer, then the error text.
-3. **Handshake**, one `all_gather` of one integer per rank: every rank says whether it
-   applied the sync, so the sender learns which receivers failed.
+   the loader always gets whole tensors). The sender checks each bucket's length
+   against the plan before posting it (a bucket longer than the receivers' buffer would
+   abort their processes inside gloo). A sender that fails while packing a bucket
+   broadcasts that bucket with the status *abort* in its trailer; its error text goes
+   to the store.
+4. **Checksums** (`verify=True` only), one `broadcast` of one int64 per bucket.
+5. **Handshake**, one `all_gather` of one integer per rank, still inside the
+   receivers' update blocks: every rank says whether it applied the sync, and if any did
+   not, every receiver fails closed.
+
+Every wait on a collective polls the store for an abort record: a rank whose collective
+failed (a peer died, a timeout) or that failed outside the protocol posts one, so every
+other rank raises within a fraction of a second. Each error's `.recovery` says what the
+next sync needs, and `recover` does it: nothing, a new group, or a new world.
 
 A receiver runs the whole sync inside one `gs.weight_update(model)`: collectives write
 into its staging buffer (never into parameters), the loader copies from views of that
@@ -50,7 +68,8 @@ from graphsafe.distributed._reports import WeightSyncError
 from graphsafe.distributed._buffers import staging_buffer
 from graphsafe.distributed._buffers import release_staging
 from graphsafe.distributed._sender import send_weights
-from graphsafe.distributed._receiver import receive_weights
+from graphsafe.distributed._receiver import receive_weights, sync_pending
+from graphsafe.distributed._recover import recover
 
 __all__ = [
     "ReceiveReport",
@@ -58,7 +77,9 @@ __all__ = [
     "SendReport",
     "WeightSyncError",
     "receive_weights",
+    "recover",
     "release_staging",
     "send_weights",
     "staging_buffer",
+    "sync_pending",
 ]

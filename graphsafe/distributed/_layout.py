@@ -1,6 +1,6 @@
 """The layout of a sync on the wire: which entry goes into which bucket, and where.
 
-Every rank agrees on a `_Plan` (broadcast as the sync's metadata) before any data moves:
+Every rank agrees on a `_Plan` (posted as the sync's metadata) before any data moves:
 each entry's bucket and its byte offset, aligned to `_ALIGN`, and each bucket's data
 size. A packed bucket travels with a `_TRAILER` after its data. A direct bucket is one
 large entry broadcast straight from the sender's tensor, with no copy into staging and
@@ -11,6 +11,7 @@ holds one bucket slot, or two when the transfer overlaps the copies (`_slots`, `
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -19,7 +20,7 @@ import torch
 
 from graphsafe.distributed._reports import WeightSyncError
 
-_PROTOCOL = 2
+_PROTOCOL = 3
 _MAGIC = 0x6773_5359_4E43  # "gsSYNC"
 _ALIGN = 64
 _TRAILER = 32  # four int64: magic, sync id, bucket index, status
@@ -47,6 +48,11 @@ class _Plan:
     """Per bucket: one entry sent from the sender's own tensor, without a trailer."""
     bucket_bytes: int = 0
     """The sender's bucket size: what a receiver may hold in flight at once."""
+    partial: bool = False
+    """The sender says the sync carries only some entries: receivers do not require
+    every entry they expect (each still refuses entries no rank expects)."""
+    verify: bool = False
+    """Every bucket's checksum follows the last bucket, for the receivers to compare."""
 
     @property
     def wires(self) -> tuple[int, ...]:
@@ -59,14 +65,32 @@ class _Plan:
     def record(self) -> dict[str, Any]:
         return {"protocol": _PROTOCOL, "sync": self.sync, "abort": None,
                 "entries": [tuple(e) for e in self.entries], "sizes": list(self.sizes),
-                "direct": list(self.direct), "bucket_bytes": self.bucket_bytes}
+                "direct": list(self.direct), "bucket_bytes": self.bucket_bytes,
+                "partial": self.partial, "verify": self.verify}
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> _Plan:
         entries = tuple(_Entry(n, tuple(s), d, b, o, nb) for n, s, d, b, o, nb in record["entries"])
         return cls(sync=record["sync"], entries=entries, sizes=tuple(record["sizes"]),
                    direct=tuple(bool(d) for d in record["direct"]),
-                   bucket_bytes=int(record["bucket_bytes"]))
+                   bucket_bytes=int(record["bucket_bytes"]),
+                   partial=bool(record["partial"]), verify=bool(record["verify"]))
+
+
+def _checksum(data: torch.Tensor) -> int:
+    """A checksum of a flat `uint8` tensor (what a bucket carries): CRC-32 on the CPU;
+    on a GPU, two sums of its 32-bit words (plain and squared, mod 2**62) computed there.
+    It catches flipped, torn and missing bytes; it is no cryptographic hash."""
+    if data.device.type == "cpu":
+        return zlib.crc32(data.contiguous().numpy().tobytes() if data.numel() < 4096
+                          else memoryview(data.contiguous().numpy()))  # type: ignore[arg-type]
+    n = data.numel()
+    head = data[: n - n % 4].view(torch.int32).to(torch.int64)
+    tail = data[n - n % 4 :].to(torch.int64)
+    mask = (1 << 62) - 1
+    plain = int(head.sum().item() + tail.sum().item()) & mask
+    squared = int((head * head).sum().item()) & mask
+    return (plain ^ (squared << 1)) & mask
 
 
 def _align(n: int) -> int:
@@ -106,6 +130,9 @@ def _plan(
     sync: int,
     direct_bytes: int | None = None,
     device: torch.device | None = None,
+    *,
+    partial: bool = False,
+    verify: bool = False,
 ) -> _Plan:
     """Pack entries in order into buckets of at most `bucket_bytes` data bytes; entries
     of `direct_bytes` and more that can be broadcast as they are go in direct buckets."""
@@ -146,7 +173,7 @@ def _plan(
         sizes.append(0)
         direct.append(False)
     return _Plan(sync=sync, entries=tuple(entries), sizes=tuple(sizes), direct=tuple(direct),
-                 bucket_bytes=bucket_bytes)
+                 bucket_bytes=bucket_bytes, partial=partial, verify=verify)
 
 
 def _checked(

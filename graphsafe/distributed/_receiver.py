@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import time
 import types
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,11 +18,13 @@ from graphsafe._errors import WeightLoadError, one_line
 from graphsafe._memory.journal import mark_written
 from graphsafe._runtime.runtime import runtime, weight_update
 from graphsafe.distributed._buffers import _RECV_STAGING, _group_key, _staging
+from graphsafe.distributed._control import _Channel, _recovery_of, _ToldError
 from graphsafe.distributed._layout import (
     _ABORT,
     _DATA,
     _MAGIC,
     _PROTOCOL,
+    _checksum,
     _Entry,
     _Plan,
     _Ring,
@@ -29,7 +32,7 @@ from graphsafe.distributed._layout import (
     _view,
 )
 from graphsafe.distributed._reports import ReceiveReport, RejectedEntry, WeightSyncError
-from graphsafe.distributed._wire import _check, _device, _handshake
+from graphsafe.distributed._wire import _check, _device, _handshake, _names, _verdicts
 
 __all__ = ["receive_weights"]
 
@@ -46,45 +49,71 @@ class _ReceiveProgress:
     overlap: bool = False
     accepted: list[str] | None = None
     rejected: list[RejectedEntry] | None = None
+    expected: int = 0
+    waited: float = 0.0
+    sums: list[int] = field(default_factory=list)
+    """Per bucket arrived: its checksum (when the sync is verified)."""
+    mismatched: list[int] = field(default_factory=list)
+    """Buckets whose checksum differs from the sender's."""
+    told: bool = False
+    """The error being raised is known to every rank (they raise in step): no abort is
+    posted for it."""
 
 
 def receive_weights(
     model: nn.Module, *, src: int, group: dist.ProcessGroup | None = None,
-    overlap: bool = True,
+    overlap: bool = True, expects: Collection[str] | None = None,
+    wait_timeout: float | None = None,
 ) -> ReceiveReport:
     """Receive one sync from rank `src` and load it into `model`, graph-safely.
 
-    Call it on every rank of `group` but `src` while `src` calls `send_weights`. Runs
-    one `gs.weight_update(model)` around the whole sync: each bucket is broadcast into
-    the staging buffer, then `model.load_weights(pairs)` gets views of it (valid during
-    the call only: the loader must copy, as loaders do). The loader decides what this
-    rank holds; the derived buffers are refreshed once, at the end. With `overlap`, the
-    broadcast of bucket k+1 is posted into one staging slot before the loader runs on
-    bucket k in the other.
+    Call it on every rank of `group` but `src` while `src` calls `send_weights`. First it
+    waits for the sender to begin (`wait_timeout`; the group's timeout bounds only the
+    transfer, so a train step may take any time). Then it checks the sync's metadata
+    against what the model expects, with every other rank, before any data moves: an
+    entry it expects that the sync lacks (unless the sync is partial), or an entry no
+    receiver expects, fails the sync on every rank, naming the entries. The transfer
+    runs inside one `gs.weight_update(model)`: each bucket is broadcast into the staging
+    buffer, then `model.load_weights(pairs)` gets views of it (valid during the call
+    only: the loader must copy, as loaders do). The loader decides what this rank holds;
+    the derived buffers are refreshed once, at the end, if every rank applied the sync.
+    With `overlap`, the broadcast of bucket k+1 is posted into one staging slot before
+    the loader runs on bucket k in the other.
 
     Entries the loader refuses (`gs.WeightLoadError`) are collected, not fatal on the
     wire: the remaining entries of the bucket are retried and the later buckets still
     load, so that every refusal is named; then the call raises `WeightSyncError` with
-    `.rejected`, and the model stays failed closed. A failed sync whose entries all name
-    tensors of the model owes only those (`Runtime.expect_writes`): a later sync of them
-    heals it; otherwise every weight of the model must be loaded again.
+    `.rejected`, and the model stays failed closed (so do the other receivers' models).
+    A failed sync whose entries all name tensors of the model owes only those
+    (`Runtime.expect_writes`): a later sync of them heals it; otherwise every weight of
+    the model must be loaded again.
 
     Args:
         model: The model to load into; it needs a `load_weights(pairs)` method.
         src: The sending rank (global).
-        group: The process group; the default group when None. Give it a timeout: a
-            sender that died is detected by it.
+        group: The process group; the default group when None. Give it a timeout: it
+            bounds each transfer.
         overlap: Receive the next buckets while the loader runs on the current one (see
             above for the staging this takes). False: one bucket, receiving and loading
             in turn.
+        expects: The checkpoint names this rank loads. None: `model.checkpoint_names()`
+            when the model has it, else the names of its parameters and persistent
+            buffers (derived tensors excluded), which is right for a loader that takes
+            its own tensor names; a loader that maps names (stacked projections) needs
+            one of the other two.
+        wait_timeout: Seconds to wait for the sender to begin the sync; None waits until
+            it does (a sender that dies is noticed at once: its store goes with it).
 
     Returns:
-        The report; `report.failed_ranks` names other receivers that failed.
+        The report.
 
     Raises:
-        WeightSyncError: The sender aborted or died, a collective failed, the model has
-            no loader, or the loader refused entries. The model's guarded graphs refuse
-            to replay until a later sync completes.
+        WeightSyncError: No sync began within `wait_timeout` (the model is untouched),
+            the sync was refused, the sender aborted or died, a collective failed, the
+            model has no loader, the loader refused entries, a checksum differed, or
+            another rank failed. The model's guarded graphs then refuse to replay until
+            a later sync completes. `.recovery` says what the next sync needs
+            (`gsd.recover`).
 
     Examples:
         >>> # on every rollout rank, while rank 0 calls send_weights:
@@ -92,16 +121,81 @@ def receive_weights(
     """
     rank = _check(src, group, sending=False)
     device = _device(group)
+    channel = _Channel(group, rank)
     rt = runtime(model)
     before = rt.last_report
     state = _ReceiveProgress()
-    _apply(model, rank, src, group, device, state, overlap)
-    end = time.perf_counter()
+    begin = time.perf_counter()
+    if not channel.posted(wait_timeout):
+        raise WeightSyncError(
+            f"receive_weights: no sync began within {wait_timeout} s",
+            expected=f"rank {src} calling send_weights within wait_timeout",
+            got=f"nothing after {wait_timeout} s",
+            fix="call receive_weights again (the model is untouched), or give a longer "
+            "wait_timeout (None waits until the sender begins)",
+        )
+    state.waited = time.perf_counter() - begin
     try:
-        failed = _handshake(True, group, device)
-    except Exception as exc:
-        raise _handshake_error(src, exc, applied=True) from exc
-    return _receive_report(state, rank, src, rt.last_report, before, end, failed)
+        expected = _expected(model, expects)
+        state.plan = _metadata(src, channel, state)
+        _verdict(state.plan, expected, group, device, channel, state)
+    except BaseException as exc:
+        _tell(exc, state, channel)
+        raise
+    _apply(model, rank, src, group, device, state, overlap, channel)
+    end = time.perf_counter()
+    return _receive_report(state, rank, src, rt.last_report, before, end, ())
+
+
+def sync_pending(
+    *, src: int, group: dist.ProcessGroup | None = None, timeout: float | None = 0.0
+) -> bool:
+    """Whether the sender has begun the next sync of `group`: the barrier between an RL
+    job's phases, without a collective (so it never times the group out).
+
+    A rollout rank may call it between its own steps, or wait in it for the trainer,
+    then call `receive_weights`, which then starts at once.
+
+    Args:
+        src: The sending rank (global).
+        group: The process group of the syncs; the default group when None.
+        timeout: Seconds to wait; 0 looks once; None waits until the sync begins.
+
+    Returns:
+        True once the sender posted the next sync's metadata.
+
+    Raises:
+        WeightSyncError: The store is gone (rank 0 died: `.recovery` is `"world"`).
+
+    Examples:
+        >>> # while not gsd.sync_pending(src=0, group=group):
+        >>> #     rollout_step()
+        >>> # gsd.receive_weights(model, src=0, group=group)
+    """
+    rank = _check(src, group, sending=False)
+    return _Channel(group, rank).posted(timeout)
+
+
+def _expected(model: nn.Module, expects: Collection[str] | None) -> frozenset[str]:
+    """The checkpoint names `model` expects (see `receive_weights`)."""
+    if expects is None:
+        declared = getattr(model, "checkpoint_names", None)
+        if callable(declared):
+            expects = list(declared())
+    if expects is not None:
+        names = list(expects)
+        if isinstance(expects, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError("expects must be a collection of checkpoint names (str), got "
+                            f"{type(expects).__name__}")
+        return frozenset(names)
+    derived = {o for d in runtime(model).derivations for o in d.outputs}
+    found = {n for n, _ in model.named_parameters()}
+    for prefix, module in model.named_modules():
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, b in module._buffers.items():
+            if b is not None and name not in skip:
+                found.add(f"{prefix}.{name}" if prefix else name)
+    return frozenset(found - derived)
 
 
 def _apply(
@@ -112,22 +206,68 @@ def _apply(
     device: torch.device,
     state: _ReceiveProgress,
     overlap: bool,
+    channel: _Channel,
 ) -> None:
-    """Run the sync inside one `weight_update`; a rank that fails once every bucket
-    arrived still takes part in the handshake, saying it failed."""
+    """Run the sync inside one `weight_update`; every rank says at the handshake, still
+    inside it, whether it applied the sync, so that one failure fails them all. A
+    failure the other ranks cannot see is posted to the store, so that they fail too."""
     try:
         with weight_update(model):
-            _receive(model, src, group, device, state, overlap)
+            _receive(model, src, group, device, state, overlap, channel)
             state.loaded = time.perf_counter()
+            ok = not state.rejected and not state.mismatched
+            try:
+                failed = _handshake(ok, group, device, channel)
+            except _ToldError:
+                raise
+            except Exception as exc:
+                raise _handshake_error(src, exc) from exc
+            state.told = True
             if state.rejected:
                 raise _rejected_error(model, state, rank, src)
+            if state.mismatched:
+                raise _mismatch_error(state, rank, src)
+            if failed:
+                raise WeightSyncError(
+                    f"rank {rank}: receiver rank(s) {', '.join(map(str, failed))} did not "
+                    "apply the sync",
+                    failed_ranks=failed,
+                    expected="every receiver applying the sync",
+                    got=f"{len(failed)} receiver(s) failed; each raised WeightSyncError "
+                    "naming why",
+                    fix="read their errors, then sync again: until then every receiver's "
+                    "model refuses to replay",
+                )
     except BaseException as exc:
-        if state.completed and isinstance(exc, Exception):
-            try:
-                _handshake(False, group, device)
-            except Exception as hs:
-                raise _handshake_error(src, hs, applied=False) from exc
+        _tell(exc, state, channel)
         raise
+
+
+def _tell(exc: BaseException, state: _ReceiveProgress, channel: _Channel) -> None:
+    """Post this rank's failure to the store unless every rank knows of it already."""
+    if state.told or isinstance(exc, _ToldError):
+        return
+    recovery = exc.recovery if isinstance(exc, WeightSyncError) else "group"
+    channel.abort("group" if recovery == "resend" else recovery,  # type: ignore[arg-type]
+                  f"receive_weights raised {one_line(exc)}")
+
+
+def _mismatch_error(state: _ReceiveProgress, rank: int, src: int) -> WeightSyncError:
+    """The error naming the buckets whose checksum differs from the sender's."""
+    plan = state.plan
+    assert plan is not None
+    names = [e.name for b in state.mismatched for e in plan.bucket(b)]
+    return WeightSyncError(
+        f"rank {rank}: {len(state.mismatched)} bucket(s) arrived with a checksum other "
+        "than the sender's",
+        bucket=state.mismatched[0],
+        entry=names[0] if names else None,
+        expected=f"the checksums rank {src} computed before sending",
+        got=f"buckets {state.mismatched} differ (entries {_names(names)})",
+        fix="bytes were torn or changed on the way: the sender changed a tensor during "
+        "the sync, or the transport corrupts data. Every receiver's model refuses to "
+        "replay until a complete sync",
+    )
 
 
 def _receive_report(
@@ -152,6 +292,8 @@ def _receive_report(
         staging_bytes=state.staging_bytes, staging_reused=state.reused, overlap=state.overlap,
         accepted=tuple(state.accepted or ()), rejected=tuple(state.rejected or ()),
         refresh=last if last is not before else None, failed_ranks=failed,
+        expected=state.expected, partial=plan.partial, verified=plan.verify,
+        waited_seconds=state.waited,
     )
 
 
@@ -177,16 +319,15 @@ def _rejected_error(
     )
 
 
-def _handshake_error(src: int, exc: BaseException, *, applied: bool) -> WeightSyncError:
-    """The error of a failed handshake; `applied`: whether this rank applied the sync."""
-    held = ("this rank's model holds the complete new weights" if applied
-            else "this rank's model refuses to replay until a complete sync")
+def _handshake_error(src: int, exc: BaseException) -> WeightSyncError:
+    """The error of a failed handshake."""
     return WeightSyncError(
         "receive_weights: the end-of-sync handshake failed",
         expected=f"every rank of the group, rank {src} included, at the handshake",
         got=one_line(exc),
-        fix=f"{held}; another rank died or timed out: see its log, and recreate the "
-        "process group before the next sync",
+        fix="another rank died or timed out: see its log. This rank's model refuses to "
+        "replay until a complete sync",
+        recovery=_recovery_of(exc),
     )
 
 
@@ -197,9 +338,11 @@ def _receive(
     device: torch.device,
     state: _ReceiveProgress,
     overlap: bool,
+    channel: _Channel,
 ) -> None:
-    """The body of the sync: metadata, then each bucket into staging and the loader."""
-    plan = state.plan = _metadata(src, group, state)
+    """The transfer: each bucket into staging and the loader, then the checksums."""
+    plan = state.plan
+    assert plan is not None
     runtime(model).expect_writes(_sync_writes(model, plan))
     wires = plan.wires
     buckets = len(plan.sizes)
@@ -211,7 +354,7 @@ def _receive(
     accepted: list[str] = []
     rejected: list[RejectedEntry] = []
     state.accepted, state.rejected = accepted, rejected
-    flight = _InFlight(plan, wires, ring, staging, src, group, overlap)
+    flight = _InFlight(plan, wires, ring, staging, src, group, overlap, channel, state)
     by_bucket: list[list[_Entry]] = [[] for _ in plan.sizes]
     for e in plan.entries:
         by_bucket[e.bucket].append(e)
@@ -223,6 +366,8 @@ def _receive(
             run = flight.arrived_run(group_bytes)
             mark_written(staging)  # c10d writes: declared, whatever the tracker saw
             flight.post_ahead()  # the next buckets arrive while the loader runs
+            if plan.verify:
+                state.sums.extend(_checksum(slot[: plan.sizes[b]]) for b, slot in run)
             _load_run(model, loader, run, by_bucket, accepted, rejected)
             flight.release(len(run))
             done += len(run)
@@ -231,6 +376,17 @@ def _receive(
         if flight.works and table.get(key) is staging:
             # A broadcast still writes into it: no later sync may reuse it.
             del table[key]
+    if plan.verify:
+        sums = torch.zeros(buckets, dtype=torch.int64, device=device)
+        try:
+            channel.wait(dist.broadcast(sums, src=src, group=group, async_op=True),
+                         "receiving the checksums")
+        except _ToldError:
+            raise
+        except Exception as exc:
+            raise flight.lost(buckets, exc) from exc
+        state.mismatched = [b for b, (want, got) in enumerate(zip(sums.tolist(), state.sums))
+                            if want != got]
     state.completed = True
 
 
@@ -244,22 +400,10 @@ def _sync_writes(model: nn.Module, plan: _Plan) -> list[str] | None:
     return names if known.issuperset(names) else None
 
 
-def _metadata(
-    src: int, group: dist.ProcessGroup | None, state: _ReceiveProgress
-) -> _Plan:
+def _metadata(src: int, channel: _Channel, state: _ReceiveProgress) -> _Plan:
     """The sync's plan, from the sender's metadata; raises its abort, or a mismatch."""
-    box: list[Any] = [None]
-    try:
-        dist.broadcast_object_list(box, src=src, group=group)
-    except Exception as exc:
-        raise WeightSyncError(
-            f"receive_weights: the metadata of the sync did not arrive from rank {src}",
-            expected="the sender's metadata within the group's timeout",
-            got=one_line(exc),
-            fix="the sender died, timed out or called something else; see its log. The "
-            "model refuses to replay until a complete sync; recreate the process group",
-        ) from exc
-    record = box[0]
+    record = channel.meta()
+    channel.count()
     state.started = time.perf_counter()
     if not isinstance(record, dict) or record.get("protocol") != _PROTOCOL:
         got = record.get("protocol") if isinstance(record, dict) else type(record).__name__
@@ -268,17 +412,51 @@ def _metadata(
             expected=f"protocol {_PROTOCOL}",
             got=got,
             fix="run the same graphsafe version on the sender and the receivers",
+            recovery="group",
         )
     if record["abort"] is not None:
+        state.told = True
         raise WeightSyncError(
             f"receive_weights: the sender (rank {src}) aborted the sync before sending any "
             "weights",
             expected="the weights",
             got=f"the sender raised {record['abort']}",
-            fix="fix the error on the sender, then sync again; the model refuses to "
-            "replay until a complete sync",
+            fix="fix the error on the sender, then sync again; nothing was written: the "
+            "model keeps its previous weights",
         )
     return _Plan.from_record(record)
+
+
+def _verdict(
+    plan: _Plan,
+    expected: frozenset[str],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    channel: _Channel,
+    state: _ReceiveProgress,
+) -> None:
+    """Check the plan against what this rank expects, with every other rank; raise the
+    refusal every rank raises."""
+    names = {e.name for e in plan.entries}
+    claims = [e.name in expected for e in plan.entries]
+    missing = [] if plan.partial else sorted(expected - names)
+    state.expected = len(expected)
+    try:
+        refused = _verdicts((claims, missing), plan, group, device, channel)
+    except _ToldError:
+        raise
+    except Exception as exc:
+        raise WeightSyncError(
+            f"rank {channel.rank}: the verdicts on the sync's metadata were not exchanged",
+            expected="every rank of the group at the exchange, within the group's timeout",
+            got=one_line(exc),
+            fix="another rank died, timed out or called something else; see its log. "
+            "Nothing was written",
+            recovery=_recovery_of(exc),
+        ) from exc
+    if refused is not None:
+        state.told = True
+        raise refused
 
 
 class _InFlight:
@@ -292,10 +470,12 @@ class _InFlight:
 
     def __init__(
         self, plan: _Plan, wires: tuple[int, ...], ring: _Ring, staging: torch.Tensor,
-        src: int, group: dist.ProcessGroup | None, overlap: bool,
+        src: int, group: dist.ProcessGroup | None, overlap: bool, channel: _Channel,
+        state: _ReceiveProgress,
     ) -> None:
         self.plan, self.wires, self.ring, self.staging = plan, wires, ring, staging
         self.src, self.group, self.overlap = src, group, overlap
+        self.channel, self.state = channel, state
         # (bucket, its slot, its work), oldest first.
         self.works: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
         self.next = 0  # the first bucket not posted yet
@@ -314,6 +494,8 @@ class _InFlight:
             if at is None:
                 break
             slot = self.staging[at : at + wires[b]]
+            if not plan.direct[b]:  # a stale trailer never passes for this one
+                _trailer(slot, plan.sizes[b]).zero_()
             try:
                 work = dist.broadcast(slot, src=self.src, group=self.group, async_op=True)
             except Exception as exc:
@@ -326,11 +508,14 @@ class _InFlight:
         """Wait for the oldest bucket in flight; check its trailer if it has one."""
         b, slot, work = self.works.popleft()
         try:
-            work.wait()
+            self.channel.wait(work, f"receiving bucket {b}")
+        except _ToldError:
+            raise
         except Exception as exc:
             raise self.lost(b, exc) from exc
         if not self.plan.direct[b]:  # a direct bucket has none: the next trailer tells
-            _check_trailer(slot, self.plan.sizes[b], self.plan, b, self.src, self.group)
+            _check_trailer(slot, self.plan.sizes[b], self.plan, b, self.src, self.channel,
+                           self.state)
         return b, slot
 
     def arrived_run(self, limit: int) -> list[tuple[int, torch.Tensor]]:
@@ -354,16 +539,19 @@ class _InFlight:
 
     def lost(self, b: int, exc: BaseException) -> WeightSyncError:
         """The error for bucket `b`, whose broadcast failed."""
-        entries = self.plan.bucket(b)
+        entries = self.plan.bucket(b) if b < len(self.wires) else ()
+        what = (f"bucket {b} of {len(self.wires)}" if b < len(self.wires)
+                else "the checksums of the buckets")
+        size = self.wires[b] if b < len(self.wires) else 8 * len(self.wires)
         return WeightSyncError(
-            f"receive_weights: bucket {b} of {len(self.wires)} did not arrive from rank "
-            f"{self.src}",
-            bucket=b,
+            f"receive_weights: {what} did not arrive from rank {self.src}",
+            bucket=b if b < len(self.wires) else None,
             entry=entries[0].name if entries else None,
-            expected=f"{self.wires[b]} bytes within the group's timeout",
+            expected=f"{size} bytes within the group's timeout",
             got=one_line(exc),
-            fix="the sender died or timed out; see its log. The model refuses to replay "
-            "until a complete sync; recreate the process group before the next one",
+            fix="the sender died or timed out; see its log (the other ranks were told to "
+            "abort). The model refuses to replay until a complete sync",
+            recovery=_recovery_of(exc),
         )
 
 
@@ -390,8 +578,8 @@ def _load_run(
 
 
 def _check_trailer(
-    slot: torch.Tensor, size: int, plan: _Plan, b: int, src: int,
-    group: dist.ProcessGroup | None,
+    slot: torch.Tensor, size: int, plan: _Plan, b: int, src: int, channel: _Channel,
+    state: _ReceiveProgress,
 ) -> None:
     """Check bucket `b`'s trailer; raise the sender's abort if it says so."""
     magic, sync, index, status = _trailer(slot, size).tolist()
@@ -401,16 +589,14 @@ def _check_trailer(
             bucket=b,
             expected=f"magic {_MAGIC:#x}, sync {plan.sync}, bucket {b}",
             got=f"magic {magic:#x}, sync {sync}, bucket {index}, status {status}",
-            fix="every rank of the group must take part in the same sync: a rank called "
-            "another collective in between",
+            fix="a bucket arrived short, long or torn, or a rank called another collective "
+            "in between: every rank of the group must take part in the same sync",
+            recovery="group",
         )
     if status == _ABORT:
         entries = plan.bucket(b)
-        box: list[Any] = [None]
-        try:
-            dist.broadcast_object_list(box, src=src, group=group)
-        except Exception as exc:
-            box = [f"(its error did not arrive: {one_line(exc)})"]
+        box = [channel.get("error") or "(its error did not arrive)"]
+        state.told = True
         raise WeightSyncError(
             f"receive_weights: the sender (rank {src}) aborted the sync at bucket {b} of "
             f"{len(plan.sizes)}",

@@ -59,6 +59,10 @@ class SendReport(BaseModel):
     `overlap` was on and the sync had several buckets, else one bucket."""
     overlap: bool
     """Whether packing overlapped the broadcasts (two staging slots in use)."""
+    partial: bool = False
+    """Whether the sync was sent as partial (receivers did not require every entry)."""
+    verified: bool = False
+    """Whether every bucket travelled with a checksum the receivers compared."""
     seconds: float
     """Wall time of the call, handshake included."""
     throughput: float
@@ -110,7 +114,27 @@ class ReceiveReport(BaseModel):
     """`gs.runtime(model).last_report` of the refresh this sync ran; None when the sync
     did not complete or ran no refresh."""
     failed_ranks: tuple[int, ...]
-    """Receivers that did not apply this sync (from the handshake); empty on success."""
+    """Receivers that did not apply this sync (from the handshake); empty on success
+    (a sync that another receiver did not apply fails on every receiver)."""
+    expected: int = 0
+    """Checkpoint entries this rank expects (its model's, or `expects=`), every one of
+    which the sync carried unless it was partial."""
+    partial: bool = False
+    """Whether the sender sent the sync as partial."""
+    verified: bool = False
+    """Whether every bucket's checksum was compared with the sender's."""
+    waited_seconds: float = 0.0
+    """Wall time spent waiting for the sender to begin the sync (not in `seconds`)."""
+
+
+_RECOVERY = {
+    "resend": "The group is in step: the next sync may run on it",
+    "group": "Recreate the group before the next sync, collectively on every rank: "
+    "group = gsd.recover(error, group=group, timeout=...)",
+    "world": "A rank died: restart it and make a new world, collectively on every rank: "
+    "group = gsd.recover(error, group=group, timeout=..., init_method=<the new world's "
+    "address>, rank=..., world_size=...)",
+}
 
 
 class WeightSyncError(GraphSafetyError):
@@ -127,6 +151,9 @@ class WeightSyncError(GraphSafetyError):
         rejected: Entries the loader refused.
         failed_ranks: Ranks that did not apply the sync.
         report: The report of the call, where the sync reached its end.
+        recovery: What the next sync needs: `"resend"` (the group is in step: sync
+            again), `"group"` (a collective failed: recreate the group) or `"world"`
+            (a rank died: a new world). `gsd.recover(error, ...)` does it.
         **kwargs: As for `gs.GraphSafetyError`.
     """
 
@@ -139,8 +166,14 @@ class WeightSyncError(GraphSafetyError):
         rejected: Sequence[RejectedEntry] = (),
         failed_ranks: Sequence[int] = (),
         report: SendReport | ReceiveReport | None = None,
+        recovery: str = "resend",
         **kwargs: Any,
     ) -> None:
+        if recovery not in _RECOVERY:
+            raise ValueError(f"recovery must be one of {sorted(_RECOVERY)}, got {recovery!r}")
+        fix = kwargs.get("fix")
+        kwargs["fix"] = f"{fix}. {_RECOVERY[recovery]}" if fix else _RECOVERY[recovery]
+        self.recovery = recovery
         self.bucket = bucket
         self.entry = entry
         self.rejected = tuple(rejected)

@@ -13,11 +13,13 @@ import torch.distributed as dist
 
 from graphsafe._errors import one_line
 from graphsafe.distributed._buffers import _SEND_STAGING, _group_key, _staging
+from graphsafe.distributed._control import _Channel, _recovery_of
 from graphsafe.distributed._layout import (
     _ABORT,
     _DATA,
     _MAGIC,
     _PROTOCOL,
+    _checksum,
     _Plan,
     _plan,
     _slot,
@@ -26,7 +28,7 @@ from graphsafe.distributed._layout import (
     _view,
 )
 from graphsafe.distributed._reports import SendReport, WeightSyncError
-from graphsafe.distributed._wire import _check, _device, _handshake
+from graphsafe.distributed._wire import _check, _device, _handshake, _verdicts
 
 __all__ = ["send_weights"]
 
@@ -50,6 +52,19 @@ class _SendProgress:
     tensors, not staging: nothing waits for them before the end)."""
     posted: int = -1
     """The last bucket whose broadcast was posted."""
+    channel: _Channel | None = None
+    plan: _Plan | None = None
+    phase: str = "the metadata"
+    """What the sync is doing, outside the buckets: for errors."""
+    refused: bool = False
+    """The receivers refused the sync's entries (every rank raised, in step)."""
+    sums: list[int] = field(default_factory=list)
+    """Per bucket sent: its checksum (when the sync is verified)."""
+
+    def join(self, work: Any, what: str) -> None:
+        """Wait for a collective, watching the store for another rank's abort."""
+        assert self.channel is not None
+        self.channel.wait(work, what)
 
     def wait(self, slot: int) -> None:
         """Wait for the broadcast from `slot`, if one is in flight."""
@@ -58,7 +73,7 @@ class _SendProgress:
             return
         self.wire, work = item
         self.in_collective = True
-        work.wait()
+        self.join(work, f"sending bucket {self.wire}")
         self.pending[slot] = None
         self.in_collective = False
         self.wire = -1
@@ -68,7 +83,7 @@ class _SendProgress:
         works = self.direct + [item for item in self.pending if item is not None]
         for b, work in sorted(works, key=lambda item: item[0]):
             self.wire, self.in_collective = b, True
-            work.wait()
+            self.join(work, f"sending bucket {b}")
             self.in_collective, self.wire = False, -1
         self.direct.clear()
         self.pending = [None, None]
@@ -82,6 +97,8 @@ def send_weights(
     bucket_bytes: int = 256 << 20,
     overlap: bool = True,
     direct_bytes: int | None = 16 << 20,
+    partial: bool = False,
+    verify: bool = False,
 ) -> SendReport:
     """Broadcast checkpoint entries to every other rank of `group`, bucket by bucket.
 
@@ -95,6 +112,12 @@ def send_weights(
     and the sender does not wait for it before the next bucket: keep the tensors
     unchanged until the call returns.
 
+    The sync is complete by default: each receiver checks, before any data moves, that
+    the metadata announces every entry its model expects and that every entry is
+    expected by some receiver; otherwise every rank raises naming the entries, and no
+    byte is written. A sync of only some entries must say so with `partial=True`; it
+    then heals only what it rewrites.
+
     Args:
         weights: `(name, tensor)` pairs in checkpoint names, or a mapping (a state dict).
         src: This rank (global), the source of the broadcasts.
@@ -107,13 +130,21 @@ def send_weights(
         direct_bytes: Entries of at least this many bytes that can be sent as they are
             go without the packing copy (each costs a collective of its own, so small
             entries are packed); None packs every entry.
+        partial: The sync carries only some of the entries the receivers expect (a
+            subset a failed sync owed, or the layers that changed). Entries no receiver
+            expects are refused all the same.
+        verify: Send every bucket's checksum after the last bucket; each receiver
+            compares it with what arrived, and a mismatch fails the sync on every rank.
 
     Returns:
         The report.
 
     Raises:
-        WeightSyncError: A collective failed (a receiver died or timed out), or some
-            receivers did not apply the sync (`.failed_ranks`; their errors say why).
+        WeightSyncError: A receiver refused the sync's entries (missing, extra or
+            misrouted names), a collective failed (a receiver died or timed out; the
+            other receivers are told at once), or some receivers did not apply the sync
+            (`.failed_ranks`; their errors say why). `.recovery` says what the next sync
+            needs (`gsd.recover`).
         Exception: Whatever reading or packing the weights raised, after the receivers
             were told to abort (they raise `WeightSyncError`).
 
@@ -123,8 +154,10 @@ def send_weights(
     """
     start = time.perf_counter()
     rank = _check(src, group, sending=True)
+    channel = _Channel(group, rank)
     plan, staging, stride, failed = _send(
-        weights, src, group, bucket_bytes, overlap, direct_bytes
+        weights, src, group, bucket_bytes, overlap, direct_bytes, channel,
+        partial=partial, verify=verify,
     )
     report = _send_report(plan, rank, group, bucket_bytes, staging, stride, start)
     if failed:
@@ -139,30 +172,52 @@ def _send(
     bucket_bytes: int,
     overlap: bool,
     direct_bytes: int | None,
+    channel: _Channel,
+    *,
+    partial: bool,
+    verify: bool,
 ) -> tuple[_Plan, torch.Tensor, int, tuple[int, ...]]:
-    """The sync on the wire: metadata, buckets, handshake; a failure tells the receivers.
+    """The sync on the wire: metadata, the receivers' verdict on it, buckets, checksums,
+    handshake; a failure tells the receivers.
 
     Returns the plan, the staging buffer, its second slot's offset (0: one slot) and the
     receivers that did not apply the sync.
     """
     device = _device(group)
     sync = secrets.randbits(62) + 1
-    state = _SendProgress()
+    state = _SendProgress(channel=channel)
     plan: _Plan | None = None
     try:
         _check_sizes(bucket_bytes, direct_bytes)
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
-        plan = _plan(items, bucket_bytes, sync, direct_bytes, device)
-        _send_metadata(plan, state, src, group)
+        plan = _plan(items, bucket_bytes, sync, direct_bytes, device, partial=bool(partial),
+                     verify=bool(verify))
+        state.plan = plan
+        _send_metadata(plan, state, channel)
+        state.in_collective, state.phase = True, "the exchange of the verdicts on the metadata"
+        refused = _verdicts(None, plan, group, device, channel)
+        state.in_collective = False
+        channel.tidy()
+        if refused is not None:
+            state.refused = True
+            raise refused
         staging, stride = _send_buckets(plan, items, state, src, group, device, overlap)
-        state.in_collective = True
-        failed = _handshake(True, group, device)
+        if plan.verify:
+            state.in_collective, state.wire = True, len(plan.sizes)
+            sums = torch.tensor(state.sums, dtype=torch.int64, device=device)
+            state.join(dist.broadcast(sums, src=src, group=group, async_op=True),
+                       "sending the checksums")
+            state.wire = -1
+        state.in_collective, state.phase = True, "the handshake"
+        failed = _handshake(True, group, device, channel)
         state.in_collective = False
     except BaseException as exc:
         _drop_busy_staging(state, group)
+        if isinstance(exc, WeightSyncError) and (exc.recovery != "resend" or state.refused):
+            raise  # every rank knows already: refused by all, or aborted through the store
         if state.in_collective:
-            raise _collective_error(state, exc) from exc
-        _abort(exc, state, plan, src, group, sync)
+            raise _collective_error(state, exc, channel) from exc
+        _abort(exc, state, plan, src, group, sync, channel)
         raise
     return plan, staging, stride, failed
 
@@ -178,13 +233,10 @@ def _check_sizes(bucket_bytes: int, direct_bytes: int | None) -> None:
         raise ValueError(f"direct_bytes must be a positive int or None, got {direct_bytes!r}")
 
 
-def _send_metadata(
-    plan: _Plan, state: _SendProgress, src: int, group: dist.ProcessGroup | None
-) -> None:
-    """Broadcast the plan; from then on a failure is told in a trailer, not a record."""
-    state.in_collective = True
-    dist.broadcast_object_list([plan.record()], src=src, group=group)
-    state.in_collective = False
+def _send_metadata(plan: _Plan, state: _SendProgress, channel: _Channel) -> None:
+    """Post the plan to the store; from then on a failure is told in a trailer, not a
+    record."""
+    channel.post_meta(plan.record())
     state.meta_sent = True
 
 
@@ -233,12 +285,26 @@ def _send_direct(out: _Outgoing, b: int, state: _SendProgress) -> None:
     (e,) = out.plan.bucket(b)
     state.bucket, state.entry = b, e.name
     wire = _wire_of(out.tensors[e.name])
+    if wire.numel() != out.plan.sizes[b]:
+        raise WeightSyncError(
+            f"send_weights: entry {e.name!r} (direct bucket {b}) does not match the plan",
+            bucket=b,
+            entry=e.name,
+            expected=f"{out.plan.sizes[b]} bytes, as announced in the metadata "
+            f"(shape {list(e.shape)}, {e.dtype})",
+            got=f"{wire.numel()} bytes (shape {list(out.tensors[e.name].shape)}, "
+            f"{out.tensors[e.name].dtype})",
+            fix="keep the tensors unchanged until send_weights returns: a tensor was "
+            "resized or replaced while the sync ran",
+        )
     state.entry = None
     state.in_collective, state.wire = True, b
     work = dist.broadcast(wire, src=out.src, group=out.group, async_op=True)
     state.direct.append((b, work))
     state.posted = b
     state.in_collective, state.wire = False, -1
+    if out.plan.verify:  # read while gloo sends it: the bytes do not change
+        state.sums.append(_checksum(wire))
 
 
 def _wire_of(t: torch.Tensor) -> torch.Tensor:
@@ -264,6 +330,8 @@ def _send_packed(out: _Outgoing, b: int, state: _SendProgress) -> None:
     state.pending[i] = (b, work)
     state.posted = b
     state.in_collective, state.wire = False, -1
+    if plan.verify:  # read while gloo sends it: the bytes do not change
+        state.sums.append(_checksum(slot[: plan.sizes[b]]))
     if not out.stride:
         state.wait(0)
 
@@ -277,17 +345,26 @@ def _drop_busy_staging(state: _SendProgress, group: dist.ProcessGroup | None) ->
         del _SEND_STAGING[_group_key(group)]
 
 
-def _collective_error(state: _SendProgress, exc: BaseException) -> WeightSyncError:
-    """The error of a collective that failed: a receiver is gone, so no abort is sent."""
-    where = f"bucket {state.wire}" if state.wire >= 0 else (
-        "the handshake" if state.meta_sent else "the metadata")
+def _collective_error(
+    state: _SendProgress, exc: BaseException, channel: _Channel
+) -> WeightSyncError:
+    """The error of a collective that failed (a receiver died or timed out); the other
+    receivers are told through the store, so they fail at once."""
+    where = f"bucket {state.wire}" if state.wire >= 0 else state.phase
+    if state.wire >= 0 and state.plan is not None and state.wire == len(state.plan.sizes):
+        where = "the checksums"
+    recovery = _recovery_of(exc)
+    channel.abort(recovery, f"the sender's broadcast of {where} failed: {one_line(exc)}")
     return WeightSyncError(
-        f"send_weights: the broadcast of {where} failed",
-        bucket=state.wire if state.wire >= 0 else None,
+        f"send_weights: the broadcast of {where} failed" if state.wire >= 0
+        else f"send_weights: {where} failed",
+        bucket=state.wire if 0 <= state.wire < len(state.plan.sizes if state.plan else ())
+        else None,
         expected="every receiver taking part until the end of the sync",
         got=one_line(exc),
-        fix="a receiver died, timed out or called something else; see its log. "
-        "Recreate the process group before the next sync",
+        fix="a receiver died, timed out or called something else; see its log (the other "
+        "receivers were told to abort)",
+        recovery=recovery,
     )
 
 
@@ -298,37 +375,40 @@ def _abort(
     src: int,
     group: dist.ProcessGroup | None,
     sync: int,
+    channel: _Channel,
 ) -> None:
-    """Tell the receivers that the sender failed, so that they raise instead of waiting."""
+    """Tell the receivers that the sender failed, so that they raise instead of waiting:
+    in band while the ranks are in step (the group stays usable), else through the store."""
     what = one_line(exc)
     if state.entry is not None:
         what = f"{what} (while packing entry {state.entry!r})"
+    if not state.meta_sent or plan is None:
+        channel.post_meta({"protocol": _PROTOCOL, "sync": sync, "abort": what})
+        return
     try:
-        if not state.meta_sent or plan is None:
-            record = {"protocol": _PROTOCOL, "sync": sync, "abort": what}
-            dist.broadcast_object_list([record], src=src, group=group)
-            return
-        if not plan.sizes:
-            return
         state.drain()  # the buckets before the failure go out whole, then the abort
         device = _device(group)
         b = state.posted + 1  # the first bucket the receivers still wait for
         while b < len(plan.sizes) and plan.direct[b]:
             # No trailer to carry the abort: the receivers take zeros into staging (the
             # sync fails anyway) and learn of it at the next trailer.
-            dist.broadcast(torch.zeros(plan.wires[b], dtype=torch.uint8, device=device),
-                           src=src, group=group)
+            state.join(dist.broadcast(torch.zeros(plan.wires[b], dtype=torch.uint8,
+                                                  device=device),
+                                      src=src, group=group, async_op=True), "aborting")
             b += 1
         if b >= len(plan.sizes):
-            return  # every bucket went out: the receivers learn of it at the handshake
+            # Every bucket went out: the receivers wait in a later collective.
+            channel.abort("group", f"the sender raised {what} after the last bucket")
+            return
         slot = state.slot if state.bucket == b and state.slot is not None else None
         if slot is None:
             slot = torch.empty(plan.wires[b], dtype=torch.uint8, device=device)
+        channel.put("error", what)
         _trailer(slot, plan.sizes[b]).copy_(torch.tensor([_MAGIC, sync, b, _ABORT]))
-        dist.broadcast(slot, src=src, group=group)
-        dist.broadcast_object_list([what], src=src, group=group)
-    except Exception:  # the receivers then fail by the group's timeout
-        return
+        state.join(dist.broadcast(slot, src=src, group=group, async_op=True), "aborting")
+    except Exception as failed:  # the group broke on the way: tell them through the store
+        channel.abort(_recovery_of(failed), f"the sender raised {what}, and then its abort "
+                      f"failed: {one_line(failed)}")
 
 
 def _send_report(
@@ -349,7 +429,8 @@ def _send_report(
         entries=len(plan.entries), bytes=total, buckets=len(plan.sizes),
         direct_buckets=sum(plan.direct), bucket_bytes=bucket_bytes,
         largest_bucket=max(plan.sizes, default=0),
-        staging_bytes=staging.numel(), overlap=stride > 0, seconds=seconds,
+        staging_bytes=staging.numel(), overlap=stride > 0, partial=plan.partial,
+        verified=plan.verify, seconds=seconds,
         throughput=total / seconds if seconds > 0 else 0.0,
     )
 

@@ -1,6 +1,5 @@
 """What both sides of a sync share: the collectives' device, the check of each rank's
-role, the end-of-sync handshake, and the one-line form of an exception that errors and
-abort records quote.
+role, the receivers' verdict on the metadata, and the end-of-sync handshake.
 """
 
 from __future__ import annotations
@@ -8,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from graphsafe.distributed._control import _Channel
+from graphsafe.distributed._layout import _Plan
 from graphsafe.distributed._reports import WeightSyncError
 
 
@@ -50,12 +51,80 @@ def _check(src: int, group: dist.ProcessGroup | None, *, sending: bool) -> int:
 
 
 def _handshake(
-    ok: bool, group: dist.ProcessGroup | None, device: torch.device
+    ok: bool, group: dist.ProcessGroup | None, device: torch.device, channel: _Channel
 ) -> tuple[int, ...]:
     """Every rank says whether it applied the sync; returns the ranks that did not."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     mine = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(every, mine, group=group)
+    channel.wait(dist.all_gather(every, mine, group=group, async_op=True), "at the handshake")
     return tuple(r for r, flag in zip(ranks, torch.cat(every).tolist()) if flag)
 
+
+_SHOWN = 8  # names an error lists before it counts the rest
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def _verdicts(
+    mine: tuple[list[bool], list[str]] | None,
+    plan: _Plan,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    channel: _Channel,
+) -> WeightSyncError | None:
+    """Every rank's verdict on the metadata, before any data moves; the error every rank
+    raises when some receiver refuses it (names it expects and the sync lacks) or when
+    no receiver expects some entry; None when the sync may go on.
+
+    Args:
+        mine: This receiver's verdict: per entry of the plan whether it expects it, and
+            the names it expects that the sync lacks (empty for a partial sync); None on
+            the sender.
+    """
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    n = len(plan.entries)
+    flags = torch.zeros(n + 1, dtype=torch.uint8)
+    if mine is not None:
+        claims, missing = mine
+        if missing:
+            channel.put(f"refused/{channel.rank}", "\n".join(missing))
+            flags[0] = 1
+        flags[1:] = torch.tensor(claims, dtype=torch.bool).to(torch.uint8)
+    flags = flags.to(device)
+    every = [torch.empty_like(flags) for _ in ranks]
+    channel.wait(dist.all_gather(every, flags, group=group, async_op=True),
+                 "exchanging the verdicts on the metadata")
+    table = torch.stack(every).cpu()
+    claimed = table[:, 1:].amax(dim=0).tolist() if n else []
+    extra = [e.name for e, c in zip(plan.entries, claimed) if not c]
+    refusing = [r for r, row in zip(ranks, table[:, 0].tolist()) if row]
+    if not extra and not refusing:
+        return None
+    lines = []
+    for r in refusing:
+        text = channel.get(f"refused/{r}")
+        names = text.split("\n") if text else []
+        lines.append(f"rank {r} expects {len(names)} entr{'y' if len(names) == 1 else 'ies'} "
+                     f"the sync lacks: {_names(names)}")
+    if extra:
+        lines.append(f"no receiver expects {len(extra)} entr{'y' if len(extra) == 1 else 'ies'}"
+                     f" of the sync: {_names(extra)}")
+    who = "send_weights" if mine is None else f"rank {channel.rank}"
+    return WeightSyncError(
+        f"{who}: the sync was refused before any data moved: "
+        f"{'missing' if refusing else ''}{' and ' if refusing and extra else ''}"
+        f"{'unexpected' if extra else ''} entries",
+        entry=extra[0] if extra else None,
+        expected="every entry a receiver expects, each expected by some receiver "
+        + ("(the sync is partial: only the second)" if plan.partial else
+           "(or send_weights(..., partial=True) for a sync of some entries)"),
+        got="\n    " + "\n    ".join(lines),
+        fix="send every entry under its checkpoint name (a renamed, dropped or shifted "
+        "entry is named above); a receiver with a loader that maps names declares what it "
+        "loads (receive_weights(..., expects=...) or model.checkpoint_names()). Nothing "
+        "was written: every receiver keeps its previous weights",
+    )

@@ -1,0 +1,440 @@
+"""Weight sync under the faults of a real RL job, in real processes (gloo on loopback).
+
+Each test runs one world of three processes: rank 0 the trainer (the full tiny DeepSeek
+V4 checkpoint), ranks 1 and 2 its two pipeline stages, each with a graph captured on its
+first weights. Transfers time out after `TIMEOUT` seconds; every world has a hard
+deadline, after which the harness kills every process and fails. The outcome is checked
+on every rank: a named error, a refused replay, or a replay equal to that of a model
+built from scratch from the trainer's weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_worlds import (
+    TIMEOUT,
+    Stage,
+    checkpoint,
+    die,
+    init_world,
+    report,
+    run_world,
+)
+
+import graphsafe as gs
+import graphsafe.distributed as gsd
+from graphsafe.distributed import _sender
+
+_BUCKET = 16 << 10
+_STEP = TIMEOUT + 1.5  # a train step longer than the transfer timeout
+
+
+def _raises(fn: Any, match: str) -> gsd.WeightSyncError:
+    with pytest.raises(gsd.WeightSyncError, match=match) as caught:
+        fn()
+    return caught.value
+
+
+# -----------------------------------------------------------------------------
+# a train step longer than the transfer timeout
+
+
+def long_step(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    if rank == 0:
+        dist.barrier(group=group)  # the stages are built: the train step starts
+        for seed in (2, 3):
+            time.sleep(_STEP)  # training
+            gsd.send_weights(checkpoint(seed), src=0, group=group, bucket_bytes=_BUCKET)
+        # Control: the same wait inside a collective dies at the group's timeout.
+        time.sleep(_STEP)
+        with pytest.raises(RuntimeError):
+            dist.broadcast(torch.zeros(4), src=0, group=group)
+        return None
+    stage = Stage.build(rank, checkpoint(1))
+    dist.barrier(group=group)
+    # A receiver that gives up waiting leaves the model untouched and the group alive.
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group,
+                                              wait_timeout=0.5), "no sync began within")
+    assert err.recovery == "resend"
+    assert stage.replays(checkpoint(1))
+    first = gsd.receive_weights(stage.model, src=0, group=group)  # waits as long as needed
+    assert first.waited_seconds > TIMEOUT
+    assert stage.replays(checkpoint(2))
+    polls = 0  # the phase barrier: the rollout rank works until the sync is coming
+    while not gsd.sync_pending(src=0, group=group, timeout=0.25):
+        polls += 1
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(checkpoint(3)) and polls > 0
+    with pytest.raises(RuntimeError, match=r"(?i)timed out|timeout"):  # the control
+        dist.broadcast(torch.zeros(4), src=0, group=group)
+    return first.waited_seconds
+
+
+def test_a_train_step_longer_than_the_transfer_timeout_syncs_and_control_a_collective_wait_dies():
+    world = run_world(long_step)
+    waited = world.ok(0, 1, 2)
+    assert waited[1] > TIMEOUT and waited[2] > TIMEOUT
+
+
+# -----------------------------------------------------------------------------
+# completeness: missing, renamed, extra and misrouted entries
+
+
+def _shifted(ck: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Every layer's tensors under the next layer's name: a wrong pipeline map."""
+    out = []
+    for name, t in ck:
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            name = f"layers.{int(i) + 1}.{rest}"
+        out.append((name, t))
+    return out
+
+
+_DROPPED = ("layers.0.attn_norm.weight", "layers.3.ffn_norm.weight")  # one per stage
+
+
+def _incomplete(ck: list[tuple[str, torch.Tensor]]) -> dict[str, list[tuple[str, Any]]]:
+    return {
+        "missing": [(n, t) for n, t in ck if n not in _DROPPED],
+        "renamed": [("layers.0.attn_norm.scale" if n == _DROPPED[0] else n, t) for n, t in ck],
+        "extra": [*ck, ("bogus.entry", torch.zeros(3))],
+        "misrouted": _shifted(ck),
+    }
+
+
+_NAMED = {  # what every rank's error names, per case
+    "missing": ("expects 1 entry the sync lacks: 'layers.0.attn_norm.weight'",
+                "expects 1 entry the sync lacks: 'layers.3.ffn_norm.weight'"),
+    "renamed": ("'layers.0.attn_norm.weight'", "no receiver expects 1 entry of the sync: "
+                "'layers.0.attn_norm.scale'"),
+    "extra": ("no receiver expects 1 entry of the sync: 'bogus.entry'",),
+    "misrouted": ("'layers.0.attn_norm.weight'", "'layers.4.attn_norm.weight'"),
+}
+
+
+def completeness(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    new = checkpoint(2)
+    cases = _incomplete(new)
+    if rank == 0:
+        for case, ck in cases.items():
+            err = _raises(lambda ck=ck: gsd.send_weights(ck, src=0, group=group,
+                                                          bucket_bytes=_BUCKET),
+                          "refused before any data moved")
+            assert all(s in str(err) for s in _NAMED[case]), (case, str(err))
+            assert err.recovery == "resend"
+        gsd.send_weights(new, src=0, group=group, bucket_bytes=_BUCKET)
+        return None
+    stage = Stage.build(rank, checkpoint(1))
+    for case in cases:
+        err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
+                      rf"rank {rank}: the sync was refused before any data moved")
+        assert all(s in str(err) for s in _NAMED[case]), (case, str(err))
+        assert stage.replays(checkpoint(1)), case  # nothing written: the old weights, whole
+    report_ = gsd.receive_weights(stage.model, src=0, group=group)
+    assert report_.expected == len(dict(stage.model.named_parameters()))
+    assert stage.replays(new)
+    # Control: the same incomplete checkpoint, loaded without the check, "succeeds" and
+    # the replay runs a mix of old and new weights.
+    mixes = {}
+    for case, ck in cases.items():
+        fresh = Stage.build(rank, checkpoint(1))
+        with gs.weight_update(fresh.model):
+            fresh.model.load_weights([(n, t) for n, t in ck if not n.startswith("bogus")
+                                      and not n.endswith(".scale")
+                                      and not n.startswith("layers.4.")])
+        mixes[case] = not fresh.replays(new) and not fresh.replays(checkpoint(1))
+    return mixes
+
+
+def test_missing_renamed_extra_and_misrouted_entries_are_refused_by_name_on_every_rank():
+    world = run_world(completeness)
+    mixes = world.ok(0, 1, 2)
+    # Control: loaded without the check, each case replays a mix on some stage.
+    for case in ("missing", "renamed", "misrouted"):
+        assert mixes[1][case] or mixes[2][case], case
+
+
+# -----------------------------------------------------------------------------
+# partial syncs heal only what they rewrite
+
+
+def partial_heal(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    new = checkpoint(2)
+    if rank == 0:
+        broken = [(n, torch.empty(t.shape, device="meta") if n == "layers.2.hc_ffn_fn" else t)
+                  for n, t in checkpoint(5)]
+        with pytest.raises(NotImplementedError):
+            gsd.send_weights(broken, src=0, group=group, bucket_bytes=_BUCKET)
+        gsd.send_weights(new[:10], src=0, group=group, partial=True)
+        gsd.send_weights([], src=0, group=group, partial=True)
+        for ck in (new[:10], []):  # control: not said to be partial, refused
+            _raises(lambda ck=ck: gsd.send_weights(ck, src=0, group=group),
+                    "refused before any data moved")
+        report_ = gsd.send_weights(new[10:], src=0, group=group, partial=True,
+                                   bucket_bytes=_BUCKET)
+        assert report_.partial
+        return None
+    stage = Stage.build(rank, checkpoint(1))
+    _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group), "aborted the sync")
+    assert stage.refused() == "StaleError"
+    for _ in range(2):  # ten entries, then none: not a heal
+        got = gsd.receive_weights(stage.model, src=0, group=group)
+        assert got.partial
+        assert stage.refused() == "StaleError"
+    for _ in range(2):
+        _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group), "lacks")
+        assert stage.refused() == "StaleError"
+    gsd.receive_weights(stage.model, src=0, group=group)  # the rest: every weight rewritten
+    assert stage.replays(new)
+    return None
+
+
+def test_a_partial_sync_heals_only_what_it_rewrote_and_control_an_unsaid_partial_is_refused():
+    run_world(partial_heal).ok(0, 1, 2)
+
+
+# -----------------------------------------------------------------------------
+# torn bytes: checksums
+
+
+def _tearing(bucket: int) -> Any:
+    """`dist.broadcast` that puts the `bucket`-th broadcast on the wire with one byte
+    flipped, the sender's own buffer intact: bytes torn on the way."""
+    real = dist.broadcast
+    calls, held = [0], []
+
+    def broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == bucket + 1:
+            tensor = tensor.clone()
+            tensor.view(torch.uint8)[3] ^= 0x40  # the exponent of the first value
+            held.append(tensor)  # alive until the asynchronous broadcast read it
+        return real(tensor, *args, **kwargs)
+
+    return real, broadcast
+
+
+def torn(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    cks = {seed: checkpoint(seed) for seed in (2, 3, 4)}
+    if rank == 0:
+        for seed, verify in ((2, False), (3, True)):
+            real, tearing = _tearing(2)
+            dist.broadcast = tearing
+            try:
+                if verify:
+                    err = _raises(lambda seed=seed: gsd.send_weights(cks[seed], src=0, group=group,
+                                                           bucket_bytes=_BUCKET, verify=True),
+                                  r"did not apply the sync")
+                    assert err.failed_ranks
+                else:
+                    gsd.send_weights(cks[seed], src=0, group=group, bucket_bytes=_BUCKET)
+            finally:
+                dist.broadcast = real
+        report_ = gsd.send_weights(cks[4], src=0, group=group, bucket_bytes=_BUCKET, verify=True)
+        assert report_.verified
+        return None
+    stage = Stage.build(rank, checkpoint(1))
+    gsd.receive_weights(stage.model, src=0, group=group)  # control: torn, unverified
+    exact_unverified = stage.replays(cks[2])
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
+                  rf"rank {rank}: .*(checksum other than the sender's|did not apply the sync)")
+    assert stage.refused() == "StaleError"
+    got = gsd.receive_weights(stage.model, src=0, group=group)
+    assert got.verified and stage.replays(cks[4])
+    return exact_unverified, "checksum" in str(err)
+
+
+def test_torn_bytes_fail_a_verified_sync_on_every_rank_and_control_unverified_replays_them():
+    results = run_world(torn).ok(0, 1, 2)
+    assert not (results[1][0] and results[2][0])  # control: some stage replayed torn bytes
+    assert results[1][1] or results[2][1]  # the stage that got them named the checksum
+
+
+# -----------------------------------------------------------------------------
+# short and long buckets
+
+
+def _resized(which: int, delta: int) -> Any:
+    """`_wire_of` whose `which`-th direct entry comes `delta` bytes long or short."""
+    real = _sender._wire_of
+    calls = [0]
+
+    def wire_of(t: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        wire = real(t)
+        if calls[0] != which:
+            return wire
+        return wire[:delta] if delta < 0 else torch.cat([wire, torch.zeros(delta,
+                                                                           dtype=torch.uint8)])
+
+    return real, wire_of
+
+
+def sizes(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    if rank == 0:
+        for delta in (-64, 64):
+            real, resized = _resized(2, delta)
+            _sender._wire_of = resized  # type: ignore[assignment]
+            try:
+                err = _raises(lambda: gsd.send_weights(checkpoint(2), src=0, group=group,
+                                                       bucket_bytes=_BUCKET,
+                                                       direct_bytes=8 << 10),
+                              "does not match the plan")
+                assert err.recovery == "resend"
+            finally:
+                _sender._wire_of = real  # type: ignore[assignment]
+        gsd.send_weights(checkpoint(3), src=0, group=group, bucket_bytes=_BUCKET,
+                         direct_bytes=8 << 10)
+        # Control: a raw broadcast 64 bytes short is taken silently, then one 64 bytes
+        # long kills the receivers (gloo aborts the process).
+        dist.broadcast(torch.ones(1024 - 64, dtype=torch.uint8), src=0, group=group)
+        dist.barrier(group=group)
+        with contextlib.suppress(RuntimeError):
+            dist.broadcast(torch.ones(1024 + 64, dtype=torch.uint8), src=0, group=group)
+        return None
+    stage = Stage.build(rank, checkpoint(1))
+    for _ in range(2):
+        err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
+                      r"aborted the sync at bucket \d+ of \d+")
+        assert "does not match the plan" in str(err)
+        assert stage.refused() == "StaleError"
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(checkpoint(3))
+    buf = torch.zeros(1024, dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    report("short_taken", bool(buf[: 1024 - 64].eq(1).all() and buf[1024 - 64 :].eq(0).all()))
+    dist.barrier(group=group)
+    dist.broadcast(torch.zeros(1024, dtype=torch.uint8), src=0, group=group)
+    return "survived the long broadcast"
+
+
+def test_short_and_long_direct_buckets_are_refused_before_sending_and_control_gloo_aborts():
+    world = run_world(sizes)
+    world.ok(0)
+    for r in (1, 2):  # the syncs' checks ran (their asserts came before the control)
+        assert world.reports[r].get("short_taken") is True, world.reports[r]
+        assert world.exitcodes[r] == -signal.SIGABRT, world.exitcodes  # control: the crash
+
+
+# -----------------------------------------------------------------------------
+# a trainer killed mid-sync, restarted; a receiver killed mid-sync
+
+
+class _Dies(torch.Tensor):
+    """A tensor whose data the process dies reading: the trainer SIGKILLed mid-sync."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if func is torch.Tensor.copy_:
+            die()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _recover(err: gsd.WeightSyncError, rank: int, ctx: dict[str, Any]) -> Any:
+    return gsd.recover(err, group=ctx["group"], timeout=datetime.timedelta(seconds=TIMEOUT),
+                       init_method=f"tcp://127.0.0.1:{ctx['ports'][1]}", rank=rank,
+                       world_size=ctx["world"])
+
+
+def trainer_killed(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    if rank == 0:
+        dying = [(n, t.as_subclass(_Dies) if n == "layers.2.hc_ffn_fn" else t)
+                 for n, t in checkpoint(2)]
+        gsd.send_weights(dying, src=0, group=group, bucket_bytes=_BUCKET)
+        raise AssertionError("the trainer should have died")
+    stage = Stage.build(rank, checkpoint(1))
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group), "")
+    failed_at = time.monotonic()
+    assert err.recovery == "world", str(err)
+    assert "gsd.recover" in str(err)
+    assert stage.refused() == "StaleError"
+    group = _recover(err, rank, ctx)
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(checkpoint(3))
+    return failed_at
+
+
+def restarted_trainer(rank: int, ctx: dict[str, Any]) -> Any:
+    group = init_world(rank, ctx["ports"][1], ctx["world"])
+    gsd.send_weights(checkpoint(3), src=0, group=group, bucket_bytes=_BUCKET)
+    return "healed"
+
+
+def test_a_trainer_killed_mid_sync_fails_every_receiver_and_a_restarted_one_heals_them():
+    world = run_world(trainer_killed, extra=[(0, restarted_trainer)],
+                      start_extra_after="killed_at")
+    failed = world.ok(1, 2)
+    assert world.exitcodes[0] == -signal.SIGKILL
+    assert world.reports[100]["result"] == "healed", world.reports.get(100)
+    killed = world.reports[0]["killed_at"]
+    assert all(t > killed for t in failed.values())
+
+
+class _DiesLoading:
+    """Wraps a stage's loader: SIGKILL on its `n`-th call."""
+
+    def __init__(self, model: Any, n: int) -> None:
+        self.real, self.n, self.calls = model.load_weights, n, 0
+
+    def __call__(self, pairs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.n:
+            die()
+        return self.real(pairs)
+
+
+def receiver_killed(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    if rank == 0:
+        err = _raises(lambda: gsd.send_weights(checkpoint(2), src=0, group=group,
+                                               bucket_bytes=_BUCKET), "")
+        failed_at = time.monotonic()
+        assert err.recovery == "world", str(err)
+        group = _recover(err, rank, ctx)
+        gsd.send_weights(checkpoint(3), src=0, group=group, bucket_bytes=_BUCKET)
+        return failed_at
+    stage = Stage.build(rank, checkpoint(1))
+    if rank == 2:
+        stage.model.load_weights = _DiesLoading(stage.model, 3)  # type: ignore[method-assign]
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group), "")
+    failed_at = time.monotonic()
+    assert err.recovery == "world", str(err)
+    assert stage.refused() == "StaleError"
+    group = _recover(err, rank, ctx)
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(checkpoint(3))
+    return failed_at
+
+
+def restarted_receiver(rank: int, ctx: dict[str, Any]) -> Any:
+    group = init_world(rank, ctx["ports"][1], ctx["world"])
+    stage = Stage.build(rank, checkpoint(1))
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(checkpoint(3))
+    return "healed"
+
+
+def test_a_receiver_killed_mid_sync_fails_every_other_rank_and_a_new_world_heals():
+    world = run_world(receiver_killed, extra=[(2, restarted_receiver)],
+                      start_extra_after="killed_at")
+    failed = world.ok(0, 1)
+    assert world.exitcodes[2] == -signal.SIGKILL
+    assert world.reports[102]["result"] == "healed", world.reports.get(102)
+    killed = world.reports[2]["killed_at"]
+    assert all(t > killed for t in failed.values())

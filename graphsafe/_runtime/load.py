@@ -52,6 +52,7 @@ class Load:
         "_workers",
         "_written",
         "clock",
+        "deferred",
         "engine",
         "journal",
         "lineage",
@@ -95,6 +96,8 @@ class Load:
         # Derivations refreshed in the middle of the load (their transient inputs were
         # complete), with what the load had written by then.
         self._early: dict[int, frozenset[int]] = {}
+        self.deferred: list[int] = []
+        """Derivations this load left stale for the next replay to refresh (lazy)."""
         self._cond = threading.Condition(threading.Lock())
         self._done = False
         self._workers = 0
@@ -287,6 +290,7 @@ class Load:
         pinned: bool,
         model_tensors: Callable[[], Iterable[torch.Tensor]],
         witnesses: bool = False,
+        lazy: bool = False,
     ) -> set[int]:
         """Record the finished load `what` ("Model.load_weights") in the journal and bring
         the buffers up to date (or fail them, if it raised `exc`); returns the keys written.
@@ -294,6 +298,9 @@ class Load:
         Args:
             witnesses: Also refresh what the witnesses see changed (update blocks, where
                 `gs.mark_written` and in-place writes count).
+            lazy: Leave what it made dirty stale (`deferred`) for the next replay to
+                refresh, instead of refreshing it now; a model with transient inputs,
+                which only a load can give, refreshes now.
 
         Raises:
             StorageMovedError: Pinned, and something was rebound.
@@ -323,6 +330,10 @@ class Load:
                 dirty.discard(i)
                 kept.append(i)
         engine.watch.rewitness(kept)  # their inputs' journal epochs moved with this load
+        if lazy and not engine.transients:
+            self.deferred = engine.closure(dirty)
+            engine.stale.update(self.deferred)  # no reason: not a failure, repaired later
+            return written
         engine.transients.release(incomplete)  # so that nothing computes from half their values
         try:
             final = engine.recompute(engine.closure(dirty))

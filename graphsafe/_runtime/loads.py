@@ -59,6 +59,10 @@ class Loads:
         # The errors of the last `load_state_dict` that ended with missing or unexpected
         # keys: torch adds its strict refusal there once the hooks ran, then raises.
         self._verdict: list[str] | None = None
+        self._lazy = False
+        # What loads left stale for the next replay (lazy refresh), and the engine whose
+        # derivations those indices number.
+        self._deferred: tuple[Engine | None, set[int]] = (None, set())
         _LIVE.add(self)
 
     @property
@@ -83,6 +87,46 @@ class Loads:
     @property
     def _engine(self) -> Engine | None:
         return self._binder.current
+
+    @property
+    def lazy_refresh(self) -> bool:
+        """Whether loads only mark the derived buffers they make stale, and the check
+        before the next replay (a guarded graph's, an engine's step) refreshes them once.
+
+        For loaders that come in many small calls (one per parameter, each its own load):
+        each call costs its tracking only, and a derivation that reads several of the
+        written tensors is computed once per sync instead of once per call. The cost: the
+        buffers are stale between the sync and the next replay (`stale` lists them, and
+        `assert_fresh` outside a replay refuses), the refresh runs in the replay's path,
+        and a write outside any load into an input they read is refreshed with them
+        rather than refused. A model with transient inputs refreshes at each load's end.
+        Off by default.
+        """
+        return self._lazy
+
+    @lazy_refresh.setter
+    def lazy_refresh(self, value: bool) -> None:
+        with self._lock:
+            self._lazy = bool(value)
+            if not value:
+                self.refresh_deferred()
+
+    def refresh_deferred(self) -> None:
+        """Refresh what loads left stale under `lazy_refresh`, once (nothing if none, or
+        if a failed load left buffers stale: the freshness check refuses those)."""
+        with self._lock:
+            engine, deferred = self._deferred
+            if not deferred:
+                return
+            self._deferred = (None, set())
+            current = self._engine
+            if engine is not current or current is None:
+                return  # bound anew since: the new binding refreshes on its own
+            if any(i in current.reasons for i in current.stale):
+                return
+            plan = sorted(i for i in deferred if i in current.stale)
+            if plan:
+                current.recompute(current.closure(plan))
 
     def add_load_check(self, check: Callable[[], None]) -> None:
         """Run `check` whenever a load or update of this model ends normally, so that
@@ -255,8 +299,14 @@ class Loads:
         ended = False
         try:
             written = load.end(what, exc, pinned=self.pinned,
-                               model_tensors=self._binder.tensors, witnesses=witnesses)
+                               model_tensors=self._binder.tensors, witnesses=witnesses,
+                               lazy=self._lazy)
             ended = True
+            if load.deferred:
+                engine, deferred = self._deferred
+                if engine is not load.engine:
+                    deferred = set()
+                self._deferred = (load.engine, deferred | set(load.deferred))
         finally:
             self._load = None
             if exc is not None or not ended:

@@ -288,11 +288,13 @@ class Runtime(Loads, metaclass=_OnePerModel):
     def replaying(
         self, check: Callable[[], None], *, repair: bool, reads: frozenset[int] | None = None
     ) -> Iterator[None]:
-        """Hold the model still for one replay: `check()` (a graph's ledger), then
+        """Hold the model still for one replay: `check()` (a graph's ledger), then what
+        loads left stale under `lazy_refresh` refreshed once, then
         `assert_fresh(repair=repair, reads=reads)`, under the lock that loads of the
         model take."""
         with self._lock:
             check()
+            self.refresh_deferred()
             self.assert_fresh(repair=repair, reads=reads)
             yield
 

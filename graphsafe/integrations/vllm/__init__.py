@@ -31,7 +31,10 @@ each worker as it is created:
   then on the guard checks only the model's tensors that forward read.
 
 On vLLM's CPU backend, linear layers read by a derivation keep their weights (vLLM's own
-`_cpu_skip_gemm_dispatch`); other layers are packed into kernels as usual.
+`_cpu_skip_gemm_dispatch`); other layers are packed into kernels as usual, unless
+`enable(cpu_keep_weights=True)` keeps every weight a bare `load_weights` writes (the
+setting RL loops that sync that way need on a CPU; `cpu_keep_lm_head=True` the LM head's
+too). `enable(lazy_refresh=True)`: loads only mark, the next step refreshes once.
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ from graphsafe.integrations.vllm._attachment import attachment as attachment
 from graphsafe.integrations.vllm._deepseek_v4 import deepseek_v4_registry as deepseek_v4_registry
 from graphsafe.integrations.vllm._plugin import enable as enable
 from graphsafe.integrations.vllm._plugin import plugin as plugin
+from graphsafe.integrations.vllm._registries import CPU_KEEP_LM_HEAD as CPU_KEEP_LM_HEAD
+from graphsafe.integrations.vllm._registries import CPU_KEEP_WEIGHTS as CPU_KEEP_WEIGHTS
 from graphsafe.integrations.vllm._registries import ENV as ENV
+from graphsafe.integrations.vllm._registries import LAZY_REFRESH as LAZY_REFRESH
 from graphsafe.integrations.vllm._registries import registries_from as registries_from
 from graphsafe.integrations.vllm._worker import EXTENSION as EXTENSION
 from graphsafe.integrations.vllm._worker import WorkerExtension as WorkerExtension
@@ -54,8 +60,11 @@ from graphsafe.integrations.vllm._attachment import _ATTACHED as _ATTACHED
 from graphsafe.integrations.vllm._patches import _DONE as _DONE
 
 __all__ = [
+    "CPU_KEEP_LM_HEAD",
+    "CPU_KEEP_WEIGHTS",
     "ENV",
     "EXTENSION",
+    "LAZY_REFRESH",
     "Attachment",
     "WorkerExtension",
     "attach",

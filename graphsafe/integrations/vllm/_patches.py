@@ -1,6 +1,7 @@
 """The patches to vLLM's own code, each installed once per process: linear layers on the
-CPU backend keep the weights derivations read, and the layerwise reload becomes one
-weight update of the attached model it reloads."""
+CPU backend keep the weights derivations read (or every weight a bare `load_weights`
+writes, when asked), and the layerwise reload becomes one weight update of the attached
+model it reloads."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
+from torch.nn import functional as F
 
 from graphsafe._declare.registry import Registry
 from graphsafe.integrations.vllm._attachment import attachment
-from graphsafe.integrations.vllm._registries import ENV, registries_from
+from graphsafe.integrations.vllm._registries import (
+    CPU_KEEP_LM_HEAD,
+    CPU_KEEP_WEIGHTS,
+    ENV,
+    registries_from,
+)
 
 _PATCHED = threading.Lock()
 _DONE: set[str] = set()
@@ -33,13 +40,20 @@ def _once(name: str) -> Iterator[bool]:
 
 def _keep_cpu_weights() -> None:
     """On vLLM's CPU backend, keep the weights of linear layers that derivations of the
-    registries named now (`GRAPHSAFE_VLLM_REGISTRIES`) read."""
+    registries named now (`GRAPHSAFE_VLLM_REGISTRIES`) read; with `CPU_KEEP_WEIGHTS` on,
+    those of every linear layer and of the input embedding; with `CPU_KEEP_LM_HEAD` on,
+    the LM head's too (read by `F.linear`, no packed copy)."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+    )
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
     process = UnquantizedLinearMethod.process_weights_after_loading
+    process_embedding = UnquantizedEmbeddingMethod.process_weights_after_loading
     named: dict[str, list[Registry]] = {}
 
     def reads_weight(layer: nn.Module) -> bool:
@@ -54,12 +68,28 @@ def _keep_cpu_weights() -> None:
 
     @functools.wraps(process)
     def process_weights_after_loading(self: Any, layer: nn.Module) -> None:
-        if reads_weight(layer):
+        if _on(CPU_KEEP_WEIGHTS) or reads_weight(layer):
             # vLLM's own switch (MLA's kv_b_proj): keep the weight, use plain F.linear.
             setattr(layer, "_cpu_skip_gemm_dispatch", True)  # noqa: B010
         process(self, layer)
 
+    @functools.wraps(process_embedding)
+    def process_embedding_weights(self: Any, layer: nn.Module) -> None:
+        lm_head = isinstance(layer, ParallelLMHead)
+        if _on(CPU_KEEP_LM_HEAD if lm_head else CPU_KEEP_WEIGHTS):
+            # The packed copy is what the LM head's matmul reads (the input embedding's
+            # forward reads the weight itself): plain F.linear reads the weight instead.
+            setattr(layer, "cpu_linear", F.linear)  # noqa: B010
+            return
+        process_embedding(self, layer)
+
     UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading
+    UnquantizedEmbeddingMethod.process_weights_after_loading = process_embedding_weights
+
+
+def _on(name: str) -> bool:
+    """Whether the switch `name` (an environment variable) is on."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _patch_layerwise() -> None:

@@ -15,9 +15,9 @@ from graphsafe._declare.registry import Registry
 from graphsafe._errors import RegistrationError
 from graphsafe._lineage import Lineage, record
 from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
-from graphsafe.integrations.vllm._patches import _patch_layerwise
+from graphsafe.integrations.vllm._patches import _on, _patch_layerwise
 from graphsafe.integrations.vllm._reads import runs_forward, runs_op_by_op
-from graphsafe.integrations.vllm._registries import registries_from
+from graphsafe.integrations.vllm._registries import LAZY_REFRESH, registries_from
 
 EXTENSION = "graphsafe.integrations.vllm.WorkerExtension"
 """Qualified name to pass as `LLM(worker_extension_cls=...)` for `graphsafe_status`."""
@@ -67,6 +67,7 @@ def attach(
     _refuse_packed_inputs(model, regs)
     att = Attachment(model, regs)
     att.runtime.refresh()
+    att.runtime.lazy_refresh = _on(LAZY_REFRESH)
     if lineage is not None:  # after the refresh: declared buffers are not discovered
         att.runtime.adopt_lineage(lineage)
     _ATTACHED[model] = att

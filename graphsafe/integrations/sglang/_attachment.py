@@ -1,0 +1,198 @@
+"""graphsafe's state on one SGLang model (`Attachment`) and the map of attached models, so
+that patched SGLang code finds a model's attachment."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from graphsafe._declare.registry import Registry
+from graphsafe._errors import GraphSafetyError
+from graphsafe._graphs.guard import Guard
+from graphsafe._memory.walk import Site
+from graphsafe._runtime.runtime import Runtime, runtime
+
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, Attachment] = weakref.WeakKeyDictionary()
+
+
+class UpdateRefused(Exception):
+    """SGLang reported a weight update as failed (`(False, message)`) after it may have
+    written: the update ends failed, so graphsafe fails closed."""
+
+
+class Attachment:
+    """graphsafe's state on one SGLang model: its runtime, the guard once pinned, and the
+    weight update in progress.
+
+    Args:
+        model: The loaded model (`ModelRunner.model`).
+        registries: Where its derived buffers are declared.
+    """
+
+    def __init__(self, model: nn.Module, registries: Iterable[Registry]) -> None:
+        rt = runtime(model)
+        for reg in registries:
+            rt.add_registry(reg)
+        self.runtime: Runtime = rt
+        self.guard: Guard | None = None
+        self.updates = 0
+        self.session = object()
+        """The owner of SGLang's begin/end weight-update session's graphsafe update."""
+        self.refused: str | None = None
+        """graphsafe's text for the last update it refused, until SGLang reports it."""
+        self._open: contextlib.ExitStack | None = None
+        self._owner: object = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The attached model."""
+        return self.runtime.model
+
+    # -- updates -----------------------------------------------------------------
+
+    @property
+    def updating_now(self) -> bool:
+        """Whether a graphsafe weight update of this model is open."""
+        return self._open is not None
+
+    def begin(self, owner: object) -> None:
+        """Open a weight update owned by `owner` (only its `end` closes it), unless one is
+        open already (`owner` then owns nothing)."""
+        if self._open is not None:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.runtime.weight_update())
+        self._open, self._owner = stack, owner
+
+    def end(self, owner: object, exc: BaseException | None = None) -> None:
+        """Close the update `owner` opened: refresh once, or fail closed on `exc`.
+
+        Raises:
+            GraphSafetyError: What the update's end found (a rebound tensor, a failed
+                derivation); the model then stays failed closed.
+        """
+        stack = self._open
+        if stack is None or self._owner is not owner:
+            return
+        self._open, self._owner = None, None
+        if exc is not None:
+            stack.__exit__(type(exc), exc, exc.__traceback__)
+            return
+        stack.close()
+        self.updates += 1
+
+    def fail(self, exc: BaseException) -> None:
+        """End the update open now as failed, whoever opened it (a call inside SGLang's
+        session fails the session's update)."""
+        if self._open is not None:
+            self.end(self._owner, exc)
+
+    def updating(self, owner: object, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` run as one weight update (or inside the one open)."""
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.begin(owner)
+            try:
+                ret = fn(*args, **kwargs)
+            except BaseException as exc:
+                self.end(owner, exc)
+                raise
+            self.end(owner)
+            return ret
+
+        return run
+
+    def reported(self, fn: Callable[..., Any]) -> Callable[..., tuple[bool, str]]:
+        """One of SGLang's update entry points returning `(success, message)`, run as one
+        weight update (or inside the one open), that never raises graphsafe's errors into
+        SGLang's scheduler (an exception there stops the engine): a refusal is returned as
+        `(False, graphsafe's text)`, and SGLang's own `(False, message)` ends the update
+        failed. Either way the model stays failed closed (its next forward is refused)
+        until a load completes."""
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> tuple[bool, str]:
+            owner = object()
+            self.begin(owner)
+            try:
+                ret = fn(*args, **kwargs)
+            except BaseException as exc:
+                self.fail(exc)
+                raise
+            ok, message = ret
+            try:
+                if ok:
+                    self.end(owner)
+                else:
+                    self.fail(UpdateRefused(message))
+            except GraphSafetyError as err:
+                return False, refusal(err)
+            return ok, message
+
+        return run
+
+    # -- pin and guard -----------------------------------------------------------
+
+    def pin(self) -> None:
+        """Pin the model as SGLang's graphs saw it (after capture, or where none are
+        captured, after start-up). Every parameter, buffer, derived buffer and tensor
+        attribute is pinned except host scalars kept as plain attributes: kernels take
+        them by value."""
+        if self.guard is None:
+            guard = self.guard = Guard(self.model, self, repair=False, keep=_read_by_address)
+            # A rebinding raises through the update that made it, not only at the next
+            # forward.
+            self.runtime.add_load_check(guard.assert_stable)
+
+    def guarded(self) -> contextlib.AbstractContextManager[None]:
+        """What a forward runs under: the guard's checks once pinned (nothing moved,
+        nothing stale, declared or discovered, the last update ended and held).
+
+        Raises:
+            StorageMovedError: A pinned tensor or submodule was rebound.
+            StaleError: Derived buffers are stale, or the last weight update failed or has
+                not ended.
+        """
+        if self.guard is None:
+            return contextlib.nullcontext()
+        return self.guard.replaying()
+
+    def status(self) -> dict[str, Any]:
+        """What graphsafe holds for this model, as plain data."""
+        rt = self.runtime
+        report = rt.last_report
+        found = rt.discovered
+        return {
+            "pinned": rt.pinned,
+            "stale": list(
+                dict.fromkeys([*rt.stale, *(d.path for d in found if d.stale and not d.exempt)])
+            ),
+            "updates": self.updates,
+            "derived": [p for d in rt.derivations for p in d.outputs],
+            "discovered": {d.path: list(d.sources) for d in found},
+            "last_refresh_bytes": None if report is None else report.bytes_written,
+            "checked": 0 if self.guard is None else len(self.guard.ledger),
+        }
+
+
+def refusal(err: GraphSafetyError) -> str:
+    """The message SGLang returns for an update graphsafe refused."""
+    return f"graphsafe refused the weight update: {type(err).__name__}: {err}"
+
+
+def _read_by_address(site: Site) -> bool:
+    t = site.tensor
+    host_scalar = t.device.type == "cpu" and t.dim() == 0
+    return not (host_scalar and site.container is site.module.__dict__)
+
+
+def attachment(model: nn.Module) -> Attachment | None:
+    """The attachment of `model`, if it has one."""
+    return _ATTACHED.get(model)
+

@@ -1,0 +1,246 @@
+"""The transfer on the receiving side: each bucket broadcast into staging, its trailer
+checked, then given to the loader; then the checksums against the sender's."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphsafe._errors import one_line
+from graphsafe._memory.journal import mark_written
+from graphsafe._runtime.runtime import runtime
+from graphsafe.distributed._buffers import _RECV_STAGING, _group_key, _staging
+from graphsafe.distributed._control import _Channel, _recovery_of, _ToldError
+from graphsafe.distributed._layout import (
+    _ABORT,
+    _DATA,
+    _MAGIC,
+    _checksum,
+    _Entry,
+    _Plan,
+    _Ring,
+    _trailer,
+)
+from graphsafe.distributed._loading import _load_run
+from graphsafe.distributed._progress import _ReceiveProgress
+from graphsafe.distributed._reports import RejectedEntry, WeightSyncError
+from graphsafe.distributed._wire import _names
+
+
+def _receive(
+    model: nn.Module,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    state: _ReceiveProgress,
+    overlap: bool,
+    channel: _Channel,
+) -> None:
+    """The transfer: each bucket into staging and the loader, then the checksums."""
+    plan = state.plan
+    assert plan is not None
+    runtime(model).expect_writes(_sync_writes(model, plan))
+    wires = plan.wires
+    buckets = len(plan.sizes)
+    ring = _Ring(wires, _Ring.size(wires, plan.bucket_bytes, overlap))
+    table, key = _RECV_STAGING.setdefault(model, {}), _group_key(group)
+    staging, state.reused = _staging(table, key, device, ring.capacity)
+    state.staging_bytes, state.overlap = staging.numel(), overlap and buckets > 1
+    loader = getattr(model, "load_weights", None)
+    accepted: list[str] = []
+    rejected: list[RejectedEntry] = []
+    state.accepted, state.rejected = accepted, rejected
+    flight = _InFlight(plan, wires, ring, staging, src, group, overlap, channel, state)
+    by_bucket: list[list[_Entry]] = [[] for _ in plan.sizes]
+    for e in plan.entries:
+        by_bucket[e.bucket].append(e)
+    group_bytes = ring.capacity // 2  # one group loads while the next one arrives
+    try:
+        flight.post_ahead()
+        done = 0
+        while done < buckets:
+            run = flight.arrived_run(group_bytes)
+            mark_written(staging)  # c10d writes: declared, whatever the tracker saw
+            flight.post_ahead()  # the next buckets arrive while the loader runs
+            if plan.verify:
+                state.sums.extend(_checksum(slot[: plan.sizes[b]]) for b, slot in run)
+            _load_run(model, loader, run, by_bucket, accepted, rejected)
+            flight.release(len(run))
+            done += len(run)
+            flight.post_ahead()
+    finally:
+        if flight.works and table.get(key) is staging:
+            # A broadcast still writes into it: no later sync may reuse it.
+            del table[key]
+    if plan.verify:
+        sums = torch.zeros(buckets, dtype=torch.int64, device=device)
+        try:
+            channel.wait(dist.broadcast(sums, src=src, group=group, async_op=True),
+                         "receiving the checksums")
+        except _ToldError:
+            raise
+        except Exception as exc:
+            raise flight.lost(buckets, exc) from exc
+        state.mismatched = [b for b, (want, got) in enumerate(zip(sums.tolist(), state.sums))
+                            if want != got]
+    state.completed = True
+
+
+def _sync_writes(model: nn.Module, plan: _Plan) -> list[str] | None:
+    """The tensors the sync writes, should it fail: its entries, when each names a tensor
+    of the model; None (any tensor) when the loader maps names (stacked projections) or
+    keeps only some entries (a pipeline stage)."""
+    names = [e.name for e in plan.entries]
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    known.update(n for n, _ in model.named_buffers(remove_duplicate=False))
+    return names if known.issuperset(names) else None
+
+
+class _InFlight:
+    """The buckets posted into a receiver's staging and not loaded yet, oldest first.
+
+    Buckets are posted as far ahead as the staging ring has room for, but never past a
+    packed bucket whose trailer is not read yet: if it says the sender aborted, the
+    sender sends nothing after it but its error, and a broadcast posted beyond it would
+    take that error's place.
+    """
+
+    def __init__(
+        self, plan: _Plan, wires: tuple[int, ...], ring: _Ring, staging: torch.Tensor,
+        src: int, group: dist.ProcessGroup | None, overlap: bool, channel: _Channel,
+        state: _ReceiveProgress,
+    ) -> None:
+        self.plan, self.wires, self.ring, self.staging = plan, wires, ring, staging
+        self.src, self.group, self.overlap = src, group, overlap
+        self.channel, self.state = channel, state
+        # (bucket, its slot, its work), oldest first.
+        self.works: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
+        self.next = 0  # the first bucket not posted yet
+
+    def post_ahead(self) -> None:
+        """Post the next buckets that fit in staging now (one at a time without
+        `overlap`)."""
+        plan, wires, works = self.plan, self.wires, self.works
+        b = self.next
+        while (
+            b < len(wires)
+            and (self.overlap or not works)
+            and all(plan.direct[i] for i, _, _ in works)
+        ):
+            at = self.ring.place(b)
+            if at is None:
+                break
+            slot = self.staging[at : at + wires[b]]
+            if not plan.direct[b]:  # a stale trailer never passes for this one
+                _trailer(slot, plan.sizes[b]).zero_()
+            try:
+                work = dist.broadcast(slot, src=self.src, group=self.group, async_op=True)
+            except Exception as exc:
+                raise self.lost(b, exc) from exc
+            works.append((b, slot, work))
+            b += 1
+        self.next = b
+
+    def arrived(self) -> tuple[int, torch.Tensor]:
+        """Wait for the oldest bucket in flight; check its trailer if it has one."""
+        b, slot, work = self.works.popleft()
+        try:
+            self.channel.wait(work, f"receiving bucket {b}")
+        except _ToldError:
+            raise
+        except Exception as exc:
+            raise self.lost(b, exc) from exc
+        if not self.plan.direct[b]:  # a direct bucket has none: the next trailer tells
+            _check_trailer(slot, self.plan.sizes[b], self.plan, b, self.src, self.channel,
+                           self.state)
+        return b, slot
+
+    def arrived_run(self, limit: int) -> list[tuple[int, torch.Tensor]]:
+        """The oldest bucket once arrived, with the direct buckets after it while the run
+        stays within `limit` bytes: one loader call for them all, as a call of a model's
+        loader has a cost of its own."""
+        direct, wires, works = self.plan.direct, self.wires, self.works
+        b, slot = self.arrived()
+        run = [(b, slot)]
+        size = wires[b]
+        while direct[b] and works and direct[works[0][0]] and size + wires[works[0][0]] <= limit:
+            b, slot = self.arrived()
+            run.append((b, slot))
+            size += wires[b]
+        return run
+
+    def release(self, n: int) -> None:
+        """The `n` oldest buckets held were loaded: their staging may take others."""
+        for _ in range(n):
+            self.ring.release()
+
+    def lost(self, b: int, exc: BaseException) -> WeightSyncError:
+        """The error for bucket `b`, whose broadcast failed."""
+        entries = self.plan.bucket(b) if b < len(self.wires) else ()
+        what = (f"bucket {b} of {len(self.wires)}" if b < len(self.wires)
+                else "the checksums of the buckets")
+        size = self.wires[b] if b < len(self.wires) else 8 * len(self.wires)
+        return WeightSyncError(
+            f"receive_weights: {what} did not arrive from rank {self.src}",
+            bucket=b if b < len(self.wires) else None,
+            entry=entries[0].name if entries else None,
+            expected=f"{size} bytes within the group's timeout",
+            got=one_line(exc),
+            fix="the sender died or timed out; see its log (the other ranks were told to "
+            "abort). The model refuses to replay until a complete sync",
+            recovery=_recovery_of(exc),
+        )
+
+
+def _check_trailer(
+    slot: torch.Tensor, size: int, plan: _Plan, b: int, src: int, channel: _Channel,
+    state: _ReceiveProgress,
+) -> None:
+    """Check bucket `b`'s trailer; raise the sender's abort if it says so."""
+    magic, sync, index, status = _trailer(slot, size).tolist()
+    if (magic, sync, index) != (_MAGIC, plan.sync, b) or status not in (_DATA, _ABORT):
+        raise WeightSyncError(
+            f"receive_weights: bucket {b} arrived with a wrong trailer",
+            bucket=b,
+            expected=f"magic {_MAGIC:#x}, sync {plan.sync}, bucket {b}",
+            got=f"magic {magic:#x}, sync {sync}, bucket {index}, status {status}",
+            fix="a bucket arrived short, long or torn, or a rank called another collective "
+            "in between: every rank of the group must take part in the same sync",
+            recovery="group",
+        )
+    if status == _ABORT:
+        entries = plan.bucket(b)
+        box = [channel.get("error") or "(its error did not arrive)"]
+        state.told = True
+        raise WeightSyncError(
+            f"receive_weights: the sender (rank {src}) aborted the sync at bucket {b} of "
+            f"{len(plan.sizes)}",
+            bucket=b,
+            entry=entries[0].name if entries else None,
+            expected="every bucket of the sync",
+            got=f"the sender raised {box[0]}",
+            fix="fix the error on the sender, then sync again; the model refuses to "
+            "replay until a complete sync",
+        )
+
+
+def _mismatch_error(state: _ReceiveProgress, rank: int, src: int) -> WeightSyncError:
+    """The error naming the buckets whose checksum differs from the sender's."""
+    plan = state.plan
+    assert plan is not None
+    names = [e.name for b in state.mismatched for e in plan.bucket(b)]
+    return WeightSyncError(
+        f"rank {rank}: {len(state.mismatched)} bucket(s) arrived with a checksum other "
+        "than the sender's",
+        bucket=state.mismatched[0],
+        entry=names[0] if names else None,
+        expected=f"the checksums rank {src} computed before sending",
+        got=f"buckets {state.mismatched} differ (entries {_names(names)})",
+        fix="bytes were torn or changed on the way: the sender changed a tensor during "
+        "the sync, or the transport corrupts data. Every receiver's model refuses to "
+        "replay until a complete sync",
+    )

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import types
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,11 +27,7 @@ from graphsafe._runtime.engine import Engine
 from graphsafe._runtime.tracking import write_tracker
 from graphsafe._runtime.transient import Transient
 
-__all__ = ["Load", "LoaderClosed"]
-
-
-class LoaderClosed(Exception):
-    """A generator loader was closed before it ended (its caller sees GeneratorExit)."""
+__all__ = ["Load"]
 
 
 class Load:
@@ -208,44 +203,6 @@ class Load:
                 yield
             finally:
                 self.stepping = False
-
-    def steps(self, inner: Generator[Any, None, Any]) -> Generator[Any, None, Any]:
-        """Iterate a generator loader, each step under the tracker (the caller's code
-        between steps is not); returns what it returns. Closed early: `LoaderClosed`."""
-        while True:
-            with self.running():
-                try:
-                    item = next(inner)
-                except StopIteration as stop:
-                    return stop.value
-            try:
-                yield item
-            except GeneratorExit:
-                inner.close()
-                raise LoaderClosed("the loader was closed before it ended") from None
-
-    @types.coroutine
-    def awaited(self, coro: Coroutine[Any, Any, Any]) -> Generator[Any, Any, Any]:
-        """Drive an async loader's coroutine step by step, each step under the tracker;
-        what it awaits is awaited outward (the event loop's other tasks run untracked
-        meanwhile). Returns what it returns; raises what it raises, or what was thrown
-        into it and it did not handle (a cancellation)."""
-        sent: Any = None
-        thrown: BaseException | None = None
-        while True:
-            with self.running():
-                try:
-                    future = coro.send(sent) if thrown is None else coro.throw(thrown)
-                except StopIteration as stop:
-                    return stop.value
-            sent, thrown = None, None
-            try:
-                sent = yield future
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # thrown in by the event loop: the loader's turn
-                thrown = exc
 
     def between_calls(self) -> None:
         """Between two loader calls of the load: refresh what transient inputs completed."""

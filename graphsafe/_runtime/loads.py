@@ -6,8 +6,10 @@ it may return), a generator or async loader, a `weight_update` block and
 `load_state_dict` each run as one tracked `Load` under the model's lock, watching every
 storage of the model; when one ends, the checks added with `add_load_check` run and every
 other runtime reading what it wrote refreshes. A load that fails leaves the model owing
-what it may have written (`Owed`) until completed loads write it again. The rest of the
-runtime (binding, pins, freshness) builds on it.
+what it may have written (`Debts`) until completed loads write it again; under lazy
+refresh what loads leave stale waits for the next replay (`Deferred`); a `load_state_dict`
+outside a load is driven from its hooks (`StateDictCalls`). The rest of the runtime
+(binding, pins, freshness) builds on it.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from graphsafe._errors import GraphSafetyError, first_line, one_line
+from graphsafe._errors import GraphSafetyError, first_line
 from graphsafe._memory.journal import Journal
-from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.binder import Binder
+from graphsafe._runtime.debts import Debts
+from graphsafe._runtime.deferred import Deferred
 from graphsafe._runtime.engine import Engine
-from graphsafe._runtime.load import Load, LoaderClosed
-from graphsafe._runtime.owed import Owed
-from graphsafe._runtime.state_dict import StateDictLoad, forgive_released, hold_in_state_dict
+from graphsafe._runtime.load import Load
+from graphsafe._runtime.state_dict import forgive_released
+from graphsafe._runtime.state_dict_calls import StateDictCalls
+from graphsafe._runtime.stepping import LoaderClosed, awaited, steps
 from graphsafe._runtime.tracking import WriteTracker
 
 __all__ = ["Loads"]
@@ -54,15 +58,10 @@ class Loads:
         self._lock = threading.RLock()
         self._load: Load | None = None
         self._load_checks: list[Callable[[], None]] = []
-        self._owed = Owed()
-        self._state_dict: StateDictLoad | None = None  # a `load_state_dict` in progress
-        # The errors of the last `load_state_dict` that ended with missing or unexpected
-        # keys: torch adds its strict refusal there once the hooks ran, then raises.
-        self._verdict: list[str] | None = None
-        self._lazy = False
-        # What loads left stale for the next replay (lazy refresh), and the engine whose
-        # derivations those indices number.
-        self._deferred: tuple[Engine | None, set[int]] = (None, set())
+        self._debts = Debts(journal)
+        self._owed = self._debts.owed
+        self._state_dicts = StateDictCalls()  # the `load_state_dict` in progress, its verdict
+        self._deferred = Deferred()  # what loads left stale for the next replay (lazy)
         _LIVE.add(self)
 
     @property
@@ -102,12 +101,12 @@ class Loads:
         rather than refused. A model with transient inputs refreshes at each load's end.
         Off by default.
         """
-        return self._lazy
+        return self._deferred.lazy
 
     @lazy_refresh.setter
     def lazy_refresh(self, value: bool) -> None:
         with self._lock:
-            self._lazy = bool(value)
+            self._deferred.lazy = bool(value)
             if not value:
                 self.refresh_deferred()
 
@@ -115,18 +114,7 @@ class Loads:
         """Refresh what loads left stale under `lazy_refresh`, once (nothing if none, or
         if a failed load left buffers stale: the freshness check refuses those)."""
         with self._lock:
-            engine, deferred = self._deferred
-            if not deferred:
-                return
-            self._deferred = (None, set())
-            current = self._engine
-            if engine is not current or current is None:
-                return  # bound anew since: the new binding refreshes on its own
-            if any(i in current.reasons for i in current.stale):
-                return
-            plan = sorted(i for i in deferred if i in current.stale)
-            if plan:
-                current.recompute(current.closure(plan))
+            self._deferred.refresh(self._engine)
 
     def add_load_check(self, check: Callable[[], None]) -> None:
         """Run `check` whenever a load or update of this model ends normally, so that
@@ -150,14 +138,12 @@ class Loads:
         """
         what = _name(fn, module)
         load = self._load
-        if load is not None:
-            if load.thread == threading.get_ident():
-                _check_nested(load, what, type(module))
-                result = fn(module, *args, **kwargs)  # nested: the outer load tracks it
-                load.between_calls()
-                return result
-            if load.enter_worker():  # a worker thread of that load
-                return load.run_worker(fn, module, args, kwargs)
+        if load is not None and _nested(load, what, type(module)):
+            result = fn(module, *args, **kwargs)  # nested: the outer load tracks it
+            load.between_calls()
+            return result
+        if load is not None and load.enter_worker():  # a worker thread of that load
+            return load.run_worker(fn, module, args, kwargs)
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._lock)
             load = stack.enter_context(self._loading(what))
@@ -181,16 +167,14 @@ class Loads:
         the loader is exhausted; closed early, it leaves the model failed closed."""
         what = _name(fn, module)
 
-        def steps() -> Generator[Any, None, Any]:
+        def iterate() -> Generator[Any, None, Any]:
             inner = fn(module, *args, **kwargs)
-            load = self._load
-            if load is not None and load.thread == threading.get_ident():
-                _check_nested(load, what, type(module))
+            if _nested(self._load, what, type(module)):
                 return (yield from inner)  # iterated by the outer load's code: tracked
             with self._lock, self._loading(what) as load:
-                return (yield from load.steps(inner))
+                return (yield from steps(load, inner))
 
-        return steps()
+        return iterate()
 
     async def run_async_load(
         self,
@@ -211,13 +195,11 @@ class Loads:
         """Run `coro` (the loader `what`'s) as one tracked load, step by step."""
         with contextlib.ExitStack() as stack:
             stack.callback(coro.close)  # one never started is closed, not left unawaited
-            load = self._load
-            if load is not None and load.thread == threading.get_ident():
-                _check_nested(load, what, model_class)
+            if _nested(self._load, what, model_class):
                 return await coro  # awaited by the outer load's own code: tracked
             stack.enter_context(self._lock)
             load = stack.enter_context(self._loading(what))
-            return await load.awaited(coro)
+            return await awaited(load, coro)
 
     @contextlib.contextmanager
     def weight_update(self: _L, *, writes: Iterable[str] | None = None) -> Iterator[_L]:
@@ -231,13 +213,11 @@ class Loads:
         if given, and what it wrote besides. See `expect_writes`. Inside another load or
         update of the model, the block is part of it (and `writes` is the outer one's).
         """
-        load = self._load
-        if load is not None and load.thread == threading.get_ident():
-            _check_nested(load, "weight_update", type(self._binder.model))
+        if _nested(self._load, "weight_update", type(self._binder.model)):
             yield self
             return
         with self._lock:
-            named = None if writes is None else self._named(writes)
+            named = None if writes is None else _named(self._binder, writes)
             with (self._loading("weight_update", witnesses=True, writes=named) as load,
                   load.running()):
                 yield self
@@ -254,15 +234,8 @@ class Loads:
         with self._lock:
             load = self._load
             if load is None or load.thread != threading.get_ident():
-                raise GraphSafetyError(
-                    "expect_writes is called outside a weight update of the model",
-                    module_class=type(self._binder.model).__name__,
-                    expected="a call inside `with gs.weight_update(model):`",
-                    got="no update of this model runs in this thread",
-                    fix="call it inside the block, or name the set when it begins: "
-                    "`gs.weight_update(model, writes=[...])`",
-                )
-            load.writes = None if paths is None else self._named(paths)
+                raise _outside_update(type(self._binder.model))
+            load.writes = None if paths is None else _named(self._binder, paths)
 
     @contextlib.contextmanager
     def _loading(
@@ -270,7 +243,7 @@ class Loads:
     ) -> Iterator[Load]:
         """One load, begun and ended under the lock the caller holds."""
         self._settle_state_dict()
-        self._verdict = None
+        self._state_dicts.verdict = None
         engine = self._bound_engine()
         before = self._binder.model_map()
         load = self._load = Load.begin(
@@ -300,112 +273,55 @@ class Loads:
         try:
             written = load.end(what, exc, pinned=self.pinned,
                                model_tensors=self._binder.tensors, witnesses=witnesses,
-                               lazy=self._lazy)
+                               lazy=self._deferred.lazy)
             ended = True
-            if load.deferred:
-                engine, deferred = self._deferred
-                if engine is not load.engine:
-                    deferred = set()
-                self._deferred = (load.engine, deferred | set(load.deferred))
+            self._deferred.take(load)
         finally:
             self._load = None
             if exc is not None or not ended:
                 self._lineage_failed()
-            paths = {tr.input.path for tr in load.transients_written()}
-            if before is not None and (self._owed or exc is not None):
-                now = self._binder.model_map().by_path
-                paths.update(p for p, key in now.items() if before.get(p, key) != key)
-            if exc is None:  # every weight it wrote is whole, whatever a derivation did
-                self._pay(load.rewritten(), paths)
-            else:
-                self._fail(load.rewritten(), load.writes, f"{what} raised {one_line(exc)}",
-                           paths)
+            self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
             self._settle_lineage(load, written)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()
 
-    # -- what a failed load owes -------------------------------------------------------
-
-    def _fail(
-        self, written: set[int], named: frozenset[str] | None, why: str,
-        written_paths: Iterable[str] = (),
-    ) -> None:
-        """A load or update failed (`why`: "Model.load_weights raised ..."): what it may
-        have written is owed (every weight, or what it `named`, and what it wrote:
-        `written` storages, `written_paths`), and the storages are poisoned for every
-        other model reading them."""
-        found = self._binder.model_map()
-        engine = self._engine
-        buffers = {storage_key(t) for b in engine.bound for t in b.buffers or ()} if (
-            engine is not None) else set()
-        buffers.discard(0)
-        paths = dict.fromkeys(found.weights if named is None else sorted(named))
-        paths.update(dict.fromkeys(found.paths_of(written)))
-        paths.update(dict.fromkeys(p for p in written_paths if p in found.by_path))
-        owed = [p for p in paths if found.by_path[p] not in buffers]  # derived: not weights
-        self._owed.owe(owed, why)
-        keys = {found.by_path[p] for p in owed} - {0}
-        self._journal.poison((t for t in self._binder.tensors() if storage_key(t) in keys),
-                             f"the last weight update failed ({why})")
-
-    def _pay(self, written: set[int], written_paths: set[str]) -> None:
-        """A load completed: what it wrote is no longer owed."""
-        if self._owed:
-            self._owed.pay(written, written_paths, self._binder.model_map().by_path)
-
-    def _named(self, paths: Iterable[str]) -> frozenset[str]:
-        """`paths`, each checked to name a tensor of the model."""
-        known = self._binder.model_map().by_path
-        named = frozenset(paths)
-        for path in sorted(named):
-            if path not in known:
-                raise GraphSafetyError(
-                    f"the update names {path!r}, which is not a tensor of the model",
-                    module_class=type(self._binder.model).__name__,
-                    path=path,
-                    expected="dotted paths from the model root, e.g. 'layers.0.weight'",
-                    got=repr(path),
-                    fix="use names from model.named_parameters() / named_buffers()",
-                )
-        return named
-
     # -- load_state_dict (hooks installed on the model) --------------------------------
+
+    @property
+    def _verdict(self) -> list[str] | None:
+        """The errors of the last `load_state_dict` with missing or unexpected keys."""
+        return self._state_dicts.verdict
 
     def _before_state_dict_load(self, module: nn.Module, state_dict: dict[str, Any],
                                 prefix: str, error_msgs: list[str]) -> None:
         if self._engine is not None and self._binder.model is module:
-            hold_in_state_dict(self._engine, state_dict, prefix)
-            if self._load is None:  # inside a load, the load's tracker sees the copies
-                self._state_dict = StateDictLoad(self._binder.tensors(), error_msgs)
+            self._state_dicts.begin(self._engine, self._binder.tensors, state_dict, prefix,
+                                    error_msgs, tracked=self._load is not None)
 
     def _after_state_dict_load(self, module: nn.Module, incompatible: Any) -> None:
         if self._engine is not None and self._binder.model is module:
             forgive_released(self._engine, incompatible)
         with self._lock:
-            begun, self._state_dict = self._state_dict, None
             if self._load is not None or self._engine is None:
-                return  # inside a tracked load or update: refreshed when it ends
+                self._state_dicts.drop()  # inside a tracked load or update: refreshed when it ends
+                return
             self._settle_state_dict()
             # Ended as any load ends; what it wrote, the witnesses (versions) and the
             # transient inputs the pre-hook gave memory to say what to refresh.
-            written = begun.written(self._binder.tensors()) if begun is not None else set()
+            begun, written, raised = self._state_dicts.end(self._binder.tensors)
             load = Load.of_state_dict(self._bound_engine(), self._journal, written)
-            if begun is not None and begun.errors:  # torch raises once the hooks ran
-                self._end(load, "load_state_dict", RuntimeError(begun.errors[0]))
-                return
-            self._end(load, "load_state_dict", None, witnesses=True)
-            if begun is not None and (incompatible.missing_keys or incompatible.unexpected_keys):
-                self._verdict = begun.errors  # strict or not: known once torch returns
+            self._end(load, "load_state_dict", raised, witnesses=raised is None)
+            if raised is None:  # else torch raises once the hooks ran
+                self._state_dicts.ended(begun, incompatible)
 
     def _settle_state_dict(self) -> None:
         """A `load_state_dict` that ended with missing or unexpected keys raised after
         its hooks (it was strict): the model failed, though what it copied was refreshed."""
-        errors = self._verdict
-        if errors:
-            self._verdict = None
-            self._fail(set(), None, f"load_state_dict raised {one_line(RuntimeError(errors[0]))}")
+        why = self._state_dicts.settle()
+        if why is not None:
+            self._debts.fail(self._binder, set(), None, why)
 
     def _refresh_written_elsewhere(self, keys: set[int]) -> None:
         """A load through another model wrote storages this one may read (tied or shared
@@ -418,7 +334,7 @@ class Loads:
             engine = self._engine
             if engine is None or self._load is not None:
                 return
-            self._pay(keys, set())
+            self._debts.pay(self._binder, keys, set())
             keys = keys.intersection(engine.watch.by_storage())  # one pass: reads few
             if not engine.consumers_of(keys):
                 return  # reads none of it (a storage it took since is seen by its witnesses)
@@ -440,18 +356,21 @@ def _rest(stack: contextlib.ExitStack, load: Load, inner: Generator[Any, Any, An
             except GeneratorExit:
                 inner.close()
                 raise
-            return (yield from load.steps(inner))
+            return (yield from steps(load, inner))
 
     gen = rest()
     next(gen)
     return gen
 
 
-def _check_nested(load: Load, what: str, model_class: type) -> None:
-    """A load call in the thread of a load in progress runs inside it only from that
-    load's own code; between the steps of a generator or async loader it is refused."""
+def _nested(load: Load | None, what: str, model_class: type) -> bool:
+    """Whether the load call `what` runs inside `load` (the one in progress): in its
+    thread, it does, from that load's own code; between the steps of a generator or async
+    loader it is refused."""
+    if load is None or load.thread != threading.get_ident():
+        return False
     if load.stepping:
-        return
+        return True
     raise GraphSafetyError(
         f"{what} was called while another load of the model is suspended in this thread",
         module_class=model_class.__name__,
@@ -462,6 +381,35 @@ def _check_nested(load: Load, what: str, model_class: type) -> None:
         fix="let the first load end (exhaust the generator, await the loader) before the "
         "next one, or call the second from inside the first",
     )
+
+
+def _outside_update(model_class: type) -> GraphSafetyError:
+    """`expect_writes` called where no update of the model runs in the thread."""
+    return GraphSafetyError(
+        "expect_writes is called outside a weight update of the model",
+        module_class=model_class.__name__,
+        expected="a call inside `with gs.weight_update(model):`",
+        got="no update of this model runs in this thread",
+        fix="call it inside the block, or name the set when it begins: "
+        "`gs.weight_update(model, writes=[...])`",
+    )
+
+
+def _named(binder: Binder, paths: Iterable[str]) -> frozenset[str]:
+    """`paths`, each checked to name a tensor of `binder`'s model."""
+    known = binder.model_map().by_path
+    named = frozenset(paths)
+    for path in sorted(named):
+        if path not in known:
+            raise GraphSafetyError(
+                f"the update names {path!r}, which is not a tensor of the model",
+                module_class=type(binder.model).__name__,
+                path=path,
+                expected="dotted paths from the model root, e.g. 'layers.0.weight'",
+                got=repr(path),
+                fix="use names from model.named_parameters() / named_buffers()",
+            )
+    return named
 
 
 def _compile_refused(

@@ -1,0 +1,79 @@
+"""What each ended load of one model leaves owed: a failed one owes what it may have
+written, a completed one pays for what it wrote.
+
+`Debts` keeps the model's `Owed` and poisons, in the journal, the storages a failed load
+may have left half written, for every other model reading them. The runtime's `Loads`
+holds one and settles each load through it under the model's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from graphsafe._errors import one_line
+from graphsafe._memory.journal import Journal
+from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.binder import Binder
+from graphsafe._runtime.load import Load
+from graphsafe._runtime.owed import Owed
+
+__all__ = ["Debts"]
+
+
+class Debts:
+    """The model's debts after failed loads (`owed`) and the journal they poison.
+
+    Args:
+        journal: Where a failed load's storages are poisoned.
+    """
+
+    __slots__ = ("_journal", "owed")
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+        self.owed = Owed()
+        """The tensor paths owed since a failure, and why."""
+
+    def settle(
+        self, binder: Binder, load: Load, what: str, exc: BaseException | None,
+        before: dict[str, int] | None,
+    ) -> None:
+        """`load` (the loader `what`'s) ended, raising `exc` (None: it completed): pay for
+        what it wrote, or owe what it may have written. `before`: the storage key of each
+        path when it began (a tensor rebound since was written)."""
+        paths = {tr.input.path for tr in load.transients_written()}
+        if before is not None and (self.owed or exc is not None):
+            now = binder.model_map().by_path
+            paths.update(p for p, key in now.items() if before.get(p, key) != key)
+        if exc is None:  # every weight it wrote is whole, whatever a derivation did
+            self.pay(binder, load.rewritten(), paths)
+        else:
+            self.fail(binder, load.rewritten(), load.writes, f"{what} raised {one_line(exc)}",
+                      paths)
+
+    def fail(
+        self, binder: Binder, written: set[int], named: frozenset[str] | None, why: str,
+        written_paths: Iterable[str] = (),
+    ) -> None:
+        """A load or update failed (`why`: "Model.load_weights raised ..."): what it may
+        have written is owed (every weight, or what it `named`, and what it wrote:
+        `written` storages, `written_paths`), and the storages are poisoned for every
+        other model reading them."""
+        found = binder.model_map()
+        engine = binder.current
+        buffers = {storage_key(t) for b in engine.bound for t in b.buffers or ()} if (
+            engine is not None) else set()
+        buffers.discard(0)
+        paths = dict.fromkeys(found.weights if named is None else sorted(named))
+        paths.update(dict.fromkeys(found.paths_of(written)))
+        paths.update(dict.fromkeys(p for p in written_paths if p in found.by_path))
+        owed = [p for p in paths if found.by_path[p] not in buffers]  # derived: not weights
+        self.owed.owe(owed, why)
+        keys = {found.by_path[p] for p in owed} - {0}
+        self._journal.poison((t for t in binder.tensors() if storage_key(t) in keys),
+                             f"the last weight update failed ({why})")
+
+    def pay(self, binder: Binder, written: set[int], written_paths: set[str]) -> None:
+        """A load completed: what it wrote is no longer owed."""
+        if self.owed:
+            self.owed.pay(written, written_paths, binder.model_map().by_path)

@@ -8,7 +8,8 @@ every path. `Ledger.verify()` reports every `Drift`; `Ledger.assert_stable()` ra
 `StorageMovedError` naming them all.
 
 `verify()` runs before every guarded replay, so the clean case is a flat check, each step
-one `map` over all entries compared in one go. Only a mismatch pays for the detailed diff.
+one `map` over all entries compared in one go. Only a mismatch pays for the detailed diff
+(`diff`); what is recorded per tensor and per binding is in `pins`.
 
 1. Identity. Every module binding (`parent._modules[key]`), every `_modules`,
    `_parameters` and `_buffers` dict a pin goes through, and every tensor in its
@@ -37,14 +38,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Set
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from graphsafe import _native
-from graphsafe._declare.spec import Drift, DriftKind
+from graphsafe._declare.spec import Drift
+from graphsafe._memory.diff import holder_drift, module_drift, pin_drifts
 from graphsafe._memory.drift import moved_error
+from graphsafe._memory.pins import CHECK_ERRORS, Bound, Pin, has_storage, pin
 from graphsafe._memory.snapshot import DATA_PTR, PLAIN, STRIDE
 from graphsafe._memory.walk import (
     Attr,
@@ -54,57 +57,17 @@ from graphsafe._memory.walk import (
     Site,
     Slot,
     step,
-    storage_key,
     walk,
     walk_modules,
 )
 
 __all__ = ["Ledger"]
 
-# Raised while re-resolving a path whose container entry is gone or is no tensor.
-_RESOLVE_ERRORS = (KeyError, IndexError, TypeError, AttributeError)
-# Also raised by the flat check, by `data_ptr()` of a tensor that has no storage.
-_CHECK_ERRORS = (*_RESOLVE_ERRORS, RuntimeError)
-
 # The flat check reads one field of all tensors at a time: `map` over a C method or
 # getter is faster than a comprehension building a tuple per tensor.
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-
-
-class _Pin(NamedTuple):
-    """Where one tensor lives and what it looked like at snapshot time."""
-
-    site: Site  # holds the pinned tensor object itself
-    slot: str  # the module attribute `site.container` is: _parameters, _buffers, __dict__
-    storage: int
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-
-class _Bound(NamedTuple):
-    """One submodule binding: `parent._modules[key]` was `module` at snapshot time."""
-
-    path: str
-    parent: nn.Module
-    key: str
-    module: nn.Module
-
-
-def _has_storage(t: torch.Tensor) -> bool:
-    """Whether `t` has a storage to pin. Sparse and other storage-less tensors are not
-    pinned: a graph reads their parts, which are tensors of their own."""
-    if t.layout is not torch.strided:
-        return False
-    try:
-        t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
 
 
 class Ledger:
@@ -156,8 +119,8 @@ class Ledger:
     def __init__(
         self,
         root: nn.Module,
-        pins: tuple[_Pin, ...],
-        bindings: tuple[_Bound, ...],
+        pins: tuple[Pin, ...],
+        bindings: tuple[Bound, ...],
         held: tuple[torch.UntypedStorage, ...],
         label: str,
         refs: tuple[Ref, ...] = (),
@@ -239,15 +202,15 @@ class Ledger:
             A ledger of every tensor and submodule found.
         """
         bindings = tuple(
-            _Bound(s.path, s.parent, s.key, s.module)
+            Bound(s.path, s.parent, s.key, s.module)
             for s in walk_modules(model)
             if s.parent is not None
         )
         reach = walk(model)
         pins = [
-            _pin(s)
+            pin(s)
             for s in reach.sites
-            if _has_storage(s.tensor) and (keep is None or keep(s))
+            if has_storage(s.tensor) and (keep is None or keep(s))
         ]
         # Entries without a chain first, so that `paths` lists them first.
         ordered = tuple(p for p in pins if not p.site.chain) + tuple(
@@ -259,8 +222,8 @@ class Ledger:
     def _of(
         cls,
         model: nn.Module,
-        pins: tuple[_Pin, ...],
-        bindings: tuple[_Bound, ...],
+        pins: tuple[Pin, ...],
+        bindings: tuple[Bound, ...],
         label: str,
         refs: tuple[Ref, ...],
     ) -> Ledger:
@@ -275,6 +238,7 @@ class Ledger:
         objects on the way to them, and every submodule binding.
 
         Examples:
+            >>> from graphsafe._memory.walk import storage_key
             >>> m = nn.Linear(2, 2)
             >>> Ledger.snapshot(m).restricted({storage_key(m.bias)}).paths
             ('bias',)
@@ -334,7 +298,7 @@ class Ledger:
                     and list(map(_DTYPE, tensors)) == self._dtypes
                     and list(map(_DEVICE, self._voids)) == self._void_devices
                 )
-        except _CHECK_ERRORS:
+        except CHECK_ERRORS:
             return False  # a path holds nothing now, or a tensor without storage
 
     def _odd_hold(self) -> bool:
@@ -344,7 +308,7 @@ class Ledger:
             for holder, key, obj in self._odd:
                 if step(holder, key) is not obj:
                     return False
-        except _CHECK_ERRORS:
+        except CHECK_ERRORS:
             return False
         return True
 
@@ -365,9 +329,11 @@ class Ledger:
         drifts = [
             d
             for b in self._bindings
-            if id(b.parent) in live and (d := _module_drift(b)) is not None
+            if id(b.parent) in live and (d := module_drift(b)) is not None
         ]
-        tensor_drifts = [d for p in self._pins if id(p.site.module) in live for d in _diff(p)]
+        tensor_drifts = [
+            d for p in self._pins if id(p.site.module) in live for d in pin_drifts(p)
+        ]
         # A replaced object (a kernel object rebuilt after a load) is named too, where the
         # tensors the graph reads through it moved; one holding the same tensors is none.
         # A further reference to an object entered elsewhere has no pins below its path:
@@ -381,7 +347,7 @@ class Ledger:
             below = [t for t in tensor_drifts if t.path.startswith(head)]
             entered = any(p.startswith(head) for p in pinned_paths)
             if (below and not isinstance(r.obj, (list, tuple, dict))) or not entered:
-                d = _holder_drift(r)
+                d = holder_drift(r)
                 if d is not None:
                     drifts.append(d)
                     named.append(r.path)
@@ -399,56 +365,6 @@ class Ledger:
         if drifts:
             raise moved_error(drifts, self._label)
 
-
-def _pin(s: Site) -> _Pin:
-    t = s.tensor
-    if s.container is s.module._parameters:
-        slot = "_parameters"
-    elif s.container is s.module._buffers:
-        slot = "_buffers"
-    else:
-        slot = "__dict__"
-    return _Pin(
-        site=s,
-        slot=slot,
-        storage=storage_key(t),
-        offset=int(t.storage_offset()),
-        shape=tuple(t.shape),
-        stride=t.stride(),
-        dtype=t.dtype,
-        device=t.device,
-    )
-
-
-_MISSING = object()
-
-
-def _module_drift(b: _Bound) -> Drift | None:
-    """A `module` drift when `b.parent` no longer binds `b.module` under `b.key`."""
-    try:
-        now: object = b.parent._modules[b.key]
-    except _RESOLVE_ERRORS:
-        now = getattr(b.parent, b.key, _MISSING)
-    if now is b.module:
-        return None
-    if now is _MISSING:
-        new = "missing"
-    elif now is None or isinstance(now, nn.Module):
-        new = _describe(now)
-    else:
-        new = f"a {type(now).__name__}, not a module"
-    return Drift(
-        path=b.path,
-        module_class=type(b.parent).__name__,
-        what="module",
-        old=_describe(b.module),
-        new=new,
-    )
-
-
-def _describe(obj: object) -> str:
-    """A module or tensor object by class and identity: `Linear (id 0x7f...)`."""
-    return "None" if obj is None else f"{type(obj).__name__} (id 0x{id(obj):x})"
 
 
 def _holder_of(
@@ -477,84 +393,3 @@ def _link(
         odd.append((holder, key, obj))
     else:
         links[id(holder), key] = (holder, key, obj)
-
-
-def _holder_drift(r: Ref) -> Drift | None:
-    """A `holder` drift when the object at `r.path` is no longer the one pinned."""
-    try:
-        value = vars(r.module)[r.key]
-        for k in r.chain:
-            value = step(value, k)
-    except (*_CHECK_ERRORS, ValueError):
-        value = _MISSING
-    if value is r.obj:
-        return None
-    new = "missing" if value is _MISSING else _describe(value)
-    return Drift(path=r.path, module_class=type(r.module).__name__, what="holder",
-                 old=_describe(r.obj), new=new)
-
-
-def _resolve(p: _Pin) -> Any:
-    """What the path holds now, through the container the module holds now."""
-    s = p.site
-    container = vars(s.module) if p.slot == "__dict__" else vars(s.module)[p.slot]
-    value = container[s.key]
-    for k in s.chain:
-        value = step(value, k)
-    return value
-
-
-def _resolve_loose(p: _Pin) -> tuple[object, str]:
-    """What the path holds now (or None, and why), through the container, then by
-    attribute: a plain attribute that became a parameter (`m.x = nn.Parameter(...)`)
-    leaves `__dict__` but is still `m.x`, and describing it beats reporting it removed."""
-    try:
-        return _resolve(p), ""
-    except (*_RESOLVE_ERRORS, ValueError):
-        pass
-    s = p.site
-    if not isinstance(s.key, str):
-        return None, "missing"
-    try:
-        value: Any = getattr(s.module, s.key)
-        for k in s.chain:
-            value = step(value, k)
-    except (*_RESOLVE_ERRORS, ValueError):
-        return None, "missing"
-    return value, ""
-
-
-def _diff(p: _Pin) -> list[Drift]:
-    value, why = _resolve_loose(p)
-    path = p.site.path
-    cls = type(p.site.module).__name__
-    if not isinstance(value, torch.Tensor) or not _has_storage(value):
-        old = f"tensor {p.shape} {p.dtype} on {p.device}"
-        if isinstance(value, torch.Tensor):
-            new = f"a tensor without storage (layout {value.layout})"
-        else:
-            new = why or ("None" if value is None else f"a {type(value).__name__}, not a tensor")
-        return [Drift(path=path, module_class=cls, what="removed", old=old, new=new)]
-    pairs: tuple[tuple[DriftKind, object, object], ...] = (
-        ("storage", p.storage, storage_key(value)),
-        ("offset", p.offset, value.storage_offset()),
-        ("shape", p.shape, tuple(value.shape)),
-        ("stride", p.stride, value.stride()),
-        ("dtype", p.dtype, value.dtype),
-        ("device", p.device, value.device),
-    )
-    drifts = [
-        Drift(path=path, module_class=cls, what=what, old=_fmt(what, a), new=_fmt(what, b))
-        for what, a, b in pairs
-        if a != b
-    ]
-    if not drifts and value is not p.site.tensor:
-        old, new = _describe(p.site.tensor), _describe(value)
-        drifts.append(Drift(path=path, module_class=cls, what="object", old=old, new=new))
-    return drifts
-
-
-def _fmt(what: DriftKind, value: object) -> str:
-    if what == "storage" and isinstance(value, int):
-        return f"0x{value:x}"
-    return str(value)

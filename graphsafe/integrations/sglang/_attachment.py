@@ -14,8 +14,7 @@ from torch import nn
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import GraphSafetyError
 from graphsafe._graphs.guard import Guard
-from graphsafe._memory.walk import Site
-from graphsafe._runtime.runtime import Runtime, runtime
+from graphsafe.integrations._engine import EngineAttachment, read_by_address
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Attachment] = weakref.WeakKeyDictionary()
 
@@ -25,7 +24,7 @@ class UpdateRefused(Exception):
     written: the update ends failed, so graphsafe fails closed."""
 
 
-class Attachment:
+class Attachment(EngineAttachment):
     """graphsafe's state on one SGLang model: its runtime, the guard once pinned, and the
     weight update in progress.
 
@@ -35,78 +34,19 @@ class Attachment:
     """
 
     def __init__(self, model: nn.Module, registries: Iterable[Registry]) -> None:
-        rt = runtime(model)
-        for reg in registries:
-            rt.add_registry(reg)
-        self.runtime: Runtime = rt
-        self.guard: Guard | None = None
-        self.updates = 0
+        super().__init__(model, registries)
         self.session = object()
         """The owner of SGLang's begin/end weight-update session's graphsafe update."""
         self.refused: str | None = None
         """graphsafe's text for the last update it refused, until SGLang reports it."""
-        self._open: contextlib.ExitStack | None = None
-        self._owner: object = None
-
-    @property
-    def model(self) -> nn.Module:
-        """The attached model."""
-        return self.runtime.model
 
     # -- updates -----------------------------------------------------------------
-
-    @property
-    def updating_now(self) -> bool:
-        """Whether a graphsafe weight update of this model is open."""
-        return self._open is not None
-
-    def begin(self, owner: object) -> None:
-        """Open a weight update owned by `owner` (only its `end` closes it), unless one is
-        open already (`owner` then owns nothing)."""
-        if self._open is not None:
-            return
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.runtime.weight_update())
-        self._open, self._owner = stack, owner
-
-    def end(self, owner: object, exc: BaseException | None = None) -> None:
-        """Close the update `owner` opened: refresh once, or fail closed on `exc`.
-
-        Raises:
-            GraphSafetyError: What the update's end found (a rebound tensor, a failed
-                derivation); the model then stays failed closed.
-        """
-        stack = self._open
-        if stack is None or self._owner is not owner:
-            return
-        self._open, self._owner = None, None
-        if exc is not None:
-            stack.__exit__(type(exc), exc, exc.__traceback__)
-            return
-        stack.close()
-        self.updates += 1
 
     def fail(self, exc: BaseException) -> None:
         """End the update open now as failed, whoever opened it (a call inside SGLang's
         session fails the session's update)."""
         if self._open is not None:
             self.end(self._owner, exc)
-
-    def updating(self, owner: object, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` run as one weight update (or inside the one open)."""
-
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            self.begin(owner)
-            try:
-                ret = fn(*args, **kwargs)
-            except BaseException as exc:
-                self.end(owner, exc)
-                raise
-            self.end(owner)
-            return ret
-
-        return run
 
     def reported(self, fn: Callable[..., Any]) -> Callable[..., tuple[bool, str]]:
         """One of SGLang's update entry points returning `(success, message)`, run as one
@@ -145,7 +85,7 @@ class Attachment:
         attribute is pinned except host scalars kept as plain attributes: kernels take
         them by value."""
         if self.guard is None:
-            guard = self.guard = Guard(self.model, self, repair=False, keep=_read_by_address)
+            guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address)
             # A rebinding raises through the update that made it, not only at the next
             # forward.
             self.runtime.add_load_check(guard.assert_stable)
@@ -184,12 +124,6 @@ class Attachment:
 def refusal(err: GraphSafetyError) -> str:
     """The message SGLang returns for an update graphsafe refused."""
     return f"graphsafe refused the weight update: {type(err).__name__}: {err}"
-
-
-def _read_by_address(site: Site) -> bool:
-    t = site.tensor
-    host_scalar = t.device.type == "cpu" and t.dim() == 0
-    return not (host_scalar and site.container is site.module.__dict__)
 
 
 def attachment(model: nn.Module) -> Attachment | None:

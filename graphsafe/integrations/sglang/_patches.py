@@ -5,34 +5,23 @@ weight-update entry points runs as one graphsafe weight update."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import os
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._lineage import Lineage, record
+from graphsafe.integrations._engine import Once
 from graphsafe.integrations.sglang._attachment import _ATTACHED, Attachment, attachment
 from graphsafe.integrations.sglang._registries import ENV, registries_from
 
 _Fn = Callable[..., Any]
-_PATCHED = threading.Lock()
-_DONE: set[str] = set()
-
-
-@contextlib.contextmanager
-def _once(name: str) -> Iterator[bool]:
-    """Hold the patch lock; yield whether the patch `name` is installed for the first time."""
-    with _PATCHED:
-        first = name not in _DONE
-        _DONE.add(name)
-        yield first
+_once = Once()
 
 
 def attach(

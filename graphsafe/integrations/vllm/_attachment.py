@@ -4,23 +4,22 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._graphs.guard import Guard
-from graphsafe._memory.walk import Site, storage_key
-from graphsafe._runtime.runtime import Runtime, runtime
+from graphsafe._memory.walk import storage_key
+from graphsafe.integrations._engine import EngineAttachment, read_by_address
 from graphsafe.integrations.vllm._reads import StepRecorder
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Attachment] = weakref.WeakKeyDictionary()
 
 
-class Attachment:
+class Attachment(EngineAttachment):
     """graphsafe's state on one vLLM model: its runtime, the guard once pinned (and the
     read set it checks), and the weight update in progress.
 
@@ -30,72 +29,17 @@ class Attachment:
     """
 
     def __init__(self, model: nn.Module, registries: Iterable[Registry]) -> None:
-        self._model = weakref.ref(model)
-        rt = runtime(model)
-        for reg in registries:
-            rt.add_registry(reg)
-        self.runtime: Runtime = rt
-        self.guard: Guard | None = None
+        super().__init__(model, registries)
         self.recording = False
         """Whether the next guarded forward is recorded, to narrow the guard to its reads."""
-        self.updates = 0
         self._read_paths: frozenset[str] = frozenset()
         """Where the discovered tensors the recorded forward read are held: a forward
         that runs op by op reads whatever is bound there, so a later load that binds a
         new one (vLLM's post-load step makes a new kernel handle) keeps it in the read
         set."""
-        self._open: contextlib.ExitStack | None = None
-        self._owner: object = None
 
-    @property
-    def model(self) -> nn.Module:
-        """The attached model."""
-        return self.runtime.model
-
-    # -- updates -----------------------------------------------------------------
-
-    def begin(self, owner: object) -> None:
-        """Open a weight update owned by `owner` (only its `end` closes it), unless one is
-        open already (`owner` then owns nothing)."""
-        if self._open is not None:
-            return
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.runtime.weight_update())
-        self._open, self._owner = stack, owner
-
-    def end(self, owner: object, exc: BaseException | None = None) -> None:
-        """Close the update `owner` opened: refresh once, or fail closed on `exc`.
-
-        Raises:
-            GraphSafetyError: What the update's end found (a rebound tensor, a failed
-                derivation).
-        """
-        stack = self._open
-        if stack is None or self._owner is not owner:
-            return
-        self._open, self._owner = None, None
-        if exc is not None:
-            stack.__exit__(type(exc), exc, exc.__traceback__)
-            return
-        stack.close()
-        self.updates += 1
+    def _updated(self) -> None:
         self._follow_read_paths()
-
-    def updating(self, owner: object, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` run as one weight update (or inside the one open)."""
-
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            self.begin(owner)
-            try:
-                ret = fn(*args, **kwargs)
-            except BaseException as exc:
-                self.end(owner, exc)
-                raise
-            self.end(owner)
-            return ret
-
-        return run
 
     # -- pin and guard -----------------------------------------------------------
 
@@ -113,7 +57,7 @@ class Attachment:
                 checks only what that forward read.
         """
         if self.guard is None:
-            guard = self.guard = Guard(self.model, self, repair=False, keep=_read_by_address)
+            guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address)
             self.recording = record_reads
             # Every pinned tensor the guard checks, not only derivation inputs, is checked
             # when a load or update ends, so a rebinding raises through the call that made
@@ -189,12 +133,6 @@ class Attachment:
             "checked": 0 if guard is None else len(guard.ledger),
             "inputs": 0 if guard is None else len(guard.inputs),
         }
-
-
-def _read_by_address(site: Site) -> bool:
-    t = site.tensor
-    host_scalar = t.device.type == "cpu" and t.dim() == 0
-    return not (host_scalar and site.container is site.module.__dict__)
 
 
 def attachment(model: nn.Module) -> Attachment | None:

@@ -5,18 +5,16 @@ model it reloads."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 from torch.nn import functional as F
 
 from graphsafe._declare.registry import Registry
+from graphsafe.integrations._engine import Once
 from graphsafe.integrations.vllm._attachment import attachment
 from graphsafe.integrations.vllm._registries import (
     CPU_KEEP_LM_HEAD,
@@ -25,17 +23,8 @@ from graphsafe.integrations.vllm._registries import (
     registries_from,
 )
 
-_PATCHED = threading.Lock()
-_DONE: set[str] = set()
-
-
-@contextlib.contextmanager
-def _once(name: str) -> Iterator[bool]:
-    """Hold the patch lock; yield whether the patch `name` is installed for the first time."""
-    with _PATCHED:
-        first = name not in _DONE
-        _DONE.add(name)
-        yield first
+_once = Once()
+_DONE = _once.done  # the patches installed in this process
 
 
 def _keep_cpu_weights() -> None:

@@ -1,0 +1,173 @@
+"""What every engine integration shares: how registry names resolve in an engine's
+processes, patches installed once, and the weight update an engine's entry points open
+and close on one attached model (`EngineAttachment`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from torch import nn
+
+from graphsafe._declare.registry import Registry
+from graphsafe._errors import RegistrationError
+from graphsafe._graphs.guard import Guard
+from graphsafe._memory.walk import Site
+from graphsafe._runtime.runtime import Runtime, runtime
+
+__all__ = ["EngineAttachment", "Once", "no_registry", "read_by_address", "resolve_registries"]
+
+
+def no_registry() -> Registry:
+    """An empty registry: what an engine's plugin is told to use when it should check only
+    what the engine's own code derives from the weights (found by provenance)."""
+    return Registry()
+
+
+def resolve_registries(
+    spec: str | Iterable[str | Registry], *, env: str, engine: str
+) -> list[Registry]:
+    """The registries named by `spec`: comma-separated `module:attribute` names (the
+    format of the environment variable `env`) or registries and names.
+
+    Each name is a `gs.Registry` or a function returning one, imported anew in every
+    process of the `engine` (names, not objects, travel between its processes).
+
+    Raises:
+        RegistrationError: A name does not resolve to a registry.
+    """
+    items = [s.strip() for s in spec.split(",") if s.strip()] if isinstance(spec, str) else spec
+    out: list[Registry] = []
+    for item in items:
+        if isinstance(item, Registry):
+            out.append(item)
+            continue
+        mod, _, attr = item.partition(":")
+        try:
+            obj: Any = getattr(importlib.import_module(mod), attr) if attr else None
+        except (ImportError, AttributeError) as exc:
+            obj = exc
+        if callable(obj) and not isinstance(obj, Registry):
+            obj = obj()
+        if not isinstance(obj, Registry):
+            raise RegistrationError(
+                f"{env} names {item!r}, which is not a graphsafe registry",
+                expected="'module:attribute' naming a gs.Registry or a function returning one",
+                got=repr(obj) if not isinstance(obj, Exception) else f"{type(obj).__name__}: "
+                f"{obj}",
+                fix=f"make the module importable in every {engine} process (on its path) and "
+                "name the registry object",
+            )
+        out.append(obj)
+    return out
+
+
+class Once:
+    """The patches of one integration, each installed once per process."""
+
+    __slots__ = ("_lock", "done")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.done: set[str] = set()
+        """The names of the patches installed."""
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[bool]:
+        """Hold the patch lock; yield whether the patch `name` is installed for the first
+        time."""
+        with self._lock:
+            first = name not in self.done
+            self.done.add(name)
+            yield first
+
+
+def read_by_address(site: Site) -> bool:
+    """Whether a graph reads the tensor at `site` by its address: all but host scalars kept
+    as plain module attributes (kernels take them by value, so a graph bakes in their value
+    at capture, and engines' reloads bind them anew)."""
+    t = site.tensor
+    host_scalar = t.device.type == "cpu" and t.dim() == 0
+    return not (host_scalar and site.container is site.module.__dict__)
+
+
+class EngineAttachment:
+    """graphsafe's state on one engine model: its runtime, the guard once pinned, and the
+    weight update the engine's entry points keep open (one per outermost entry point, or
+    per session).
+
+    Args:
+        model: The loaded model.
+        registries: Where its derived buffers are declared.
+    """
+
+    def __init__(self, model: nn.Module, registries: Iterable[Registry]) -> None:
+        rt = runtime(model)
+        for reg in registries:
+            rt.add_registry(reg)
+        self.runtime: Runtime = rt
+        self.guard: Guard | None = None
+        self.updates = 0
+        """Updates completed since the attachment."""
+        self._open: contextlib.ExitStack | None = None
+        self._owner: object = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The attached model."""
+        return self.runtime.model
+
+    @property
+    def updating_now(self) -> bool:
+        """Whether a graphsafe weight update of this model is open."""
+        return self._open is not None
+
+    def begin(self, owner: object) -> None:
+        """Open a weight update owned by `owner` (only its `end` closes it), unless one is
+        open already (`owner` then owns nothing)."""
+        if self._open is not None:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.runtime.weight_update())
+        self._open, self._owner = stack, owner
+
+    def end(self, owner: object, exc: BaseException | None = None) -> None:
+        """Close the update `owner` opened: refresh once, or fail closed on `exc`.
+
+        Raises:
+            GraphSafetyError: What the update's end found (a rebound tensor, a failed
+                derivation); the model then stays failed closed.
+        """
+        stack = self._open
+        if stack is None or self._owner is not owner:
+            return
+        self._open, self._owner = None, None
+        if exc is not None:
+            stack.__exit__(type(exc), exc, exc.__traceback__)
+            return
+        stack.close()
+        self.updates += 1
+        self._updated()
+
+    def _updated(self) -> None:
+        """Called after each update that completed (a hook for the engine's attachment)."""
+
+    def updating(self, owner: object, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` run as one weight update (or inside the one open)."""
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.begin(owner)
+            try:
+                ret = fn(*args, **kwargs)
+            except BaseException as exc:
+                self.end(owner, exc)
+                raise
+            self.end(owner)
+            return ret
+
+        return run

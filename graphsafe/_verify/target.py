@@ -39,12 +39,21 @@ class VerifyTarget(Protocol):
         ...
 
 
+_BUILTIN = {
+    "deepseek_v4": "graphsafe.models.deepseek_v4:verify_target",
+    "llama": "graphsafe.models.llama:verify_target",
+}
+"""graphsafe's own targets, as pyproject.toml registers them: found by name also where the
+package runs from its source tree without installed metadata (scripts/gpu-check)."""
+
+
 def load_target(spec: str) -> VerifyTarget:
     """Find a verify target by entry-point name or `module:attribute`.
 
     Args:
-        spec: e.g. `deepseek_v4` (entry point in group `graphsafe.targets`) or
-            `my_pkg.models:target` (the attribute may be dotted: `my_pkg.models:Family.target`).
+        spec: e.g. `deepseek_v4` (entry point in group `graphsafe.targets`; graphsafe's own
+            `deepseek_v4` and `llama` are found without one) or `my_pkg.models:target`
+            (the attribute may be dotted: `my_pkg.models:Family.target`).
 
     Returns:
         The target object.
@@ -56,12 +65,14 @@ def load_target(spec: str) -> VerifyTarget:
             `VerifyTarget`).
     """
     found = {ep.name: ep for ep in entry_points(group="graphsafe.targets")}
-    installed = ", ".join(sorted(found)) or "none installed"
+    installed = ", ".join(sorted(found.keys() | _BUILTIN.keys()))
     target: object
     if ":" in spec:
         target = _import_target(spec, installed)
     elif spec in found:
         target = found[spec].load()
+    elif spec in _BUILTIN:
+        target = _import_target(_BUILTIN[spec], installed)
     else:
         raise _not_a_target(
             installed, f"unknown verify target {spec!r}" if spec else "no verify target given",

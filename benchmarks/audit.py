@@ -31,7 +31,7 @@ from harness import Row, fmt_bytes, interleave, paired, peak_extra_bytes
 from torch import nn
 
 import graphsafe as gs
-from graphsafe._runtime.audit import Auditor
+from graphsafe._audit.audit import Auditor
 
 __all__ = ["fig10"]
 

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphsafe as gs
 from graphsafe import _native
 from graphsafe._memory.snapshot import Witnesses
-from graphsafe._runtime.tracking import storage_key, write_tracker
+from graphsafe._runtime.writes.tracking import storage_key, write_tracker
 from graphsafe.models import deepseek_v4 as dsv4
 
 __all__ = ["FIGURES", "Ctx", "Sizes"]

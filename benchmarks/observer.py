@@ -29,7 +29,7 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
-from graphsafe._runtime.observer import OBSERVER
+from graphsafe._runtime.writes.observer import OBSERVER
 from graphsafe.models import llama
 
 __all__ = ["fig8"]

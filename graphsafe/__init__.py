@@ -18,9 +18,9 @@ from graphsafe._lineage.recorder import record as record_lineage
 from graphsafe._memory.journal import mark_written
 from graphsafe._memory.ledger import Ledger
 from graphsafe._runtime.load_into import load_into
-from graphsafe._runtime.observer import observe_writes
-from graphsafe._runtime.audit import AuditReport
-from graphsafe._runtime.audit import audit
+from graphsafe._runtime.writes.observer import observe_writes
+from graphsafe._audit.audit import AuditReport
+from graphsafe._audit.audit import audit
 from graphsafe._declare.registry import Registry
 from graphsafe._declare.registry import default_registry
 from graphsafe._runtime.runtime import Runtime

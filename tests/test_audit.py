@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import graphsafe as gs
+from graphsafe._audit.compare import compare
 from graphsafe._memory.journal import JOURNAL
-from graphsafe._runtime.compare import compare
 
 
 @gs.graphsafe

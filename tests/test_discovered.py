@@ -407,7 +407,7 @@ def test_a_source_made_anew_without_a_graph_leaves_the_copy_stale() -> None:
 
 
 def test_a_script_write_into_a_source_while_pinned_is_caught() -> None:
-    from graphsafe._runtime.observer import OBSERVER
+    from graphsafe._runtime.writes.observer import OBSERVER
 
     m, g, _ = _captured(CASES[1], guard=True)
     m.lin.weight.data.copy_(_weights(1)["lin.weight"])  # no load, no version counter

@@ -13,7 +13,7 @@ from torch import nn
 import graphsafe as gs
 from graphsafe import _native
 from graphsafe._memory.journal import JOURNAL, Journal
-from graphsafe._memory.snapshot import Bindings, Slot, Witnesses
+from graphsafe._memory.snapshot import Identities, Slot, Witnesses
 from graphsafe._memory.walk import storage_key
 
 
@@ -118,7 +118,7 @@ def _built() -> bool:
 
 
 @pytest.mark.parametrize("native", _paths(), ids=lambda n: "compiled" if n else "python")
-def test_witnesses_and_bindings_read_cells_and_slots_as_they_read_dicts(native: bool) -> None:
+def test_witnesses_and_identities_read_cells_and_slots_as_they_read_dicts(native: bool) -> None:
     class Kernel:
         __slots__ = ("weight",)
 
@@ -131,16 +131,17 @@ def test_witnesses_and_bindings_read_cells_and_slots_as_they_read_dicts(native: 
     sites = [(cell, None), (kernel, Slot("weight")), (vars(obj), "w")]
     with _native.using(native):
         witnesses = Witnesses(sites, journal)
-        bindings = Bindings([(h, k, w, w.data_ptr(), w.stride()) for h, k in sites], 3)
-    assert (witnesses._native is not None) is native and (bindings.native is not None) is native
-    assert witnesses.unchanged() and bindings.unchanged()
-    assert bindings.seen is not None and bindings.seen.tensors == [w, w, w]
+        identities = Identities([(h, k, w, w.data_ptr(), w.stride()) for h, k in sites], 3)
+    assert (witnesses._native is not None) is native and (identities.native is not None) is native
+    assert witnesses.unchanged() and identities.unchanged()
+    seen = identities.take_read()
+    assert seen is not None and seen.tensors == [w, w, w] and identities.take_read() is None
     w.add_(1)  # in place: the version moves
     assert [i for i, _ in witnesses.changed()] == [0, 1, 2]
     witnesses.record(range(3))
     kernel.weight = torch.zeros(3)  # rebound in the slot only
     assert witnesses.changed() == [(1, "rebound")]
-    assert not bindings.unchanged()
+    assert not identities.unchanged()
     cell.cell_contents = torch.zeros(3)
     assert [i for i, _ in witnesses.changed()] == [0, 1]
 

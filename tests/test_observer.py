@@ -1,4 +1,4 @@
-"""The process-wide write observer (`graphsafe._runtime.observer`).
+"""The process-wide write observer (`graphsafe._runtime.writes.observer`).
 
 Writes into a pinned model outside any tracked load that move no version counter:
 `p.data.copy_(w)` in a script, a raw storage copy, fused optimizer steps, writes in a
@@ -31,8 +31,8 @@ import graphsafe as gs
 from graphsafe import _native
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.observer import OBSERVER
-from graphsafe._runtime.tracking import WriteTracker
+from graphsafe._runtime.writes.observer import OBSERVER
+from graphsafe._runtime.writes.tracking import WriteTracker
 
 needs_native = pytest.mark.skipif(
     _native.get() is None,
@@ -376,7 +376,7 @@ _UNPIN = textwrap.dedent(
     from graphsafe import _native
     from graphsafe._memory.journal import JOURNAL
     from graphsafe._memory.walk import storage_key
-    from graphsafe._runtime.observer import OBSERVER
+    from graphsafe._runtime.writes.observer import OBSERVER
     from test_observer import Layer
 
     native = _native.get()

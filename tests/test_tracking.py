@@ -1,4 +1,4 @@
-"""Write tracking at the dispatcher (`graphsafe._runtime.tracking`).
+"""Write tracking at the dispatcher (`graphsafe._runtime.writes.tracking`).
 
 Each test of what a tracker sees runs with both trackers: `WriteTracker` (a Python
 dispatch mode) and `NativeWriteTracker` (a compiled RecordFunction callback, used by
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphsafe import _native
-from graphsafe._runtime.tracking import NativeWriteTracker, WriteTracker, storage_key
+from graphsafe._runtime.writes.tracking import NativeWriteTracker, WriteTracker, storage_key
 
 Tracker = WriteTracker | NativeWriteTracker
 

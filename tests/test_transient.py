@@ -632,7 +632,7 @@ def test_a_copy_from_the_input_itself_defines_only_what_its_source_holds(written
 def test_an_indexed_write_whose_indices_are_not_on_the_host_counts_nothing(host: bool) -> None:
     # No CUDA index here: the check of where an index lives is given (a stand-in that
     # calls every index a device's). On a GPU, the CUDA test below runs the real one.
-    from graphsafe._runtime.coverage import Coverage
+    from graphsafe._runtime.transient.coverage import Coverage
 
     w = torch.empty(E, D)
     cov = Coverage(w)
@@ -778,7 +778,7 @@ def _draw_write(
 @given(layout=st.sampled_from(["contiguous", "transposed", "gaps"]), data=st.data())
 def test_coverage_is_exactly_what_the_writes_wrote(layout: str, data: st.DataObject) -> None:
     # The oracle: run each write into an input of NaNs; what is no longer NaN was written.
-    from graphsafe._runtime.coverage import Coverage
+    from graphsafe._runtime.transient.coverage import Coverage
 
     x = _layout(layout).fill_(float("nan"))
     cov = Coverage(x)

@@ -1,5 +1,5 @@
 """Every write path of a load reaches the journal, and a failed load stays failed until
-what it may have written is written again (`graphsafe._runtime.loads`, `.load`).
+what it may have written is written again (`graphsafe._runtime.loads.driver`, `.load`).
 
 Each test drives small models through the public API and the CPU graph, which reads
 memory with a CUDA graph's address semantics, and pairs what must hold with a control

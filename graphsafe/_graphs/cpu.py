@@ -44,7 +44,7 @@ from graphsafe._graphs.cpu_codegen import (
 from graphsafe._graphs.reads import CompiledWatch
 from graphsafe._graphs.source import user_frame as _user_frame
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.tracking import written_args
+from graphsafe._runtime.writes.tracking import written_args
 
 __all__ = ["CPUBackend", "CompiledGraph"]
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
+from graphsafe._audit.audit import Auditor, AuditReport
 from graphsafe._graphs.capture import CaptureState
 from graphsafe._graphs.cpu import CPUBackend
 from graphsafe._graphs.guard import Guard
 from graphsafe._memory.ledger import Ledger
-from graphsafe._runtime.audit import Auditor, AuditReport
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle

@@ -23,7 +23,7 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError, StaleError
 from graphsafe._lineage.probes import PROBES
-from graphsafe._lineage.recorder import Arg, Call, Lineage
+from graphsafe._lineage.recorder import RECORDING, Arg, Call, Lineage
 from graphsafe._lineage.resolve import (
     Found,
     Source,
@@ -164,13 +164,36 @@ class Discovery:
         self._exempt: dict[str, str] = {}
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
-        self.recorded = False
-        """Whether a load of the model was recorded (the first observed load is)."""
+        self._recorded = False
 
     def __len__(self) -> int:
         return len(self._entries)
 
     # -- after a load -----------------------------------------------------------------
+
+    def wants_record(self) -> bool:
+        """Whether the model's next load is recorded: the first observed one (every one
+        under `GRAPHSAFE_PROVENANCE=all`; none under `off`)."""
+        mode = RECORDING[0]
+        return mode == "all" or (mode == "first" and not self._recorded)
+
+    def take(
+        self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]]
+    ) -> None:
+        """A recorded load of the model completed (or an engine's first load, recorded
+        before the model was known): settle what `lineage` found, and forget it; the
+        model counts as recorded from now on."""
+        self.settle(lineage, model, sites)
+        self._recorded = True
+        lineage.release()
+
+    def after_load(self, model: nn.Module, written: set[int]) -> None:
+        """A load that was not recorded completed, writing the storages `written`: each
+        source is read where the model holds it now (`rehome`), and what the load
+        re-derived or rebuilt is witnessed anew (`follow`)."""
+        if self._entries:
+            self.rehome(model)
+            self.follow(written)
 
     def settle(
         self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]]

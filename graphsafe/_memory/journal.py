@@ -43,7 +43,7 @@ class Journal:
         0
     """
 
-    __slots__ = ("_dead", "_epochs", "_how", "_lock", "_tracked", "clock", "poisoned", "sync")
+    __slots__ = ("_dead", "_drain", "_epochs", "_how", "_lock", "_tracked", "clock", "poisoned")
 
     def __init__(self) -> None:
         self.clock = 0
@@ -56,10 +56,17 @@ class Journal:
         self._tracked: set[int] = set()  # keys whose storage has a finalizer
         self._lock = threading.Lock()
         self._dead: list[int] = []  # keys whose storage died, forgotten at the next sweep
-        self.sync: Callable[[], None] = _nothing
-        """Records the writes seen elsewhere and not recorded yet; witnesses call it before
-        they compare or record epochs. The process-wide write observer installs its
-        drain here while it runs (`graphsafe._runtime.observer`); otherwise it does nothing."""
+        self._drain: Callable[[], None] = _nothing  # the write observer's, while it runs
+
+    def sync(self) -> None:
+        """Record the writes seen elsewhere and not recorded yet; witnesses call it before
+        they compare or record epochs. It runs the drain of the process-wide write
+        observer (`graphsafe._runtime.writes.observer`) while one is set."""
+        self._drain()
+
+    def set_drain(self, drain: Callable[[], None] | None) -> None:
+        """What `sync` runs from now on (None: nothing)."""
+        self._drain = _nothing if drain is None else drain
 
     def __len__(self) -> int:
         """How many storages the journal holds anything of."""

@@ -2,7 +2,7 @@
 
 A site is a holder and a key: a dict and its key (`module._parameters`, `"weight"`; an
 object's attribute is its `__dict__` and the name), a closure cell (key None) or an
-object's slot (`Slot(name)`). `Sites` reads them all at once; `Bindings` (identity,
+object's slot (`Slot(name)`). `Sites` reads them all at once; `Identities` (identity,
 pointer, stride: the every-load rebinding check) and `Witnesses` (also version and journal
 epoch: the guard's freshness check) compare what they read with what they recorded. The
 compiled checks (`graphsafe native build`) read every kind of site in C++ as `read_site`
@@ -23,7 +23,8 @@ from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
 
 __all__ = [
-    "DATA_PTR", "PLAIN", "STRIDE", "VERSION", "Bindings", "SitesRead", "Sites", "Slot", "Witnesses",
+    "DATA_PTR", "PLAIN", "STRIDE", "VERSION", "Identities", "Sites", "SitesRead", "Slot",
+    "Witnesses",
 ]
 
 PLAIN = torch._C.DisableTorchFunctionSubclass
@@ -98,7 +99,7 @@ def read_site(holder: Any, key: Any) -> Any:
     return holder.get(key)
 
 
-class Bindings(Sites):
+class Identities(Sites):
     """Identity, pointer and (for the first `n_strided`) stride of what each site held
     when recorded: the every-load check that nothing was rebound is a few `map`s and
     `==`s. Shapes are compared by the caller once something differs.
@@ -110,7 +111,7 @@ class Bindings(Sites):
             same storage changes it).
     """
 
-    __slots__ = ("ids", "n_strided", "native", "ptrs", "seen", "strides")
+    __slots__ = ("_seen", "ids", "n_strided", "native", "ptrs", "strides")
 
     def __init__(
         self, rows: Sequence[tuple[Any, Any, object, int, tuple[int, ...]]], n_strided: int
@@ -120,8 +121,7 @@ class Bindings(Sites):
         self.ptrs = [r[3] for r in rows]
         self.n_strided = n_strided
         self.strides = [tuple(r[4]) for r in rows[:n_strided]]
-        self.seen: SitesRead | None = None
-        """What the last passing check read; a full refresh's witnesses reuse it."""
+        self._seen: SitesRead | None = None  # what the last passing check read
         self.native = _native.get() if self.compiled else None
 
     def unchanged(self) -> bool:
@@ -132,7 +132,7 @@ class Bindings(Sites):
             )
             if now is None:
                 return False
-            self.seen = SitesRead(self.holders, self.keys, now, self.ids, self.ptrs)
+            self._seen = SitesRead(self.holders, self.keys, now, self.ids, self.ptrs)
             return True
         tensors = self.read()
         if list(map(id, tensors)) != self.ids:
@@ -146,8 +146,14 @@ class Bindings(Sites):
         except (TypeError, AttributeError, RuntimeError):
             return False
         if ok:
-            self.seen = SitesRead(self.holders, self.keys, tensors, self.ids, self.ptrs)
+            self._seen = SitesRead(self.holders, self.keys, tensors, self.ids, self.ptrs)
         return ok
+
+    def take_read(self) -> SitesRead | None:
+        """What the last passing check read, once (a full refresh's witnesses reuse it);
+        None if nothing since."""
+        seen, self._seen = self._seen, None
+        return seen
 
 
 class Witnesses(Sites):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from graphsafe._declare.decorators import is_wrapped_loader
 from graphsafe._errors import StaleError
-from graphsafe._runtime.engine import Engine
-from graphsafe._runtime.owed import Owed
+from graphsafe._runtime.loads.debts import Owed
+from graphsafe._runtime.refresh.engine import Engine
 
 __all__ = ["check_fresh", "fresh_fix", "in_update_error", "owed_error", "unmaterialized_error"]
 

@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from graphsafe._errors import WeightLoadError
-from graphsafe._runtime.tracking import WriteTracker
+from graphsafe._runtime.writes.tracking import WriteTracker
 
 __all__ = ["load_into"]
 

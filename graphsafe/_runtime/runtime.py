@@ -1,9 +1,11 @@
 """The runtime: the lifecycle of one model's derived buffers.
 
 One `Runtime` per model instance (`gs.runtime(model)`; `gs.Runtime(model)` returns the
-same one). It decides *when* derived buffers follow the weights: it holds the pins graphs
-take and answers the guard; binding is its `Binder`'s, loads its `Loads` part's (under the
-model's lock), and what to recompute, and the recomputing, the engine's.
+same one). It decides *when* derived buffers follow the weights: it holds the model's
+lock and the pins graphs take, and answers the guard. It is made of components, each
+handed what it needs: binding is its `Binder`'s, loads its `LoadDriver`'s, what the
+model's loads derived undeclared its `Discovery`'s, and what to recompute, and the
+recomputing, the engine's.
 """
 
 from __future__ import annotations
@@ -11,28 +13,27 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
 from typing import Any
 
 from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._declare.spec import DerivationInfo, RefreshReport
+from graphsafe._errors import GraphSafetyError, StorageMovedError
 from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
-from graphsafe._lineage.recorder import RECORDING, Lineage
+from graphsafe._lineage.recorder import Lineage
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binder import Binder, tensor_at
-from graphsafe._runtime.checks import pinned_registry_error, runtime_conflict_error
-from graphsafe._runtime.engine import Engine
 from graphsafe._runtime.freshness import (
     check_fresh,
     in_update_error,
     unmaterialized_error,
 )
-from graphsafe._runtime.load import Load
-from graphsafe._runtime.loads import Loads
-from graphsafe._runtime.observer import OBSERVER
+from graphsafe._runtime.loads.driver import LoadDriver
+from graphsafe._runtime.refresh.binder import Binder, tensor_at
+from graphsafe._runtime.refresh.engine import Engine
+from graphsafe._runtime.writes.observer import OBSERVER
 
 __all__ = ["Runtime", "runtime", "weight_update"]
 
@@ -71,7 +72,7 @@ class _OnePerModel(type):
         return rt
 
 
-class Runtime(Loads, metaclass=_OnePerModel):
+class Runtime(metaclass=_OnePerModel):
     """Derived buffers of one model instance, kept correct across weight loads.
 
     Get it with `gs.runtime(model, registry, strict=...)`; `gs.Runtime(model)` returns the
@@ -95,16 +96,15 @@ class Runtime(Loads, metaclass=_OnePerModel):
     def __init__(
         self, model: nn.Module, registry: Registry | None = None, *, strict: bool = False
     ) -> None:
-        super().__init__(JOURNAL)
-        self._binder = Binder(
-            model, registry, strict=strict, journal=self._journal, own=self._own,
-            hooks=(weakref.WeakMethod(self._before_state_dict_load),
-                   weakref.WeakMethod(self._after_state_dict_load)),
-        )
+        self._lock = threading.RLock()  # the model's: its loads and replays take it
+        self._binder = Binder(model, registry, strict=strict, journal=JOURNAL, own=self._own,
+                              on_bind=self._on_bind)
         self._holders: dict[object, int] = {}
         # Every model storage while pinned: poison on any refuses the graphs' replays.
         self._pinned_keys: frozenset[int] = frozenset()
         self._discovery = Discovery(JOURNAL)
+        self._loads = LoadDriver(self._lock, JOURNAL, self._binder,
+                                 pinned=lambda: bool(self._holders), discovery=self._discovery)
 
     # -- binding ---------------------------------------------------------------------
 
@@ -125,10 +125,13 @@ class Runtime(Loads, metaclass=_OnePerModel):
 
     @strict.setter
     def strict(self, value: bool) -> None:
-        self._binder.strict = value
+        self._binder.set_strict(value)
 
     def _bound_engine(self) -> Engine:
         return self._binder.engine(self.pinned)
+
+    def _on_bind(self, model: nn.Module, engine: Engine) -> None:
+        self._loads.hook_state_dict(model, engine)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[Engine]:
@@ -195,38 +198,18 @@ class Runtime(Loads, metaclass=_OnePerModel):
         (`gs.record_lineage()`): the tensors it computed from the model's
         weights are discovered now, and checked from now on."""
         with self._lock:
-            self._discovery.settle(lineage, self.model,
-                                   lambda: self._binder.walked().sites)
-            self._discovery.recorded = True
-            lineage.release()
+            self._discovery.take(lineage, self.model, lambda: self._binder.walked().sites)
 
     def audit_items(self) -> list[AuditItem]:
         """The discovered tensors the content audit recomputes (not exempted)."""
         with self._lock:
             return self._discovery.audit_items()
 
-    def _records(self) -> bool:
-        mode = RECORDING[0]
-        return mode == "all" or (mode == "first" and not self._discovery.recorded)
-
-    def _lineage_failed(self) -> None:
-        self._discovery.failed()
-
-    def _settle_lineage(self, load: Load, written: set[int]) -> None:
-        if load.record:
-            if load.lineage:
-                self._discovery.settle(load.lineage, self.model,
-                                       lambda: self._binder.walked().sites)
-            self._discovery.recorded = True
-            load.lineage.release()
-        elif self._discovery:
-            self._discovery.rehome(self.model)
-            self._discovery.follow(written)
-
     @property
     def last_report(self) -> RefreshReport | None:
         """The report of the last refresh, including those run by loads."""
-        return self._engine.last_report if self._engine is not None else None
+        engine = self._binder.current
+        return engine.last_report if engine is not None else None
 
     @property
     def pinned(self) -> bool:
@@ -239,7 +222,8 @@ class Runtime(Loads, metaclass=_OnePerModel):
         failed, or whose input was rebound or written since the last refresh."""
         with self._lock:
             engine = self._bound_engine()
-            in_update = self._load.written_so_far() if self._load is not None else set()
+            load = self._loads.current
+            in_update = load.written_so_far() if load is not None else set()
             stale = engine.stale_reasons(in_update)
             return tuple(p for i in sorted(stale) for p in engine.bound[i].out_paths)
 
@@ -267,18 +251,19 @@ class Runtime(Loads, metaclass=_OnePerModel):
                 the failed or unfinished weight update.
         """
         with self._lock:
-            load = self._load
+            load = self._loads.current
             if load is not None and load.written_so_far():
                 raise in_update_error(type(self.model), len(load.written_so_far()))
-            engine = self._engine or self._bound_engine()  # module swaps: the ledger checks them
-            if self._verdict is not None:
-                self._settle_state_dict()  # a load_state_dict that raised after its hooks
+            # Module swaps: the ledger checks them.
+            engine = self._binder.current or self._bound_engine()
+            self._loads.settle_state_dict()  # a load_state_dict that raised after its hooks
             # The witnesses of every input and buffer in one flat comparison, what a failed
             # update still owes, then the journal's poisoned storages.
-            if (engine.stale or not engine.witnesses.unchanged() or self._owed
+            owed = self._loads.owed
+            if (engine.stale or not engine.witnesses.unchanged() or owed
                     or engine.reads_poisoned(self._pinned_keys)):
                 keys = engine.watch.storage_keys() | self._pinned_keys
-                check_fresh(engine, keys, type(self.model), repair=repair, owed=self._owed)
+                check_fresh(engine, keys, type(self.model), repair=repair, owed=owed)
             if self._discovery:
                 if not self._holders:  # pinned, the ledger sees a replaced module
                     self._discovery.rehome(self.model)
@@ -294,9 +279,91 @@ class Runtime(Loads, metaclass=_OnePerModel):
         model take."""
         with self._lock:
             check()
-            self.refresh_deferred()
+            self._loads.refresh_deferred()
             self.assert_fresh(repair=repair, reads=reads)
             yield
+
+    # -- loads (the `LoadDriver`'s) ------------------------------------------------------
+
+    @property
+    def lazy_refresh(self) -> bool:
+        """Whether loads only mark the derived buffers they make stale, and the check
+        before the next replay (a guarded graph's, an engine's step) refreshes them once.
+
+        For loaders that come in many small calls (one per parameter, each its own load):
+        each call costs its tracking only, and a derivation that reads several of the
+        written tensors is computed once per sync instead of once per call. The cost: the
+        buffers are stale between the sync and the next replay (`stale` lists them, and
+        `assert_fresh` outside a replay refuses), the refresh runs in the replay's path,
+        and a write outside any load into an input they read is refreshed with them
+        rather than refused. A model with transient inputs refreshes at each load's end.
+        Off by default.
+        """
+        return self._loads.lazy_refresh
+
+    @lazy_refresh.setter
+    def lazy_refresh(self, value: bool) -> None:
+        self._loads.set_lazy_refresh(value)
+
+    def refresh_deferred(self) -> None:
+        """Refresh what loads left stale under `lazy_refresh`, once (nothing if none, or
+        if a failed load left buffers stale: the freshness check refuses those)."""
+        self._loads.refresh_deferred()
+
+    def add_load_check(self, check: Callable[[], None]) -> None:
+        """Run `check` whenever a load or update of this model ends normally, so that
+        what it finds raises through the call that made the load (an engine's ledger)."""
+        self._loads.add_load_check(check)
+
+    def run_load(
+        self, fn: Callable[..., Any], module: nn.Module, args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run a loading method (`fn(module, *args, **kwargs)`) as one tracked load, then
+        refresh what it wrote (see `LoadDriver.run_load`)."""
+        return self._loads.run_load(fn, module, args, kwargs)
+
+    def run_generator_load(
+        self, fn: Callable[..., Any], module: nn.Module, args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Generator[Any, None, Any]:
+        """A generator loader as one tracked load over its whole iteration (see
+        `LoadDriver.run_generator_load`)."""
+        return self._loads.run_generator_load(fn, module, args, kwargs)
+
+    async def run_async_load(
+        self, fn: Callable[..., Coroutine[Any, Any, Any]], module: nn.Module,
+        args: tuple[Any, ...], kwargs: dict[str, Any],
+    ) -> Any:
+        """An async loader as one tracked load over its whole run (see
+        `LoadDriver.run_async_load`)."""
+        return await self._loads.run_async_load(fn, module, args, kwargs)
+
+    @contextlib.contextmanager
+    def weight_update(self, *, writes: Iterable[str] | None = None) -> Iterator[Runtime]:
+        """A block of writes (the bucketed RL weight sync), yielding this runtime: load
+        calls inside do not refresh; every write into a model tensor inside is tracked
+        (worker threads' loads join it), writes declared with `gs.mark_written` and
+        in-place writes the version counters see are picked up, and when the block exits
+        normally the affected derivations are refreshed once. An exception leaves the
+        model failed closed until completed loads have written again every tensor it may
+        have written: every weight of the model, or only `writes` (dotted tensor paths)
+        if given, and what it wrote besides. See `expect_writes`. Inside another load or
+        update of the model, the block is part of it (and `writes` is the outer one's).
+        """
+        with self._loads.weight_update(writes=writes):
+            yield self
+
+    def expect_writes(self, paths: Iterable[str] | None) -> None:
+        """Name, inside a `weight_update` block, every tensor it writes from now on: if it
+        fails, only these (and what it wrote besides) are owed. None: any tensor of the
+        model (the default).
+
+        Raises:
+            GraphSafetyError: No update of this model runs in this thread, or a path names
+                no tensor of the model.
+        """
+        self._loads.expect_writes(paths)
 
     # -- refresh ---------------------------------------------------------------------
 
@@ -423,3 +490,26 @@ def weight_update(
         ...     _ = model.weight.data.fill_(1.0)
     """
     return runtime(model).weight_update(writes=writes)
+
+
+def runtime_conflict_error(model_class: type, conflict: list[str]) -> GraphSafetyError:
+    """The error for `Runtime(model, ...)` whose arguments the model's runtime lacks."""
+    return GraphSafetyError(
+        f"{model_class.__name__} already has a runtime; Runtime() cannot make another",
+        module_class=model_class.__name__,
+        expected="one runtime per model, found with gs.runtime(model)",
+        got="Runtime(model, ...) with " + " and ".join(conflict),
+        fix="call gs.runtime(model, registry, strict=...): it returns the model's runtime, "
+        "adding the registry and setting strict",
+    )
+
+
+def pinned_registry_error(model_class: type) -> StorageMovedError:
+    """The error for a registry added once graphs pinned the model."""
+    return StorageMovedError(
+        "cannot add a registry to a pinned runtime",
+        module_class=model_class.__name__,
+        expected="registries added before graphs are captured",
+        got="runtime pinned by a capture",
+        fix="pass the registry at the first gs.runtime(model, registry) call",
+    )

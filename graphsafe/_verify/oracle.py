@@ -19,8 +19,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
+from graphsafe._audit.audit import audit
 from graphsafe._errors import GraphSafetyError, StaleError
-from graphsafe._runtime.audit import audit
 from graphsafe._runtime.runtime import runtime
 from graphsafe._verify.quote import quote
 from graphsafe._verify.report import TOLERANCE

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._memory.snapshot import PLAIN, Bindings
+from graphsafe._memory.snapshot import PLAIN, Identities
 from graphsafe._memory.walk import Reach, Site, step, storage_key, walk, walk_modules
 
 __all__ = ["ModelMap"]
@@ -42,9 +42,22 @@ class ModelMap:
         model: The root module.
     """
 
-    __slots__ = ("_bindings", "_holders", "_ids", "_lens", "_modules", "_names", "_nested",
-                 "_refs", "_table_ids", "_tables", "by_path", "keys", "weight_keys",
-                 "weights")
+    __slots__ = (
+        "_holders",
+        "_identities",
+        "_ids",
+        "_lens",
+        "_modules",
+        "_names",
+        "_nested",
+        "_refs",
+        "_table_ids",
+        "_tables",
+        "by_path",
+        "keys",
+        "weight_keys",
+        "weights",
+    )
 
     def __init__(self, model: nn.Module, reach: Reach | None = None) -> None:
         reach = walk(model) if reach is None else reach  # `reach`: a walk of it just made
@@ -79,7 +92,7 @@ class ModelMap:
         inputs), zero-size ones left out."""
         self.weight_keys = frozenset(self.by_path[p] for p in weights) - {0}
         """Storage keys of the weights."""
-        self._bindings = Bindings(direct, 0)
+        self._identities = Identities(direct, 0)
         self._nested = nested
         # The modules, their dicts and tables are read through weak references each time:
         # a record that held them would keep a dropped model (and its runtime) alive.
@@ -116,13 +129,13 @@ class ModelMap:
                 list(map(id, tables)) == self._table_ids
                 and _ids_at([*dicts, *tables], self._holders, self._names) == self._ids
                 and self._sizes(dicts, tables) == self._lens
-                and self._bindings.unchanged()
+                and self._identities.unchanged()
                 and all(_still_tensor(dicts[i], *rest) for i, *rest in self._nested)
             )
         except (KeyError, IndexError, TypeError, AttributeError, ValueError):
             return False
         finally:
-            self._bindings.seen = None  # what it read: kept by nothing
+            self._identities.take_read()  # what it read: kept by nothing
 
     def _tables_of(self, dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The parameter, buffer and submodule tables of the modules whose dicts are

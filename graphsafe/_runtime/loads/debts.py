@@ -8,16 +8,15 @@ holds one and settles each load through it under the model's lock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Set
 
 from graphsafe._errors import one_line
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binder import Binder
-from graphsafe._runtime.load import Load
-from graphsafe._runtime.owed import Owed
+from graphsafe._runtime.loads.load import Load
+from graphsafe._runtime.refresh.binder import Binder
 
-__all__ = ["Debts"]
+__all__ = ["Debts", "Owed"]
 
 
 class Debts:
@@ -77,3 +76,44 @@ class Debts:
         """A load completed: what it wrote is no longer owed."""
         if self.owed:
             self.owed.pay(written, written_paths, binder.model_map().by_path)
+
+
+class Owed:
+    """The tensor paths owed since a failure, and why."""
+
+    __slots__ = ("paths", "why")
+
+    def __init__(self) -> None:
+        self.paths: dict[str, None] = {}
+        """Dotted paths still owed, in the order they were found (an ordered set)."""
+        self.why = ""
+        """What failed ("Model.load_weights raised KeyError: ..."), for messages."""
+
+    def __bool__(self) -> bool:
+        return bool(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def owe(self, paths: Iterable[str], why: str) -> None:
+        """A load or update failed: `paths` are owed (besides what still was)."""
+        self.paths.update(dict.fromkeys(paths))
+        self.why = why
+
+    def pay(self, written: Set[int], written_paths: Set[str], keys: Mapping[str, int]) -> None:
+        """A load completed: what it wrote is paid.
+
+        Args:
+            written: Storage keys it wrote.
+            written_paths: Paths it wrote (transient inputs, which have no storage
+                between loads).
+            keys: The model's path -> storage key now; a path no longer there is paid
+                (there is nothing left to write).
+        """
+        if not self.paths or not (written or written_paths):
+            return
+        self.paths = {
+            p: None
+            for p in self.paths
+            if p not in written_paths and (k := keys.get(p)) is not None and k not in written
+        }

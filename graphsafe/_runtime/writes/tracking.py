@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from graphsafe import _native
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.observer import Quiet
-from graphsafe._runtime.transient import Transient, Transients
+from graphsafe._runtime.transient.transients import Transient, Transients
+from graphsafe._runtime.writes.observer import Quiet
 
 __all__ = [
     "NativeWriteTracker",

@@ -3,7 +3,7 @@
 A `Watch` is built over one binding and rebuilt (`renewed`) when inputs or buffers are
 taken anew. It answers the engine's questions about the model's memory: which
 derivations read a storage, which inputs or buffers were rebound (one flat pass:
-`Bindings`), and which were written since their witnesses were taken (`Witnesses`:
+`Identities`), and which were written since their witnesses were taken (`Witnesses`:
 identity, pointer, version, journal epoch).
 """
 
@@ -13,10 +13,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from graphsafe._memory.journal import Journal
-from graphsafe._memory.snapshot import PLAIN, Bindings, SitesRead, Witnesses
+from graphsafe._memory.snapshot import PLAIN, Identities, SitesRead, Witnesses
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binding import Binding, BoundDerivation
-from graphsafe._runtime.inputs import Input
+from graphsafe._runtime.bind.binding import Binding, BoundDerivation
+from graphsafe._runtime.bind.inputs import Input
 
 __all__ = ["Watch"]
 
@@ -30,15 +30,25 @@ class Watch:
         witnesses: Witnesses to carry over (sites still here keep their record).
     """
 
-    __slots__ = ("_bindings", "_buffer_sites", "_by_key", "_input_site", "_keys",
-                 "_site_owner", "_site_paths", "_transient", "binding", "witnesses")
+    __slots__ = (
+        "_buffer_sites",
+        "_by_key",
+        "_identities",
+        "_input_site",
+        "_keys",
+        "_site_owner",
+        "_site_paths",
+        "_transient",
+        "binding",
+        "witnesses",
+    )
 
     def __init__(
         self, binding: Binding, journal: Journal, witnesses: Witnesses | None = None
     ) -> None:
         self.binding = binding
         self._by_key: dict[int, list[Input]] | None = None
-        self._bindings: Bindings | None = None
+        self._identities: Identities | None = None
         self._keys: frozenset[int] | None = None
         self._transient = [inp for inp in binding.inputs if inp.transient]
         sites = self._sites()
@@ -87,9 +97,9 @@ class Watch:
 
         One flat pass when nothing moved: this runs on every load and refresh.
         """
-        if self._bindings is None:
-            self._bindings = self._binding_rows()
-        if self._bindings.unchanged():
+        if self._identities is None:
+            self._identities = self._identity_rows()
+        if self._identities.unchanged():
             return [inp for inp in self._transient if inp.moved()], []
         moved_inputs = [inp for inp in self.binding.inputs if inp.moved()]
         moved_buffers = [
@@ -107,16 +117,15 @@ class Watch:
 
     def buffers_changed(self) -> None:
         """A derivation's buffers were recorded: the rebinding check reads them anew."""
-        self._bindings = None
+        self._identities = None
         self._keys = None
 
     def take_read(self) -> SitesRead | None:
         """What the last passing rebinding check read (once), for a full rewitness."""
-        bindings = self._bindings
-        if bindings is None:
+        identities = self._identities
+        if identities is None:
             return None
-        seen, bindings.seen = bindings.seen, None
-        return seen
+        return identities.take_read()
 
     def rewitness(self, fresh: Sequence[int]) -> None:
         """Take the witnesses of derivations known to be fresh.
@@ -151,7 +160,7 @@ class Watch:
             self._keys = frozenset(keys)
         return self._keys
 
-    def _binding_rows(self) -> Bindings:
+    def _identity_rows(self) -> Identities:
         # Resident inputs (stride checked too), then buffers: derived buffers are
         # graphsafe's own, locked against resizing; a view bound to one changes its
         # identity, which the ids see.
@@ -166,7 +175,7 @@ class Watch:
             for b in self.binding.bound
             for name, buf, (ptr, _, stride) in zip(b.outputs, b.buffers or (), b.geometry)
         ]
-        return Bindings(rows, n_inputs)
+        return Identities(rows, n_inputs)
 
     def _sites(self) -> list[tuple[dict[str, Any], str]]:
         """Witness sites: every resident leaf input, then every materialized buffer."""

@@ -1,5 +1,4 @@
-"""Checks of derivation results and storage, and the errors they raise (the runtime's
-refusals too: a second runtime for a model, a registry added once pinned).
+"""Checks of derivation results and storage, and the errors they raise.
 
 Every check here refuses before anything is written where that is possible: a result
 computed apart is validated before it is copied in, an impure write is refused before
@@ -17,14 +16,13 @@ from torch import nn
 from graphsafe._declare.spec import Drift
 from graphsafe._errors import (
     DerivationDriftError,
-    GraphSafetyError,
     ImpureDerivationError,
     RegistrationError,
     StorageMovedError,
 )
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binding import Binding, BoundDerivation
-from graphsafe._runtime.inputs import Input, describe, join
+from graphsafe._runtime.bind.binding import BoundDerivation
+from graphsafe._runtime.bind.inputs import Input, describe, join
 
 __all__ = [
     "adoptee",
@@ -32,12 +30,9 @@ __all__ = [
     "check_results",
     "geometry_held",
     "impurity_refusal",
-    "pinned_registry_error",
     "rebound_error",
     "read_refusal",
     "refuse_resized",
-    "runtime_conflict_error",
-    "swapped_error",
 ]
 
 
@@ -270,58 +265,4 @@ def rebound_error(
         "of rebinding them (`param.data = w`, attribute assignment, `set_`); never assign "
         "derived buffers; or release the graphs' pins (Graph.reset()), refresh() and "
         "re-capture",
-    )
-
-
-def swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> StorageMovedError:
-    """The `StorageMovedError` for submodules replaced after pin, one `Drift(what="module")`
-    per path of `swapped`."""
-    drifts = []
-    for parent, key, ref, path in binding.modules:
-        if path in swapped:
-            owner, child = parent(), ref()
-            now = owner._modules.get(key) if owner is not None else None
-            drifts.append(
-                Drift(
-                    path=path,
-                    module_class=type(child).__name__,
-                    what="module",
-                    old="a module no longer alive"
-                    if child is None
-                    else f"{type(child).__name__} at 0x{id(child):x}",
-                    new="removed" if now is None else f"{type(now).__name__} at 0x{id(now):x}",
-                )
-            )
-    return StorageMovedError(
-        f"{len(swapped)} submodule(s) were replaced after pin: " + ", ".join(swapped),
-        drifts=drifts,
-        module_class=type(model).__name__,
-        path=swapped[0],
-        expected=f"the module captured at {swapped[0]!r}",
-        got=drifts[0].new,
-        fix="load new weights into the existing modules instead of replacing them; to "
-        "change the model, release the graphs (Graph.reset()), change it, and re-capture",
-    )
-
-
-def runtime_conflict_error(model_class: type, conflict: list[str]) -> GraphSafetyError:
-    """The error for `Runtime(model, ...)` whose arguments the model's runtime lacks."""
-    return GraphSafetyError(
-        f"{model_class.__name__} already has a runtime; Runtime() cannot make another",
-        module_class=model_class.__name__,
-        expected="one runtime per model, found with gs.runtime(model)",
-        got="Runtime(model, ...) with " + " and ".join(conflict),
-        fix="call gs.runtime(model, registry, strict=...): it returns the model's runtime, "
-        "adding the registry and setting strict",
-    )
-
-
-def pinned_registry_error(model_class: type) -> StorageMovedError:
-    """The error for a registry added once graphs pinned the model."""
-    return StorageMovedError(
-        "cannot add a registry to a pinned runtime",
-        module_class=model_class.__name__,
-        expected="registries added before graphs are captured",
-        got="runtime pinned by a capture",
-        fix="pass the registry at the first gs.runtime(model, registry) call",
     )

@@ -3,7 +3,8 @@ derivations each class gets from them, the engine of the current binding, and bi
 again when a submodule was swapped before pin.
 
 The runtime holds one `Binder` and asks it for the engine under its lock; what the engine
-needs from the model (its tensors, the state-dict hooks' callables) is passed down here.
+needs from the model (its tensors) is passed down from here, and the runtime is told of
+each new binding (`on_bind`: it hooks the model's `load_state_dict` to its loads).
 """
 
 from __future__ import annotations
@@ -18,15 +19,13 @@ from torch import nn
 
 from graphsafe._declare.decorators import class_registries
 from graphsafe._declare.registry import Registry, default_registry
-from graphsafe._declare.spec import Derivation
-from graphsafe._errors import GraphSafetyError, RegistrationError
+from graphsafe._declare.spec import Derivation, Drift
+from graphsafe._errors import GraphSafetyError, RegistrationError, StorageMovedError
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import Reach, storage_paths, walk, walk_tensors
-from graphsafe._runtime.binding import Binding, bind
-from graphsafe._runtime.checks import swapped_error
-from graphsafe._runtime.engine import Engine
-from graphsafe._runtime.model_map import ModelMap
-from graphsafe._runtime.state_dict import hook_state_dict
+from graphsafe._runtime.bind.binding import Binding, bind
+from graphsafe._runtime.bind.model_map import ModelMap
+from graphsafe._runtime.refresh.engine import Engine
 
 __all__ = ["Binder", "derivations_for", "swapped_modules", "tensor_at"]
 
@@ -41,11 +40,11 @@ class Binder:
         strict: Whether engines check purity on every refresh.
         journal: The journal engines record into.
         own: Called with every module of a tree that is bound.
-        hooks: What `load_state_dict` calls before and after it copies (held weakly).
+        on_bind: Called with the model and the engine of each new binding.
     """
 
-    __slots__ = ("_engine", "_hooks", "_journal", "_map", "_model_class", "_model_ref", "_own",
-                 "_strict", "registries")
+    __slots__ = ("_engine", "_journal", "_map", "_model_class", "_model_ref", "_on_bind",
+                 "_own", "_strict", "registries")
 
     def __init__(
         self,
@@ -55,7 +54,7 @@ class Binder:
         strict: bool,
         journal: Journal,
         own: Callable[[nn.Module], None],
-        hooks: tuple[weakref.WeakMethod[Any], weakref.WeakMethod[Any]],
+        on_bind: Callable[[nn.Module, Engine], None],
     ) -> None:
         self._model_ref = weakref.ref(model)
         self._model_class = type(model).__name__
@@ -65,7 +64,7 @@ class Binder:
         self._strict = strict
         self._journal = journal
         self._own = own
-        self._hooks = hooks
+        self._on_bind = on_bind
         self._engine: Engine | None = None
         self._map: ModelMap | None = None
 
@@ -94,11 +93,11 @@ class Binder:
         """Whether every refresh checks purity, not only materialization."""
         return self._strict
 
-    @strict.setter
-    def strict(self, value: bool) -> None:
+    def set_strict(self, value: bool) -> None:
+        """Check purity on every refresh from now on, or not (the engine bound now too)."""
         self._strict = value
         if self._engine is not None:
-            self._engine.strict = value
+            self._engine.set_strict(value)
 
     @property
     def current(self) -> Engine | None:
@@ -121,7 +120,7 @@ class Binder:
         self._engine = engine = Engine(
             binding, self.model_tensors, journal=self._journal, strict=self._strict
         )
-        hook_state_dict(model, engine, *self._hooks)
+        self._on_bind(model, engine)
         return engine
 
     def consults(self, registry: Registry) -> bool:
@@ -234,3 +233,34 @@ def tensor_at(model: nn.Module, path: str) -> torch.Tensor:
             fix="use names from model.named_parameters() / named_buffers()",
         )
     return obj
+
+
+def swapped_error(model: nn.Module, binding: Binding, swapped: list[str]) -> StorageMovedError:
+    """The `StorageMovedError` for submodules replaced after pin, one `Drift(what="module")`
+    per path of `swapped`."""
+    drifts = []
+    for parent, key, ref, path in binding.modules:
+        if path in swapped:
+            owner, child = parent(), ref()
+            now = owner._modules.get(key) if owner is not None else None
+            drifts.append(
+                Drift(
+                    path=path,
+                    module_class=type(child).__name__,
+                    what="module",
+                    old="a module no longer alive"
+                    if child is None
+                    else f"{type(child).__name__} at 0x{id(child):x}",
+                    new="removed" if now is None else f"{type(now).__name__} at 0x{id(now):x}",
+                )
+            )
+    return StorageMovedError(
+        f"{len(swapped)} submodule(s) were replaced after pin: " + ", ".join(swapped),
+        drifts=drifts,
+        module_class=type(model).__name__,
+        path=swapped[0],
+        expected=f"the module captured at {swapped[0]!r}",
+        got=drifts[0].new,
+        fix="load new weights into the existing modules instead of replacing them; to "
+        "change the model, release the graphs (Graph.reset()), change it, and re-capture",
+    )

@@ -20,7 +20,7 @@ from graphsafe._declare.registry import accepts_out, check_signature
 from graphsafe._declare.spec import Derivation, DerivationInfo
 from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._memory.walk import walk_modules
-from graphsafe._runtime.inputs import Input, join
+from graphsafe._runtime.bind.inputs import Input, join
 
 __all__ = ["Binding", "BoundDerivation", "bind"]
 

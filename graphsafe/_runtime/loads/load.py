@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import types
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,11 +24,11 @@ from graphsafe._errors import one_line
 from graphsafe._lineage.recorder import Lineage, recording
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.engine import Engine
-from graphsafe._runtime.tracking import write_tracker
-from graphsafe._runtime.transient import Transient
+from graphsafe._runtime.refresh.engine import Engine
+from graphsafe._runtime.transient.transients import Transient
+from graphsafe._runtime.writes.tracking import write_tracker
 
-__all__ = ["Load"]
+__all__ = ["Load", "LoaderClosed", "awaited", "steps"]
 
 
 class Load:
@@ -137,6 +138,10 @@ class Load:
         load._written = written
         load._transient_written = {tr for tr in engine.transients if tr.held}
         return load
+
+    def expect_writes(self, paths: frozenset[str] | None) -> None:
+        """The update names every tensor it writes from now on (None: any tensor)."""
+        self.writes = paths
 
     def written_so_far(self) -> set[int]:
         """Storage keys written so far, by the load's thread and by workers that joined
@@ -289,7 +294,7 @@ class Load:
         engine.watch.rewitness(kept)  # their inputs' journal epochs moved with this load
         if lazy and not engine.transients:
             self.deferred = engine.closure(dirty)
-            engine.stale.update(self.deferred)  # no reason: not a failure, repaired later
+            engine.defer(self.deferred)
             return written
         engine.transients.release(incomplete)  # so that nothing computes from half their values
         try:
@@ -350,3 +355,48 @@ def _storage_finder(
         return found.get(key)
 
     return storage_of
+
+
+class LoaderClosed(Exception):
+    """A generator loader was closed before it ended (its caller sees GeneratorExit)."""
+
+
+def steps(load: Load, inner: Generator[Any, None, Any]) -> Generator[Any, None, Any]:
+    """Iterate a generator loader as part of `load`, each step under its tracker (the
+    caller's code between steps is not); returns what it returns. Closed early:
+    `LoaderClosed`."""
+    while True:
+        with load.running():
+            try:
+                item = next(inner)
+            except StopIteration as stop:
+                return stop.value
+        try:
+            yield item
+        except GeneratorExit:
+            inner.close()
+            raise LoaderClosed("the loader was closed before it ended") from None
+
+
+@types.coroutine
+def awaited(load: Load, coro: Coroutine[Any, Any, Any]) -> Generator[Any, Any, Any]:
+    """Drive an async loader's coroutine step by step as part of `load`, each step under
+    its tracker; what it awaits is awaited outward (the event loop's other tasks run
+    untracked meanwhile). Returns what it returns; raises what it raises, or what was
+    thrown into it and it did not handle (a cancellation)."""
+    sent: Any = None
+    thrown: BaseException | None = None
+    while True:
+        with load.running():
+            try:
+                future = coro.send(sent) if thrown is None else coro.throw(thrown)
+            except StopIteration as stop:
+                return stop.value
+        sent, thrown = None, None
+        try:
+            sent = yield future
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:  # thrown in by the event loop: the loader's turn
+            thrown = exc

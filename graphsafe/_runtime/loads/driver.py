@@ -1,15 +1,15 @@
-"""The loads of one model: the lock its loads and replays take, each load driven from
-its beginning to its end, and what a failed one still owes.
+"""The loads of one model: each driven from its beginning to its end under the model's
+lock, and what they leave behind.
 
-`Loads` is the part of `Runtime` that drives loads: a loading method (and the generator
-it may return), a generator or async loader, a `weight_update` block and
-`load_state_dict` each run as one tracked `Load` under the model's lock, watching every
-storage of the model; when one ends, the checks added with `add_load_check` run and every
-other runtime reading what it wrote refreshes. A load that fails leaves the model owing
-what it may have written (`Debts`) until completed loads write it again; under lazy
-refresh what loads leave stale waits for the next replay (`Deferred`); a `load_state_dict`
-outside a load is driven from its hooks (`StateDictCalls`). The rest of the runtime
-(binding, pins, freshness) builds on it.
+`LoadDriver` is the component of `Runtime` that drives loads: a loading method (and the
+generator it may return), a generator or async loader, a `weight_update` block and
+`load_state_dict` each run as one tracked `Load`, watching every storage of the model;
+when one ends, the checks added with `add_load_check` run and every other model's driver
+refreshes what reads what it wrote. A load that fails leaves the model owing what it may
+have written (`Debts`) until completed loads write it again; under lazy refresh what
+loads leave stale waits for the next replay (`Deferred`); a `load_state_dict` outside a
+load is driven from its hooks (`StateDictCalls`); what a recorded load computed from the
+weights goes to the model's `Discovery`.
 """
 
 from __future__ import annotations
@@ -19,73 +19,74 @@ import inspect
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 from torch import nn
 
 from graphsafe._errors import GraphSafetyError, first_line
+from graphsafe._lineage.discovery import Discovery
 from graphsafe._memory.journal import Journal
-from graphsafe._runtime.binder import Binder
-from graphsafe._runtime.debts import Debts
-from graphsafe._runtime.deferred import Deferred
-from graphsafe._runtime.engine import Engine
-from graphsafe._runtime.load import Load
-from graphsafe._runtime.state_dict import forgive_released
-from graphsafe._runtime.state_dict_calls import StateDictCalls
-from graphsafe._runtime.stepping import LoaderClosed, awaited, steps
-from graphsafe._runtime.tracking import WriteTracker
+from graphsafe._runtime.loads.debts import Debts, Owed
+from graphsafe._runtime.loads.deferred import Deferred
+from graphsafe._runtime.loads.load import Load, LoaderClosed, awaited, steps
+from graphsafe._runtime.loads.state_dict import StateDictCalls, forgive_released, hook_state_dict
+from graphsafe._runtime.refresh.binder import Binder
+from graphsafe._runtime.refresh.engine import Engine
+from graphsafe._runtime.writes.tracking import WriteTracker
 
-__all__ = ["Loads"]
+__all__ = ["LoadDriver"]
 
-_L = TypeVar("_L", bound="Loads")
-
-_LIVE: weakref.WeakSet[Loads] = weakref.WeakSet()
-"""Every runtime alive: a load that ended tells them what it wrote."""
+_LIVE: weakref.WeakSet[LoadDriver] = weakref.WeakSet()
+"""Every model's driver alive: a load that ended tells the others what it wrote."""
 
 
-class Loads:
-    """The model's lock, the load in progress, what failed loads still owe, and the
-    checks run after each load.
+class LoadDriver:
+    """The load in progress of one model, what failed loads still owe, what lazy refresh
+    deferred, and the checks run after each load.
 
     Args:
+        lock: The model's lock (the runtime's): loads and replays of the model take it.
         journal: Where loads record their writes.
+        binder: The model's binder: its tree, its storages, the engine bound now.
+        pinned: Whether a graph holds the model's storage fixed now.
+        discovery: What the model's recorded loads computed from its weights.
     """
 
-    _binder: Binder
+    __slots__ = ("__weakref__", "_binder", "_debts", "_deferred", "_discovery", "_journal",
+                 "_load", "_load_checks", "_lock", "_pinned", "_state_dicts")
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(
+        self, lock: threading.RLock, journal: Journal, binder: Binder, *,
+        pinned: Callable[[], bool], discovery: Discovery,
+    ) -> None:
+        self._lock = lock
         self._journal = journal
-        self._lock = threading.RLock()
+        self._binder = binder
+        self._pinned = pinned
+        self._discovery = discovery
         self._load: Load | None = None
         self._load_checks: list[Callable[[], None]] = []
         self._debts = Debts(journal)
-        self._owed = self._debts.owed
         self._state_dicts = StateDictCalls()  # the `load_state_dict` in progress, its verdict
         self._deferred = Deferred()  # what loads left stale for the next replay (lazy)
         _LIVE.add(self)
 
     @property
-    def pinned(self) -> bool:
-        """Whether a graph holds the model's storage fixed."""
-        raise NotImplementedError
+    def current(self) -> Load | None:
+        """The load in progress, if any."""
+        return self._load
 
-    def _bound_engine(self) -> Engine:
-        raise NotImplementedError
-
-    def _records(self) -> bool:
-        """Whether the next load records provenance (the runtime decides)."""
-        return False
-
-    def _settle_lineage(self, load: Load, written: set[int]) -> None:
-        """What `load` computed from the weights (the runtime's discovery takes it);
-        `written`: the storage keys it wrote."""
-
-    def _lineage_failed(self) -> None:
-        """A load failed: what it rebuilt is not taken for fresh by the next one."""
+    @property
+    def owed(self) -> Owed:
+        """What failed loads still owe (read it; loads pay it)."""
+        return self._debts.owed
 
     @property
     def _engine(self) -> Engine | None:
         return self._binder.current
+
+    def _bound_engine(self) -> Engine:
+        return self._binder.engine(self._pinned())
 
     @property
     def lazy_refresh(self) -> bool:
@@ -103,10 +104,10 @@ class Loads:
         """
         return self._deferred.lazy
 
-    @lazy_refresh.setter
-    def lazy_refresh(self, value: bool) -> None:
+    def set_lazy_refresh(self, value: bool) -> None:
+        """Turn lazy refresh on or off (off: what was deferred is refreshed now)."""
         with self._lock:
-            self._deferred.lazy = bool(value)
+            self._deferred.set_lazy(value)
             if not value:
                 self.refresh_deferred()
 
@@ -202,8 +203,8 @@ class Loads:
             return await awaited(load, coro)
 
     @contextlib.contextmanager
-    def weight_update(self: _L, *, writes: Iterable[str] | None = None) -> Iterator[_L]:
-        """A block of writes (the bucketed RL weight sync), yielding this runtime: load
+    def weight_update(self, *, writes: Iterable[str] | None = None) -> Iterator[None]:
+        """A block of writes (the bucketed RL weight sync): load
         calls inside do not refresh; every write into a model tensor inside is tracked
         (worker threads' loads join it), writes declared with `gs.mark_written` and
         in-place writes the version counters see are picked up, and when the block exits
@@ -214,13 +215,13 @@ class Loads:
         update of the model, the block is part of it (and `writes` is the outer one's).
         """
         if _nested(self._load, "weight_update", type(self._binder.model)):
-            yield self
+            yield
             return
         with self._lock:
             named = None if writes is None else _named(self._binder, writes)
             with (self._loading("weight_update", witnesses=True, writes=named) as load,
                   load.running()):
-                yield self
+                yield
 
     def expect_writes(self, paths: Iterable[str] | None) -> None:
         """Name, inside a `weight_update` block, every tensor it writes from now on: if it
@@ -235,20 +236,19 @@ class Loads:
             load = self._load
             if load is None or load.thread != threading.get_ident():
                 raise _outside_update(type(self._binder.model))
-            load.writes = None if paths is None else _named(self._binder, paths)
+            load.expect_writes(None if paths is None else _named(self._binder, paths))
 
     @contextlib.contextmanager
     def _loading(
         self, what: str, *, witnesses: bool = False, writes: frozenset[str] | None = None
     ) -> Iterator[Load]:
         """One load, begun and ended under the lock the caller holds."""
-        self._settle_state_dict()
-        self._state_dicts.verdict = None
+        self.settle_state_dict()
         engine = self._bound_engine()
         before = self._binder.model_map()
         load = self._load = Load.begin(
-            engine, self._journal, pinned=self.pinned, everything=before.keys, writes=writes,
-            weights=before.weight_keys, record=self._records(),
+            engine, self._journal, pinned=self._pinned(), everything=before.keys,
+            writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
         )
         try:
             yield load
@@ -271,7 +271,7 @@ class Loads:
         the storage key of each path when it began (a tensor rebound since was written)."""
         ended = False
         try:
-            written = load.end(what, exc, pinned=self.pinned,
+            written = load.end(what, exc, pinned=self._pinned(),
                                model_tensors=self._binder.tensors, witnesses=witnesses,
                                lazy=self._deferred.lazy)
             ended = True
@@ -279,20 +279,25 @@ class Loads:
         finally:
             self._load = None
             if exc is not None or not ended:
-                self._lineage_failed()
+                self._discovery.failed()  # what it rebuilt is not taken for fresh
             self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
-            self._settle_lineage(load, written)
+            if load.record:
+                self._discovery.take(load.lineage, self._binder.model,
+                                     lambda: self._binder.walked().sites)
+            else:
+                self._discovery.after_load(self._binder.model, written)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()
 
     # -- load_state_dict (hooks installed on the model) --------------------------------
 
-    @property
-    def _verdict(self) -> list[str] | None:
-        """The errors of the last `load_state_dict` with missing or unexpected keys."""
-        return self._state_dicts.verdict
+    def hook_state_dict(self, model: nn.Module, engine: Engine) -> None:
+        """Install on `model` (bound anew, to `engine`) the hooks through which its
+        `load_state_dict` calls are driven as loads (held weakly)."""
+        hook_state_dict(model, engine, weakref.WeakMethod(self._before_state_dict_load),
+                        weakref.WeakMethod(self._after_state_dict_load))
 
     def _before_state_dict_load(self, module: nn.Module, state_dict: dict[str, Any],
                                 prefix: str, error_msgs: list[str]) -> None:
@@ -307,7 +312,7 @@ class Loads:
             if self._load is not None or self._engine is None:
                 self._state_dicts.drop()  # inside a tracked load or update: refreshed when it ends
                 return
-            self._settle_state_dict()
+            self.settle_state_dict()
             # Ended as any load ends; what it wrote, the witnesses (versions) and the
             # transient inputs the pre-hook gave memory to say what to refresh.
             begun, written, raised = self._state_dicts.end(self._binder.tensors)
@@ -316,14 +321,14 @@ class Loads:
             if raised is None:  # else torch raises once the hooks ran
                 self._state_dicts.ended(begun, incompatible)
 
-    def _settle_state_dict(self) -> None:
+    def settle_state_dict(self) -> None:
         """A `load_state_dict` that ended with missing or unexpected keys raised after
         its hooks (it was strict): the model failed, though what it copied was refreshed."""
         why = self._state_dicts.settle()
         if why is not None:
             self._debts.fail(self._binder, set(), None, why)
 
-    def _refresh_written_elsewhere(self, keys: set[int]) -> None:
+    def refresh_written_elsewhere(self, keys: set[int]) -> None:
         """A load through another model wrote storages this one may read (tied or shared
         parameters): pay what this model owed there, and refresh their readers, if this
         runtime is free right now (one busy in another thread is skipped: its witnesses
@@ -339,7 +344,7 @@ class Loads:
             if not engine.consumers_of(keys):
                 return  # reads none of it (a storage it took since is seen by its witnesses)
             # Binds again if its tree changed (before pin).
-            self._bound_engine().refresh_readers(self.pinned, keys)
+            self._bound_engine().refresh_readers(self._pinned(), keys)
         finally:
             self._lock.release()
 
@@ -434,13 +439,13 @@ def _compile_refused(
     )
 
 
-def _tell_others(origin: Loads, written: set[int]) -> None:
-    """A load that ended refreshes the other runtimes reading what it wrote."""
+def _tell_others(origin: LoadDriver, written: set[int]) -> None:
+    """A load that ended refreshes, in the other models, what reads what it wrote."""
     if written:
-        for rt in list(_LIVE):
-            if rt is not origin and rt._engine is not None:
+        for other in list(_LIVE):
+            if other is not origin:
                 with contextlib.suppress(GraphSafetyError):  # its guard reports it
-                    rt._refresh_written_elsewhere(written)
+                    other.refresh_written_elsewhere(written)
 
 
 def _name(fn: Callable[..., Any], module: Any) -> str:

@@ -20,12 +20,18 @@ from graphsafe._errors import DerivationDriftError, one_line
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Witnesses
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binding import Binding, BoundDerivation
-from graphsafe._runtime.checks import geometry_held, rebound_error, refuse_resized
-from graphsafe._runtime.observer import quiet
-from graphsafe._runtime.refresh import FAST, SLOW, copy_apart, materialize, refresh_checked
-from graphsafe._runtime.transient import Transients
-from graphsafe._runtime.watch import Watch
+from graphsafe._runtime.bind.binding import Binding, BoundDerivation
+from graphsafe._runtime.refresh.checks import geometry_held, rebound_error, refuse_resized
+from graphsafe._runtime.refresh.materialize import (
+    FAST,
+    SLOW,
+    copy_apart,
+    materialize,
+    refresh_checked,
+)
+from graphsafe._runtime.transient.transients import Transients
+from graphsafe._runtime.writes.observer import quiet
+from graphsafe._runtime.writes.watch import Watch
 
 __all__ = ["Engine"]
 
@@ -52,7 +58,7 @@ class Engine:
         self.binding = binding
         self.bound = binding.bound
         self.journal = journal
-        self.strict = strict
+        self._strict = strict
         self._model_tensors = model_tensors
         # Derivations whose buffers do not match their inputs (failed, never made), and
         # why, when known.
@@ -163,6 +169,15 @@ class Engine:
             todo.update(bound[i].downstream)
         return sorted(todo)
 
+    def set_strict(self, strict: bool) -> None:
+        """Check purity on every refresh from now on (not only at materialization), or not."""
+        self._strict = strict
+
+    def defer(self, indices: Iterable[int]) -> None:
+        """Mark `indices` stale with no reason: not a failure, a refresh a later replay
+        runs (lazy refresh)."""
+        self.stale.update(indices)
+
     def mark_stale(self, indices: Iterable[int], why: str) -> None:
         """Mark derivations, and what lies downstream of them, stale; poison buffers."""
         bound = self.bound
@@ -227,7 +242,7 @@ class Engine:
         first_error: BaseException | None = None
         if self.transients:
             plan = self._unblocked(plan, skip_blocked)
-        pending = self.strict or any(bound[i].buffers is None for i in plan)
+        pending = self._strict or any(bound[i].buffers is None for i in plan)
         watch = self._model_tensors() if pending else None
         realloc = self._reallocated
         done = 0
@@ -263,7 +278,7 @@ class Engine:
                             sites_changed = True
                             append((i, _MATERIALIZED, SLOW, clock() - t0, i not in realloc))
                         else:
-                            taken = refresh_checked(b, watch if self.strict else None)
+                            taken = refresh_checked(b, watch if self._strict else None)
                             append((i, _REFRESHED, taken, clock() - t0, i not in realloc))
                     except Exception as exc:
                         if b.buffers is not None and not isinstance(exc, DerivationDriftError):

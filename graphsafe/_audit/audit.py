@@ -26,15 +26,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
+from graphsafe._audit.compare import compare
 from graphsafe._errors import GraphSafetyError, StaleError, one_line
 from graphsafe._lineage.discovery import AuditItem
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binder import tensor_at
-from graphsafe._runtime.binding import BoundDerivation
-from graphsafe._runtime.checks import check_results
-from graphsafe._runtime.compare import compare
-from graphsafe._runtime.engine import Engine
+from graphsafe._runtime.bind.binding import BoundDerivation
+from graphsafe._runtime.refresh.binder import tensor_at
+from graphsafe._runtime.refresh.checks import check_results
+from graphsafe._runtime.refresh.engine import Engine
 from graphsafe._runtime.runtime import Runtime, runtime
 
 __all__ = ["AuditReport", "Auditor", "Unchecked", "audit"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from graphsafe._runtime.regions import (
+from graphsafe._runtime.transient.regions import (
     WHOLE,
     Readable,
     Region,

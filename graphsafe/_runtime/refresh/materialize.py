@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.binding import BoundDerivation
-from graphsafe._runtime.checks import (
+from graphsafe._runtime.bind.binding import BoundDerivation
+from graphsafe._runtime.bind.inputs import join, pin_storage
+from graphsafe._runtime.refresh.checks import (
     adoptee,
     as_results,
     check_results,
@@ -23,8 +24,7 @@ from graphsafe._runtime.checks import (
     read_refusal,
     refuse_resized,
 )
-from graphsafe._runtime.inputs import join, pin_storage
-from graphsafe._runtime.tracking import ReadGuard, WriteTracker
+from graphsafe._runtime.writes.tracking import ReadGuard, WriteTracker
 
 __all__ = ["FAST", "SLOW", "copy_apart", "materialize", "refresh_checked"]
 

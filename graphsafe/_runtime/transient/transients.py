@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from graphsafe._runtime.binding import BoundDerivation
-from graphsafe._runtime.coverage import Coverage
-from graphsafe._runtime.inputs import Input
+from graphsafe._runtime.bind.binding import BoundDerivation
+from graphsafe._runtime.bind.inputs import Input
+from graphsafe._runtime.transient.coverage import Coverage
 
 __all__ = ["Transient", "Transients"]
 

@@ -1,7 +1,7 @@
 """torch's `load_state_dict` and `state_dict` on a model with derived buffers.
 
 `load_state_dict` refreshes derived buffers as a load does (its copies are in place, so
-they move version counters: `StateDictLoad` finds what it wrote by them); transient
+they move version counters: `StateDictCall` finds what it wrote by them); transient
 inputs the state dict holds get memory back before torch copies into them, and are not
 reported missing while released; `state_dict` leaves released ones out (they live on the
 meta device). torch copies every entry that fits, runs the hooks, and only then raises
@@ -19,10 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphsafe._errors import one_line
 from graphsafe._memory.walk import storage_key
-from graphsafe._runtime.engine import Engine
+from graphsafe._runtime.refresh.engine import Engine
 
-__all__ = ["StateDictLoad", "forgive_released", "hold_in_state_dict", "hook_state_dict"]
+__all__ = [
+    "StateDictCall", "StateDictCalls", "forgive_released", "hold_in_state_dict",
+    "hook_state_dict",
+]
 
 _Before = Callable[[nn.Module, dict[str, Any], str, list[str]], None]
 _After = Callable[[nn.Module, Any], None]
@@ -65,7 +69,7 @@ def hook_state_dict(
             _DROPPING.add(owner)
 
 
-class StateDictLoad:
+class StateDictCall:
     """One `load_state_dict` in progress: the version of every model tensor before torch
     copies, and the list torch collects its errors in (`errors`; it raises once the
     hooks ran if the list holds any).
@@ -121,3 +125,57 @@ def _drop_released(module: nn.Module, state_dict: dict[str, Any], prefix: str, *
         for name, t in container.items():
             if t is not None and t.device.type == "meta":
                 state_dict.pop(prefix + name, None)
+
+
+class StateDictCalls:
+    """The `load_state_dict` of the model in progress outside any load, and the verdict
+    of the last one."""
+
+    __slots__ = ("_begun", "_verdict")
+
+    def __init__(self) -> None:
+        self._begun: StateDictCall | None = None
+        # The errors of the last `load_state_dict` that ended with missing or unexpected
+        # keys: torch adds its strict refusal there once the hooks ran, then raises.
+        self._verdict: list[str] | None = None
+
+    def begin(
+        self, engine: Engine, tensors: Callable[[], Iterable[torch.Tensor]],
+        state_dict: dict[str, Any], prefix: str, error_msgs: list[str], *, tracked: bool,
+    ) -> None:
+        """The pre-hook: transient inputs `state_dict` holds get their bytes back, and,
+        unless a tracked load runs (its tracker sees the copies), the versions of the
+        model's `tensors` are recorded."""
+        hold_in_state_dict(engine, state_dict, prefix)
+        if not tracked:
+            self._begun = StateDictCall(tensors(), error_msgs)
+
+    def end(
+        self, tensors: Callable[[], Iterable[torch.Tensor]]
+    ) -> tuple[StateDictCall | None, set[int], BaseException | None]:
+        """The post-hook, outside a tracked load: the call that ends (None if its pre-hook
+        recorded none), the storage keys it wrote, and what torch raises once the hooks
+        ran (None: nothing, as far as the errors collected so far say)."""
+        begun, self._begun = self._begun, None
+        if begun is None:
+            return None, set(), None
+        raised = RuntimeError(begun.errors[0]) if begun.errors else None
+        return begun, begun.written(tensors()), raised
+
+    def drop(self) -> None:
+        """The post-hook inside a tracked load or update: it refreshes when it ends."""
+        self._begun = None
+
+    def ended(self, begun: StateDictCall | None, incompatible: Any) -> None:
+        """The call `begun` ended as a load: with missing or unexpected keys, its errors
+        are kept (strict or not is known only once torch returns)."""
+        if begun is not None and (incompatible.missing_keys or incompatible.unexpected_keys):
+            self._verdict = begun.errors
+
+    def settle(self) -> str | None:
+        """Why the last call failed after its hooks (it was strict, and keys were missing
+        or unexpected), once; None if it did not."""
+        errors, self._verdict = self._verdict, None
+        if not errors:
+            return None
+        return f"load_state_dict raised {one_line(RuntimeError(errors[0]))}"

@@ -3,13 +3,13 @@
 Under `Runtime.lazy_refresh` a load only marks the derivations it makes stale
 (`Load.deferred`). `Deferred` keeps them, with the engine whose derivations their indices
 number, until the check before the next replay (or turning lazy refresh off) refreshes
-them together. The runtime's `Loads` holds one and calls it under the model's lock.
+them together. The model's `LoadDriver` holds one and calls it under the model's lock.
 """
 
 from __future__ import annotations
 
-from graphsafe._runtime.engine import Engine
-from graphsafe._runtime.load import Load
+from graphsafe._runtime.loads.load import Load
+from graphsafe._runtime.refresh.engine import Engine
 
 __all__ = ["Deferred"]
 
@@ -17,13 +17,22 @@ __all__ = ["Deferred"]
 class Deferred:
     """Whether loads defer their refresh, and what they deferred, in which engine."""
 
-    __slots__ = ("_engine", "_indices", "lazy")
+    __slots__ = ("_engine", "_indices", "_lazy")
 
     def __init__(self) -> None:
-        self.lazy = False
-        """Whether loads only mark what they make stale (`Load.end(lazy=...)`)."""
+        self._lazy = False
         self._engine: Engine | None = None
         self._indices: set[int] = set()
+
+    @property
+    def lazy(self) -> bool:
+        """Whether loads only mark what they make stale (`Load.end(lazy=...)`)."""
+        return self._lazy
+
+    def set_lazy(self, lazy: bool) -> None:
+        """Defer the refresh of loads from now on, or not (what was deferred stays until
+        `refresh`)."""
+        self._lazy = bool(lazy)
 
     def take(self, load: Load) -> None:
         """Keep what `load` left stale; what loads deferred in another engine (the model

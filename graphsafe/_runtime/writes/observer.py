@@ -170,7 +170,7 @@ class Observer:
                 native.observer_watch(())
                 self._native = None
                 if not self._taken:
-                    self._journal.sync = _nothing
+                    self._journal.set_drain(None)
             return
         if native is None:
             native = _native.get()
@@ -181,7 +181,7 @@ class Observer:
         if self._native is None:
             native.observer_start()
             self._native = self.lib = native
-            self._journal.sync = self.sync
+            self._journal.set_drain(self.sync)
 
     def _storages(self) -> dict[int, torch.UntypedStorage]:
         """Every storage watched now, by key."""
@@ -217,16 +217,12 @@ class Observer:
         finally:
             self._draining = False
         if self._native is None:
-            self._journal.sync = _nothing
+            self._journal.set_drain(None)
 
     def _warn(self) -> None:
         if not self._warned:
             self._warned = True
             warnings.warn(_UNAVAILABLE, GraphSafetyWarning, stacklevel=5)
-
-
-def _nothing() -> None:
-    """`Journal.sync` while the observer does not run."""
 
 
 def _enabled_by_env() -> bool:

@@ -1,6 +1,6 @@
 """What every engine integration shares: how registry names resolve in an engine's
-processes, patches installed once, and the weight update an engine's entry points open
-and close on one attached model (`EngineAttachment`)."""
+processes, patches installed once, the weight update an engine's entry points open and
+close on one attached model and the status it reports (`EngineAttachment`)."""
 
 from __future__ import annotations
 
@@ -155,6 +155,44 @@ class EngineAttachment:
 
     def _updated(self) -> None:
         """Called after each update that completed (a hook for the engine's attachment)."""
+
+    def _describe(self, *, read_set: bool = False) -> dict[str, Any]:
+        """What graphsafe holds for this model, as plain data: an engine's `status()`.
+
+        Args:
+            read_set: Also say whether the guard checks only what a recorded forward read
+                (`read_set`) and how many tensors that forward read that the model does not
+                hold (`inputs`): for an engine whose guard narrows to a read set.
+        """
+        rt = self.runtime
+        report = rt.last_report
+        guard = self.guard
+        found = rt.discovered
+        # How many of the model's tensors the guard checks; with `read_set`, whether only
+        # those the first forward read, and how many tensors it read that the model does
+        # not hold (input buffers, attention metadata).
+        checks: dict[str, bool | int] = {"checked": 0 if guard is None else len(guard.ledger)}
+        if read_set:
+            checks = {
+                "read_set": guard is not None and guard.reads is not None,
+                **checks,
+                "inputs": 0 if guard is None else len(guard.inputs),
+            }
+        return {
+            "pinned": rt.pinned,
+            # Declared derived buffers, then discovered tensors, whose inputs were
+            # written since they were computed (read by the engine's forward or not).
+            "stale": list(
+                dict.fromkeys([*rt.stale, *(d.path for d in found if d.stale and not d.exempt)])
+            ),
+            "updates": self.updates,
+            "derived": [p for d in rt.derivations for p in d.outputs],
+            # What the engine's own code derived from the weights without a declaration
+            # (found by provenance), each with the weights it was computed from.
+            "discovered": {d.path: list(d.sources) for d in found},
+            "last_refresh_bytes": None if report is None else report.bytes_written,
+            **checks,
+        }
 
     def updating(self, owner: object, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` run as one weight update (or inside the one open)."""

@@ -1,6 +1,7 @@
 """What every engine integration shares: how registry names resolve in an engine's
-processes, patches installed once, and the weight update an engine's entry points open
-and close on one attached model (`EngineAttachment`)."""
+processes, patches installed once, the weight update an engine's entry points open and
+close on one attached model and the status it reports (`EngineAttachment`), and how a
+loaded model is attached once (`attach_once`)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,26 @@ import contextlib
 import functools
 import importlib
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from typing import Any, TypeVar
 
 from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import RegistrationError
 from graphsafe._graphs.guard import Guard
+from graphsafe._lineage import Lineage
 from graphsafe._memory.walk import Site
 from graphsafe._runtime.runtime import Runtime, runtime
 
-__all__ = ["EngineAttachment", "Once", "no_registry", "read_by_address", "resolve_registries"]
+__all__ = [
+    "EngineAttachment",
+    "Once",
+    "attach_once",
+    "no_registry",
+    "read_by_address",
+    "resolve_registries",
+]
 
 
 def no_registry() -> Registry:
@@ -156,6 +165,44 @@ class EngineAttachment:
     def _updated(self) -> None:
         """Called after each update that completed (a hook for the engine's attachment)."""
 
+    def _describe(self, *, read_set: bool = False) -> dict[str, Any]:
+        """What graphsafe holds for this model, as plain data: an engine's `status()`.
+
+        Args:
+            read_set: Also say whether the guard checks only what a recorded forward read
+                (`read_set`) and how many tensors that forward read that the model does not
+                hold (`inputs`): for an engine whose guard narrows to a read set.
+        """
+        rt = self.runtime
+        report = rt.last_report
+        guard = self.guard
+        found = rt.discovered
+        # How many of the model's tensors the guard checks; with `read_set`, whether only
+        # those the first forward read, and how many tensors it read that the model does
+        # not hold (input buffers, attention metadata).
+        checks: dict[str, bool | int] = {"checked": 0 if guard is None else len(guard.ledger)}
+        if read_set:
+            checks = {
+                "read_set": guard is not None and guard.reads is not None,
+                **checks,
+                "inputs": 0 if guard is None else len(guard.inputs),
+            }
+        return {
+            "pinned": rt.pinned,
+            # Declared derived buffers, then discovered tensors, whose inputs were
+            # written since they were computed (read by the engine's forward or not).
+            "stale": list(
+                dict.fromkeys([*rt.stale, *(d.path for d in found if d.stale and not d.exempt)])
+            ),
+            "updates": self.updates,
+            "derived": [p for d in rt.derivations for p in d.outputs],
+            # What the engine's own code derived from the weights without a declaration
+            # (found by provenance), each with the weights it was computed from.
+            "discovered": {d.path: list(d.sources) for d in found},
+            "last_refresh_bytes": None if report is None else report.bytes_written,
+            **checks,
+        }
+
     def updating(self, owner: object, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` run as one weight update (or inside the one open)."""
 
@@ -171,3 +218,52 @@ class EngineAttachment:
             return ret
 
         return run
+
+
+_A = TypeVar("_A", bound=EngineAttachment)
+
+
+def attach_once(
+    attached: MutableMapping[nn.Module, _A],
+    model: nn.Module,
+    make: Callable[[], _A],
+    *,
+    lineage: Lineage | None = None,
+    lazy_refresh: bool | None = None,
+) -> _A:
+    """Attach `model` once: the attachment `make` returns, its derived buffers
+    materialized, what `lineage` recorded discovered, and `model.load_weights` made a
+    graphsafe load (a weight update of its own, or part of the one open); on a later call,
+    the same attachment, adopting `lineage`.
+
+    Args:
+        attached: The engine's map of attached models, where a new attachment is put.
+        model: The model, after the engine loaded it.
+        make: A new attachment of `model` (called on the first call only).
+        lineage: What `gs.record_lineage()` recorded around the engine's first load.
+        lazy_refresh: A new attachment's `gs.Runtime.lazy_refresh` (None: as it is).
+
+    Raises:
+        RegistrationError: A bound tensor does not fit its derived buffer.
+    """
+    have = attached.get(model)
+    if have is not None:
+        if lineage is not None:
+            have.runtime.adopt_lineage(lineage)
+        return have
+    att = make()
+    att.runtime.refresh()
+    if lazy_refresh is not None:
+        att.runtime.lazy_refresh = lazy_refresh
+    if lineage is not None:  # after the refresh: declared buffers are not discovered
+        att.runtime.adopt_lineage(lineage)
+    attached[model] = att
+    load: Callable[..., Any] = getattr(model, "load_weights")  # noqa: B009 (the engine's)
+    token = object()
+
+    @functools.wraps(load)
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        return att.updating(token, load)(*args, **kwargs)
+
+    setattr(model, "load_weights", load_weights)  # noqa: B010 (on the instance)
+    return att

@@ -105,20 +105,7 @@ class Attachment(EngineAttachment):
 
     def status(self) -> dict[str, Any]:
         """What graphsafe holds for this model, as plain data."""
-        rt = self.runtime
-        report = rt.last_report
-        found = rt.discovered
-        return {
-            "pinned": rt.pinned,
-            "stale": list(
-                dict.fromkeys([*rt.stale, *(d.path for d in found if d.stale and not d.exempt)])
-            ),
-            "updates": self.updates,
-            "derived": [p for d in rt.derivations for p in d.outputs],
-            "discovered": {d.path: list(d.sources) for d in found},
-            "last_refresh_bytes": None if report is None else report.bytes_written,
-            "checked": 0 if self.guard is None else len(self.guard.ledger),
-        }
+        return self._describe()
 
 
 def refusal(err: GraphSafetyError) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._lineage import Lineage, record
-from graphsafe.integrations._engine import Once
+from graphsafe.integrations._engine import Once, attach_once
 from graphsafe.integrations.sglang._attachment import _ATTACHED, Attachment, attachment
 from graphsafe.integrations.sglang._registries import ENV, registries_from
 
@@ -50,25 +50,9 @@ def attach(
         RegistrationError: A registry name does not resolve, or a bound tensor does not fit
             its derived buffer.
     """
-    have = _ATTACHED.get(model)
-    if have is not None:
-        if lineage is not None:
-            have.runtime.adopt_lineage(lineage)
-        return have
-    att = Attachment(model, registries_from(registries))
-    att.runtime.refresh()
-    if lineage is not None:  # after the refresh: declared buffers are not discovered
-        att.runtime.adopt_lineage(lineage)
-    _ATTACHED[model] = att
-    load: _Fn = getattr(model, "load_weights")  # noqa: B009 (an SGLang method)
-    token = object()
-
-    @functools.wraps(load)
-    def load_weights(*args: Any, **kwargs: Any) -> Any:
-        return att.updating(token, load)(*args, **kwargs)
-
-    setattr(model, "load_weights", load_weights)  # noqa: B010 (on the instance)
-    return att
+    return attach_once(
+        _ATTACHED, model, lambda: Attachment(model, registries_from(registries)), lineage=lineage
+    )
 
 
 def _sglang(module: str) -> Any:

@@ -109,30 +109,7 @@ class Attachment(EngineAttachment):
 
     def status(self) -> dict[str, Any]:
         """What graphsafe holds for this model, as plain data (for `collective_rpc`)."""
-        rt = self.runtime
-        report = rt.last_report
-        guard = self.guard
-        found = rt.discovered
-        return {
-            "pinned": rt.pinned,
-            # Declared derived buffers, then discovered tensors, whose inputs were
-            # written since they were computed (read by the engine's forward or not).
-            "stale": list(
-                dict.fromkeys([*rt.stale, *(d.path for d in found if d.stale and not d.exempt)])
-            ),
-            "updates": self.updates,
-            "derived": [p for d in rt.derivations for p in d.outputs],
-            # What vLLM's own code derived from the weights without a declaration (found
-            # by provenance), each with the weights it was computed from.
-            "discovered": {d.path: list(d.sources) for d in found},
-            "last_refresh_bytes": None if report is None else report.bytes_written,
-            # Whether the guard checks only what the first forward read, how many of the
-            # model's tensors it checks, and how many tensors that forward read that the
-            # model does not hold (input buffers, attention metadata).
-            "read_set": guard is not None and guard.reads is not None,
-            "checked": 0 if guard is None else len(guard.ledger),
-            "inputs": 0 if guard is None else len(guard.inputs),
-        }
+        return self._describe(read_set=True)
 
 
 def attachment(model: nn.Module) -> Attachment | None:

@@ -14,6 +14,7 @@ from torch import nn
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import RegistrationError
 from graphsafe._lineage import Lineage, record
+from graphsafe.integrations._engine import attach_once
 from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
 from graphsafe.integrations.vllm._patches import _on, _patch_layerwise
 from graphsafe.integrations.vllm._reads import runs_forward, runs_op_by_op
@@ -57,29 +58,14 @@ def attach(
         RegistrationError: A derivation reads a weight vLLM's CPU backend dropped, or a
             bound tensor does not fit its derived buffer.
     """
-    have = _ATTACHED.get(model)
-    if have is not None:
-        if lineage is not None:
-            have.runtime.adopt_lineage(lineage)
-        return have
-    _patch_layerwise()
-    regs = registries_from(registries)
-    _refuse_packed_inputs(model, regs)
-    att = Attachment(model, regs)
-    att.runtime.refresh()
-    att.runtime.lazy_refresh = _on(LAZY_REFRESH)
-    if lineage is not None:  # after the refresh: declared buffers are not discovered
-        att.runtime.adopt_lineage(lineage)
-    _ATTACHED[model] = att
-    load: _Fn = getattr(model, "load_weights")  # noqa: B009 (a vLLM method)
-    token = object()
 
-    @functools.wraps(load)
-    def load_weights(*args: Any, **kwargs: Any) -> Any:
-        return att.updating(token, load)(*args, **kwargs)
+    def make() -> Attachment:
+        _patch_layerwise()
+        regs = registries_from(registries)
+        _refuse_packed_inputs(model, regs)
+        return Attachment(model, regs)
 
-    setattr(model, "load_weights", load_weights)  # noqa: B010 (on the instance)
-    return att
+    return attach_once(_ATTACHED, model, make, lineage=lineage, lazy_refresh=_on(LAZY_REFRESH))
 
 
 def _refuse_packed_inputs(model: nn.Module, registries: list[Registry]) -> None:

@@ -41,7 +41,7 @@ from graphsafe._verify.processes import (
     quiet_native_logs,
     wait,
 )
-from graphsafe._verify.report import VerifyReport
+from graphsafe._verify.report.rows import VerifyReport
 from graphsafe._verify.stage import check_stages, stage
 from graphsafe._verify.target import VerifyTarget
 from graphsafe._verify.trainer import trainer

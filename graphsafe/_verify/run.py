@@ -24,8 +24,8 @@ from graphsafe._runtime.runtime import runtime, weight_update
 from graphsafe._verify.backend import choose_backend
 from graphsafe._verify.measure import Phases, max_abs_diff, pointers
 from graphsafe._verify.oracle import Oracle, audit_model, differing, fresh_model
-from graphsafe._verify.quote import quote
-from graphsafe._verify.report import (
+from graphsafe._verify.report.format import quote
+from graphsafe._verify.report.rows import (
     TOLERANCE,
     ControlRow,
     RefitRow,

@@ -24,7 +24,7 @@ from graphsafe._verify.job import Job
 from graphsafe._verify.measure import pointers
 from graphsafe._verify.messages import gather_rows, recv_stream, send_stream
 from graphsafe._verify.oracle import audit_model
-from graphsafe._verify.quote import quote
+from graphsafe._verify.report.format import quote
 from graphsafe.distributed import ReceiveReport, receive_weights
 
 __all__ = ["check_stages", "stage", "stage_model"]

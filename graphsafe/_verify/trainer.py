@@ -21,7 +21,7 @@ from graphsafe._verify.job import Job
 from graphsafe._verify.measure import Phases, max_abs_diff
 from graphsafe._verify.messages import gather_rows, recv_stream
 from graphsafe._verify.oracle import fresh_model
-from graphsafe._verify.report import (
+from graphsafe._verify.report.rows import (
     TOLERANCE,
     ControlRow,
     RefitRow,

@@ -16,7 +16,7 @@ from graphsafe._verify.report.rows import (
     SyncRow,
     VerifyReport,
 )
-from graphsafe._verify.run import run_verify
+from graphsafe._verify.single.run import run_verify
 from graphsafe._verify.target import (
     VerifyTarget,
     load_target,

@@ -28,9 +28,7 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from graphsafe._errors import GraphSafetyError
-from graphsafe._verify.backend import choose_backend
 from graphsafe._verify.job import Job
-from graphsafe._verify.oracle import Oracle
 from graphsafe._verify.processes import (
     Results,
     context,
@@ -42,6 +40,8 @@ from graphsafe._verify.processes import (
     wait,
 )
 from graphsafe._verify.report.rows import VerifyReport
+from graphsafe._verify.single.oracle import Oracle
+from graphsafe._verify.single.run import choose_backend
 from graphsafe._verify.stage import check_stages, stage
 from graphsafe._verify.target import VerifyTarget
 from graphsafe._verify.trainer import trainer

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphsafe._verify.job import Job
-from graphsafe._verify.messages import gather_rows, recv_stream
+from graphsafe._verify.pp.job import Job
+from graphsafe._verify.pp.messages import gather_rows, recv_stream
 from graphsafe._verify.report.rows import (
     TOLERANCE,
     ControlRow,

@@ -26,8 +26,8 @@ from figures import Ctx
 from harness import Row, interleave, paired
 
 from graphsafe._graphs.graph import Graph
-from graphsafe._verify.oracle import audit_model, differing, fresh_model
-from graphsafe._verify.run import _Run
+from graphsafe._verify.single.oracle import audit_model, differing, fresh_model
+from graphsafe._verify.single.run import _Run
 from graphsafe._verify.target import Checkpoint
 from graphsafe.models.deepseek_v4 import verify_target
 

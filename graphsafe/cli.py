@@ -19,7 +19,7 @@ from graphsafe._verify import (
     run_verify,
     run_verify_pp,
 )
-from graphsafe._verify.pipeline import DEFAULT_TIMEOUT
+from graphsafe._verify.pp.pipeline import DEFAULT_TIMEOUT
 
 __all__ = ["main"]
 

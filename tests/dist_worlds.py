@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphsafe as gs
-from graphsafe._verify.processes import free_port
+from graphsafe._verify.pp.processes import free_port
 from graphsafe.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, random_checkpoint
 
 TIMEOUT = 3.0

@@ -29,7 +29,7 @@ from torch import nn
 import graphsafe as gs
 import graphsafe.distributed as gsd
 from graphsafe._verify import VerifyReport, run_verify_pp
-from graphsafe._verify.processes import free_port as _free_port
+from graphsafe._verify.pp.processes import free_port as _free_port
 from graphsafe.cli import main
 from graphsafe.models.deepseek_v4 import (
     DeepseekV4Config,

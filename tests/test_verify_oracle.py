@@ -21,8 +21,8 @@ from torch import Tensor, nn
 import graphsafe as gs
 from graphsafe._errors import one_line
 from graphsafe._verify import VerifyReport, load_target, run_verify, run_verify_pp
-from graphsafe._verify.oracle import Oracle, fresh_model
-from graphsafe._verify.quote import quote
+from graphsafe._verify.report.format import quote
+from graphsafe._verify.single.oracle import Oracle, fresh_model
 from graphsafe.cli import main
 from graphsafe.models.deepseek_v4 import DeepseekV4Model, DeepseekV4Target, verify_target
 

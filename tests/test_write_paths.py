@@ -690,7 +690,7 @@ def _sync_side(rank: int, port: int, results: Any) -> None:
 def test_a_failed_sync_whose_entries_are_tensors_of_the_model_owes_only_those() -> None:
     import multiprocessing
 
-    from graphsafe._verify.processes import free_port
+    from graphsafe._verify.pp.processes import free_port
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")

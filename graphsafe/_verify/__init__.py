@@ -8,15 +8,15 @@ fresh tensor bound on every load) and must show the stale read and the guard cat
 it. `run_verify` runs it in one process, `run_verify_pp` as a trainer and pipeline stages.
 """
 
-from graphsafe._verify.format import format_report
-from graphsafe._verify.pipeline import run_verify_pp
-from graphsafe._verify.report import (
+from graphsafe._verify.pp.pipeline import run_verify_pp
+from graphsafe._verify.report.format import format_report
+from graphsafe._verify.report.rows import (
     ControlRow,
     RefitRow,
     SyncRow,
     VerifyReport,
 )
-from graphsafe._verify.run import run_verify
+from graphsafe._verify.single.run import run_verify
 from graphsafe._verify.target import (
     VerifyTarget,
     load_target,

@@ -50,7 +50,7 @@ def context() -> Any:
     # Ignored once the server runs; fork-safe, since importing starts no worker threads.
     # `torch._dynamo` is what building a model on the meta device imports (seconds).
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                "graphsafe.distributed", "graphsafe._verify.pipeline"])
+                                "graphsafe.distributed", "graphsafe._verify.pp.pipeline"])
     return ctx
 
 

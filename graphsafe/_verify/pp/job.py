@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from graphsafe._verify.oracle import Oracle
+from graphsafe._verify.single.oracle import Oracle
 from graphsafe._verify.target import VerifyTarget
 
 __all__ = ["Job"]

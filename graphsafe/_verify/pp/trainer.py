@@ -17,11 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphsafe._verify.job import Job
-from graphsafe._verify.measure import Phases, max_abs_diff
-from graphsafe._verify.messages import gather_rows, recv_stream
-from graphsafe._verify.oracle import fresh_model
-from graphsafe._verify.report import (
+from graphsafe._verify.pp.job import Job
+from graphsafe._verify.pp.messages import gather_rows, recv_stream
+from graphsafe._verify.report.rows import (
     TOLERANCE,
     ControlRow,
     RefitRow,
@@ -30,6 +28,8 @@ from graphsafe._verify.report import (
     passed,
     verdict,
 )
+from graphsafe._verify.single.oracle import fresh_model
+from graphsafe._verify.single.run import Phases, max_abs_diff
 from graphsafe._verify.target import Checkpoint
 from graphsafe.distributed import SendReport, send_weights
 

@@ -28,10 +28,8 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from graphsafe._errors import GraphSafetyError
-from graphsafe._verify.backend import choose_backend
-from graphsafe._verify.job import Job
-from graphsafe._verify.oracle import Oracle
-from graphsafe._verify.processes import (
+from graphsafe._verify.pp.job import Job
+from graphsafe._verify.pp.processes import (
     Results,
     context,
     describe_failure,
@@ -41,10 +39,12 @@ from graphsafe._verify.processes import (
     quiet_native_logs,
     wait,
 )
-from graphsafe._verify.report import VerifyReport
-from graphsafe._verify.stage import check_stages, stage
+from graphsafe._verify.pp.stage import check_stages, stage
+from graphsafe._verify.pp.trainer import trainer
+from graphsafe._verify.report.rows import VerifyReport
+from graphsafe._verify.single.oracle import Oracle
+from graphsafe._verify.single.run import choose_backend
 from graphsafe._verify.target import VerifyTarget
-from graphsafe._verify.trainer import trainer
 
 __all__ = ["DEFAULT_TIMEOUT", "run_verify_pp"]
 

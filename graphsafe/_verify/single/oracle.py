@@ -22,20 +22,13 @@ from torch import nn
 from graphsafe._audit.audit import audit
 from graphsafe._errors import GraphSafetyError, StaleError
 from graphsafe._runtime.runtime import runtime
-from graphsafe._verify.quote import quote
-from graphsafe._verify.report import TOLERANCE
+from graphsafe._verify.report.format import quote
+from graphsafe._verify.report.rows import TOLERANCE
 from graphsafe._verify.target import Checkpoint, VerifyTarget
 
-__all__ = ["ORACLES", "Audited", "Oracle", "audit_model", "differing", "fresh_model"]
+__all__ = ["Audited", "Oracle", "audit_model", "differing", "fresh_model"]
 
 Oracle = Literal["fresh", "self"]
-
-ORACLES: dict[str, str] = {
-    "fresh": "fresh model from the checkpoint",
-    "self": "the model under test (its own eager forward, which reads the same derived "
-    "state as the replay)",
-}
-"""How the report names each oracle."""
 
 _UNSEEN = "a NumPy view, a raw pointer, CUDA IPC"
 

@@ -4,13 +4,18 @@ Capture the forward with a guarded graph, refit it in random buckets several tim
 after each, replay, audit the model's derived tensors and compare the replay with a
 model built fresh from the refit's checkpoint (`oracle`); then the naive variant,
 unguarded and guarded.
+
+What every verify run shares, the `--pp` mode too, is here: the graph backend it picks
+(`choose_backend`), how it says each phase as it goes (`Phases`), and what it measures
+(`pointers`, `max_abs_diff`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -21,11 +26,8 @@ from graphsafe import _native
 from graphsafe._errors import GraphSafetyError
 from graphsafe._graphs.graph import Graph
 from graphsafe._runtime.runtime import runtime, weight_update
-from graphsafe._verify.backend import choose_backend
-from graphsafe._verify.measure import Phases, max_abs_diff, pointers
-from graphsafe._verify.oracle import Oracle, audit_model, differing, fresh_model
-from graphsafe._verify.quote import quote
-from graphsafe._verify.report import (
+from graphsafe._verify.report.format import quote
+from graphsafe._verify.report.rows import (
     TOLERANCE,
     ControlRow,
     RefitRow,
@@ -33,9 +35,10 @@ from graphsafe._verify.report import (
     passed,
     verdict,
 )
+from graphsafe._verify.single.oracle import Oracle, audit_model, differing, fresh_model
 from graphsafe._verify.target import Checkpoint, VerifyTarget
 
-__all__ = ["run_verify"]
+__all__ = ["Phases", "choose_backend", "max_abs_diff", "pointers", "run_verify"]
 
 Inputs = tuple[torch.Tensor, ...]
 
@@ -262,3 +265,45 @@ def _buckets(
     if crit:
         out.append(crit)
     return [b for b in out if b]
+
+
+def choose_backend(backend: str) -> Literal["cuda", "cpu"]:
+    """`cuda` or `cpu` as asked; `auto`: `cuda` where a GPU is visible.
+
+    Raises:
+        GraphSafetyError: Any other name.
+    """
+    if backend not in ("auto", "cuda", "cpu"):
+        raise GraphSafetyError(
+            f"unknown backend {backend!r}", expected="auto, cuda or cpu", got=backend,
+            fix="pass --backend auto, cuda or cpu",
+        )
+    if backend == "cuda" or (backend == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+class Phases:
+    """Says each phase of the run as it starts and ends, with its wall time."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        self._say(f"[{t0 - self._start:7.2f}s] {name} ...")
+        yield
+        self._say(f"[{time.perf_counter() - self._start:7.2f}s] {name}: done in "
+                  f"{time.perf_counter() - t0:.2f}s")
+
+
+def pointers(model: nn.Module) -> list[int]:
+    """The data pointers of every parameter and buffer: equal lists, no tensor moved."""
+    return [t.data_ptr() for t in [*model.parameters(), *model.buffers()]]
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|."""
+    return float((a - b).abs().max().item())

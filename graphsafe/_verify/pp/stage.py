@@ -20,11 +20,11 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError
 from graphsafe._graphs.graph import Graph
-from graphsafe._verify.job import Job
-from graphsafe._verify.measure import pointers
-from graphsafe._verify.messages import gather_rows, recv_stream, send_stream
-from graphsafe._verify.oracle import audit_model
-from graphsafe._verify.quote import quote
+from graphsafe._verify.pp.job import Job
+from graphsafe._verify.pp.messages import gather_rows, recv_stream, send_stream
+from graphsafe._verify.report.format import quote
+from graphsafe._verify.single.oracle import audit_model
+from graphsafe._verify.single.run import pointers
 from graphsafe.distributed import ReceiveReport, receive_weights
 
 __all__ = ["check_stages", "stage", "stage_model"]

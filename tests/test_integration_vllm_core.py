@@ -19,10 +19,10 @@ from torch import nn
 from torch.utils import _python_dispatch
 
 import graphsafe as gs
-from graphsafe._graphs.reads import ReadRecorder
+from graphsafe._graphs.reads import ReadTracker
 from graphsafe._memory.walk import storage_key
 from graphsafe.integrations import vllm as gsv
-from graphsafe.integrations.vllm._reads import StepRecorder, runs_op_by_op
+from graphsafe.integrations.vllm._reads import StepReadTracker, runs_op_by_op
 
 registry = gs.Registry()
 
@@ -329,7 +329,7 @@ def test_only_the_first_forward_runs_under_the_recorder() -> None:
     for _ in range(3):
         worker.execute_model()
     (mode, profile), *later = worker.seen
-    assert isinstance(mode, StepRecorder) and profile is not None  # control: it can be seen
+    assert isinstance(mode, StepReadTracker) and profile is not None  # control: it can be seen
     assert later == [(None, None), (None, None)]  # later steps cost what they did
 
 
@@ -340,7 +340,7 @@ def test_a_step_that_schedules_no_tokens_is_not_recorded() -> None:
     worker.execute_model(SimpleNamespace(total_num_scheduled_tokens=0))
     assert worker.seen[-1][0] is None and att.recording and not att.status()["read_set"]
     worker.execute_model(SimpleNamespace(total_num_scheduled_tokens=3))
-    assert isinstance(worker.seen[-1][0], StepRecorder) and att.status()["read_set"]
+    assert isinstance(worker.seen[-1][0], StepReadTracker) and att.status()["read_set"]
 
 
 @pytest.mark.parametrize(
@@ -359,7 +359,7 @@ def test_a_compiled_engine_keeps_the_whole_model_checked(kw: dict[str, Any]) -> 
     rebind(worker.model.emb)
     with pytest.raises(gs.StorageMovedError, match=r"\bemb\b"):
         worker.execute_model()
-    recorded = isinstance(worker.seen[0][0], StepRecorder)
+    recorded = isinstance(worker.seen[0][0], StepReadTracker)
     assert recorded == ("traced" in kw)  # the FX forward ran under it; the compiled did not
 
 
@@ -385,11 +385,11 @@ def _hidden_read(x: torch.Tensor, name: str) -> torch.Tensor:
 def test_an_opaque_vllm_op_without_a_forward_context_leaves_no_read_set() -> None:
     hidden, x = torch.ones(3), torch.zeros(3)
     _HIDDEN["kv"] = hidden
-    with ReadRecorder() as plain:
+    with ReadTracker() as plain:
         torch.ops.vllm.graphsafe_test_hidden_read(x, "kv")
     # Control: the dispatcher shows the op, not what its kernel read.
     assert plain.reads is not None and storage_key(hidden) not in plain.reads
-    with StepRecorder() as rec:
+    with StepReadTracker() as rec:
         torch.ops.vllm.graphsafe_test_hidden_read(x, "kv")
     assert rec.opaque and rec.reads is None  # no vLLM forward context: not known
 

@@ -13,8 +13,8 @@ from torch import nn
 import graphsafe as gs
 from graphsafe import _native
 from graphsafe._memory.journal import JOURNAL, Journal
-from graphsafe._memory.snapshot import Identities, Slot, Witnesses
-from graphsafe._memory.walk import storage_key
+from graphsafe._memory.snapshot import Identities, Witnesses
+from graphsafe._memory.walk import Slot, storage_key
 
 
 def test_witnesses_read_the_journal_they_are_given() -> None:

@@ -18,9 +18,9 @@ import pytest
 from torch.utils import _python_dispatch
 
 import graphsafe as gs
-from graphsafe._graphs.reads import ReadRecorder
+from graphsafe._graphs.reads import ReadTracker
 from graphsafe._memory.walk import storage_key
-from graphsafe.integrations.vllm._reads import StepRecorder
+from graphsafe.integrations.vllm._reads import StepReadTracker
 
 STASH = "kl_reference"
 READ = "model.embed_tokens.weight"
@@ -65,7 +65,7 @@ def test_after_the_first_forward_a_tensor_it_never_read_can_be_rebound(eager: An
         lambda *_: seen.append(_python_dispatch._get_current_dispatch_mode())
     )
     try:
-        with ReadRecorder() as plain:  # around graphsafe's: what the dispatcher shows
+        with ReadTracker() as plain:  # around graphsafe's: what the dispatcher shows
             tokens = eu.generate(eager)  # a prefill, then a forward per new token
         first = seen[:]
         seen.clear()
@@ -78,7 +78,7 @@ def test_after_the_first_forward_a_tensor_it_never_read_can_be_rebound(eager: An
     paths = att.guard.ledger.paths
     assert READ in paths and STASH not in paths
     # Only the first forward ran under graphsafe's recorder: later ones cost what they did.
-    assert isinstance(first[0], StepRecorder) and first[1:] == [plain] * (eu.N_NEW - 1)
+    assert isinstance(first[0], StepReadTracker) and first[1:] == [plain] * (eu.N_NEW - 1)
     assert seen == [None] * eu.N_NEW
     # Attention reads its layer's KV cache inside one vLLM op, out of the dispatcher's
     # sight (control), and the read set counts it all the same.

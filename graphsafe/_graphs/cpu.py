@@ -1,4 +1,4 @@
-"""The CPU graph backend: a recorder that replays aten ops the way a CUDA graph does.
+"""The CPU graph backend: a tape of aten ops, replayed the way a CUDA graph replays.
 
 During capture the callable runs eagerly under a `TorchDispatchMode` that records every
 aten op. Replay reruns the recorded ops, with a CUDA graph's semantics:
@@ -33,15 +33,15 @@ from graphsafe._errors import CaptureError
 from graphsafe._graphs.capture import CaptureState
 from graphsafe._graphs.cpu_codegen import (
     CompiledGraph,
+    EnvRef,
     Recorded,
-    Ref,
     generate,
     out_indices,
     ref_indices,
     static_aliases,
     storage_alias,
 )
-from graphsafe._graphs.reads import CompiledWatch
+from graphsafe._graphs.reads import CompiledFrames
 from graphsafe._graphs.source import user_frame as _user_frame
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.writes.tracking import written_args
@@ -83,7 +83,7 @@ _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
 class _Known(NamedTuple):
-    """What the recorder knows about a tensor object it has seen."""
+    """What the tape knows about a tensor object it has seen."""
 
     pos: int  # index into the env
     external: bool
@@ -153,7 +153,7 @@ class _ValueReadGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch stubs
+class _Tape(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch stubs
     """Runs every aten op eagerly and records it against env indices."""
 
     def __init__(self) -> None:
@@ -227,7 +227,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch st
 
     def _template(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return Ref(self._ref(value))
+            return EnvRef(self._ref(value))
         if isinstance(value, (list, tuple)):
             items = [self._template(v) for v in value]
             if all(a is b for a, b in zip(items, value, strict=True)):
@@ -366,12 +366,12 @@ class CPUBackend:
                 value into Python or ran an op whose output shape depends on values.
         """
         with self._state.capturing():
-            recorder = _Recorder()
-            watch = CompiledWatch()
-            with _ValueReadGuard(), recorder, watch:
+            tape = _Tape()
+            watch = CompiledFrames()
+            with _ValueReadGuard(), tape, watch:
                 yield
-            self._compiled = recorder.compile()
-            self._external = recorder.externals
+            self._compiled = tape.compile()
+            self._external = tape.externals
             self._trusted = not watch.compiled
 
     @property

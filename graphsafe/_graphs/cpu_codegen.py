@@ -20,7 +20,7 @@ import torch
 __all__ = [
     "CompiledGraph",
     "Recorded",
-    "Ref",
+    "EnvRef",
     "generate",
     "out_indices",
     "ref_indices",
@@ -33,7 +33,7 @@ _KEEP_SOURCES = 256
 _SOURCES: collections.deque[str] = collections.deque()
 
 
-class Ref:
+class EnvRef:
     """Placeholder in a recorded argument: the tensor at `env[index]`."""
 
     __slots__ = ("index",)
@@ -69,7 +69,7 @@ def storage_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 def ref_indices(template: Any) -> Iterator[int]:
-    if isinstance(template, Ref):
+    if isinstance(template, EnvRef):
         yield template.index
     elif isinstance(template, (list, tuple)):
         for item in template:
@@ -138,7 +138,7 @@ class _Source:
         return name
 
     def expr(self, template: Any) -> str:
-        if isinstance(template, Ref):
+        if isinstance(template, EnvRef):
             return f"v{template.index}"
         if template is None or type(template) in (bool, int):
             return repr(template)

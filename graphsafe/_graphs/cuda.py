@@ -14,7 +14,7 @@ import torch
 
 from graphsafe._errors import CaptureError
 from graphsafe._graphs.capture import CaptureState
-from graphsafe._graphs.reads import ReadRecorder
+from graphsafe._graphs.reads import ReadTracker
 from graphsafe._graphs.source import user_frame_of
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class CUDABackend:
         CaptureError: CUDA is not available.
     """
 
-    __slots__ = ("_graph", "_pool", "_recorder", "_state")
+    __slots__ = ("_graph", "_pool", "_reads", "_state")
 
     def __init__(self, pool: PoolHandle | None = None) -> None:
         if not torch.cuda.is_available():
@@ -69,17 +69,17 @@ class CUDABackend:
         self._graph = torch.cuda.CUDAGraph()
         self._pool = pool
         self._state = CaptureState()
-        self._recorder = ReadRecorder()
+        self._reads = ReadTracker()
 
     @property
     def reads(self) -> frozenset[int] | None:
         """Storage keys the captured ops read; None when compiled code ran in the capture
         (its kernels read memory no op names)."""
-        return self._recorder.reads
+        return self._reads.reads
 
     def outside(self) -> list[torch.Tensor]:
         """A tensor per storage the captured ops read that they did not make."""
-        return self._recorder.outside()
+        return self._reads.outside()
 
     def warmup(self, fn: Callable[[], object], iters: int) -> None:
         """Run `fn` `iters` times on a side stream, then join the current stream."""
@@ -101,7 +101,7 @@ class CUDABackend:
         with self._state.capturing():
             torch.cuda.synchronize()
             try:
-                with torch.cuda.graph(self._graph, pool=self._pool), self._recorder:
+                with torch.cuda.graph(self._graph, pool=self._pool), self._reads:
                     yield
             except BaseException as error:
                 reason = _capture_failure(error)

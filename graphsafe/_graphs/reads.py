@@ -3,7 +3,7 @@
 A graph reads only what its body's ops read; a guard that checks only those refuses no
 replay for a stale tensor the graph never reads, and `Graph.inputs` lists what the graph
 reads that the model does not own (static inputs, KV caches). The CPU graph records every
-op anyway, so its read set is what its eager body read. On CUDA, `ReadRecorder` notes
+op anyway, so its read set is what its eager body read. On CUDA, `ReadTracker` notes
 the storages of every tensor argument of every op during capture; kernels that bypass the
 dispatcher (Triton, inductor: `torch.compile`'s code) read memory no op names, so on
 either backend a capture that ran compiled code is not trusted, and the guard checks the
@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe._memory.walk import storage_key
 
-__all__ = ["CompiledWatch", "ReadRecorder", "compiled_code"]
+__all__ = ["CompiledFrames", "ReadTracker", "compiled_code"]
 
 # Where code that launches kernels past the dispatcher lives: dynamo's transformed
 # frames, FX graph modules, inductor's generated modules, Triton's launcher.
@@ -38,7 +38,7 @@ def compiled_code(frame: FrameType) -> bool:
     )
 
 
-class CompiledWatch:
+class CompiledFrames:
     """While entered, notes whether any Python frame ran compiled code (`compiled_code`),
     keeping a profiler already set (coverage tools) running."""
 
@@ -46,7 +46,7 @@ class CompiledWatch:
         self.compiled = False
         self._previous: Any = None
 
-    def __enter__(self) -> CompiledWatch:
+    def __enter__(self) -> CompiledFrames:
         self._previous = sys.getprofile()
         sys.setprofile(self._profile)
         return self
@@ -61,13 +61,13 @@ class CompiledWatch:
             self._previous(frame, event, arg)
 
 
-class ReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch stubs
+class ReadTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch stubs
     """Notes the storage of every tensor an op reads or writes, and of every tensor one
     makes, while it is entered; and whether compiled code ran (then `reads` is None).
 
     Examples:
         >>> w, x = torch.ones(2), torch.ones(2)
-        >>> with ReadRecorder() as rec:
+        >>> with ReadTracker() as rec:
         ...     y = w * x
         >>> rec.reads == {storage_key(w), storage_key(x)}, storage_key(y) in rec.made
         (True, True)
@@ -77,7 +77,7 @@ class ReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         super().__init__()  # type: ignore[no-untyped-call]
         self.read: dict[int, torch.Tensor] = {}  # storage key -> a tensor read there
         self.made: set[int] = set()
-        self._watch = CompiledWatch()
+        self._watch = CompiledFrames()
 
     @property
     def compiled(self) -> bool:
@@ -93,7 +93,7 @@ class ReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         """A tensor per storage read that no op of the capture made."""
         return [t for k, t in self.read.items() if k not in self.made]
 
-    def __enter__(self) -> ReadRecorder:
+    def __enter__(self) -> ReadTracker:
         self._watch.__enter__()
         super().__enter__()  # type: ignore[no-untyped-call]
         return self

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from graphsafe._declare.spec import Drift, DriftKind
-from graphsafe._memory.pins import CHECK_ERRORS, RESOLVE_ERRORS, Bound, Pin, has_storage
+from graphsafe._memory.pins import CHECK_ERRORS, RESOLVE_ERRORS, Pin, SubmodulePin, has_storage
 from graphsafe._memory.walk import Ref, step, storage_key
 
 __all__ = ["holder_drift", "module_drift", "pin_drifts"]
@@ -22,7 +22,7 @@ __all__ = ["holder_drift", "module_drift", "pin_drifts"]
 _MISSING = object()
 
 
-def module_drift(b: Bound) -> Drift | None:
+def module_drift(b: SubmodulePin) -> Drift | None:
     """A `module` drift when `b.parent` no longer binds `b.module` under `b.key`."""
     try:
         now: object = b.parent._modules[b.key]

@@ -47,7 +47,7 @@ from graphsafe import _native
 from graphsafe._declare.spec import Drift
 from graphsafe._memory.diff import holder_drift, module_drift, pin_drifts
 from graphsafe._memory.drift import moved_error
-from graphsafe._memory.pins import CHECK_ERRORS, Bound, Pin, has_storage, pin
+from graphsafe._memory.pins import CHECK_ERRORS, Pin, SubmodulePin, has_storage, pin
 from graphsafe._memory.snapshot import DATA_PTR, PLAIN, STRIDE
 from graphsafe._memory.walk import (
     Attr,
@@ -120,7 +120,7 @@ class Ledger:
         self,
         root: nn.Module,
         pins: tuple[Pin, ...],
-        bindings: tuple[Bound, ...],
+        bindings: tuple[SubmodulePin, ...],
         held: tuple[torch.UntypedStorage, ...],
         label: str,
         refs: tuple[Ref, ...] = (),
@@ -202,7 +202,7 @@ class Ledger:
             A ledger of every tensor and submodule found.
         """
         bindings = tuple(
-            Bound(s.path, s.parent, s.key, s.module)
+            SubmodulePin(s.path, s.parent, s.key, s.module)
             for s in walk_modules(model)
             if s.parent is not None
         )
@@ -223,7 +223,7 @@ class Ledger:
         cls,
         model: nn.Module,
         pins: tuple[Pin, ...],
-        bindings: tuple[Bound, ...],
+        bindings: tuple[SubmodulePin, ...],
         label: str,
         refs: tuple[Ref, ...],
     ) -> Ledger:

@@ -1,4 +1,4 @@
-"""What the ledger records at snapshot time: one `Pin` per tensor, one `Bound` per binding.
+"""What the ledger records at snapshot time: one `Pin` per tensor, one `SubmodulePin` per binding.
 
 A pin holds the site it was found at (and so the tensor object itself), the module
 attribute its container is, and the tensor's storage key, offset, shape, stride, dtype and
@@ -15,7 +15,7 @@ from torch import nn
 
 from graphsafe._memory.walk import Site, storage_key
 
-__all__ = ["CHECK_ERRORS", "RESOLVE_ERRORS", "Bound", "Pin", "has_storage", "pin"]
+__all__ = ["CHECK_ERRORS", "RESOLVE_ERRORS", "SubmodulePin", "Pin", "has_storage", "pin"]
 
 # Raised while re-resolving a path whose container entry is gone or is no tensor.
 RESOLVE_ERRORS = (KeyError, IndexError, TypeError, AttributeError)
@@ -36,7 +36,7 @@ class Pin(NamedTuple):
     device: torch.device
 
 
-class Bound(NamedTuple):
+class SubmodulePin(NamedTuple):
     """One submodule binding: `parent._modules[key]` was `module` at snapshot time."""
 
     path: str

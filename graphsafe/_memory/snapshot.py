@@ -2,9 +2,10 @@
 
 A site is a holder and a key: a dict and its key (`module._parameters`, `"weight"`; an
 object's attribute is its `__dict__` and the name), a closure cell (key None) or an
-object's slot (`Slot(name)`). `Sites` reads them all at once; `Identities` (identity,
-pointer, stride: the every-load rebinding check) and `Witnesses` (also version and journal
-epoch: the guard's freshness check) compare what they read with what they recorded. The
+object's slot (key `walk.Slot(name)`, the step the walk takes into it). `Sites` reads them
+all at once; `Identities` (identity, pointer, stride: the every-load rebinding check) and
+`Witnesses` (also version and journal epoch: the guard's freshness check) compare what
+they read with what they recorded. The
 compiled checks (`graphsafe native build`) read every kind of site in C++ as `read_site`
 does in Python, and compare there.
 """
@@ -20,11 +21,10 @@ import torch
 
 from graphsafe import _native
 from graphsafe._memory.journal import Journal
-from graphsafe._memory.walk import storage_key
+from graphsafe._memory.walk import Slot, storage_key
 
 __all__ = [
-    "DATA_PTR", "PLAIN", "STRIDE", "VERSION", "Identities", "Sites", "SitesRead", "Slot",
-    "Witnesses",
+    "DATA_PTR", "PLAIN", "STRIDE", "VERSION", "Identities", "Sites", "SitesRead", "Witnesses",
 ]
 
 PLAIN = torch._C.DisableTorchFunctionSubclass
@@ -32,12 +32,6 @@ PLAIN = torch._C.DisableTorchFunctionSubclass
 DATA_PTR = torch.Tensor.data_ptr
 STRIDE = torch.Tensor.stride
 VERSION = operator.attrgetter("_version")
-
-
-class Slot(NamedTuple):
-    """The key of a site held in an object's `__slots__` attribute `name`."""
-
-    name: str
 
 
 class SitesRead(NamedTuple):

@@ -14,7 +14,7 @@ from graphsafe._declare.registry import Registry
 from graphsafe._graphs.guard import Guard
 from graphsafe._memory.walk import storage_key
 from graphsafe.integrations._engine import EngineAttachment, read_by_address
-from graphsafe.integrations.vllm._reads import StepRecorder
+from graphsafe.integrations.vllm._reads import StepReadTracker
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Attachment] = weakref.WeakKeyDictionary()
 
@@ -85,7 +85,7 @@ class Attachment(EngineAttachment):
             if not self.recording:
                 yield
                 return
-            with StepRecorder() as rec:
+            with StepReadTracker() as rec:
                 yield
             self.recording = False
             reads = rec.reads

@@ -1,6 +1,6 @@
 """The read set of an engine that captures no graphs, taken from the first forward after the
 pin: which engines run op by op (`runs_op_by_op`), which steps run a forward
-(`runs_forward`), and the recorder for a vLLM forward (`StepRecorder`)."""
+(`runs_forward`), and the recorder for a vLLM forward (`StepReadTracker`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from graphsafe._graphs.reads import ReadRecorder
+from graphsafe._graphs.reads import ReadTracker
 from graphsafe._memory.walk import storage_key, walk_tensors
 
 
@@ -39,8 +39,8 @@ def runs_forward(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     return tokens is None or tokens > 0
 
 
-class StepRecorder(ReadRecorder):  # type: ignore[no-untyped-call]  # torch stubs
-    """A `ReadRecorder` for one vLLM forward.
+class StepReadTracker(ReadTracker):  # type: ignore[no-untyped-call]  # torch stubs
+    """A `ReadTracker` for one vLLM forward.
 
     vLLM's own custom ops (namespace `vllm`: attention, fused MoE) reach their layer's
     state, such as the KV cache or the experts' weights, by the layer's name through the

@@ -12,7 +12,7 @@ be recomputed. It writes nothing into the model: no value, no address, no `_vers
 journal epoch, no witness changes.
 
 Memory: one derivation's result at a time, computed into one scratch block reused for
-every derivation that takes `out=`; the comparison (`_runtime.compare`) allocates nothing
+every derivation that takes `out=`; the comparison (`_audit.compare`) allocates nothing
 of the buffers' size.
 """
 

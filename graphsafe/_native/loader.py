@@ -5,10 +5,10 @@
   metadata read is a Python call), the C++ one a few nanoseconds. Both answer the same
   question, and only "nothing changed" is taken from the C++ one: when it says something
   changed, or cannot tell, the Python path finds and names the change.
-- `tracker.cpp`: the load-time write tracker (`_runtime.tracking.NativeWriteTracker`), a
+- `tracker.cpp`: the load-time write tracker (`_runtime.writes.tracking.NativeWriteTracker`), a
   RecordFunction callback instead of a Python dispatch mode, a fraction of a microsecond
   per op instead of about ten.
-- `observer.cpp`: the process-wide write observer (`_runtime.observer`), a global
+- `observer.cpp`: the process-wide write observer (`_runtime.writes.observer`), a global
   RecordFunction callback noting writes into pinned models' storages made outside any
   tracked load, in every thread. No Python dispatch mode can do that: modes are per
   thread.

@@ -1,5 +1,5 @@
 // The process-wide write observer: writes into watched storages made outside any tracked
-// load, in any thread (graphsafe/_runtime/observer.py drives it: observer_watch,
+// load, in any thread (graphsafe/_runtime/writes/observer.py drives it: observer_watch,
 // observer_start, observer_stop, observer_running, observer_pending, observer_drain,
 // observer_quiet; tracker.cpp lists them in the module's method table).
 //

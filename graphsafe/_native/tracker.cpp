@@ -1,4 +1,4 @@
-// The load-time write tracker in C++: graphsafe/_runtime/tracking.py's WriteTracker
+// The load-time write tracker in C++: graphsafe/_runtime/writes/tracking.py's WriteTracker
 // without a Python call per op (tracker_new, tracker_push, tracker_pop, tracker_written,
 // tracker_free; checks.cpp adds them, and observer.cpp's functions, to the module).
 //

@@ -14,7 +14,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
-from typing import Any
+from typing import Any, Final
 
 from torch import nn
 
@@ -96,14 +96,14 @@ class Runtime(metaclass=_OnePerModel):
     def __init__(
         self, model: nn.Module, registry: Registry | None = None, *, strict: bool = False
     ) -> None:
-        self._lock = threading.RLock()  # the model's: its loads and replays take it
-        self._binder = Binder(model, registry, strict=strict, journal=JOURNAL, own=self._own,
+        self._lock: Final = threading.RLock()  # the model's: its loads and replays take it
+        self._binder: Final = Binder(model, registry, strict=strict, journal=JOURNAL, own=self._own,
                               on_bind=self._on_bind)
-        self._holders: dict[object, int] = {}
+        self._holders: Final[dict[object, int]] = {}
         # Every model storage while pinned: poison on any refuses the graphs' replays.
         self._pinned_keys: frozenset[int] = frozenset()
-        self._discovery = Discovery(JOURNAL)
-        self._loads = LoadDriver(self._lock, JOURNAL, self._binder,
+        self._discovery: Final = Discovery(JOURNAL)
+        self._loads: Final = LoadDriver(self._lock, JOURNAL, self._binder,
                                  pinned=lambda: bool(self._holders), discovery=self._discovery)
 
     # -- binding ---------------------------------------------------------------------
@@ -423,7 +423,7 @@ class Runtime(metaclass=_OnePerModel):
             self._holders[holder] = self._holders.get(holder, 0) + 1
             self._pinned_keys = frozenset(self._binder.model_tensors())
             # Writes into what the derivations read or write, outside any tracked load and
-            # in any thread, are seen from now on (`_runtime.observer`).
+            # in any thread, are seen from now on (`_runtime.writes.observer`).
             OBSERVER.watch(self, self._bound_engine().watch.storage_keys()
                            | self._discovery.source_keys(), self._binder.tensors)
 

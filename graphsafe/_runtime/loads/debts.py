@@ -1,14 +1,22 @@
 """What each ended load of one model leaves owed: a failed one owes what it may have
 written, a completed one pays for what it wrote.
 
-`Debts` keeps the model's `Owed` and poisons, in the journal, the storages a failed load
-may have left half written, for every other model reading them. The runtime's `Loads`
-holds one and settles each load through it under the model's lock.
+A load that raised (or a generator or async loader closed early, a `load_state_dict`
+that raised once it had copied) may have left any tensor it was to write half old, half
+new. Unless the update named what it writes (`gs.weight_update(model, writes=...)`), that
+is every weight of the model. The debt (`Owed`) is kept by tensor path, not by storage
+address, so that moving the model (`.to()`, `share_memory_()`) does not forgive it; each
+completed load pays for what it wrote, whichever model it went through, and the guard
+refuses while anything is owed. `Debts` keeps the model's `Owed` and poisons, in the
+journal, the storages a failed load may have left half written, so that other models
+sharing them see the failure too. The model's `LoadDriver` holds one and settles each
+load through it under the model's lock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Set
+from typing import Final
 
 from graphsafe._errors import one_line
 from graphsafe._memory.journal import Journal
@@ -29,8 +37,8 @@ class Debts:
     __slots__ = ("_journal", "owed")
 
     def __init__(self, journal: Journal) -> None:
-        self._journal = journal
-        self.owed = Owed()
+        self._journal: Final = journal
+        self.owed: Final = Owed()
         """The tensor paths owed since a failure, and why."""
 
     def settle(

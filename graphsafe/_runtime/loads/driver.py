@@ -19,7 +19,7 @@ import inspect
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
-from typing import Any
+from typing import Any, Final
 
 from torch import nn
 
@@ -59,16 +59,17 @@ class LoadDriver:
         self, lock: threading.RLock, journal: Journal, binder: Binder, *,
         pinned: Callable[[], bool], discovery: Discovery,
     ) -> None:
-        self._lock = lock
-        self._journal = journal
-        self._binder = binder
-        self._pinned = pinned
-        self._discovery = discovery
+        self._lock: Final = lock
+        self._journal: Final = journal
+        self._binder: Final = binder
+        self._pinned: Final = pinned
+        self._discovery: Final = discovery
         self._load: Load | None = None
-        self._load_checks: list[Callable[[], None]] = []
-        self._debts = Debts(journal)
-        self._state_dicts = StateDictCalls()  # the `load_state_dict` in progress, its verdict
-        self._deferred = Deferred()  # what loads left stale for the next replay (lazy)
+        self._load_checks: Final[list[Callable[[], None]]] = []
+        self._debts: Final = Debts(journal)
+        # The `load_state_dict` in progress, its verdict.
+        self._state_dicts: Final = StateDictCalls()
+        self._deferred: Final = Deferred()  # what loads left stale for the next replay (lazy)
         _LIVE.add(self)
 
     @property

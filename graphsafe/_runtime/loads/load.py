@@ -5,8 +5,14 @@ loader's own code runs: not between the steps of a generator or async loader) an
 worker threads that join it. Mid-load it refreshes derivations whose transient inputs
 became complete; at its end it records the writes in the journal, heals the poison of
 what it wrote and brings the derived buffers up to date, or, when the load raised,
-leaves them failed closed. The runtime's `Loads` drives it (`Load.begin`, `load.end`)
+leaves them failed closed. The model's `LoadDriver` drives it (`Load.begin`, `load.end`)
 under the model's lock; nothing else changes its fields.
+
+A generator loader (or the generator a loading method returns) and an async loader's
+coroutine are one `Load` over their whole run, but its tracker is on only while the
+loader's own code runs: each step runs under `Load.running()`, and the code between steps
+(the caller iterating the generator, the event loop's other tasks) does not (`steps`,
+`awaited`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import contextlib
 import threading
 import types
 from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -69,32 +75,32 @@ class Load:
         journal: Journal,
         taken: set[int] | None = None,
     ) -> None:
-        self.engine = engine
-        self.thread = threading.get_ident()
-        self.watch = watch
-        self.journal = journal
-        self.clock = journal.clock
-        self.taken = taken or set()
+        self.engine: Final = engine
+        self.thread: Final = threading.get_ident()
+        self.watch: Final = watch
+        self.journal: Final = journal
+        self.clock: Final = journal.clock
+        self.taken: Final = taken or set()
         self.writes: frozenset[str] | None = None
         self.stepping = False
         """Whether the loader's own code runs now (its tracker is on)."""
         transients = engine.transients or None
-        self.tracker = write_tracker(watch, transients)
-        self.lineage = Lineage()
+        self.tracker: Final = write_tracker(watch, transients)
+        self.lineage: Final = Lineage()
+        """What the loader's own code computed from what (`graphsafe._lineage`)."""
         self.record = False
         """Whether the loader's ops are recorded (`graphsafe._lineage.recorder.RECORDING`)."""
         self.weights: frozenset[int] = frozenset()
         """Storage keys of the model's weights when it began (for the recorder)."""
-        """What the loader's own code computed from what (`graphsafe._lineage`)."""
         self._written: set[int] = set()
         self._transient_written: set[Transient] = set()
-        self._reports: list[RefreshReport] = []  # refreshes run in the middle of the load
+        self._reports: Final[list[RefreshReport]] = []  # refreshes run in the middle of the load
         # Derivations refreshed in the middle of the load (their transient inputs were
         # complete), with what the load had written by then.
-        self._early: dict[int, frozenset[int]] = {}
+        self._early: Final[dict[int, frozenset[int]]] = {}
         self.deferred: list[int] = []
         """Derivations this load left stale for the next replay to refresh (lazy)."""
-        self._cond = threading.Condition(threading.Lock())
+        self._cond: Final = threading.Condition(threading.Lock())
         self._done = False
         self._workers = 0
         if engine.transients:

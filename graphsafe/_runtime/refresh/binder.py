@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -56,15 +56,15 @@ class Binder:
         own: Callable[[nn.Module], None],
         on_bind: Callable[[nn.Module, Engine], None],
     ) -> None:
-        self._model_ref = weakref.ref(model)
-        self._model_class = type(model).__name__
-        self.registries: list[Registry] = [default_registry]
+        self._model_ref: Final = weakref.ref(model)
+        self._model_class: Final = type(model).__name__
+        self.registries: Final[list[Registry]] = [default_registry]
         if registry is not None and registry is not default_registry:
             self.registries.append(registry)
         self._strict = strict
-        self._journal = journal
-        self._own = own
-        self._on_bind = on_bind
+        self._journal: Final = journal
+        self._own: Final = own
+        self._on_bind: Final = on_bind
         self._engine: Engine | None = None
         self._map: ModelMap | None = None
 

@@ -37,10 +37,32 @@ class Attachment(EngineAttachment):
         super().__init__(model, registries)
         self.session = object()
         """The owner of SGLang's begin/end weight-update session's graphsafe update."""
-        self.refused: str | None = None
-        """graphsafe's text for the last update it refused, until SGLang reports it."""
+        self._refused: str | None = None  # the session's refused end, until reported
 
     # -- updates -----------------------------------------------------------------
+
+    def begin_session(self) -> None:
+        """SGLang's `begin_weight_update`: the session's update opens (a refusal an
+        earlier session left unreported is dropped)."""
+        self._refused = None
+        self.begin(self.session)
+
+    def end_session(self, exc: BaseException | None = None) -> None:
+        """SGLang's `end_weight_update`: the session's update ends (failed, with `exc`).
+        A refusal of its end is kept for the scheduler to report (`take_refusal`), never
+        raised into SGLang."""
+        if exc is not None:
+            self.end(self.session, exc)
+            return
+        try:
+            self.end(self.session)
+        except GraphSafetyError as err:
+            self._refused = refusal(err)
+
+    def take_refusal(self) -> str | None:
+        """graphsafe's text for the session's refused end, once (None: none)."""
+        refused, self._refused = self._refused, None
+        return refused
 
     def fail(self, exc: BaseException) -> None:
         """End the update open now as failed, whoever opened it (a call inside SGLang's

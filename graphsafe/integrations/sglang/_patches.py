@@ -192,33 +192,26 @@ def _patch_updater(cls: type) -> None:
             if a is None:
                 return fn(self, *args, **kwargs)
             # Before SGLang restores packed weights: that is the session's first write.
-            a.refused = None
-            a.begin(a.session)
+            a.begin_session()
             try:
                 return fn(self, *args, **kwargs)
             except BaseException as exc:
-                a.end(a.session, exc)
+                a.end_session(exc)
                 raise
 
         return run
 
     def end_weight_update(fn: _Fn) -> _Fn:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            from graphsafe._errors import GraphSafetyError
-            from graphsafe.integrations.sglang._attachment import refusal
-
             a = attachment(self.get_model())
             try:
                 ret = fn(self, *args, **kwargs)
             except BaseException as exc:
                 if a is not None:
-                    a.end(a.session, exc)
+                    a.end_session(exc)
                 raise
             if a is not None:
-                try:
-                    a.end(a.session)
-                except GraphSafetyError as err:
-                    a.refused = refusal(err)  # the scheduler's end reports it
+                a.end_session()  # a refusal: the scheduler's end reports it
             return ret
 
         return run
@@ -241,8 +234,8 @@ def _patch_session_end(cls: type) -> None:
             ret = fn(self, *args, **kwargs)
             for _, runner in runners:
                 a = attachment(runner.model)
-                if a is not None and a.refused is not None:
-                    message, a.refused = a.refused, None
+                message = None if a is None else a.take_refusal()
+                if message is not None:
                     return type(ret)(success=False, message=message)
             return ret
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from graphsafe._errors import one_line
-from graphsafe.distributed._buffers import _SEND_STAGING, _group_key, _staging
-from graphsafe.distributed._control import _Channel, _recovery_of
-from graphsafe.distributed._layout import (
+from graphsafe.distributed._control.channel import _Channel, _recovery_of
+from graphsafe.distributed._protocol.exchange import _check, _device, _handshake, _verdicts
+from graphsafe.distributed._protocol.layout import (
     _ABORT,
     _DATA,
     _MAGIC,
@@ -28,7 +28,7 @@ from graphsafe.distributed._layout import (
     _view,
 )
 from graphsafe.distributed._reports import SendReport, WeightSyncError
-from graphsafe.distributed._wire import _check, _device, _handshake, _verdicts
+from graphsafe.distributed._staging import _SEND_STAGING, _group_key, _staging
 
 __all__ = ["send_weights"]
 

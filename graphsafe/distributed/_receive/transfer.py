@@ -13,9 +13,9 @@ from torch import nn
 from graphsafe._errors import one_line
 from graphsafe._memory.journal import mark_written
 from graphsafe._runtime.runtime import runtime
-from graphsafe.distributed._buffers import _RECV_STAGING, _group_key, _staging
-from graphsafe.distributed._control import _Channel, _recovery_of, _ToldError
-from graphsafe.distributed._layout import (
+from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
+from graphsafe.distributed._protocol.exchange import _names
+from graphsafe.distributed._protocol.layout import (
     _ABORT,
     _DATA,
     _MAGIC,
@@ -25,10 +25,10 @@ from graphsafe.distributed._layout import (
     _Ring,
     _trailer,
 )
-from graphsafe.distributed._loading import _load_run
-from graphsafe.distributed._progress import _ReceiveProgress
+from graphsafe.distributed._receive.loading import _load_run
+from graphsafe.distributed._receive.report import _ReceiveProgress
 from graphsafe.distributed._reports import RejectedEntry, WeightSyncError
-from graphsafe.distributed._wire import _names
+from graphsafe.distributed._staging import _RECV_STAGING, _group_key, _staging
 
 
 def _receive(

@@ -6,9 +6,9 @@ import datetime
 
 import torch.distributed as dist
 
-from graphsafe.distributed._buffers import _RECV_STAGING, _SEND_STAGING, _group_key
-from graphsafe.distributed._control import _SEQ, _TIDY
+from graphsafe.distributed._control.channel import _SEQ, _TIDY
 from graphsafe.distributed._reports import WeightSyncError
+from graphsafe.distributed._staging import _RECV_STAGING, _SEND_STAGING, _group_key
 
 __all__ = ["recover"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from graphsafe._errors import WeightLoadError, one_line
-from graphsafe.distributed._layout import _Entry, _view
+from graphsafe.distributed._protocol.layout import _Entry, _view
 from graphsafe.distributed._reports import RejectedEntry
 
 

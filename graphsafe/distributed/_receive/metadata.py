@@ -12,11 +12,11 @@ from torch import nn
 
 from graphsafe._errors import one_line
 from graphsafe._runtime.runtime import runtime
-from graphsafe.distributed._control import _Channel, _recovery_of, _ToldError
-from graphsafe.distributed._layout import _PROTOCOL, _Plan
-from graphsafe.distributed._progress import _ReceiveProgress
+from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
+from graphsafe.distributed._protocol.exchange import _verdicts
+from graphsafe.distributed._protocol.layout import _PROTOCOL, _Plan
+from graphsafe.distributed._receive.report import _ReceiveProgress
 from graphsafe.distributed._reports import WeightSyncError
-from graphsafe.distributed._wire import _verdicts
 
 
 def _expected(model: nn.Module, expects: Collection[str] | None) -> frozenset[str]:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from graphsafe._declare.spec import RefreshReport
-from graphsafe.distributed._layout import _Plan
+from graphsafe.distributed._protocol.layout import _Plan
 from graphsafe.distributed._reports import ReceiveReport, RejectedEntry
 
 

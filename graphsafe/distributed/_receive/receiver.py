@@ -12,12 +12,12 @@ from torch import nn
 
 from graphsafe._errors import one_line
 from graphsafe._runtime.runtime import runtime, weight_update
-from graphsafe.distributed._completeness import _expected, _metadata, _verdict
-from graphsafe.distributed._control import _Channel, _recovery_of, _ToldError
-from graphsafe.distributed._inflight import _mismatch_error, _receive
-from graphsafe.distributed._progress import _receive_report, _ReceiveProgress
+from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
+from graphsafe.distributed._protocol.exchange import _check, _device, _handshake
+from graphsafe.distributed._receive.metadata import _expected, _metadata, _verdict
+from graphsafe.distributed._receive.report import _receive_report, _ReceiveProgress
+from graphsafe.distributed._receive.transfer import _mismatch_error, _receive
 from graphsafe.distributed._reports import ReceiveReport, WeightSyncError
-from graphsafe.distributed._wire import _check, _device, _handshake
 
 __all__ = ["receive_weights"]
 

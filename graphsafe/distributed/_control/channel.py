@@ -44,7 +44,8 @@ _TIDY: dict[object, int] = {}
 """Per group object: the first sync whose keys this process (the sender) kept."""
 _SEQ: dict[object, int] = {}
 """Per group object: the syncs this process took part in (their metadata was read or
-posted)."""
+posted). Both tables belong to this module: `_Channel.count` and `_Channel.tidy` write
+them, `_forget_syncs` drops a group's entries."""
 
 
 class _ToldError(WeightSyncError):
@@ -230,6 +231,18 @@ class _Channel:
         except Exception:
             return None
         return bytes(value).decode(errors="replace")
+
+
+def _synced_groups() -> list[object]:
+    """The group objects this process took part in a sync of (its count of them kept)."""
+    return list(_SEQ)
+
+
+def _forget_syncs(key: object) -> None:
+    """Drop this process's count of the syncs of the group `key` (it failed): the next
+    sync on a group made in its place starts the count again."""
+    _SEQ.pop(key, None)
+    _TIDY.pop(key, None)
 
 
 def _recovery_of(exc: BaseException) -> Recovery:

@@ -28,7 +28,7 @@ from graphsafe.distributed._protocol.layout import (
 from graphsafe.distributed._receive.loading import _load_run
 from graphsafe.distributed._receive.report import _ReceiveProgress
 from graphsafe.distributed._reports import RejectedEntry, WeightSyncError
-from graphsafe.distributed._staging import _RECV_STAGING, _group_key, _staging
+from graphsafe.distributed._staging import _drop_busy, _staging
 
 
 def _receive(
@@ -47,8 +47,7 @@ def _receive(
     wires = plan.wires
     buckets = len(plan.sizes)
     ring = _Ring(wires, _Ring.size(wires, plan.bucket_bytes, overlap))
-    table, key = _RECV_STAGING.setdefault(model, {}), _group_key(group)
-    staging, state.reused = _staging(table, key, device, ring.capacity)
+    staging, state.reused = _staging(model, group, device, ring.capacity)
     state.staging_bytes, state.overlap = staging.numel(), overlap and buckets > 1
     loader = getattr(model, "load_weights", None)
     accepted: list[str] = []
@@ -73,9 +72,8 @@ def _receive(
             done += len(run)
             flight.post_ahead()
     finally:
-        if flight.works and table.get(key) is staging:
-            # A broadcast still writes into it: no later sync may reuse it.
-            del table[key]
+        if flight.works:  # a broadcast still writes into it: no later sync may reuse it
+            _drop_busy(model, group, staging)
     if plan.verify:
         sums = torch.zeros(buckets, dtype=torch.int64, device=device)
         try:

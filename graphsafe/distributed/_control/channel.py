@@ -27,7 +27,7 @@ import datetime
 import pickle
 import threading
 import time
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch.distributed as dist
 
@@ -79,13 +79,13 @@ class _Channel:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int) -> None:
-        self.key = group if group is not None else dist.group.WORLD
-        self.rank = rank
-        self.store = _store()
+        self.key: Final = group if group is not None else dist.group.WORLD
+        self.rank: Final = rank
+        self.store: Final = _store()
         name = getattr(self.key, "group_name", "") or "default"
-        self.seq = _SEQ.get(self.key, 0)
-        self.base = f"graphsafe.sync/{name}/"
-        self.at = f"{self.base}{self.seq}/"
+        self.seq: Final = _SEQ.get(self.key, 0)
+        self.base: Final = f"graphsafe.sync/{name}/"
+        self.at: Final = f"{self.base}{self.seq}/"
         self._next_look = 0.0
 
     def count(self) -> None:

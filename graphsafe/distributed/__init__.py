@@ -65,11 +65,11 @@ from graphsafe.distributed._reports import RejectedEntry
 from graphsafe.distributed._reports import SendReport
 from graphsafe.distributed._reports import ReceiveReport
 from graphsafe.distributed._reports import WeightSyncError
-from graphsafe.distributed._buffers import staging_buffer
-from graphsafe.distributed._buffers import release_staging
+from graphsafe.distributed._staging import staging_buffer
+from graphsafe.distributed._staging import release_staging
 from graphsafe.distributed._sender import send_weights
-from graphsafe.distributed._receiver import receive_weights, sync_pending
-from graphsafe.distributed._recover import recover
+from graphsafe.distributed._receive.receiver import receive_weights, sync_pending
+from graphsafe.distributed._control.recover import recover
 
 __all__ = [
     "ReceiveReport",

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from graphsafe._errors import one_line
-from graphsafe.distributed._buffers import _SEND_STAGING, _group_key, _staging
-from graphsafe.distributed._control import _Channel, _recovery_of
-from graphsafe.distributed._layout import (
+from graphsafe.distributed._control.channel import _Channel, _recovery_of
+from graphsafe.distributed._protocol.exchange import _check, _device, _handshake, _verdicts
+from graphsafe.distributed._protocol.layout import (
     _ABORT,
     _DATA,
     _MAGIC,
@@ -28,7 +28,7 @@ from graphsafe.distributed._layout import (
     _view,
 )
 from graphsafe.distributed._reports import SendReport, WeightSyncError
-from graphsafe.distributed._wire import _check, _device, _handshake, _verdicts
+from graphsafe.distributed._staging import _drop_busy, _staging
 
 __all__ = ["send_weights"]
 
@@ -267,7 +267,7 @@ def _send_buckets(
     wires = plan.wires
     # Direct buckets are sent from the caller's tensors: no staging for them.
     stride, need = _slots([0 if d else w for w, d in zip(wires, plan.direct)], overlap)
-    staging, _ = _staging(_SEND_STAGING, _group_key(group), device, need)
+    staging, _ = _staging(None, group, device, need)
     state.staging = staging
     out = _Outgoing(plan, wires, dict(items), staging, stride, src, group)
     for b in range(len(plan.sizes)):
@@ -339,10 +339,8 @@ def _send_packed(out: _Outgoing, b: int, state: _SendProgress) -> None:
 def _drop_busy_staging(state: _SendProgress, group: dist.ProcessGroup | None) -> None:
     """Forget the staging buffer while a broadcast may still read it: no later sync may
     pack into it."""
-    if (any(state.pending) or state.direct) and _SEND_STAGING.get(
-        _group_key(group)
-    ) is state.staging:
-        del _SEND_STAGING[_group_key(group)]
+    if (any(state.pending) or state.direct) and state.staging is not None:
+        _drop_busy(None, group, state.staging)
 
 
 def _collective_error(

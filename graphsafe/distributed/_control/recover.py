@@ -6,9 +6,9 @@ import datetime
 
 import torch.distributed as dist
 
-from graphsafe.distributed._buffers import _RECV_STAGING, _SEND_STAGING, _group_key
-from graphsafe.distributed._control import _SEQ, _TIDY
+from graphsafe.distributed._control.channel import _forget_syncs, _synced_groups
 from graphsafe.distributed._reports import WeightSyncError
+from graphsafe.distributed._staging import _forget_group, _group_key
 
 __all__ = ["recover"]
 
@@ -76,7 +76,7 @@ def recover(
     rank = dist.get_rank() if rank is None else rank
     world_size = dist.get_world_size() if world_size is None else world_size
     backend = str(dist.get_backend()) if backend is None else backend
-    for g in list(_SEQ):
+    for g in _synced_groups():
         _forget(g)
     dist.destroy_process_group()
     dist.init_process_group(backend, init_method=init_method, rank=rank,
@@ -87,8 +87,5 @@ def recover(
 def _forget(key: object) -> None:
     """Drop what this process keeps for a group that failed: its sync count and
     staging buffers."""
-    _SEQ.pop(key, None)
-    _TIDY.pop(key, None)
-    _SEND_STAGING.pop(key, None)
-    for table in list(_RECV_STAGING.values()):
-        table.pop(key, None)
+    _forget_syncs(key)
+    _forget_group(key)

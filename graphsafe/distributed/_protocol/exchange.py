@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from graphsafe.distributed._control import _Channel
-from graphsafe.distributed._layout import _Plan
+from graphsafe.distributed._control.channel import _Channel
+from graphsafe.distributed._protocol.layout import _Plan
 from graphsafe.distributed._reports import WeightSyncError
 
 

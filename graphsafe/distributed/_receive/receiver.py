@@ -12,12 +12,12 @@ from torch import nn
 
 from graphsafe._errors import one_line
 from graphsafe._runtime.runtime import runtime, weight_update
-from graphsafe.distributed._completeness import _expected, _metadata, _verdict
-from graphsafe.distributed._control import _Channel, _recovery_of, _ToldError
-from graphsafe.distributed._inflight import _mismatch_error, _receive
-from graphsafe.distributed._progress import _receive_report, _ReceiveProgress
+from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
+from graphsafe.distributed._protocol.exchange import _check, _device, _handshake
+from graphsafe.distributed._receive.metadata import _agree, _Agreed
+from graphsafe.distributed._receive.report import _receive_report
+from graphsafe.distributed._receive.transfer import _mismatch_error, _receive, _Transfer
 from graphsafe.distributed._reports import ReceiveReport, WeightSyncError
-from graphsafe.distributed._wire import _check, _device, _handshake
 
 __all__ = ["receive_weights"]
 
@@ -86,7 +86,6 @@ def receive_weights(
     channel = _Channel(group, rank)
     rt = runtime(model)
     before = rt.last_report
-    state = _ReceiveProgress()
     begin = time.perf_counter()
     if not channel.posted(wait_timeout):
         raise WeightSyncError(
@@ -96,17 +95,20 @@ def receive_weights(
             fix="call receive_weights again (the model is untouched), or give a longer "
             "wait_timeout (None waits until the sender begins)",
         )
-    state.waited = time.perf_counter() - begin
+    waited = time.perf_counter() - begin
     try:
-        expected = _expected(model, expects)
-        state.plan = _metadata(src, channel, state)
-        _verdict(state.plan, expected, group, device, channel, state)
+        agreed = _agree(model, expects, src, group, device, channel)
     except BaseException as exc:
-        _tell(exc, state, channel)
+        _tell(exc, channel)
         raise
-    _apply(model, rank, src, group, device, state, overlap, channel)
+    if isinstance(agreed, WeightSyncError):
+        raise agreed  # the sender's abort or the refusal: every rank raises it in step
+    transfer, loaded = _apply(model, agreed, waited, rank, src, group, device, overlap,
+                              channel)
     end = time.perf_counter()
-    return _receive_report(state, rank, src, rt.last_report, before, end, ())
+    refresh = rt.last_report if rt.last_report is not before else None
+    return _receive_report(rank, src, agreed, transfer, waited, end=end, loaded=loaded,
+                           refresh=refresh)
 
 
 def sync_pending(
@@ -140,33 +142,41 @@ def sync_pending(
 
 def _apply(
     model: nn.Module,
+    agreed: _Agreed,
+    waited: float,
     rank: int,
     src: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
-    state: _ReceiveProgress,
     overlap: bool,
     channel: _Channel,
-) -> None:
+) -> tuple[_Transfer, float]:
     """Run the sync inside one `weight_update`; every rank says at the handshake, still
     inside it, whether it applied the sync, so that one failure fails them all. A
-    failure the other ranks cannot see is posted to the store, so that they fail too."""
+    failure the other ranks cannot see is posted to the store, so that they fail too.
+
+    Returns:
+        What the transfer did, and when the loader's last call returned.
+    """
+    known = False  # every rank knows of the failure being raised: nothing to post
     try:
         with weight_update(model):
-            _receive(model, src, group, device, state, overlap, channel)
-            state.loaded = time.perf_counter()
-            ok = not state.rejected and not state.mismatched
+            transfer = _receive(model, agreed.plan, src, group, device, overlap, channel)
+            if isinstance(transfer, WeightSyncError):
+                known = True
+                raise transfer  # the sender's abort, read in a trailer
+            loaded = time.perf_counter()
             try:
-                failed = _handshake(ok, group, device, channel)
+                failed = _handshake(transfer.ok, group, device, channel)
             except _ToldError:
                 raise
             except Exception as exc:
                 raise _handshake_error(src, exc) from exc
-            state.told = True
-            if state.rejected:
-                raise _rejected_error(model, state, rank, src)
-            if state.mismatched:
-                raise _mismatch_error(state, rank, src)
+            known = True  # past the handshake every rank knows which ranks applied it
+            if transfer.rejected:
+                raise _rejected_error(model, agreed, transfer, waited, rank, src)
+            if transfer.mismatched:
+                raise _mismatch_error(agreed.plan, transfer.mismatched, rank, src)
             if failed:
                 raise WeightSyncError(
                     f"rank {rank}: receiver rank(s) {', '.join(map(str, failed))} did not "
@@ -179,25 +189,28 @@ def _apply(
                     "model refuses to replay",
                 )
     except BaseException as exc:
-        _tell(exc, state, channel)
+        if not known:
+            _tell(exc, channel)
         raise
+    return transfer, loaded
 
 
-def _tell(exc: BaseException, state: _ReceiveProgress, channel: _Channel) -> None:
-    """Post this rank's failure to the store unless every rank knows of it already."""
-    if state.told or isinstance(exc, _ToldError):
+def _tell(exc: BaseException, channel: _Channel) -> None:
+    """Post this rank's failure to the store, unless this rank learned it there (every
+    rank knows of it then)."""
+    if isinstance(exc, _ToldError):
         return
     recovery = exc.recovery if isinstance(exc, WeightSyncError) else "group"
     channel.abort("group" if recovery == "resend" else recovery,  # type: ignore[arg-type]
                   f"receive_weights raised {one_line(exc)}")
 
 
-
 def _rejected_error(
-    model: nn.Module, state: _ReceiveProgress, rank: int, src: int
+    model: nn.Module, agreed: _Agreed, transfer: _Transfer, waited: float, rank: int,
+    src: int,
 ) -> WeightSyncError:
     """The error naming the entries the loader refused: the first eight, then a count."""
-    rejected = tuple(state.rejected or ())
+    rejected = transfer.rejected
     shown = "\n".join(f"    {r.name!r} (bucket {r.bucket}): {r.error}" for r in rejected[:8])
     more = f"\n    ... and {len(rejected) - 8} more" if len(rejected) > 8 else ""
     return WeightSyncError(
@@ -206,7 +219,7 @@ def _rejected_error(
         entry=rejected[0].name,
         bucket=rejected[0].bucket,
         rejected=rejected,
-        report=_receive_report(state, rank, src, None, None, 0.0, ()),
+        report=_receive_report(rank, src, agreed, transfer, waited),
         module_class=type(model).__name__,
         expected="every entry loaded, or skipped as held by another rank",
         got=f"rejected:\n{shown}{more}",

@@ -1,10 +1,11 @@
-"""Before any data moves: the sync's metadata, the checkpoint names this rank expects,
-and the verdict on the one against the other that every rank raises in step."""
+"""Before any data moves: the checkpoint names this rank expects, the sync's plan from
+the sender's metadata, and every rank's verdict on the one against the other."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,11 +13,10 @@ from torch import nn
 
 from graphsafe._errors import one_line
 from graphsafe._runtime.runtime import runtime
-from graphsafe.distributed._control import _Channel, _recovery_of, _ToldError
-from graphsafe.distributed._layout import _PROTOCOL, _Plan
-from graphsafe.distributed._progress import _ReceiveProgress
+from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
+from graphsafe.distributed._protocol.exchange import _verdicts
+from graphsafe.distributed._protocol.layout import _PROTOCOL, _Plan
 from graphsafe.distributed._reports import WeightSyncError
-from graphsafe.distributed._wire import _verdicts
 
 
 def _expected(model: nn.Module, expects: Collection[str] | None) -> frozenset[str]:
@@ -41,11 +41,42 @@ def _expected(model: nn.Module, expects: Collection[str] | None) -> frozenset[st
     return frozenset(found - derived)
 
 
-def _metadata(src: int, channel: _Channel, state: _ReceiveProgress) -> _Plan:
-    """The sync's plan, from the sender's metadata; raises its abort, or a mismatch."""
+@dataclass(frozen=True)
+class _Agreed:
+    """What every rank agreed on before any data moved (`_agree` returns it)."""
+
+    plan: _Plan
+    """The sync's plan, from the sender's metadata."""
+    started: float
+    """When the metadata was read (`time.perf_counter()`): the report's clock starts."""
+    expected: int
+    """How many checkpoint names this rank expects."""
+
+
+def _agree(
+    model: nn.Module,
+    expects: Collection[str] | None,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    channel: _Channel,
+) -> _Agreed | WeightSyncError:
+    """Before any data moves: the sync's plan, and every rank's verdict on it.
+
+    Returns:
+        What the ranks agreed on; or the error every rank raises in step (the sender's
+        abort, or the refusal of the sync), which the caller raises without posting an
+        abort.
+
+    Raises:
+        WeightSyncError: The sender speaks another protocol, the verdicts were not
+            exchanged, or the store is gone.
+        TypeError: `expects` is not a collection of names.
+    """
+    expected = _expected(model, expects)
     record = channel.meta()
     channel.count()
-    state.started = time.perf_counter()
+    started = time.perf_counter()
     if not isinstance(record, dict) or record.get("protocol") != _PROTOCOL:
         got = record.get("protocol") if isinstance(record, dict) else type(record).__name__
         raise WeightSyncError(
@@ -56,8 +87,7 @@ def _metadata(src: int, channel: _Channel, state: _ReceiveProgress) -> _Plan:
             recovery="group",
         )
     if record["abort"] is not None:
-        state.told = True
-        raise WeightSyncError(
+        return WeightSyncError(
             f"receive_weights: the sender (rank {src}) aborted the sync before sending any "
             "weights",
             expected="the weights",
@@ -65,7 +95,9 @@ def _metadata(src: int, channel: _Channel, state: _ReceiveProgress) -> _Plan:
             fix="fix the error on the sender, then sync again; nothing was written: the "
             "model keeps its previous weights",
         )
-    return _Plan.from_record(record)
+    plan = _Plan.from_record(record)
+    refused = _verdict(plan, expected, group, device, channel)
+    return refused if refused is not None else _Agreed(plan, started, len(expected))
 
 
 def _verdict(
@@ -74,16 +106,14 @@ def _verdict(
     group: dist.ProcessGroup | None,
     device: torch.device,
     channel: _Channel,
-    state: _ReceiveProgress,
-) -> None:
-    """Check the plan against what this rank expects, with every other rank; raise the
-    refusal every rank raises."""
+) -> WeightSyncError | None:
+    """Check the plan against what this rank expects, with every other rank; return the
+    refusal every rank raises, or None."""
     names = {e.name for e in plan.entries}
     claims = [e.name in expected for e in plan.entries]
     missing = [] if plan.partial else sorted(expected - names)
-    state.expected = len(expected)
     try:
-        refused = _verdicts((claims, missing), plan, group, device, channel)
+        return _verdicts((claims, missing), plan, group, device, channel)
     except _ToldError:
         raise
     except Exception as exc:
@@ -95,6 +125,3 @@ def _verdict(
             "Nothing was written",
             recovery=_recovery_of(exc),
         ) from exc
-    if refused is not None:
-        state.told = True
-        raise refused

@@ -24,11 +24,21 @@ _RECV_STAGING: weakref.WeakKeyDictionary[nn.Module, dict[object, torch.Tensor]] 
     weakref.WeakKeyDictionary()
 )
 _SEND_STAGING: dict[object, torch.Tensor] = {}
+"""Both tables belong to this module: the sides of a sync take, drop and forget buffers
+through `_staging`, `_drop_busy` and `_forget_group`, users through `release_staging`."""
+
+
+def _table(model: nn.Module | None) -> dict[object, torch.Tensor]:
+    """The buffers kept for `model` (None: this process's sending ones), by group."""
+    return _SEND_STAGING if model is None else _RECV_STAGING.setdefault(model, {})
 
 
 def _staging(
-    table: dict[object, torch.Tensor], key: object, device: torch.device, need: int
+    model: nn.Module | None, group: dist.ProcessGroup | None, device: torch.device, need: int
 ) -> tuple[torch.Tensor, bool]:
+    """The buffer kept for `model` (None: sending) on `group`, if it is on `device` and
+    holds `need` bytes, else a new one kept in its place; and whether it was reused."""
+    table, key = _table(model), _group_key(group)
     buf = table.get(key)
     if buf is not None and buf.device == device and buf.numel() >= need:
         return buf, True
@@ -37,6 +47,22 @@ def _staging(
     buf = torch.empty(need, dtype=torch.uint8, device=device)
     table[key] = buf
     return buf, False
+
+
+def _drop_busy(model: nn.Module | None, group: dist.ProcessGroup | None,
+               buf: torch.Tensor) -> None:
+    """Forget `buf` if it is the one kept: a broadcast may still use it, so no later
+    sync may reuse it."""
+    table, key = _table(model), _group_key(group)
+    if table.get(key) is buf:
+        del table[key]
+
+
+def _forget_group(key: object) -> None:
+    """Drop every buffer kept for the group `key` (it failed)."""
+    _SEND_STAGING.pop(key, None)
+    for table in list(_RECV_STAGING.values()):
+        table.pop(key, None)
 
 
 def staging_buffer(

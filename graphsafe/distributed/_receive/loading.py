@@ -1,5 +1,5 @@
 """The receiver's loader calls: the entries of arrived buckets, as views of staging, go to
-`model.load_weights(pairs)`; each entry it refuses is recorded and the others still load."""
+`model.load_weights(pairs)`; each entry it refuses is returned and the others still load."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from graphsafe._errors import WeightLoadError, one_line
-from graphsafe.distributed._layout import _Entry, _view
+from graphsafe.distributed._protocol.layout import _Entry, _view
 from graphsafe.distributed._reports import RejectedEntry
 
 
@@ -19,32 +19,31 @@ def _load_run(
     loader: Any,
     run: list[tuple[int, torch.Tensor]],
     by_bucket: list[list[_Entry]],
-    accepted: list[str],
-    rejected: list[RejectedEntry],
-) -> None:
-    """Give the entries of a run of arrived buckets to the model's loader, in one call."""
+) -> tuple[list[str], list[RejectedEntry]]:
+    """Give the entries of a run of arrived buckets to the model's loader, in one call.
+
+    Returns:
+        The names the loader reported loading, and the entries it refused.
+    """
     pairs = [(e.name, _view(s, e)) for b, s in run for e in by_bucket[b]]
     where = {e.name: b for b, _ in run for e in by_bucket[b]}
     if not pairs:
-        return  # the trailer closing a run of direct buckets
+        return [], []  # the trailer closing a run of direct buckets
     if loader is None or not callable(loader):
-        rejected.extend(
+        return [], [
             RejectedEntry(name=n, bucket=where[n], error=f"{type(model).__name__} "
                           "has no load_weights(pairs) method") for n, _ in pairs
-        )
-        return
-    _load(loader, pairs, where, accepted, rejected)
+        ]
+    return _load(loader, pairs, where)
 
 
 def _load(
-    loader: Any,
-    pairs: list[tuple[str, torch.Tensor]],
-    bucket: dict[str, int],
-    accepted: list[str],
-    rejected: list[RejectedEntry],
-) -> None:
+    loader: Any, pairs: list[tuple[str, torch.Tensor]], bucket: dict[str, int]
+) -> tuple[list[str], list[RejectedEntry]]:
     """Load buckets' entries (`bucket`: each entry's bucket); a refused entry is recorded
-    and the others are loaded anyway."""
+    and the others are loaded anyway. Returns what `_load_run` does."""
+    accepted: list[str] = []
+    rejected: list[RejectedEntry] = []
     queue = [pairs]
     while queue:
         chunk = queue.pop()
@@ -74,3 +73,4 @@ def _load(
             accepted.extend(sorted(result) if isinstance(result, (set, frozenset)) else result)
         else:
             accepted.extend(n for n, _ in chunk)
+    return accepted, rejected

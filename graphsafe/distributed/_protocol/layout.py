@@ -14,7 +14,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -237,8 +237,8 @@ class _Ring:
     """
 
     def __init__(self, wires: Sequence[int], capacity: int) -> None:
-        self.wires = wires
-        self.capacity = capacity
+        self.wires: Final = wires
+        self.capacity: Final = capacity
         self.cursor = 0
         self.held: list[tuple[int, int]] = []  # (start, end) of buckets held, oldest first
 

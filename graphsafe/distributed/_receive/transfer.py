@@ -4,7 +4,8 @@ checked, then given to the loader; then the checksums against the sender's."""
 from __future__ import annotations
 
 import collections
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -13,9 +14,9 @@ from torch import nn
 from graphsafe._errors import one_line
 from graphsafe._memory.journal import mark_written
 from graphsafe._runtime.runtime import runtime
-from graphsafe.distributed._buffers import _RECV_STAGING, _group_key, _staging
-from graphsafe.distributed._control import _Channel, _recovery_of, _ToldError
-from graphsafe.distributed._layout import (
+from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
+from graphsafe.distributed._protocol.exchange import _names
+from graphsafe.distributed._protocol.layout import (
     _ABORT,
     _DATA,
     _MAGIC,
@@ -25,36 +26,62 @@ from graphsafe.distributed._layout import (
     _Ring,
     _trailer,
 )
-from graphsafe.distributed._loading import _load_run
-from graphsafe.distributed._progress import _ReceiveProgress
+from graphsafe.distributed._receive.loading import _load_run
 from graphsafe.distributed._reports import RejectedEntry, WeightSyncError
-from graphsafe.distributed._wire import _names
+from graphsafe.distributed._staging import _drop_busy, _staging
+
+
+@dataclass(frozen=True)
+class _Transfer:
+    """What the transfer of one sync did on this rank (`_receive` returns it)."""
+
+    staging_bytes: int
+    """Size of the staging buffer it received into."""
+    reused: bool
+    """Whether that buffer was an earlier sync's."""
+    overlap: bool
+    """Whether receiving overlapped loading (`overlap`, and more than one bucket)."""
+    accepted: tuple[str, ...]
+    """Names the loader reported loading."""
+    rejected: tuple[RejectedEntry, ...]
+    """Entries the loader refused."""
+    mismatched: tuple[int, ...]
+    """Buckets whose checksum differs from the sender's (a verified sync)."""
+
+    @property
+    def ok(self) -> bool:
+        """Every entry loaded and every checksum matched: this rank applies the sync."""
+        return not self.rejected and not self.mismatched
 
 
 def _receive(
     model: nn.Module,
+    plan: _Plan,
     src: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
-    state: _ReceiveProgress,
     overlap: bool,
     channel: _Channel,
-) -> None:
-    """The transfer: each bucket into staging and the loader, then the checksums."""
-    plan = state.plan
-    assert plan is not None
+) -> _Transfer | WeightSyncError:
+    """The transfer: each bucket into staging and the loader, then the checksums.
+
+    Returns:
+        What it did; or the sender's abort, read in a bucket's trailer, which every rank
+        raises in step (the caller raises it and posts no abort).
+
+    Raises:
+        WeightSyncError: A bucket or the checksums did not arrive, or a trailer is wrong.
+    """
     runtime(model).expect_writes(_sync_writes(model, plan))
     wires = plan.wires
     buckets = len(plan.sizes)
     ring = _Ring(wires, _Ring.size(wires, plan.bucket_bytes, overlap))
-    table, key = _RECV_STAGING.setdefault(model, {}), _group_key(group)
-    staging, state.reused = _staging(table, key, device, ring.capacity)
-    state.staging_bytes, state.overlap = staging.numel(), overlap and buckets > 1
+    staging, reused = _staging(model, group, device, ring.capacity)
     loader = getattr(model, "load_weights", None)
     accepted: list[str] = []
     rejected: list[RejectedEntry] = []
-    state.accepted, state.rejected = accepted, rejected
-    flight = _InFlight(plan, wires, ring, staging, src, group, overlap, channel, state)
+    arrived: list[int] = []  # per bucket arrived: its checksum, when the sync is verified
+    flight = _InFlight(plan, wires, ring, staging, src, group, overlap, channel)
     by_bucket: list[list[_Entry]] = [[] for _ in plan.sizes]
     for e in plan.entries:
         by_bucket[e.bucket].append(e)
@@ -64,18 +91,22 @@ def _receive(
         done = 0
         while done < buckets:
             run = flight.arrived_run(group_bytes)
+            if flight.aborted is not None:
+                return flight.aborted
             mark_written(staging)  # c10d writes: declared, whatever the tracker saw
             flight.post_ahead()  # the next buckets arrive while the loader runs
             if plan.verify:
-                state.sums.extend(_checksum(slot[: plan.sizes[b]]) for b, slot in run)
-            _load_run(model, loader, run, by_bucket, accepted, rejected)
+                arrived.extend(_checksum(slot[: plan.sizes[b]]) for b, slot in run)
+            loaded, refused = _load_run(model, loader, run, by_bucket)
+            accepted.extend(loaded)
+            rejected.extend(refused)
             flight.release(len(run))
             done += len(run)
             flight.post_ahead()
     finally:
-        if flight.works and table.get(key) is staging:
-            # A broadcast still writes into it: no later sync may reuse it.
-            del table[key]
+        if flight.works:  # a broadcast still writes into it: no later sync may reuse it
+            _drop_busy(model, group, staging)
+    mismatched: tuple[int, ...] = ()
     if plan.verify:
         sums = torch.zeros(buckets, dtype=torch.int64, device=device)
         try:
@@ -85,9 +116,11 @@ def _receive(
             raise
         except Exception as exc:
             raise flight.lost(buckets, exc) from exc
-        state.mismatched = [b for b, (want, got) in enumerate(zip(sums.tolist(), state.sums))
-                            if want != got]
-    state.completed = True
+        mismatched = tuple(b for b, (want, got) in enumerate(zip(sums.tolist(), arrived))
+                           if want != got)
+    return _Transfer(staging_bytes=staging.numel(), reused=reused,
+                     overlap=overlap and buckets > 1, accepted=tuple(accepted),
+                     rejected=tuple(rejected), mismatched=mismatched)
 
 
 def _sync_writes(model: nn.Module, plan: _Plan) -> list[str] | None:
@@ -112,14 +145,20 @@ class _InFlight:
     def __init__(
         self, plan: _Plan, wires: tuple[int, ...], ring: _Ring, staging: torch.Tensor,
         src: int, group: dist.ProcessGroup | None, overlap: bool, channel: _Channel,
-        state: _ReceiveProgress,
     ) -> None:
-        self.plan, self.wires, self.ring, self.staging = plan, wires, ring, staging
-        self.src, self.group, self.overlap = src, group, overlap
-        self.channel, self.state = channel, state
+        self.plan: Final = plan
+        self.wires: Final = wires
+        self.ring: Final = ring
+        self.staging: Final = staging
+        self.src: Final = src
+        self.group: Final = group
+        self.overlap: Final = overlap
+        self.channel: Final = channel
         # (bucket, its slot, its work), oldest first.
         self.works: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
         self.next = 0  # the first bucket not posted yet
+        self.aborted: WeightSyncError | None = None
+        """The sender's abort, once a trailer said it: nothing arrives after that bucket."""
 
     def post_ahead(self) -> None:
         """Post the next buckets that fit in staging now (one at a time without
@@ -146,7 +185,8 @@ class _InFlight:
         self.next = b
 
     def arrived(self) -> tuple[int, torch.Tensor]:
-        """Wait for the oldest bucket in flight; check its trailer if it has one."""
+        """Wait for the oldest bucket in flight; check its trailer if it has one (a
+        trailer that says the sender aborted sets `aborted`)."""
         b, slot, work = self.works.popleft()
         try:
             self.channel.wait(work, f"receiving bucket {b}")
@@ -155,8 +195,8 @@ class _InFlight:
         except Exception as exc:
             raise self.lost(b, exc) from exc
         if not self.plan.direct[b]:  # a direct bucket has none: the next trailer tells
-            _check_trailer(slot, self.plan.sizes[b], self.plan, b, self.src, self.channel,
-                           self.state)
+            self.aborted = _check_trailer(slot, self.plan.sizes[b], self.plan, b, self.src,
+                                          self.channel)
         return b, slot
 
     def arrived_run(self, limit: int) -> list[tuple[int, torch.Tensor]]:
@@ -197,10 +237,10 @@ class _InFlight:
 
 
 def _check_trailer(
-    slot: torch.Tensor, size: int, plan: _Plan, b: int, src: int, channel: _Channel,
-    state: _ReceiveProgress,
-) -> None:
-    """Check bucket `b`'s trailer; raise the sender's abort if it says so."""
+    slot: torch.Tensor, size: int, plan: _Plan, b: int, src: int, channel: _Channel
+) -> WeightSyncError | None:
+    """Check bucket `b`'s trailer: raise if it is wrong; return the sender's abort if it
+    says so (every rank raises that one in step), else None."""
     magic, sync, index, status = _trailer(slot, size).tolist()
     if (magic, sync, index) != (_MAGIC, plan.sync, b) or status not in (_DATA, _ABORT):
         raise WeightSyncError(
@@ -215,8 +255,7 @@ def _check_trailer(
     if status == _ABORT:
         entries = plan.bucket(b)
         box = [channel.get("error") or "(its error did not arrive)"]
-        state.told = True
-        raise WeightSyncError(
+        return WeightSyncError(
             f"receive_weights: the sender (rank {src}) aborted the sync at bucket {b} of "
             f"{len(plan.sizes)}",
             bucket=b,
@@ -226,20 +265,21 @@ def _check_trailer(
             fix="fix the error on the sender, then sync again; the model refuses to "
             "replay until a complete sync",
         )
+    return None
 
 
-def _mismatch_error(state: _ReceiveProgress, rank: int, src: int) -> WeightSyncError:
+def _mismatch_error(
+    plan: _Plan, mismatched: tuple[int, ...], rank: int, src: int
+) -> WeightSyncError:
     """The error naming the buckets whose checksum differs from the sender's."""
-    plan = state.plan
-    assert plan is not None
-    names = [e.name for b in state.mismatched for e in plan.bucket(b)]
+    names = [e.name for b in mismatched for e in plan.bucket(b)]
     return WeightSyncError(
-        f"rank {rank}: {len(state.mismatched)} bucket(s) arrived with a checksum other "
+        f"rank {rank}: {len(mismatched)} bucket(s) arrived with a checksum other "
         "than the sender's",
-        bucket=state.mismatched[0],
+        bucket=mismatched[0],
         entry=names[0] if names else None,
         expected=f"the checksums rank {src} computed before sending",
-        got=f"buckets {state.mismatched} differ (entries {_names(names)})",
+        got=f"buckets {list(mismatched)} differ (entries {_names(names)})",
         fix="bytes were torn or changed on the way: the sender changed a tensor during "
         "the sync, or the transport corrupts data. Every receiver's model refuses to "
         "replay until a complete sync",

@@ -27,7 +27,7 @@ import datetime
 import pickle
 import threading
 import time
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch.distributed as dist
 
@@ -44,7 +44,8 @@ _TIDY: dict[object, int] = {}
 """Per group object: the first sync whose keys this process (the sender) kept."""
 _SEQ: dict[object, int] = {}
 """Per group object: the syncs this process took part in (their metadata was read or
-posted)."""
+posted). Both tables belong to this module: `_Channel.count` and `_Channel.tidy` write
+them, `_forget_syncs` drops a group's entries."""
 
 
 class _ToldError(WeightSyncError):
@@ -78,13 +79,13 @@ class _Channel:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int) -> None:
-        self.key = group if group is not None else dist.group.WORLD
-        self.rank = rank
-        self.store = _store()
+        self.key: Final = group if group is not None else dist.group.WORLD
+        self.rank: Final = rank
+        self.store: Final = _store()
         name = getattr(self.key, "group_name", "") or "default"
-        self.seq = _SEQ.get(self.key, 0)
-        self.base = f"graphsafe.sync/{name}/"
-        self.at = f"{self.base}{self.seq}/"
+        self.seq: Final = _SEQ.get(self.key, 0)
+        self.base: Final = f"graphsafe.sync/{name}/"
+        self.at: Final = f"{self.base}{self.seq}/"
         self._next_look = 0.0
 
     def count(self) -> None:
@@ -230,6 +231,18 @@ class _Channel:
         except Exception:
             return None
         return bytes(value).decode(errors="replace")
+
+
+def _synced_groups() -> list[object]:
+    """The group objects this process took part in a sync of (its count of them kept)."""
+    return list(_SEQ)
+
+
+def _forget_syncs(key: object) -> None:
+    """Drop this process's count of the syncs of the group `key` (it failed): the next
+    sync on a group made in its place starts the count again."""
+    _SEQ.pop(key, None)
+    _TIDY.pop(key, None)
 
 
 def _recovery_of(exc: BaseException) -> Recovery:

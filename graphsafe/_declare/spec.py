@@ -295,7 +295,7 @@ class RefreshReport(BaseModel):
 
 DriftKind = Literal[
     "storage", "offset", "shape", "stride", "dtype", "device", "object", "module", "holder",
-    "removed",
+    "removed", "value", "handle",
 ]
 
 class Drift(BaseModel):
@@ -319,7 +319,9 @@ class Drift(BaseModel):
     (another module, or none, is bound there; tensors of a module the model no longer
     holds are not reported); `holder` (an object on the way to pinned tensors, such as a
     kernel object, a list or a closure, was replaced: the graph reads the tensors the old
-    one held); or `removed` (no tensor there now)."""
+    one held); `removed` (no tensor there now); `value` (a Python number the model derived
+    from its weights, which a graph bakes in, changed); or `handle` (a kernel handle it
+    derived from its weights, which a graph holds, was made anew)."""
 
     old: str
     """The value at snapshot time."""

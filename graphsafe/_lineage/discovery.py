@@ -9,6 +9,16 @@ skips the engine's post-load step); one the next load computes again (re-derived
 place, or made anew) is witnessed anew. Entries are checked with the guard's freshness
 check, through one flat comparison of all witnesses; an entry no graph reads blocks
 nothing, and an exempted one is never checked.
+
+Entries are of three kinds: a tensor; a Python number taken from the weights (`.item()`,
+`float()`, `int()`, `bool()`) that the model keeps where its forward reads it (a
+`scalar`: a captured graph bakes it into its kernels' arguments); and a value an engine's
+op made from the weights that left torch (a `handle`: a `ScriptObject` of prepacked
+weights, an opaque object). A graph holds a scalar's value and a handle's identity as it
+holds a tensor's address: from the pin on, a scalar whose value changed, or a handle
+rebuilt, is refused like a moved tensor (`StorageMovedError`), naming where it is kept
+and the weight it came from. A load that writes a scalar's sources and leaves the value
+the sources give now is not a fault (the scalar is recomputed to tell).
 """
 
 from __future__ import annotations
@@ -21,7 +31,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from graphsafe._errors import GraphSafetyError, StaleError
+from graphsafe._declare.spec import Drift
+from graphsafe._errors import GraphSafetyError, StaleError, StorageMovedError
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Arg, Call, Lineage
 from graphsafe._lineage.resolve import (
@@ -29,12 +40,14 @@ from graphsafe._lineage.resolve import (
     Source,
     arguments_now,
     find,
+    find_values,
     recompute,
+    recompute_scalar,
     sources_of,
 )
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
-from graphsafe._memory.walk import Site, step, storage_key
+from graphsafe._memory.walk import Site, ValueSite, step, storage_key
 
 __all__ = ["AuditItem", "Discovered", "Discovery", "stale_error"]
 
@@ -48,6 +61,9 @@ class Discovered(BaseModel):
     path: str
     """Where the model holds it (`lm_head.quant_method.kernel.packed`, `<cell>` steps for
     closures)."""
+    kind: str = "tensor"
+    """`tensor`, `scalar` (a Python number taken from the weights) or `handle` (a value
+    that left torch: a kernel handle, a `ScriptObject`)."""
     module_class: str
     """Class of the module it hangs off."""
     sources: tuple[str, ...]
@@ -95,7 +111,7 @@ class _Place(NamedTuple):
     chain: tuple[Any, ...]
 
     @classmethod
-    def of(cls, site: Site) -> _Place:
+    def of(cls, site: Site | ValueSite) -> _Place:
         m = site.module
         table = next((n for n in ("_parameters", "_buffers")
                       if site.container is m.__dict__.get(n)), None)
@@ -108,39 +124,71 @@ class _Place(NamedTuple):
         return vars(m) if self.table is None else vars(m)[self.table]
 
 
-class _Entry:
-    """One discovered tensor: where it is held, from what, and how it was last written."""
+def _ref(value: object) -> Callable[[], object]:
+    """A reference to `value`: weak for a tensor (a rebuilt copy must not be kept alive
+    by graphsafe), strong for a number or a handle (its identity must not be reused)."""
+    if isinstance(value, torch.Tensor):
+        return weakref.ref(value)
+    return lambda: value
 
-    __slots__ = ("adopted", "chain", "module_class", "opaque", "path", "refused", "seen",
-                 "site", "sources", "tensor", "writer")
+
+class _Entry:
+    """One discovered tensor, scalar or handle: where it is held, from what, and how it
+    was last written."""
+
+    __slots__ = ("adopted", "chain", "kind", "module_class", "opaque", "path", "pinned",
+                 "refused", "seen", "site", "sources", "tensor", "writer")
 
     def __init__(self, found: Found) -> None:
         site = found.site
         self.path = site.path
         self.site = _Place.of(site)
         self.module_class = type(site.module).__name__
-        self.tensor = weakref.ref(site.tensor)
-        """The tensor last witnessed computed from the sources (what is held may be
+        if isinstance(site, Site):
+            held: object = site.tensor
+            self.kind = "tensor"
+        else:
+            held = site.value
+            self.kind = "handle" if found.opaque else "scalar"
+        self.tensor = _ref(held)
+        """What was last witnessed computed from the sources (what is held may be
         another: rebuilt by a load that failed)."""
         self.seen = self.tensor
         """What the last load that ended (or failed) left at the place."""
+        self.pinned: Callable[[], object] | None = None
+        """A scalar's value or a handle's object when the model was pinned (a graph
+        holds it from then on); None: not pinned."""
         self.sources: tuple[Source, ...] = found.sources
         self.chain = " -> ".join(found.chain)
         self.opaque = found.opaque
-        self.writer: tuple[Call, Arg] = found.writer
+        self.writer: tuple[Call, Arg | None] = found.writer
         self.adopted = False
         self.refused: str | None = None
 
     def held(self) -> torch.Tensor | None:
-        """What the model holds at the entry's place now."""
+        """The tensor the model holds at the entry's place now (None for a scalar or a
+        handle, or when none is there)."""
         now = _read(self.site)
         return now if isinstance(now, torch.Tensor) else None
 
+    def value(self) -> object:
+        """Whatever the model holds at the entry's place now."""
+        return _read(self.site)
+
     def recompute(self) -> torch.Tensor | None:
+        if self.kind == "scalar":
+            return recompute_scalar(self.writer[0], self.sources)
         held = self.held()
-        if held is None or self.opaque:
+        if held is None or self.opaque or self.writer[1] is None:
             return None
-        return recompute(self.writer, held, self.sources)
+        return recompute((self.writer[0], self.writer[1]), held, self.sources)
+
+    def scalar_holds(self) -> bool:
+        """A scalar: whether the value held is what its sources give now."""
+        now = self.value()
+        again = self.recompute()
+        return again is not None and type(now) in (int, float, bool) and _same_number(
+            again.item(), now)
 
     def source_paths(self) -> tuple[str, ...]:
         """The paths of the sources, once each (a staging copy stands for its weight)."""
@@ -149,6 +197,34 @@ class _Entry:
     def key(self) -> int:
         t = self.held()
         return 0 if t is None else storage_key(t)
+
+    def source_keys(self) -> set[int]:
+        """Storage keys of the sources as the model holds them now."""
+        with PLAIN():
+            return {storage_key(t) for s in self.sources
+                    if isinstance(t := s.holder.get(s.key), torch.Tensor)}
+
+    def moved(self) -> str | None:
+        """Pinned: how the value a graph holds differs from what is held now (a scalar's
+        value changed, a handle rebuilt), or None."""
+        if self.pinned is None:
+            return None
+        was, now = self.pinned(), self.value()
+        if self.kind == "scalar":
+            return None if _same_number(was, now) else f"{was!r} at capture, now {now!r}"
+        if self.kind == "handle" and now is not was:
+            return (f"{type(was).__name__} at 0x{id(was):x} at capture, now "
+                    f"{type(now).__name__} at 0x{id(now):x}")
+        return None
+
+
+def _same_number(a: object, b: object) -> bool:
+    """Equal numbers of the same type (a NaN equals itself: the same bits baked in)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return a == b
 
 
 class Discovery:
@@ -202,16 +278,17 @@ class Discovery:
         witnessed now; the rest keep their witnesses. `sites()` gives every tensor the
         model holds (a walk)."""
         alive = lineage.alive()
-        if not alive:
+        if not alive and not lineage.values:
             return
         sources = sources_of(model)
         for staged, weight in lineage.copied.items():  # a staging copy stands for its weight
             if weight in sources and staged not in sources:
                 sources[staged] = sources[weight]._replace(sid=staged)
         candidates = alive - sources.keys()
-        if not candidates:
+        if not candidates and not lineage.values:
             return
         found = {f.site.path: f for f in find(lineage, sites(), sources, candidates)}
+        found.update((f.site.path, f) for f in find_values(lineage, model, sources))
         kept = [e for e in self._entries if e.path not in found and _still_held(e)]
         fresh = [_Entry(f) for f in found.values()]
         by_entry = self._rows_by_entry()
@@ -230,7 +307,15 @@ class Discovery:
         again: list[int] = []
         for i, e in enumerate(self._entries):
             now = _read(e.site)
-            if isinstance(now, torch.Tensor) and now is not e.seen():
+            if e.kind == "scalar":
+                if not written.isdisjoint(e.source_keys()) and e.scalar_holds():
+                    e.tensor = e.seen = _ref(now)  # the value its sources give now
+                    again.extend(rows.get(i, []))
+            elif e.kind == "handle":
+                if now is not e.seen():  # made anew where it was, by this load
+                    e.tensor = e.seen = _ref(now)
+                    again.extend(rows.get(i, []))
+            elif isinstance(now, torch.Tensor) and now is not e.seen():
                 e.tensor = e.seen = weakref.ref(now)  # rebuilt where it was, by this load
                 again.extend(rows.get(i, []))
             elif e.key() in written:
@@ -243,7 +328,9 @@ class Discovery:
         fresh by the next load (its witnesses stay as stale as the failure left them)."""
         for e in self._entries:
             now = _read(e.site)
-            if isinstance(now, torch.Tensor):
+            if e.kind != "tensor":
+                e.seen = _ref(now)
+            elif isinstance(now, torch.Tensor):
                 e.seen = weakref.ref(now)
 
     def rehome(self, model: nn.Module) -> None:
@@ -331,7 +418,7 @@ class Discovery:
         out = []
         for i, e in enumerate(self._entries):
             out.append(Discovered(
-                path=e.path, module_class=e.module_class,
+                path=e.path, kind=e.kind, module_class=e.module_class,
                 sources=e.source_paths(), chain=e.chain, opaque=e.opaque,
                 exempt=self._exempt.get(e.path), stale=stale.get(i),
                 adopted=e.adopted, refused=e.refused,
@@ -350,8 +437,24 @@ class Discovery:
         """Every entry not exempted, for the content audit."""
         items = []
         for e in self._entries:
+            if e.path in self._exempt:
+                continue
+            if e.kind == "scalar":
+                now = e.value()
+                if type(now) in (int, float, bool):
+                    items.append(AuditItem(e.path, torch.tensor(now), e.recompute,
+                                           e.source_paths(), False))
+                continue
             held = e.held()
-            if held is None or e.path in self._exempt:
+            if e.kind == "handle" and held is None:  # an object, not an int in a tensor
+                found = PROBES.get(e.writer[0].name)
+                items.append(AuditItem(
+                    e.path, torch.empty(0), e.recompute, e.source_paths(), True,
+                    None if found is None else _probing(e, e.value(), found.run),
+                    0.0 if found is None else found.atol, 0.0 if found is None else found.rtol,
+                ))
+                continue
+            if held is None:
                 continue
             sources = e.source_paths()
             probe = PROBES.get(e.writer[0].name) if e.opaque else None
@@ -363,6 +466,18 @@ class Discovery:
         return items
 
     # -- the guard's check ------------------------------------------------------------
+
+    def pin(self) -> None:
+        """A graph holds the model from now on: what each scalar and handle is now is what
+        it holds."""
+        for e in self._entries:
+            if e.kind != "tensor" and e.pinned is None:
+                e.pinned = _ref(e.value())
+
+    def unpin(self) -> None:
+        """No graph holds the model any more."""
+        for e in self._entries:
+            e.pinned = None
 
     def unchanged(self) -> bool:
         """The flat check: no source of any entry written or rebound since."""
@@ -384,15 +499,21 @@ class Discovery:
             e = self._entries[i]
             if i in out or (e.path in self._exempt and not exempted):
                 continue
-            if reads is not None and e.key() not in reads:
-                continue
+            if reads is not None and e.kind == "tensor" and e.key() not in reads:
+                continue  # a graph reads a number or a handle through its kernels' arguments
             src = e.sources[rows[i].index(row)]
             out[i] = f"its source {src.path} was {how}"
         return sorted(out.items())
 
     def check(self, model_class: type, reads: frozenset[int] | None, *, repair: bool) -> None:
-        """Raise `StaleError` for every checked stale entry (repairing adopted ones first
-        when `repair`)."""
+        """Raise `StorageMovedError` for a scalar whose value, or a handle whose object,
+        changed since the pin (a graph holds the old one), then `StaleError` for every
+        checked stale entry (repairing adopted ones first when `repair`)."""
+        moved = [(e, how) for e in self._entries
+                 if e.pinned is not None and e.path not in self._exempt
+                 and (how := e.moved()) is not None]
+        if moved:
+            raise moved_error(model_class, moved)
         if self.unchanged():
             return
         stale = self._stale_rows(reads)
@@ -417,7 +538,7 @@ class Discovery:
 
 
 def _probing(
-    e: _Entry, held: torch.Tensor, run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    e: _Entry, held: object, run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor] | None]:
     def probe() -> tuple[torch.Tensor, torch.Tensor] | None:
         args = arguments_now(e.writer[0], e.sources)
@@ -447,6 +568,9 @@ def _read(site: _Place) -> object:
 
 def _refusal(e: _Entry) -> str | None:
     """Why `e` cannot be recomputed in place, or None."""
+    if e.kind == "scalar":
+        return ("it is a Python number a captured graph bakes in: it cannot be refreshed in "
+                "place (re-run the engine's post-load processing, then re-capture)")
     held = e.held()
     if held is None:
         return "it is no longer held"
@@ -483,6 +607,31 @@ def stale_error(model_class: type, stale: list[tuple[_Entry, str]]) -> StaleErro
         "its layerwise processing of the written layers, not `reload_weights` from disk, "
         f"which would discard the sync){declare}; or exempt it if it is meant to differ: "
         f'`gs.runtime(model).exempt("{first.path}", why="...")`',
+    )
+
+
+def moved_error(model_class: type, moved: list[tuple[_Entry, str]]) -> StorageMovedError:
+    """The refusal of a replay whose graph holds a scalar's old value or a handle
+    rebuilt since the capture."""
+    first = moved[0][0]
+    drifts = [Drift(path=e.path, module_class=e.module_class,
+                    what="value" if e.kind == "scalar" else "handle",
+                    old=how.split(", now ")[0].removesuffix(" at capture"),
+                    new=how.split(", now ")[-1]) for e, how in moved]
+    got = "; ".join(f"{e.path} (a {e.kind} from {', '.join(e.source_paths())}): {how}"
+                    for e, how in moved[:4])
+    return StorageMovedError(
+        f"{len(moved)} value(s) the model derived from its weights changed after graph "
+        "capture: the graph holds the old one",
+        drifts=drifts,
+        module_class=first.module_class,
+        path=", ".join(e.path for e, _ in moved[:8]),
+        expected="a Python number or kernel handle the graph captured kept as it was "
+        "(a graph bakes a number into its kernels' arguments and holds a handle's memory)",
+        got=got,
+        fix="re-capture the graphs after the engine's post-load processing changed them "
+        "(release them: Graph.reset()); or keep such values in tensors the graph reads, "
+        "updated in place",
     )
 
 

@@ -1,6 +1,7 @@
 """Probes: how the content audit checks a kernel handle it cannot recompute.
 
-A handle (an int an op returned, kept in a tensor) stands for state behind it: a packed
+A handle (an int an op returned, kept in a tensor; or an object an op returned, such as
+the `ScriptObject` of torch's prepacked quantized weights) stands for state behind it: a packed
 weight inside a kernel library. Its recorded chain cannot be run again without making a
 new handle, so the audit runs the handle instead: a probe registered for the op that made
 it takes the handle and the op's arguments recomputed from the current sources, and
@@ -17,7 +18,7 @@ import torch
 
 __all__ = ["PROBES", "Probe", "register_probe"]
 
-ProbeRun = Callable[[torch.Tensor, Sequence[Any]], tuple[torch.Tensor, torch.Tensor]]
+ProbeRun = Callable[[Any, Sequence[Any]], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Probe(NamedTuple):
@@ -38,7 +39,8 @@ def register_probe(op: str, run: ProbeRun, *, atol: float, rtol: float) -> None:
 
     Args:
         op: The op's name as recorded: `namespace.name` (`_C.create_onednn_mm_handler`).
-        run: `run(handle, args)`: `handle` is the tensor the model holds, `args` the op's
+        run: `run(handle, args)`: `handle` is what the model holds (the tensor holding an
+            int handle, or the handle object itself, such as a `ScriptObject`), `args` the op's
             arguments with each tensor recomputed from the current sources; returns
             `(kernel result on a probe input, reference result)`.
         atol: Absolute tolerance (kernels reorder sums).

@@ -7,6 +7,12 @@ writes (a new result, or an argument the op mutates) gets the call as its latest
 a view shares its base's storage and writer. Results that leave torch (an op returning an
 int that becomes a kernel handle, as vLLM's `torch.tensor(<int from the op>)`) keep the
 call that made them: a small int64 tensor whose values an op returned is written by it.
+A Python number taken from a tensor (`.item()`, `float()`, `int()`, `bool()`, seen by the
+function mode, which returns the very object the caller keeps) and any other value an op
+other than aten's returns
+(a `ScriptObject` of prepacked weights, an opaque object, a list) is kept with the call
+that made it (`Lineage.values`), so that where the model keeps it can be found by
+identity once the load ends.
 
 Storages are told apart by identity (`_cdata`), never by address, and each is held by a
 `StorageWeakRef` for as long as the recording lives, so an identity freed meanwhile is
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe._memory.walk import storage_key
 
-__all__ = ["RECORDING", "Arg", "Call", "Lineage", "Recorder", "record", "recording", "sid_of"]
+__all__ = [
+    "RECORDING", "Arg", "Call", "Lineage", "Recorder", "ambiguous", "record", "recording",
+    "sid_of",
+]
 
 def _mode(value: str) -> str:
     value = value.strip().lower()
@@ -110,20 +119,40 @@ class Lineage:
     """What a recording found: the latest writer of each storage it saw written, and the
     values that left torch, with the call that made each."""
 
-    __slots__ = ("_refs", "copied", "handles", "writers")
+    __slots__ = ("_atoms", "_refs", "before", "copied", "handles", "values", "writers")
 
     def __init__(self) -> None:
         self.writers: dict[int, tuple[Call, Arg]] = {}
         """Storage identity -> (the call that last wrote it, the written tensor's `Arg`)."""
         self.handles: dict[int, Call] = {}
         """An int an op returned -> that op's call."""
+        self.values: dict[int, list[tuple[Call, object]]] = {}
+        """`id` of a value that left torch (a Python number from `.item()`, a handle) ->
+        each (call that made it, the value) with that identity; the values are held, so
+        that an identity is never reused while the recording lives."""
         self.copied: dict[int, int] = {}
         """A storage copied whole into a weight -> that weight's storage (a staging copy:
         what was computed from it was computed from the weight)."""
+        self.before: dict[str, object] | None = None
+        """Where the model kept the values that do not tell one occurrence from another
+        (`bool`s, small `int`s), taken before the recording made the first of them: a
+        place that held the same value then was not set by the recording."""
         self._refs: dict[int, StorageWeakRef] = {}
+        self._atoms: Callable[[], dict[str, object]] | None = None
 
     def __len__(self) -> int:
-        return len(self.writers) + len(self.handles)
+        return len(self.writers) + len(self.handles) + len(self.values)
+
+    def note_places(self, atoms: Callable[[], dict[str, object]]) -> None:
+        """How to read, by path, where the model keeps `bool`s and small `int`s: read
+        once, just before the recording makes the first such value (`before`)."""
+        self._atoms = atoms
+
+    def keep(self, call: Call, value: object) -> None:
+        """`value` left torch from `call` (see `values`)."""
+        if self.before is None and self._atoms is not None and ambiguous(value):
+            self.before = self._atoms()
+        self.values.setdefault(id(value), []).append((call, value))
 
     def hold(self, t: torch.Tensor, sid: int) -> StorageWeakRef:
         """Keep `sid` from being reused while the recording lives."""
@@ -141,8 +170,17 @@ class Lineage:
         """Forget everything (the storages' identities may be reused from now on)."""
         self.writers.clear()
         self.handles.clear()
+        self.values.clear()
         self.copied.clear()
         self._refs.clear()
+        self.before = None
+        self._atoms = None
+
+
+def ambiguous(value: object) -> bool:
+    """Whether `value`'s identity does not tell it from an equal value made elsewhere
+    (`bool`s and the `int`s Python keeps one object of)."""
+    return type(value) is bool or (type(value) is int and -5 <= value <= 256)
 
 
 def _mutated(func: Any) -> tuple[int, ...]:
@@ -164,6 +202,8 @@ def _is_view(func: Any) -> bool:
         return False
     return all(r.alias_info is not None for r in schema.returns)
 
+
+_PLAIN = (int, float, bool, str, bytes, torch.dtype, torch.device, torch.Size)
 
 _MUTATED: dict[Any, tuple[int, ...]] = {}
 _VIEWS: dict[Any, bool] = {}
@@ -231,9 +271,17 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 lineage.hold(r, sid)
                 lineage.writers[sid] = (call, arg)
             elif (isinstance(r, int) and not isinstance(r, bool) and seen
-                  and not name.startswith("aten::")):  # `.item()` makes no handle
+                  and not name.startswith("aten::")):
                 call.opaque = True
                 lineage.handles[r] = call
+            elif r is not None and seen and not name.startswith("aten::") and not isinstance(
+                    r, _PLAIN):  # a handle of another kind: a ScriptObject, an object
+                call.opaque = True
+                lineage.keep(call, r)
+        if (isinstance(out, (list, tuple)) and out and seen and not name.startswith("aten::")
+                and not any(isinstance(r, torch.Tensor) for r in out)):
+            call.opaque = True  # a list of handles kept as one (an op's int list)
+            lineage.keep(call, out)
         if not seen and not call.outs and not mutated:
             return
         self._handle_tensor(out)
@@ -336,6 +384,12 @@ class _Functions(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _SCALARS:  # the number the caller gets (the dispatcher's is a copy)
+            if args and isinstance(args[0], torch.Tensor):
+                with _NO_FUNCTION_MODES():
+                    rec = self.recorder
+                    rec.lineage.keep(Call(func, (rec._conv(args[0]),), {}), out)
+            return out
         if not isinstance(func, (OpOverload, OpOverloadPacket)) and func is not torch.tensor:
             return out  # a tensor method: the dispatch mode below sees its ops
         with _NO_FUNCTION_MODES():
@@ -345,7 +399,7 @@ class _Functions(TorchFunctionMode):
     def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if func is torch.tensor:
             self.recorder._handle_tensor(out)
-        elif (isinstance(out, int) and not isinstance(out, bool)
+        elif (out is not None and not isinstance(out, (bool, torch.Tensor, *_PLAIN[1:]))
               and isinstance(func, (OpOverload, OpOverloadPacket))
               and not str(getattr(func, "name", lambda: "")()).startswith("aten::")
               and any(isinstance(a, torch.Tensor) for a in args)):
@@ -353,8 +407,18 @@ class _Functions(TorchFunctionMode):
             call = Call(func, tuple(rec._conv(a) for a in args),
                         {k: rec._conv(v) for k, v in kwargs.items()})
             call.opaque = True
-            rec.lineage.handles[out] = call
+            if isinstance(out, int):
+                rec.lineage.handles[out] = call
+            elif id(out) not in rec.lineage.values:  # the dispatch mode may have kept it
+                rec.lineage.keep(call, out)
 
+
+_SCALARS = frozenset({
+    torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+})
+"""How a Python number is taken from a tensor (`.item()`, `float()`, `int()`, `bool()`,
+an index): seen above the dispatcher, where the object the caller keeps is returned."""
 
 # Set after the class is made, so that TorchDispatchMode does not wrap it in a
 # dynamo-disabling frame at every op (a load is never compiled).

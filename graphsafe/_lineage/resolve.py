@@ -6,7 +6,9 @@ A *source* is a tensor the model keeps as a parameter or buffer (weights, and de
 derived buffers). A tensor the model holds anywhere the walk reaches (an attribute, a
 kernel object, a closure, a partial), whose storage the recording saw written and whose
 writers reach a source, is *found*; one whose writers reach no source (a rotary cache
-computed from the config) is not. A view of a source is the source itself.
+computed from the config) is not. A view of a source is the source itself. So is a value
+that left torch (a Python number from `.item()`, a kernel handle) the model keeps where
+the walk reaches, found by its identity (`find_values`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from graphsafe._lineage.recorder import Arg, Call, Lineage, sid_of
+from graphsafe._lineage.recorder import Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import Site
+from graphsafe._memory.walk import Site, ValueSite, walk_values
 
-__all__ = ["Found", "Source", "arguments_now", "find", "recompute", "sources_of", "trace"]
+__all__ = [
+    "Found", "Source", "arguments_now", "atoms_of", "find", "find_values", "recompute",
+    "recompute_scalar", "sources_of", "trace",
+]
 
 _CHAIN = 4
 """Ops kept at each end of a chain in messages."""
@@ -38,13 +43,14 @@ class Source(NamedTuple):
 
 class Found(NamedTuple):
     """A tensor the model holds (`site`) that the recording saw computed from `sources`
-    by `chain` (op names, the first from a source), last written by `writer`."""
+    by `chain` (op names, the first from a source), last written by `writer`; or a value
+    that left torch (`site` a `ValueSite`, `writer`'s `Arg` None: the call made it)."""
 
-    site: Site
+    site: Site | ValueSite
     sources: tuple[Source, ...]
     chain: tuple[str, ...]
     opaque: bool
-    writer: tuple[Call, Arg]
+    writer: tuple[Call, Arg | None]
 
 
 def sources_of(model: nn.Module) -> dict[int, Source]:
@@ -119,6 +125,62 @@ def find(
         if srcs:
             out.append(Found(site, srcs, chain, opaque, writer))
     return out
+
+
+def atoms_of(model: nn.Module) -> Callable[[], dict[str, object]]:
+    """How to read where `model` keeps `bool`s and small `int`s, by path (for
+    `Lineage.note_places`)."""
+
+    def read() -> dict[str, object]:
+        return {s.path: s.value for s in walk_values(model, ambiguous)}
+
+    return read
+
+
+def find_values(
+    lineage: Lineage, model: nn.Module, sources: dict[int, Source]
+) -> list[Found]:
+    """The values that left torch in the recording (`Lineage.values`) that `model` keeps
+    where the walk reaches, computed from its sources: by identity; a `bool` or small
+    `int` only at a place the recording set (it held another value, or none, before)."""
+    values = lineage.values
+    if not values:
+        return []
+    before = lineage.before
+    out: list[Found] = []
+    for site in walk_values(model, lambda v: id(v) in values):
+        made = values[id(site.value)]
+        if ambiguous(site.value):
+            if before is None:
+                continue  # nothing tells this occurrence from one set elsewhere
+            was = before.get(site.path, _NOTHING)
+            if type(was) is type(site.value) and was == site.value:
+                continue  # held so before the recording made it
+        found: dict[int, Source] = {}
+        chain: tuple[str, ...] = ()
+        opaque = False
+        for call, _ in made:  # equal small values from several calls: every source
+            srcs, how, dark = trace(call, sources)
+            for src in srcs:
+                found.setdefault(src.sid, src)
+            chain = chain or how
+            opaque = opaque or dark
+        if found:
+            out.append(Found(site, tuple(found.values()), chain, opaque, (made[-1][0], None)))
+    return out
+
+
+_NOTHING = object()
+
+
+def recompute_scalar(call: Call, sources: Iterable[Source]) -> torch.Tensor | None:
+    """The number `call` (`.item()`, `float()`, `int()` or `bool()` of a tensor) took, from
+    the sources as they are now, as a 0-d tensor (None: its tensor cannot be recomputed)."""
+    args = arguments_now(call, sources)
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    with torch.no_grad(), PLAIN():
+        return torch.tensor(call.func(args[0]))
 
 
 class _Unreplayable(Exception):

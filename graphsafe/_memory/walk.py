@@ -37,7 +37,7 @@ import enum
 import functools
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -52,12 +52,14 @@ __all__ = [
     "Ref",
     "Site",
     "Slot",
+    "ValueSite",
     "step",
     "storage_key",
     "storage_paths",
     "walk",
     "walk_modules",
     "walk_tensors",
+    "walk_values",
 ]
 
 # The attributes every nn.Module has in its __dict__: registries and hook tables, never
@@ -154,6 +156,18 @@ class Reach(NamedTuple):
     refs: list[Ref]
 
 
+class ValueSite(NamedTuple):
+    """Where one value other than a tensor lives (a Python number, a kernel handle): as
+    `Site`, with `value` for `tensor`."""
+
+    path: str
+    module: nn.Module
+    container: Any
+    key: Any
+    chain: tuple[Any, ...]
+    value: Any
+
+
 class ModuleSite(NamedTuple):
     """Where one module is bound: `parent._modules[key]` is `module`, at the dotted `path`
     (for the root: path and key `""`, parent None)."""
@@ -212,6 +226,52 @@ def walk_tensors(model: nn.Module) -> Iterator[Site]:
 def walk(model: nn.Module) -> Reach:
     """Every tensor site and every object reference reachable from `model` (one pass)."""
     return _Walker(model).run()
+
+
+def walk_values(model: nn.Module, wanted: Callable[[Any], bool]) -> list[ValueSite]:
+    """Every place reachable from `model` as `walk` reaches tensors (attributes, and what
+    they hold at any depth) that holds a value for which `wanted(value)` is true: numbers
+    and other atoms included, tensors and the tree's own modules not. A shared object is
+    entered once.
+
+    Examples:
+        >>> m = nn.Linear(2, 2)
+        >>> m.scale = 0.5
+        >>> m.kernel = functools.partial(torch.mul, other=2.0)
+        >>> [s.path for s in walk_values(m, lambda v: isinstance(v, float))]
+        ['scale', 'kernel.keywords.other']
+    """
+    found: list[ValueSite] = []
+    modules = list(walk_modules(model))
+    tree = {id(s.module) for s in modules}
+    entered: set[int] = set()
+    done: set[int] = set()
+    for where in modules:
+        module = where.module
+        if id(module) in done:
+            continue
+        done.add(id(module))
+        head = f"{where.path}." if where.path else ""
+        attrs = module.__dict__
+        for name, top in tuple(attrs.items()):
+            if name in _MODULE_INTERNALS:
+                continue
+            stack: list[tuple[Any, str, tuple[Any, ...]]] = [(top, head + name, ())]
+            while stack:
+                value, path, chain = stack.pop()
+                if isinstance(value, torch.Tensor) or id(value) in tree:
+                    continue
+                if wanted(value):
+                    found.append(ValueSite(path, module, attrs, name, chain, value))
+                if type(value) in _ATOMS or id(value) in entered:
+                    continue
+                entered.add(id(value))
+                children = _children(value)
+                if children is None or any(c is model for _, c in children) or _stops(value):
+                    continue
+                for k, child in reversed(children):
+                    stack.append((child, _join(path, value, k), (*chain, k)))
+    return found
 
 
 # Types whose instances hold no tensor the walk could find: one set lookup per value.

@@ -420,6 +420,7 @@ class Runtime(metaclass=_OnePerModel):
             if not self._holders:
                 self._bound_engine().refresh_readers(False, ())
             self._discovery.rehome(self.model)  # a module replaced before the capture
+            self._discovery.pin()  # the numbers and handles a graph holds from now on
             self._holders[holder] = self._holders.get(holder, 0) + 1
             self._pinned_keys = frozenset(self._binder.model_tensors())
             # Writes into what the derivations read or write, outside any tracked load and
@@ -437,6 +438,7 @@ class Runtime(metaclass=_OnePerModel):
                 self._holders[holder] = count - 1
             if not self._holders:
                 self._pinned_keys = frozenset()
+                self._discovery.unpin()
                 OBSERVER.unwatch(self)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError, first_line
 from graphsafe._lineage.discovery import Discovery
+from graphsafe._lineage.resolve import atoms_of
 from graphsafe._memory.journal import Journal
 from graphsafe._runtime.loads.debts import Debts, Owed
 from graphsafe._runtime.loads.deferred import Deferred
@@ -251,6 +252,8 @@ class LoadDriver:
             engine, self._journal, pinned=self._pinned(), everything=before.keys,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
         )
+        if load.record:  # where the model keeps bools and small ints, read when needed
+            load.lineage.note_places(atoms_of(self._binder.model))
         try:
             yield load
         except LoaderClosed as exc:

@@ -10,7 +10,6 @@ reads the stale value, so the refusal guards a real stale read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest

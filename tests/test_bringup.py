@@ -10,6 +10,7 @@ reads the stale value, so the refusal guards a real stale read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -265,3 +266,328 @@ def test_a_registered_probe_audits_a_script_object_handle() -> None:
         PROBES.pop("quantized.linear_prepack_fp16", None)
 
 
+
+
+# -- weights the post-load step rewrites in place ---------------------------------------
+
+
+def _fold_scale(m: Folded) -> None:
+    with torch.no_grad():
+        m.lin.weight.mul_(m.scale[:, None])  # a per-channel scale folded into the weight
+
+
+def _negate_exp(m: Folded) -> None:
+    with torch.no_grad():
+        m.lin.weight.copy_(-torch.exp(m.lin.weight))  # Mamba's A = -exp(A_log), in place
+
+
+def _interleave(m: Folded) -> None:
+    with torch.no_grad():  # gate/up rows interleaved for a fused kernel
+        w = m.lin.weight
+        w.copy_(torch.stack([w[: C // 2], w[C // 2 :]], dim=1).reshape(C, C))
+
+
+REWRITES = [(_fold_scale, "aten::mul_.Tensor"), (_negate_exp, "aten::copy_"),
+            (_interleave, "aten::copy_")]
+REWRITE_IDS = ["scale-fold", "negate-exp", "interleave"]
+
+
+@gs.graphsafe
+class Folded(nn.Module):
+    """The parameter is its own derived state: the post-load step rewrites it in place."""
+
+    def __init__(self, rewrite: Callable[[Folded], None]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+        self.scale = nn.Parameter(torch.ones(C), requires_grad=False)
+        self.rewrite = rewrite
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+        if post:
+            self.rewrite(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.lin.weight.t()
+
+
+def _folded_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"lin.weight": torch.randn(C, C, generator=g),
+            "scale": torch.rand(C, generator=g) + 0.5}
+
+
+def _expected(rewrite: Callable[[Folded], None], weights: dict[str, torch.Tensor]
+              ) -> torch.Tensor:
+    """What a fresh model loaded with `weights` computes."""
+    m = Folded(rewrite)
+    m.load_weights(weights)
+    return m(torch.ones(2, C))
+
+
+@pytest.mark.parametrize(("rewrite", "op"), REWRITES, ids=REWRITE_IDS)
+def test_a_weight_rewritten_in_place_is_discovered_with_its_ops(
+    rewrite: Callable[[Folded], None], op: str
+) -> None:
+    m = Folded(rewrite)
+    m.load_weights(_folded_weights(0))
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found) == {"lin.weight"}
+    assert found["lin.weight"].kind == "rewritten" and "lin.weight" in found["lin.weight"].sources
+    assert found["lin.weight"].stale is None
+    report = gs.audit(m)  # it cannot be recomputed: listed, never passed
+    assert [u.path for u in report.unchecked] == ["lin.weight"]
+    assert "rewrote in place" in report.unchecked[0].why
+
+
+@pytest.mark.parametrize(("rewrite", "op"), REWRITES, ids=REWRITE_IDS)
+def test_a_raw_sync_into_a_rewritten_weight_is_refused_by_name(
+    rewrite: Callable[[Folded], None], op: str
+) -> None:
+    m = Folded(rewrite)
+    m.load_weights(_folded_weights(0))
+    g, _ = _capture(m, guard=True)
+    with pytest.raises(gs.StaleError, match=r"lin\.weight") as info:
+        m.load_weights(_folded_weights(1), post=False)  # raw values, no rewrite
+    assert op in str(info.value) and "post-load" in str(info.value)
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()  # the replay stays refused
+    m.load_weights(_folded_weights(2))  # a whole load heals it
+    g.replay()
+    assert torch.allclose(m(torch.ones(2, C)), _expected(rewrite, _folded_weights(2)))
+
+
+@pytest.mark.parametrize(("rewrite", "op"), REWRITES, ids=REWRITE_IDS)
+def test_control_unguarded_a_raw_sync_replays_raw_values(
+    rewrite: Callable[[Folded], None], op: str
+) -> None:
+    m = Folded(rewrite)
+    m.load_weights(_folded_weights(0))
+    g, y = _capture(m, guard=False)
+    new = _folded_weights(1)
+    gs.runtime(m).exempt("lin.weight", why="the control: nothing refuses")
+    m.load_weights(new, post=False)
+    g.replay()
+    assert not torch.allclose(y, _expected(rewrite, new), atol=1e-4)
+
+
+@pytest.mark.parametrize(("rewrite", "op"), REWRITES, ids=REWRITE_IDS)
+def test_the_full_post_load_step_after_every_load_is_no_false_alarm(
+    rewrite: Callable[[Folded], None], op: str
+) -> None:
+    m = Folded(rewrite)
+    m.load_weights(_folded_weights(0))
+    g, y = _capture(m, guard=True)
+    for seed in (1, 2, 3):
+        m.load_weights(_folded_weights(seed))
+        g.replay()
+        assert torch.allclose(y, _expected(rewrite, _folded_weights(seed)))
+
+
+def test_the_rewrite_re_run_over_a_weight_no_load_wrote_is_refused() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    g, y = _capture(m, guard=True)
+    # ROCm/ATOM #2028's shape: the post-load step runs again over weights the sync did
+    # not write: the scale is folded in twice.
+    with pytest.raises(gs.StaleError, match=r"applied twice"):
+        gs.runtime(m).run_load(lambda mod: _fold_scale(mod), m, (), {})
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()
+    gs.runtime(m).exempt("lin.weight", why="the control: what the graph reads now")
+    g.replay()
+    assert not torch.allclose(y, _expected(_fold_scale, _folded_weights(0)))  # folded twice
+
+
+# -- state made outside any load: on first use, in a warm-up ---------------------------
+
+
+@gs.graphsafe
+class Lazy(nn.Module):
+    """A kernel that packs its weight on first use, as engines do in their profile run or
+    warm-up; `every` recomputes the packed copy in every forward instead."""
+
+    def __init__(self, *, every: bool = False, keyed: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+        self.every, self.keyed = every, keyed
+        self.packed: torch.Tensor | None = None
+        self.cache: dict[int, torch.Tensor] = {}
+        self.rope: torch.Tensor | None = None
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+
+    def _pack(self) -> torch.Tensor:
+        w = self.lin.weight
+        if self.keyed:  # a per-layer cache keyed by the weight's identity
+            if id(w) not in self.cache:
+                self.cache[id(w)] = w.t().contiguous()
+            return self.cache[id(w)]
+        if self.packed is None or self.every:
+            self.packed = w.t().contiguous()
+        return self.packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rope is None:  # made on first use from the config: no weight feeds it
+            self.rope = torch.arange(C, dtype=torch.float32).cos()
+        return x @ self._pack() + self.rope
+
+
+def _lazy_reference(weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return x @ weights["lin.weight"].t() + torch.arange(C, dtype=torch.float32).cos()
+
+
+def _brought_up(m: Lazy, *, guard: bool, warmups: int = 1) -> tuple[gs.Graph, torch.Tensor]:
+    m.load_weights(_weights(0))
+    x = torch.ones(2, C)
+    with torch.no_grad():
+        for _ in range(warmups):  # the engine's profile run, its warm-up
+            m(x)
+    return _capture(m, guard=guard)
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["attribute", "keyed-by-id"])
+def test_state_made_on_first_use_before_capture_is_discovered_and_guarded(
+    keyed: bool,
+) -> None:
+    m = Lazy(keyed=keyed)
+    g, _ = _brought_up(m, guard=True)
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    path = next(iter(found))
+    assert list(found) == [path] and path.startswith("cache." if keyed else "packed")
+    assert found[path].sources == ("lin.weight",)  # not the rope: no weight feeds it
+    m.load_weights(_weights(1))  # a sync: the packed copy is not made again
+    with pytest.raises(gs.StaleError, match=r"packed|cache"):
+        g.replay()
+
+
+def test_control_unguarded_state_made_on_first_use_replays_stale() -> None:
+    m = Lazy()
+    g, y = _brought_up(m, guard=False)
+    m.load_weights(_weights(1))
+    g.replay()
+    assert torch.allclose(y, _lazy_reference(_weights(0), torch.ones(2, C)))
+    assert not torch.allclose(y, _lazy_reference(_weights(1), torch.ones(2, C)))
+
+
+def test_state_every_forward_makes_again_is_no_false_alarm() -> None:
+    m = Lazy(every=True)
+    g, y = _brought_up(m, guard=True, warmups=2)
+    assert gs.runtime(m).discovered == ()  # the capture made it again: the graph does
+    m.load_weights(_weights(1))
+    g.replay()
+    assert torch.allclose(y, _lazy_reference(_weights(1), torch.ones(2, C)))
+
+
+def test_state_made_inside_the_capture_is_no_false_alarm() -> None:
+    m = Lazy()
+    g, y = _brought_up(m, guard=True, warmups=0)  # first used by the captured forward
+    assert gs.runtime(m).discovered == ()
+    m.load_weights(_weights(1))
+    g.replay()
+    assert torch.allclose(y, _lazy_reference(_weights(1), torch.ones(2, C)))
+
+
+def test_the_bring_up_ends_with_the_first_capture() -> None:
+    m = Lazy()
+    graph, _ = _brought_up(m, guard=True, warmups=0)
+    m.packed = None  # made again after the capture, by a forward no graph captured
+    with torch.no_grad():
+        m(torch.ones(2, C))
+    assert gs.runtime(m).discovered == ()  # not recorded: a dispatch mode costs every op
+    assert not m._forward_pre_hooks and not m._forward_hooks
+    assert graph.captured
+
+
+# -- threads the post-load step starts ----------------------------------------------------
+
+_POOL = __import__("concurrent.futures").futures.ThreadPoolExecutor(2)  # made before any load
+
+
+@gs.graphsafe
+class Threaded(nn.Module):
+    """A post-load step that packs its layers in worker threads."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(C, C, bias=False) for _ in range(3)])
+        self.how = how
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+        if not post:
+            return
+
+        def pack(layer: nn.Module) -> None:
+            if "packed" in vars(layer):  # packed again in place, where it was
+                with torch.no_grad():
+                    layer.packed.copy_(layer.weight.t())
+            else:
+                layer.packed = layer.weight.t().contiguous()
+
+        if self.how == "pool":  # a pool made long before
+            list(_POOL.map(pack, self.layers))
+        else:
+            import threading
+
+            threads = [threading.Thread(target=pack, args=(m,)) for m in self.layers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x @ layer.packed
+        return x
+
+
+def _threaded_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(C, C, generator=g) / 2 for i in range(3)}
+
+
+@pytest.mark.parametrize("how", ["pool", "threads"])
+def test_what_worker_threads_pack_is_discovered_and_guarded(how: str) -> None:
+    m = Threaded(how)
+    m.load_weights(_threaded_weights(0))
+    assert sorted(d.path for d in gs.runtime(m).discovered) == [
+        f"layers.{i}.packed" for i in range(3)]
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_threaded_weights(1), post=False)
+    with pytest.raises(gs.StaleError, match=r"layers\.0\.packed"):
+        g.replay()
+    m.load_weights(_threaded_weights(2))  # the full load packs again, in threads
+    g.replay()
+
+
+def test_control_unguarded_what_threads_packed_replays_stale() -> None:
+    m = Threaded("pool")
+    m.load_weights(_threaded_weights(0))
+    g, y = _capture(m, guard=False)
+    m.load_weights(_threaded_weights(1), post=False)
+    g.replay()
+    x = torch.ones(2, C)
+    want = x
+    for i in range(3):
+        want = want @ _threaded_weights(1)[f"layers.{i}.weight"].t()
+    assert not torch.allclose(y, want)
+
+
+def test_the_thread_hooks_are_gone_once_nothing_records() -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from graphsafe._lineage import threads
+
+    m = Threaded("threads")
+    m.load_weights(_threaded_weights(0))
+    assert threading.Thread.start is threads._THREAD_START
+    assert ThreadPoolExecutor.submit is threads._POOL_SUBMIT

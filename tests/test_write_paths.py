@@ -528,6 +528,27 @@ def test_a_second_declared_write_makes_the_guard_refuse_again() -> None:
         assert torch.equal(out, _reference(m, x))
 
 
+def test_a_declared_write_through_a_numpy_view_of_part_of_a_weight_is_matched_by_address(
+) -> None:
+    m, x = _layer(), _x()
+    g, out = _capture(m, x)
+    region = m.weight.data.numpy()[1:]  # the second row: another storage object
+    region[:] = NEW[1].numpy()
+    gs.mark_written(torch.from_numpy(region))
+    _refused(g, match="weight_t")
+    gs.runtime(m).refresh_stale()
+    g.replay()
+    assert torch.equal(out, _reference(m, x))
+
+
+def test_control_a_declared_write_of_other_memory_marks_nothing_of_the_model() -> None:
+    m, x = _layer(), _x()
+    g, out = _capture(m, x)
+    gs.mark_written(torch.from_numpy(NEW.numpy().copy()))
+    g.replay()  # nothing of the model's memory was declared written
+    assert torch.equal(out, _reference(m, x))
+
+
 # -- G. errors a user can hit say what, where and how to fix --------------------------------
 
 

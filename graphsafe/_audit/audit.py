@@ -340,9 +340,10 @@ def _discovered(
                 discovered.append(item.path)
             return pair[0].nbytes
     if r is None:
-        why = ("an opaque result (a value that left torch, such as a packed-kernel handle) "
-               "with no probe registered (`graphsafe.register_probe`)"
-               if item.opaque else "its recorded op chain cannot be run again")
+        why = item.why or (
+            "an opaque result (a value that left torch, such as a packed-kernel handle) "
+            "with no probe registered (`graphsafe.register_probe`)"
+            if item.opaque else "its recorded op chain cannot be run again")
         unchecked.append(Unchecked(path=item.path, why=why))
         return 0
     got = compare(r, item.held, atol=atol, rtol=rtol)

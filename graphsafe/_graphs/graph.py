@@ -16,6 +16,7 @@ from graphsafe._graphs.capture import CaptureState
 from graphsafe._graphs.cpu import CPUBackend
 from graphsafe._graphs.guard import Guard
 from graphsafe._memory.ledger import Ledger
+from graphsafe._runtime.runtime import runtime
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
@@ -217,21 +218,24 @@ class Graph:
         self._state.check_new()  # before warm-up and pinning
         if self._model is not None:
             Guard.check_capturable(self._model)  # before warm-up runs the model
-        if warmup is not None:
-            self._backend.warmup(warmup, warmup_iters)
-        try:
-            if self._model is not None:
-                # Before the body: the ledger must record the storage the graph reads.
-                self._guard = Guard(
-                    self._model, self, repair=self._repair, device=self._backend_name
-                )
-            with self._state.capturing(), self._backend.capture():
-                yield
-            if self._guard is not None:
-                self._guard.narrow(self._backend.reads, self._backend.outside())
-        except BaseException:
-            self._release()
-            raise
+        bring_up = (runtime(self._model).capturing() if self._model is not None
+                    else contextlib.nullcontext())
+        with bring_up:  # the warm-up and the capture end the model's bring-up
+            if warmup is not None:
+                self._backend.warmup(warmup, warmup_iters)
+            try:
+                if self._model is not None:
+                    # Before the body: the ledger must record the storage the graph reads.
+                    self._guard = Guard(
+                        self._model, self, repair=self._repair, device=self._backend_name
+                    )
+                with self._state.capturing(), self._backend.capture():
+                    yield
+                if self._guard is not None:
+                    self._guard.narrow(self._backend.reads, self._backend.outside())
+            except BaseException:
+                self._release()
+                raise
 
     def reset(self) -> None:
         """Forget the capture, releasing its pin, snapshot and memory, so that it can capture

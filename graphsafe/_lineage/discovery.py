@@ -19,12 +19,20 @@ holds a tensor's address: from the pin on, a scalar whose value changed, or a ha
 rebuilt, is refused like a moved tensor (`StorageMovedError`), naming where it is kept
 and the weight it came from. A load that writes a scalar's sources and leaves the value
 the sources give now is not a fault (the scalar is recomputed to tell).
+
+A weight the recorded load rewrote in place after loading it, by ops over the model's
+state (a scale folded in, `1 + w`, a layout interleaved or prepacked: `rewritten`), holds
+derived state in the parameter itself. Every later load must write it the way the first
+did: loaded values, then the same rewrite. A load whose last writes into it are not
+(raw values with the rewrite not re-applied, or the rewrite alone, over its own output:
+a fold applied twice) is refused naming the weight and the ops, and the weight stays
+refused until a load writes it whole again.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -37,19 +45,23 @@ from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Arg, Call, Lineage
 from graphsafe._lineage.resolve import (
     Found,
+    Rewrite,
     Source,
     arguments_now,
     find,
+    find_rewrites,
     find_values,
     recompute,
     recompute_scalar,
     sources_of,
 )
+from graphsafe._lineage.window import Window
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
 from graphsafe._memory.walk import Site, ValueSite, step, storage_key
 
-__all__ = ["AuditItem", "Discovered", "Discovery", "stale_error"]
+__all__ = ["AuditItem", "Discovered", "Discovery", "moved_error", "rewritten_error",
+           "stale_error"]
 
 
 class Discovered(BaseModel):
@@ -62,8 +74,9 @@ class Discovered(BaseModel):
     """Where the model holds it (`lm_head.quant_method.kernel.packed`, `<cell>` steps for
     closures)."""
     kind: str = "tensor"
-    """`tensor`, `scalar` (a Python number taken from the weights) or `handle` (a value
-    that left torch: a kernel handle, a `ScriptObject`)."""
+    """`tensor`, `scalar` (a Python number taken from the weights), `handle` (a value
+    that left torch: a kernel handle, a `ScriptObject`) or `rewritten` (a weight the
+    post-load step rewrote in place: every later load must write it the same way)."""
     module_class: str
     """Class of the module it hangs off."""
     sources: tuple[str, ...]
@@ -97,6 +110,8 @@ class AuditItem(NamedTuple):
     probe: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
     atol: float = 0.0
     rtol: float = 0.0
+    why: str = ""
+    """Why it cannot be recomputed, when that is known before trying."""
 
 
 class _Place(NamedTuple):
@@ -227,6 +242,45 @@ def _same_number(a: object, b: object) -> bool:
     return a == b
 
 
+class _Rewritten:
+    """A weight the recorded load rewrote in place (`Rewrite`), and whether a later load
+    broke it (`broken`: why)."""
+
+    __slots__ = ("broken", "chain", "module_class", "ops", "path", "site", "sources")
+
+    def __init__(self, rewrite: Rewrite, module_class: str) -> None:
+        self.path = rewrite.weight.path
+        self.site = (rewrite.weight.holder, rewrite.weight.key)
+        self.module_class = module_class
+        self.ops = rewrite.ops
+        self.sources = tuple(dict.fromkeys(s.path for s in rewrite.sources))
+        self.chain = " -> ".join(rewrite.chain)
+        self.broken: str | None = None
+
+    def key(self) -> int:
+        holder, key = self.site
+        with PLAIN():
+            t = holder.get(key)
+            return storage_key(t) if isinstance(t, torch.Tensor) else 0
+
+    def judge(self, ops: Sequence[str]) -> str | None:
+        """Why a load whose writes into the weight were `ops` (in order) left it wrong,
+        or None: loaded, then rewritten the way the recorded load did."""
+        mine = list(self.ops)
+        done = " -> ".join(mine)
+        if not ops:
+            return (f"written by a load graphsafe saw no op of (load_state_dict, a write "
+                    f"it tracks by versions): the post-load rewrite ({done}) not re-applied")
+        if len(ops) > len(mine) and list(ops[-len(mine):]) == mine:
+            return None
+        if list(ops) == mine:
+            return (f"written only by {done}: either loaded raw with the post-load rewrite "
+                    f"not re-applied, or the rewrite re-applied over its own output (a fold "
+                    f"applied twice)")
+        return (f"written by {' -> '.join(ops)}: raw values where the model reads the output "
+                f"of the post-load rewrite ({done}), which this load did not re-apply")
+
+
 class Discovery:
     """The discovered entries of one model, their witnesses and exemptions.
 
@@ -241,9 +295,11 @@ class Discovery:
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
         self._recorded = False
+        self._rewritten: dict[str, _Rewritten] = {}  # weight path -> its rewrite
+        self._window: Window | None = None  # the bring-up's forwards, until the capture
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._rewritten)
 
     # -- after a load -----------------------------------------------------------------
 
@@ -254,14 +310,48 @@ class Discovery:
         return mode == "all" or (mode == "first" and not self._recorded)
 
     def take(
-        self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]]
+        self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]], *,
+        bring_up: frozenset[int] | None = None,
     ) -> None:
         """A recorded load of the model completed (or an engine's first load, recorded
-        before the model was known): settle what `lineage` found, and forget it; the
-        model counts as recorded from now on."""
+        before the model was known): settle what `lineage` found; the model counts as
+        recorded from now on. With `bring_up` (the storage keys of its weights), the
+        first recording stays open over the model's forwards until its first capture
+        (`close_window`); else it is forgotten."""
         self.settle(lineage, model, sites)
         self._recorded = True
-        lineage.release()
+        if bring_up is not None and self._window is None and RECORDING[0] != "off":
+            self._window = Window(model, lineage, bring_up)
+        else:
+            lineage.release()
+
+    def close_window(self, model: nn.Module, sites: Callable[[], Sequence[Site]]) -> None:
+        """The model's first capture ended (or it was pinned by an engine that captured
+        its own graphs): what its forwards made lazily from the weights is discovered."""
+        window, self._window = self._window, None
+        if window is not None:
+            window.close(lambda lineage: self.settle(lineage, model, sites, lazily=True))
+
+    def sequenced_keys(self) -> frozenset[int]:
+        """Storage keys of the weights rewritten in place: a load keeps the ops that write
+        each, in order, for `judge_rewrites`."""
+        return frozenset(k for r in self._rewritten.values() if (k := r.key()))
+
+    def judge_rewrites(
+        self, written: set[int], ops: Mapping[int, Sequence[str]]
+    ) -> list[_Rewritten]:
+        """A load ended that wrote `written` (storage keys), each rewritten weight by
+        `ops[key]`: every weight it left wrong (not exempted); one written the way the
+        recorded load did is whole again."""
+        broken = []
+        for r in self._rewritten.values():
+            key = r.key()
+            if key not in written:
+                continue
+            r.broken = r.judge(ops.get(key, ()))
+            if r.broken is not None and r.path not in self._exempt:
+                broken.append(r)
+        return broken
 
     def after_load(self, model: nn.Module, written: set[int]) -> None:
         """A load that was not recorded completed, writing the storages `written`: each
@@ -272,15 +362,26 @@ class Discovery:
             self.follow(written)
 
     def settle(
-        self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]]
+        self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]], *,
+        lazily: bool = False,
     ) -> None:
         """Take what a completed load recorded: entries it computed (anew or again) are
         witnessed now; the rest keep their witnesses. `sites()` gives every tensor the
-        model holds (a walk)."""
+        model holds (a walk). `lazily`: what the bring-up's forwards recorded: only
+        tensors last written before the last forward, and not found already, are taken
+        (what the last forward wrote again, every forward computes)."""
         alive = lineage.alive()
-        if not alive and not lineage.values:
+        if not alive and not lineage.values and not lineage.weight_writes:
             return
         sources = sources_of(model)
+        derived = frozenset(
+            sid for m in model.modules() for name in m._non_persistent_buffers_set
+            if isinstance(b := m._buffers.get(name), torch.Tensor) and (sid := _sid(b)))
+        classes = {id(m._parameters): type(m).__name__ for m in model.modules()}
+        classes.update((id(m._buffers), type(m).__name__) for m in model.modules())
+        for rewrite in () if lazily else find_rewrites(lineage, sources, derived):
+            self._rewritten[rewrite.weight.path] = _Rewritten(
+                rewrite, classes.get(id(rewrite.weight.holder), type(model).__name__))
         for staged, weight in lineage.copied.items():  # a staging copy stands for its weight
             if weight in sources and staged not in sources:
                 sources[staged] = sources[weight]._replace(sid=staged)
@@ -288,7 +389,14 @@ class Discovery:
         if not candidates and not lineage.values:
             return
         found = {f.site.path: f for f in find(lineage, sites(), sources, candidates)}
-        found.update((f.site.path, f) for f in find_values(lineage, model, sources))
+        if lazily:
+            known = {e.path for e in self._entries}
+            found = {p: f for p, f in found.items()
+                     if 1 <= f.writer[0].epoch < lineage.epoch and p not in known}
+            if not found:
+                return
+        else:
+            found.update((f.site.path, f) for f in find_values(lineage, model, sources))
         kept = [e for e in self._entries if e.path not in found and _still_held(e)]
         fresh = [_Entry(f) for f in found.values()]
         by_entry = self._rows_by_entry()
@@ -389,7 +497,7 @@ class Discovery:
                 got="an empty reason",
                 fix="say why: the reason is listed with the exemption in `rt.discovered`",
             )
-        if not any(e.path == path for e in self._entries):
+        if not any(e.path == path for e in self._entries) and path not in self._rewritten:
             known = ", ".join(e.path for e in self._entries[:6]) or "none"
             raise GraphSafetyError(
                 f"{path!r} is not a tensor the model derived without a declaration",
@@ -423,6 +531,13 @@ class Discovery:
                 exempt=self._exempt.get(e.path), stale=stale.get(i),
                 adopted=e.adopted, refused=e.refused,
             ))
+        for r in self._rewritten.values():
+            out.append(Discovered(
+                path=r.path, kind="rewritten", module_class=r.module_class,
+                sources=r.sources, chain=r.chain, opaque=False,
+                exempt=self._exempt.get(r.path), stale=r.broken, adopted=False,
+                refused="a weight rewritten in place holds no input to recompute it from",
+            ))
         return tuple(out)
 
     def source_keys(self) -> frozenset[int]:
@@ -435,7 +550,13 @@ class Discovery:
 
     def audit_items(self) -> list[AuditItem]:
         """Every entry not exempted, for the content audit."""
-        items = []
+        items = [
+            AuditItem(r.path, torch.empty(0), lambda: None, r.sources, False,
+                      why="a weight the post-load step rewrote in place: the loaded values "
+                      "it was computed from are gone (the guard checks every later load's "
+                      "writes into it instead)")
+            for r in self._rewritten.values() if r.path not in self._exempt
+        ]
         for e in self._entries:
             if e.path in self._exempt:
                 continue
@@ -484,6 +605,11 @@ class Discovery:
         w = self._witnesses
         return w is None or w.unchanged()
 
+    def broken_rewrites(self) -> list[_Rewritten]:
+        """The weights rewritten in place that a load left wrong, not exempted."""
+        return [r for r in self._rewritten.values()
+                if r.broken is not None and r.path not in self._exempt]
+
     def _stale_rows(
         self, reads: frozenset[int] | None, *, exempted: bool = False
     ) -> list[tuple[int, str]]:
@@ -514,6 +640,9 @@ class Discovery:
                  and (how := e.moved()) is not None]
         if moved:
             raise moved_error(model_class, moved)
+        broken = self.broken_rewrites()
+        if broken:
+            raise rewritten_error(broken)
         if self.unchanged():
             return
         stale = self._stale_rows(reads)
@@ -535,6 +664,13 @@ class Discovery:
         assert self._witnesses is not None
         self._witnesses.record(self._rows_by_entry().get(i, []))
         return True
+
+
+def _sid(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _probing(
@@ -606,6 +742,26 @@ def stale_error(model_class: type, stale: list[tuple[_Entry, str]]) -> StaleErro
         fix="re-run the engine's post-load processing over what was written (in vLLM, "
         "its layerwise processing of the written layers, not `reload_weights` from disk, "
         f"which would discard the sync){declare}; or exempt it if it is meant to differ: "
+        f'`gs.runtime(model).exempt("{first.path}", why="...")`',
+    )
+
+
+def rewritten_error(broken: list[_Rewritten]) -> StaleError:
+    """The refusal of a load, or a replay, after a load left weights that the post-load
+    step rewrites in place with the wrong values."""
+    first = broken[0]
+    return StaleError(
+        f"{len(broken)} weight(s) the post-load step rewrites in place were written by a "
+        "load that did not rewrite them the same way",
+        paths=[r.path for r in broken],
+        module_class=first.module_class,
+        path=", ".join(r.path for r in broken[:8]) + (" ..." if len(broken) > 8 else ""),
+        expected="each load writes the loaded values, then re-applies the post-load rewrite "
+        "(as the first load did: " + first.chain + ")",
+        got="; ".join(f"{r.path}: {r.broken}" for r in broken[:4]),
+        fix="run the engine's full post-load processing after loading these weights (in "
+        "vLLM, its layerwise reload of the written layers); if the rewrite is applied "
+        "elsewhere on purpose, exempt the weight: "
         f'`gs.runtime(model).exempt("{first.path}", why="...")`',
     )
 

@@ -33,11 +33,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsafe._lineage.threads import followed
 from graphsafe._memory.walk import storage_key
 
 __all__ = [
     "RECORDING", "Arg", "Call", "Lineage", "Recorder", "ambiguous", "record", "recording",
-    "sid_of",
+    "schema_name", "sid_of",
 ]
 
 def _mode(value: str) -> str:
@@ -79,9 +80,10 @@ class Call:
     wrote (`outs`: result position -> the result's `Arg`), and whether it returned values
     that left torch (`opaque`)."""
 
-    __slots__ = ("args", "func", "kwargs", "mutated", "opaque", "outs")
+    __slots__ = ("args", "epoch", "func", "kwargs", "mutated", "opaque", "outs")
 
-    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 epoch: int = 0) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
@@ -89,6 +91,8 @@ class Call:
         self.mutated: tuple[int | str, ...] = ()
         """The arguments the op wrote: positions, or names of keyword arguments (`out=`)."""
         self.opaque = False
+        self.epoch = epoch
+        """When it ran: 0 in a load, k in the k-th forward the bring-up recorded."""
 
     @property
     def name(self) -> str:
@@ -106,6 +110,30 @@ class Call:
             elif isinstance(a, (list, tuple)):
                 yield from (x for x in a if isinstance(x, Arg))
 
+    def reads(self) -> Iterator[Arg]:
+        """Every tensor argument the op reads: not what it only overwrites (the
+        destination of `copy_`, `fill_`, `zero_`; an `out=`)."""
+        overwritten = set(self.mutated) if self.name in _OVERWRITES else {
+            w for w in self.mutated if isinstance(w, str)}
+        for i, a in enumerate(self.args):
+            if i in overwritten:
+                continue
+            if isinstance(a, Arg):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                yield from (x for x in a if isinstance(x, Arg))
+        for k, a in self.kwargs.items():
+            if k in overwritten:
+                continue
+            if isinstance(a, Arg):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                yield from (x for x in a if isinstance(x, Arg))
+
+
+_OVERWRITES = frozenset({"aten.copy_", "aten.fill_", "aten.zero_"})
+"""Ops whose written argument's old value does not matter (`Call.name`s)."""
+
 
 def sid_of(t: torch.Tensor) -> int:
     """The identity of `t`'s storage (0 for a tensor without one)."""
@@ -119,7 +147,8 @@ class Lineage:
     """What a recording found: the latest writer of each storage it saw written, and the
     values that left torch, with the call that made each."""
 
-    __slots__ = ("_atoms", "_refs", "before", "copied", "handles", "values", "writers")
+    __slots__ = ("_atoms", "_refs", "before", "copied", "epoch", "handles", "values",
+                 "weight_writes", "writers")
 
     def __init__(self) -> None:
         self.writers: dict[int, tuple[Call, Arg]] = {}
@@ -133,12 +162,17 @@ class Lineage:
         self.copied: dict[int, int] = {}
         """A storage copied whole into a weight -> that weight's storage (a staging copy:
         what was computed from it was computed from the weight)."""
+        self.weight_writes: dict[int, list[tuple[str, bool]]] = {}
+        """A weight's storage -> each op that wrote it, in order (`schema_name`), and
+        whether it was a load (a copy from what the recording did not compute)."""
         self.before: dict[str, object] | None = None
         """Where the model kept the values that do not tell one occurrence from another
         (`bool`s, small `int`s), taken before the recording made the first of them: a
         place that held the same value then was not set by the recording."""
         self._refs: dict[int, StorageWeakRef] = {}
         self._atoms: Callable[[], dict[str, object]] | None = None
+        self.epoch = 0
+        """0 while a load records; k while the k-th forward of the bring-up does."""
 
     def __len__(self) -> int:
         return len(self.writers) + len(self.handles) + len(self.values)
@@ -147,6 +181,10 @@ class Lineage:
         """How to read, by path, where the model keeps `bool`s and small `int`s: read
         once, just before the recording makes the first such value (`before`)."""
         self._atoms = atoms
+
+    def wrote_weight(self, sid: int, op: str, *, raw: bool) -> None:
+        """Weight storage `sid` was written by `op` (`raw`: a copy of loaded values)."""
+        self.weight_writes.setdefault(sid, []).append((op, raw))
 
     def keep(self, call: Call, value: object) -> None:
         """`value` left torch from `call` (see `values`)."""
@@ -171,10 +209,20 @@ class Lineage:
         self.writers.clear()
         self.handles.clear()
         self.values.clear()
+        self.weight_writes.clear()
         self.copied.clear()
         self._refs.clear()
         self.before = None
         self._atoms = None
+
+
+def schema_name(func: Any) -> str:
+    """An op's name with its overload, as the compiled tracker reports it too
+    (`aten::mul_.Tensor`, `aten::copy_`)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return str(func)
+    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
 
 
 def ambiguous(value: object) -> bool:
@@ -237,7 +285,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # No closure here: a recursive one is a reference cycle, and would keep the
         # arguments alive (and `torch.utils.swap_tensors` refusing them) until a collection.
         call = Call(func, tuple(self._conv(a) for a in args),
-                    {k: self._conv(v) for k, v in kwargs.items()})
+                    {k: self._conv(v) for k, v in kwargs.items()}, lineage.epoch)
         seen = next(call.inputs(), None) is not None
         mutated = _MUTATED.get(func)
         if mutated is None:
@@ -257,6 +305,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if sid:
                     lineage.hold(t, sid)
                     lineage.writers[sid] = (call, self._arg_written(t, sid))
+                    if self.weights and storage_key(t) in self.weights:
+                        lineage.wrote_weight(sid, schema_name(func), raw=False)
         call.mutated = tuple(wrote)
         results = out if isinstance(out, (list, tuple)) else (out,)
         for i, r in enumerate(results):
@@ -304,12 +354,19 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         weights = self.weights
         if weights and func is _COPY and storage_key(args[0]) in weights:
-            src = args[1]  # a weight loaded: what reads it stops there
-            if isinstance(src, torch.Tensor) and src.shape == args[0].shape:
-                sid = sid_of(src)
-                if sid:
-                    self.lineage.hold(src, sid)
-                    self.lineage.copied[sid] = sid_of(args[0])
+            src = args[1]
+            lineage = self.lineage
+            sid = sid_of(src) if isinstance(src, torch.Tensor) else 0
+            if sid and sid in lineage.writers:  # computed here: maybe a post-load rewrite
+                with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                    self._note(func, args, kwargs, out)
+            else:  # a weight loaded: what reads it stops there
+                written = sid_of(args[0])
+                lineage.writers.pop(written, None)
+                lineage.wrote_weight(written, _COPY_NAME, raw=True)
+            if sid and src.shape == args[0].shape:
+                lineage.hold(src, sid)
+                lineage.copied[sid] = sid_of(args[0])
             return out
         # A tensor without a storage (a wrapper subclass) has no lineage to follow.
         with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
@@ -321,13 +378,22 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # and `torch.tensor(<int>)` never reach a dispatch mode: a function mode sees them.
         self._functions = _Functions(self)
         self._functions.__enter__()  # type: ignore[no-untyped-call]
+        self._here = followed(self)  # threads and pool tasks started here follow
+        self._here.__enter__()
         return super().__enter__()  # type: ignore[no-any-return,no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
-            self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
+            try:
+                self._here.__exit__(None, None, None)
+            finally:
+                self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
+
+    def fork(self) -> Recorder:
+        """A recorder into the same lineage, for a thread this one started."""
+        return Recorder(self.lineage, self.weights)
 
     def _conv(self, a: Any) -> Any:
         """An argument as recorded: a tensor as its `Arg` (None for a meta tensor)."""
@@ -405,7 +471,7 @@ class _Functions(TorchFunctionMode):
               and any(isinstance(a, torch.Tensor) for a in args)):
             rec = self.recorder
             call = Call(func, tuple(rec._conv(a) for a in args),
-                        {k: rec._conv(v) for k, v in kwargs.items()})
+                        {k: rec._conv(v) for k, v in kwargs.items()}, rec.lineage.epoch)
             call.opaque = True
             if isinstance(out, int):
                 rec.lineage.handles[out] = call
@@ -424,6 +490,7 @@ an index): seen above the dispatcher, where the object the caller keeps is retur
 # dynamo-disabling frame at every op (a load is never compiled).
 Recorder.__torch_dispatch__ = Recorder._dispatch  # type: ignore[method-assign,assignment]
 _COPY = torch.ops.aten.copy_.default
+_COPY_NAME = "aten::copy_"
 
 
 @contextlib.contextmanager

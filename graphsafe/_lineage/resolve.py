@@ -13,6 +13,7 @@ the walk reaches, found by its identity (`find_values`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -24,8 +25,8 @@ from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, walk_values
 
 __all__ = [
-    "Found", "Source", "arguments_now", "atoms_of", "find", "find_values", "recompute",
-    "recompute_scalar", "sources_of", "trace",
+    "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find", "find_rewrites",
+    "find_values", "recompute", "recompute_scalar", "sources_of", "trace",
 ]
 
 _CHAIN = 4
@@ -85,7 +86,7 @@ def trace(
         chains[key] = None  # a cycle cannot happen (writers precede readers); be safe
         opaque = opaque or call.opaque
         best: tuple[str, ...] | None = None
-        for a in call.inputs():
+        for a in call.reads():
             src = sources.get(a.sid)
             if src is not None:
                 found.setdefault(src.sid, src)  # a staging copy: the same path again
@@ -127,12 +128,49 @@ def find(
     return out
 
 
+class Rewrite(NamedTuple):
+    """A weight (`weight`) the recording saw rewritten in place after it was loaded, by
+    ops over the model's state (`ops`, in order: a scale folded in, `1 + w`, a layout
+    interleaved or prepacked): it holds derived state, computed from `sources` (itself
+    among them) by `chain`."""
+
+    weight: Source
+    ops: tuple[str, ...]
+    sources: tuple[Source, ...]
+    chain: tuple[str, ...]
+
+
+def find_rewrites(lineage: Lineage, sources: dict[int, Source],
+                  derived: frozenset[int] = frozenset()) -> list[Rewrite]:
+    """The weights whose last writes in the recording, after the last time they were
+    loaded, are ops over the model's state (not a copy of loaded values); `derived`: the
+    storage identities of declared derived buffers, never weights."""
+    out = []
+    for sid, writes in lineage.weight_writes.items():
+        weight = sources.get(sid)
+        if weight is None or sid in derived:
+            continue
+        after = len(writes)
+        while after and not writes[after - 1][1]:
+            after -= 1
+        ops = tuple(op for op, _ in writes[after:])
+        last = lineage.writers.get(sid)
+        if not ops or last is None:
+            continue
+        srcs, chain, _ = trace(last[0], sources)
+        if srcs:  # over the model's state: derived from the weight as it was loaded
+            out.append(Rewrite(weight, ops, srcs, chain))
+    return out
+
+
 def atoms_of(model: nn.Module) -> Callable[[], dict[str, object]]:
     """How to read where `model` keeps `bool`s and small `int`s, by path (for
-    `Lineage.note_places`)."""
+    `Lineage.note_places`; the model is held weakly)."""
+    ref = weakref.ref(model)
 
     def read() -> dict[str, object]:
-        return {s.path: s.value for s in walk_values(model, ambiguous)}
+        now = ref()
+        return {} if now is None else {s.path: s.value for s in walk_values(now, ambiguous)}
 
     return read
 

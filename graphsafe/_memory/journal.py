@@ -43,7 +43,8 @@ class Journal:
         0
     """
 
-    __slots__ = ("_dead", "_drain", "_epochs", "_how", "_lock", "_tracked", "clock", "poisoned")
+    __slots__ = ("_dead", "_drain", "_epochs", "_extent", "_how", "_lock", "_tracked", "clock",
+                 "poisoned")
 
     def __init__(self) -> None:
         self.clock = 0
@@ -54,6 +55,7 @@ class Journal:
         self._epochs: dict[int, int] = {}  # storage key -> the clock of its last write
         self._how: dict[int, str] = {}  # clock -> what wrote at it, for messages
         self._tracked: set[int] = set()  # keys whose storage has a finalizer
+        self._extent: dict[int, int] = {}  # tracked key -> its storage's bytes
         self._lock = threading.Lock()
         self._dead: list[int] = []  # keys whose storage died, forgotten at the next sweep
         self._drain: Callable[[], None] = _nothing  # the write observer's, while it runs
@@ -141,10 +143,29 @@ class Journal:
         """What last wrote the storage `key`, for messages."""
         return self._how.get(self._epochs.get(key, -1), "a recorded write")
 
+    def know(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        """Track `storages` (a pinned model's) without recording a write: a write declared
+        through another storage object of their memory is matched to them."""
+        with self._lock:
+            self._sweep()
+            for storage in storages:
+                key = storage.data_ptr() if storage.nbytes() else 0
+                if key and key not in self._tracked:
+                    self._track(key, storage)
+
+    def containing(self, start: int, end: int) -> set[int]:
+        """The storages it knows (`advance`d with their storage) whose bytes hold all of
+        `[start, end)`: a view over another storage object of the same memory (NumPy's,
+        `torch.from_numpy` of it) is a write into them."""
+        with self._lock:
+            self._sweep()
+            return {k for k, n in self._extent.items() if k <= start and end <= k + n}
+
     def _track(self, key: int, storage: torch.UntypedStorage | None) -> None:
         if storage is not None and storage.data_ptr() == key:
             weakref.finalize(storage, self._dead.append, key)
             self._tracked.add(key)
+            self._extent[key] = storage.nbytes()
 
     def _sweep(self) -> None:
         # Finalizers run wherever the garbage collector runs, this journal's own code
@@ -154,6 +175,7 @@ class Journal:
         while dead:
             key = dead.pop()
             self._tracked.discard(key)
+            self._extent.pop(key, None)
             self.poisoned.pop(key, None)
             if self._epochs.pop(key, None) is not None:
                 self.clock += 1  # witnesses of that epoch look again
@@ -179,7 +201,9 @@ def mark_written(*tensors: torch.Tensor) -> None:
     `on_stale="refresh"`).
 
     Args:
-        *tensors: The tensors written (any view of the storage will do).
+        *tensors: The tensors written (any view of the storage will do; a tensor over
+            another storage object of the same memory, such as `torch.from_numpy` of a
+            NumPy view of a weight, declares a write into the weight's storage).
 
     Raises:
         GraphSafetyError: An argument is not a tensor (a list, a generator, a NumPy
@@ -193,7 +217,15 @@ def mark_written(*tensors: torch.Tensor) -> None:
     for position, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):  # all checked before anything is recorded
             raise _not_a_tensor(position, len(tensors), t)
-    storages = {storage_key(t): t.untyped_storage() for t in tensors}
+    storages: dict[int, torch.UntypedStorage | None] = {}
+    for t in tensors:
+        key = storage_key(t)
+        if key:
+            storages[key] = t.untyped_storage()
+            # Matched by address: the same bytes under another storage object.
+            end = key + max(int(t.untyped_storage().nbytes()), 1)
+            for known in JOURNAL.containing(key, end) - storages.keys():
+                storages[known] = None  # the journal tracks it already
     JOURNAL.advance(storages, "a write declared with gs.mark_written", storages.get)
 
 

@@ -85,6 +85,10 @@ class Native(Protocol):
     def tracker_push(self, tracker: int, /) -> None: ...
     def tracker_pop(self, tracker: int, /) -> bool: ...
     def tracker_written(self, tracker: int, /) -> set[int]: ...
+
+    def tracker_sequence(self, arg: tuple[int, Iterable[int]], /) -> None: ...
+
+    def tracker_ops(self, tracker: int, /) -> dict[int, list[str]]: ...
     def tracker_free(self, tracker: int, /) -> None: ...
     def observer_watch(self, keys: Iterable[int], /) -> None: ...
     def observer_start(self) -> None: ...
@@ -309,14 +313,18 @@ def _check(module: Any) -> None:
     ok = ok and module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [(2,)]) is None
     c = torch.zeros(4)
     tracker = module.tracker_new([b.untyped_storage().data_ptr(), c.untyped_storage().data_ptr()])
+    module.tracker_sequence((tracker, [b.untyped_storage().data_ptr()]))
     module.tracker_push(tracker)
     try:
         with torch.no_grad():
             b.mul_(2)
             a.add_(1)  # not watched
+            b.copy_(c[:3])
     finally:
         ok = module.tracker_pop(tracker) and ok
     ok = ok and module.tracker_written(tracker) == {b.untyped_storage().data_ptr()}
+    ok = ok and module.tracker_ops(tracker) == {
+        b.untyped_storage().data_ptr(): ["aten::mul_.Tensor", "aten::copy_"]}
     module.tracker_free(tracker)
     ok = ok and _observer_check(module, b, c)
     if not ok:

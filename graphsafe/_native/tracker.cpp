@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -29,8 +30,10 @@ namespace {
 
 struct Tracker {
   std::unordered_set<int64_t> watched;
+  std::unordered_set<int64_t> sequenced;  // of these, the ops that write each are kept
   std::mutex mu;  // `written` is read from other threads (a replay asking how far a load got)
   std::unordered_set<int64_t> written;
+  std::unordered_map<int64_t, std::vector<std::string>> ops;  // sequenced key -> its writers
   bool blind = false;  // RecordFunction was off at some point: writes may have been missed
 };
 
@@ -54,11 +57,14 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     if (i >= inputs.size()) {
       continue;
     }
-    graphsafe_native::each_key(inputs[i], [](int64_t key) {
+    graphsafe_native::each_key(inputs[i], [&writes](int64_t key) {
       for (const auto& tr : active) {
         if (tr->watched.count(key) != 0) {
           std::lock_guard<std::mutex> g(tr->mu);
           tr->written.insert(key);
+          if (tr->sequenced.count(key) != 0) {
+            tr->ops[key].push_back(writes.name);
+          }
         }
       }
     });
@@ -170,6 +176,72 @@ PyObject* tracker_written(PyObject* /*self*/, PyObject* id) {
   return out;
 }
 
+// tracker_sequence((id, keys)): of the watched keys, keep the ops that write these, in
+// order (before it is pushed).
+PyObject* tracker_sequence(PyObject* /*self*/, PyObject* arg) {
+  PyObject* id = nullptr;
+  PyObject* keys = nullptr;
+  if (!PyArg_ParseTuple(arg, "OO", &id, &keys)) {
+    return nullptr;
+  }
+  std::shared_ptr<Tracker> tr = find(id);
+  if (tr == nullptr) {
+    return nullptr;
+  }
+  PyObject* it = PyObject_GetIter(keys);
+  if (it == nullptr) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(tr->mu);
+  while (PyObject* item = PyIter_Next(it)) {
+    tr->sequenced.insert(PyLong_AsLongLong(item));
+    Py_DECREF(item);
+  }
+  Py_DECREF(it);
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// tracker_ops(id) -> dict[int, list[str]]: the ops that wrote each sequenced key, in order.
+PyObject* tracker_ops(PyObject* /*self*/, PyObject* id) {
+  std::shared_ptr<Tracker> tr = find(id);
+  if (tr == nullptr) {
+    return nullptr;
+  }
+  std::unordered_map<int64_t, std::vector<std::string>> ops;
+  {
+    std::lock_guard<std::mutex> g(tr->mu);
+    ops = tr->ops;
+  }
+  PyObject* out = PyDict_New();
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (const auto& entry : ops) {
+    PyObject* names = PyList_New(static_cast<Py_ssize_t>(entry.second.size()));
+    if (names == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    for (size_t i = 0; i < entry.second.size(); ++i) {
+      PyList_SET_ITEM(names, static_cast<Py_ssize_t>(i),
+                      PyUnicode_FromString(entry.second[i].c_str()));
+    }
+    PyObject* key = PyLong_FromLongLong(entry.first);
+    if (key == nullptr || PyDict_SetItem(out, key, names) != 0) {
+      Py_XDECREF(key);
+      Py_DECREF(names);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(key);
+    Py_DECREF(names);
+  }
+  return out;
+}
+
 // tracker_free(id): forget it (it must not be active in any thread).
 PyObject* tracker_free(PyObject* /*self*/, PyObject* id) {
   const int64_t key = PyLong_AsLongLong(id);
@@ -190,6 +262,8 @@ PyMethodDef tracker_methods[] = {
     {"tracker_push", tracker_push, METH_O, "Track this thread's ops with it."},
     {"tracker_pop", tracker_pop, METH_O, "Stop; False if writes may have gone unseen."},
     {"tracker_written", tracker_written, METH_O, "Storage keys it saw written."},
+    {"tracker_sequence", tracker_sequence, METH_O, "Keep the ops that write these keys."},
+    {"tracker_ops", tracker_ops, METH_O, "The ops that wrote each sequenced key."},
     {"tracker_free", tracker_free, METH_O, "Forget it."},
     {"observer_watch", observer_watch, METH_O, "Storage keys the observer watches."},
     {"observer_start", observer_start, METH_NOARGS, "Observe every thread's ops."},

@@ -100,6 +100,7 @@ class Runtime(metaclass=_OnePerModel):
         self._binder: Final = Binder(model, registry, strict=strict, journal=JOURNAL, own=self._own,
                               on_bind=self._on_bind)
         self._holders: Final[dict[object, int]] = {}
+        self._capturing = 0  # graphs capturing now (the bring-up ends when they end)
         # Every model storage while pinned: poison on any refuses the graphs' replays.
         self._pinned_keys: frozenset[int] = frozenset()
         self._discovery: Final = Discovery(JOURNAL)
@@ -198,7 +199,8 @@ class Runtime(metaclass=_OnePerModel):
         (`gs.record_lineage()`): the tensors it computed from the model's
         weights are discovered now, and checked from now on."""
         with self._lock:
-            self._discovery.take(lineage, self.model, lambda: self._binder.walked().sites)
+            self._discovery.take(lineage, self.model, lambda: self._binder.walked().sites,
+                                 bring_up=self._binder.model_map().weight_keys)
 
     def audit_items(self) -> list[AuditItem]:
         """The discovered tensors the content audit recomputes (not exempted)."""
@@ -420,13 +422,33 @@ class Runtime(metaclass=_OnePerModel):
             if not self._holders:
                 self._bound_engine().refresh_readers(False, ())
             self._discovery.rehome(self.model)  # a module replaced before the capture
+            if not self._capturing:  # an engine pins once its own graphs are captured
+                self._discovery.close_window(self.model, lambda: self._binder.walked().sites)
             self._discovery.pin()  # the numbers and handles a graph holds from now on
             self._holders[holder] = self._holders.get(holder, 0) + 1
             self._pinned_keys = frozenset(self._binder.model_tensors())
+            # A write declared through another storage object of their memory finds them.
+            JOURNAL.know(t.untyped_storage() for t in self._binder.tensors())
             # Writes into what the derivations read or write, outside any tracked load and
             # in any thread, are seen from now on (`_runtime.writes.observer`).
             OBSERVER.watch(self, self._bound_engine().watch.storage_keys()
                            | self._discovery.source_keys(), self._binder.tensors)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """A graph of the model captures inside the block (it pins at its start): the
+        bring-up's recording of forwards ends when the block does, the capture's own
+        forward included (what it writes again is recomputed by every replay)."""
+        with self._lock:
+            self._capturing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._capturing -= 1
+                if not self._capturing:
+                    self._discovery.close_window(self.model,
+                                                 lambda: self._binder.walked().sites)
 
     def unpin(self, holder: object = _MANUAL) -> None:
         """Release `holder`'s pin (graphs captured under it must be re-captured)."""

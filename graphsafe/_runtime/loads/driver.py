@@ -24,7 +24,7 @@ from typing import Any, Final
 from torch import nn
 
 from graphsafe._errors import GraphSafetyError, first_line
-from graphsafe._lineage.discovery import Discovery
+from graphsafe._lineage.discovery import Discovery, rewritten_error
 from graphsafe._lineage.resolve import atoms_of
 from graphsafe._memory.journal import Journal
 from graphsafe._runtime.loads.debts import Debts, Owed
@@ -251,6 +251,7 @@ class LoadDriver:
         load = self._load = Load.begin(
             engine, self._journal, pinned=self._pinned(), everything=before.keys,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
+            sequenced=self._discovery.sequenced_keys(),
         )
         if load.record:  # where the model keeps bools and small ints, read when needed
             load.lineage.note_places(atoms_of(self._binder.model))
@@ -286,14 +287,18 @@ class LoadDriver:
                 self._discovery.failed()  # what it rebuilt is not taken for fresh
             self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
-            if load.record:
+            broken = self._discovery.judge_rewrites(written, load.write_ops())
+            if load.record:  # what it made; its forwards until the capture are recorded on
                 self._discovery.take(load.lineage, self._binder.model,
-                                     lambda: self._binder.walked().sites)
+                                     lambda: self._binder.walked().sites,
+                                     bring_up=load.weights)
             else:
                 self._discovery.after_load(self._binder.model, written)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()
+            if broken:  # the weights stay refused until a load writes them whole again
+                raise rewritten_error(broken)
 
     # -- load_state_dict (hooks installed on the model) --------------------------------
 

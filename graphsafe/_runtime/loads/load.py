@@ -28,6 +28,7 @@ import torch
 from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import one_line
 from graphsafe._lineage.recorder import Lineage, recording
+from graphsafe._lineage.threads import followed
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.refresh.engine import Engine
@@ -51,6 +52,7 @@ class Load:
         "_early",
         "_reports",
         "_transient_written",
+        "_worker_ops",
         "_workers",
         "_written",
         "clock",
@@ -59,6 +61,7 @@ class Load:
         "journal",
         "lineage",
         "record",
+        "sequenced",
         "stepping",
         "taken",
         "thread",
@@ -74,6 +77,7 @@ class Load:
         watch: Mapping[int, Any],
         journal: Journal,
         taken: set[int] | None = None,
+        sequenced: frozenset[int] = frozenset(),
     ) -> None:
         self.engine: Final = engine
         self.thread: Final = threading.get_ident()
@@ -85,7 +89,11 @@ class Load:
         self.stepping = False
         """Whether the loader's own code runs now (its tracker is on)."""
         transients = engine.transients or None
-        self.tracker: Final = write_tracker(watch, transients)
+        self.sequenced: Final = sequenced
+        """Storage keys whose writers are kept in order (weights the post-load step
+        rewrites in place)."""
+        self.tracker: Final = write_tracker(watch, transients, sequenced)
+        self._worker_ops: list[dict[int, list[str]]] = []
         self.lineage: Final = Lineage()
         """What the loader's own code computed from what (`graphsafe._lineage`)."""
         self.record = False
@@ -119,6 +127,7 @@ class Load:
         writes: frozenset[str] | None = None,
         weights: frozenset[int] = frozenset(),
         record: bool = False,
+        sequenced: frozenset[int] = frozenset(),
     ) -> Load:
         """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
         all of `everything` (`{storage key: path}` of every model tensor), the
@@ -130,7 +139,7 @@ class Load:
         watch: dict[int, Any] = {**everything, **engine.watch.by_storage()}
         for key in engine.watch.storage_keys():
             watch.setdefault(key, "a derived buffer")
-        load = cls(engine, watch, journal, taken)
+        load = cls(engine, watch, journal, taken, sequenced)
         load.writes = writes
         load.weights = weights
         load.record = record
@@ -164,6 +173,15 @@ class Load:
             written = written | self.journal.written_since(self.clock)
         return written
 
+    def write_ops(self) -> dict[int, list[str]]:
+        """Of the `sequenced` keys, the ops that wrote each (the load's thread's in
+        order, then each worker's)."""
+        ops = {k: list(v) for k, v in self.tracker.ops.items()}
+        for worker in self._worker_ops:
+            for key, names in worker.items():
+                ops.setdefault(key, []).extend(names)
+        return ops
+
     def transients_written(self) -> set[Transient]:
         """Transient inputs written so far."""
         return self._transient_written | self.tracker.transient_written
@@ -184,13 +202,15 @@ class Load:
         The load does not end before the worker returns, so no replay can run between
         its refresh and the worker's writes.
         """
-        tracker = write_tracker(self.watch, self.engine.transients or None)
+        tracker = write_tracker(self.watch, self.engine.transients or None, self.sequenced)
         try:
             with tracker:
                 return fn(module, *args, **kwargs)
         finally:
             with self._cond:
                 self._written |= tracker.written
+                if self.sequenced:
+                    self._worker_ops.append(tracker.ops)
                 self._transient_written |= tracker.transient_written
                 self._workers -= 1
                 self._cond.notify_all()
@@ -206,14 +226,39 @@ class Load:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """The loader's own code runs: under the tracker, `stepping` set."""
-        with self.tracker, (recording(self.lineage, self.weights) if self.record
-                                 else contextlib.nullcontext()):
+        """The loader's own code runs: under the tracker, `stepping` set; threads and pool
+        tasks it starts are tracked too (`fork`)."""
+        with self.tracker, followed(self), (
+                recording(self.lineage, self.weights) if self.record
+                else contextlib.nullcontext()):
             self.stepping = True
             try:
                 yield
             finally:
                 self.stepping = False
+
+    def fork(self) -> contextlib.AbstractContextManager[None]:
+        """What a thread the loader starts, or a task it hands to a pool, runs under: a
+        tracker of its own, whose writes join the load (written after the load ended,
+        they are recorded in the journal as writes outside it)."""
+        return self._tracked_thread()
+
+    @contextlib.contextmanager
+    def _tracked_thread(self) -> Iterator[None]:
+        tracker = write_tracker(self.watch, None, self.sequenced)
+        try:
+            with tracker:
+                yield
+        finally:
+            with self._cond:
+                late = self._done
+                if not late:
+                    self._written |= tracker.written
+                    if self.sequenced:
+                        self._worker_ops.append(tracker.ops)
+            if late and tracker.written:
+                self.journal.advance(tracker.written, "a thread a load started, after the "
+                                     "load ended")
 
     def between_calls(self) -> None:
         """Between two loader calls of the load: refresh what transient inputs completed."""

@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphsafe import _native
+from graphsafe._lineage.recorder import schema_name
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.transient.transients import Transient, Transients
 from graphsafe._runtime.writes.observer import Quiet
@@ -75,11 +76,15 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         watched: Mapping[int, object],
         on_write: Callable[[int, str], None] | None = None,
         transients: Transients | None = None,
+        sequenced: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.watched = watched
         self.on_write = on_write
         self.written: set[int] = set()
+        self.sequenced = sequenced
+        self.ops: dict[int, list[str]] = {}
+        """Of the `sequenced` keys, the ops that wrote each, in order (`schema_name`)."""
         self.transients = transients
         self.transient_written: set[Transient] = set()
         self.on_complete: Callable[[], None] | None = None
@@ -168,6 +173,8 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if self.on_write is not None:
                 self.on_write(key, str(func))
             self.written.add(key)
+            if key in self.sequenced:
+                self.ops.setdefault(key, []).append(schema_name(func))
         return None
 
 
@@ -224,8 +231,10 @@ class NativeWriteTracker:
     read once, at the first entry.
     """
 
-    def __init__(self, watched: Mapping[int, object], native: _native.Native) -> None:
+    def __init__(self, watched: Mapping[int, object], native: _native.Native,
+                 sequenced: frozenset[int] = frozenset()) -> None:
         self.watched = watched
+        self.sequenced = sequenced
         self.transients: Transients | None = None
         self.transient_written: set[Transient] = set()
         self.on_complete: Callable[[], None] | None = None
@@ -242,10 +251,19 @@ class NativeWriteTracker:
             return set(self.watched)
         return self._native.tracker_written(self._id)
 
+    @property
+    def ops(self) -> dict[int, list[str]]:
+        """Of the `sequenced` keys, the ops that wrote each, in order."""
+        if self._id is None or not self.sequenced:
+            return {}
+        return self._native.tracker_ops(self._id)
+
     def __enter__(self) -> NativeWriteTracker:
         if self._id is None:
             self._id = self._native.tracker_new(self.watched)
             weakref.finalize(self, self._native.tracker_free, self._id)
+            if self.sequenced:
+                self._native.tracker_sequence((self._id, self.sequenced))
         self._native.tracker_push(self._id)
         return self
 
@@ -256,11 +274,13 @@ class NativeWriteTracker:
 
 
 def write_tracker(
-    watched: Mapping[int, object], transients: Transients | None = None
+    watched: Mapping[int, object], transients: Transients | None = None,
+    sequenced: frozenset[int] = frozenset(),
 ) -> WriteTracker | NativeWriteTracker:
     """The tracker of a load: the compiled one unless there are `transients` (their writes
-    are redirected, which only the Python one does) or it is not built."""
+    are redirected, which only the Python one does) or it is not built. Of the
+    `sequenced` keys it keeps the ops that wrote each, in order (`ops`)."""
     native = _native.get()
     if native is not None and not transients:
-        return NativeWriteTracker(watched, native)
-    return WriteTracker(watched, transients=transients)
+        return NativeWriteTracker(watched, native, sequenced)
+    return WriteTracker(watched, transients=transients, sequenced=sequenced)

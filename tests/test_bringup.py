@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import graphsafe as gs
+from graphsafe import _native
 
 C = 4
 
@@ -591,3 +592,51 @@ def test_the_thread_hooks_are_gone_once_nothing_records() -> None:
     m.load_weights(_threaded_weights(0))
     assert threading.Thread.start is threads._THREAD_START
     assert ThreadPoolExecutor.submit is threads._POOL_SUBMIT
+
+
+# -- a compiled function inside the recorded load ----------------------------------------
+
+_DEQUANT: dict[bool, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def _dequantize(t: torch.Tensor, fullgraph: bool) -> torch.Tensor:
+    if fullgraph not in _DEQUANT:  # made on first use: importing dynamo takes seconds
+        # Two functions, not one: dynamo keeps what it decided per code object.
+        fn = (lambda t: t * 2.0 + 1.0) if fullgraph else (lambda t: 1.0 + t * 2.0)
+        _DEQUANT[fullgraph] = torch.compile(fn, fullgraph=fullgraph, backend="eager")
+    return _DEQUANT[fullgraph](t)
+
+
+@gs.graphsafe
+class CompiledLoader(nn.Module):
+    def __init__(self, fullgraph: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+        self.fullgraph = fullgraph
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():  # dequantize-and-copy
+                self.get_parameter(name).copy_(_dequantize(w, self.fullgraph))
+        self.packed = self.lin.weight.t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.packed
+
+
+def test_a_compiled_function_inside_the_recorded_load_runs_and_is_recorded() -> None:
+    m = CompiledLoader(fullgraph=False)
+    m.load_weights(_weights(0))  # before: a raw dynamo error from graphsafe's recorder
+    assert torch.equal(m.lin.weight, _weights(0)["lin.weight"] * 2.0 + 1.0)
+    assert [d.path for d in gs.runtime(m).discovered] == ["packed"]
+
+
+def test_a_fullgraph_compiled_function_runs_in_the_recorded_load_and_in_later_ones() -> None:
+    m = CompiledLoader(fullgraph=True)
+    if _native.get() is None:  # the Python write tracker is a dispatch mode dynamo refuses
+        with pytest.raises(gs.GraphSafetyError, match=r"compiled tracker"):
+            m.load_weights(_weights(0))
+        return
+    m.load_weights(_weights(0))  # before: dynamo skipped it under the recording ...
+    m.load_weights(_weights(1))  # ... and remembered: "found no compiled frames" here
+    assert torch.equal(m.lin.weight, _weights(1)["lin.weight"] * 2.0 + 1.0)

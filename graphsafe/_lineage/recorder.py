@@ -340,6 +340,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _compiling():  # dynamo traces a compiled function: its ops are recorded as
+            return func(*args, **kwargs)  # the compiled code runs them, not while tracing
         out = func(*args, **kwargs)
         with _NO_FUNCTION_MODES():  # what the recorder reads of tensors is not recorded
             return self._after(func, args, kwargs, out)
@@ -391,6 +393,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             finally:
                 self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """dynamo compiles the functions a recorded load calls (without this it would
+        skip them, and remember the skip): the mode is off while it compiles, and the
+        ops the compiled code runs through the dispatcher are recorded."""
+        return True
+
     def fork(self) -> Recorder:
         """A recorder into the same lineage, for a thread this one started."""
         return Recorder(self.lineage, self.weights)
@@ -434,6 +443,7 @@ def recording(
 
 
 _NO_FUNCTION_MODES = torch._C.DisableTorchFunction
+_compiling = torch.compiler.is_compiling
 
 
 class _Functions(TorchFunctionMode):
@@ -449,6 +459,8 @@ class _Functions(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _compiling():
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if func in _SCALARS:  # the number the caller gets (the dispatcher's is a copy)
             if args and isinstance(args[0], torch.Tensor):

@@ -640,3 +640,54 @@ def test_a_fullgraph_compiled_function_runs_in_the_recorded_load_and_in_later_on
     m.load_weights(_weights(0))  # before: dynamo skipped it under the recording ...
     m.load_weights(_weights(1))  # ... and remembered: "found no compiled frames" here
     assert torch.equal(m.lin.weight, _weights(1)["lin.weight"] * 2.0 + 1.0)
+
+
+# -- views made anew over the same memory ------------------------------------------------
+
+
+class _Impl:
+    """vLLM's MLA impl: `W_UK_T` and `W_UV`, views of the absorbed weight."""
+
+
+@gs.graphsafe
+class Views(nn.Module):
+    def __init__(self, *, clone: bool = False) -> None:
+        super().__init__()
+        self.kv = nn.Linear(C, 2 * C, bias=False)
+        self.impl = _Impl()
+        self.clone = clone
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.kv.weight.copy_(weights["kv.weight"])
+        w = self.kv.weight.detach()
+        if self.clone and hasattr(self.impl, "W_UV"):
+            w = w.clone()  # the control: new memory
+        self.impl.W_UK_T = w[:C].t()  # new view objects at every load
+        self.impl.W_UV = w[C:]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.impl.W_UK_T + x @ self.impl.W_UV.t()
+
+
+def _kv(seed: int) -> dict[str, torch.Tensor]:
+    return {"kv.weight": torch.randn(2 * C, C, generator=torch.Generator().manual_seed(seed))}
+
+
+def test_views_made_anew_over_the_same_memory_replay_without_a_false_alarm() -> None:
+    m = Views()
+    m.load_weights(_kv(0))
+    g, y = _capture(m, guard=True)
+    for seed in (1, 2):
+        m.load_weights(_kv(seed))
+        g.replay()  # before: "another tensor object" on the compiled path
+        assert torch.allclose(y, m(torch.ones(2, C)))
+
+
+def test_control_views_over_new_memory_are_refused() -> None:
+    m = Views(clone=True)
+    m.load_weights(_kv(0))
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_kv(1))
+    with pytest.raises(gs.StorageMovedError, match=r"impl\.W_U"):
+        g.replay()

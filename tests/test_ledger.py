@@ -475,8 +475,9 @@ def test_a_module_replaced_at_one_binding_but_still_held_at_another_is_still_che
     assert _kinds(ledger.verify()) == {("0", "module"), ("0.weight", "storage")}
 
 
-# Identity: a path must hold the very tensor object pinned, even when another one would
-# read the same memory. Data pointers cannot tell these apart.
+# Identity: the diff names a path that holds another tensor object than the one pinned,
+# even when it reads the same memory (data pointers cannot tell these apart); a graph
+# reads the same addresses through it, so the check lets it pass and pins the new one.
 
 
 def test_swapping_one_empty_tensor_for_another_is_an_object_drift() -> None:
@@ -490,19 +491,20 @@ def test_swapping_one_empty_tensor_for_another_is_an_object_drift() -> None:
     assert _kinds(ledger.verify()) == {("e", "object"), ("b", "object")}
 
 
-def test_a_new_object_over_the_same_memory_is_an_object_drift() -> None:
+def test_a_new_object_over_the_same_memory_is_named_but_passes_and_is_pinned() -> None:
     net = Net()
     ledger = Ledger.snapshot(net)
     block = net.layers[0]
     block.x = block.x.detach()  # same storage, offset, shape, stride, dtype
     block.cache[0] = block.cache[0].view(4)
-    with pytest.raises(
-        StorageMovedError,
-        match=r"(?s)2 pinned tensors moved.*layers\.0\.x \(Block\): another tensor object"
-        r"\n    expected: Tensor \(id 0x[0-9a-f]+\)\n    got:      Tensor \(id 0x",
-    ):
-        ledger.assert_stable()
     assert _kinds(ledger.verify()) == {("layers.0.x", "object"), ("layers.0.cache.0", "object")}
+    ledger.assert_stable()  # vLLM's MLA impl makes such views anew at every load
+    again = ledger.checked()
+    assert again is not ledger and again.verify() == () and again.checked() is again
+    # Control: a new object over other memory is a moved storage, and is refused.
+    block.x = block.x.clone()
+    with pytest.raises(StorageMovedError, match=r"layers\.0\.x was rebound.*storage moved"):
+        again.assert_stable()
 
 
 # The fast check reads each pinned tensor's data pointer, stride, shape and dtype because

@@ -315,7 +315,8 @@ class Drift(BaseModel):
 
     what: DriftKind
     """What moved: `storage` (data pointer), `offset`, `shape`, `stride`, `dtype`,
-    `device`; `object` (another tensor object, same memory and geometry); `module`
+    `device`; `object` (another tensor object, same memory and geometry: named in the
+    diff, but not refused, since a graph reads the same addresses through it); `module`
     (another module, or none, is bound there; tensors of a module the model no longer
     holds are not reported); `holder` (an object on the way to pinned tensors, such as a
     kernel object, a list or a closure, was replaced: the graph reads the tensors the old

@@ -92,12 +92,13 @@ class Guard:
 
     def assert_stable(self) -> None:
         """The check of the ledger as it is now, narrowed or not (for a check bound before
-        `narrow`, such as a load check).
+        `narrow`, such as a load check). A tensor object rebound to another over the same
+        memory and geometry is none: the ledger pins the new one from then on.
 
         Raises:
             StorageMovedError: A tensor or submodule the ledger holds was rebound.
         """
-        self.ledger.assert_stable()
+        self.ledger = self.ledger.checked()
 
     def replaying(self) -> contextlib.AbstractContextManager[None]:
         """Check the model, then hold it still for the replay (it and loads wait on each other).
@@ -108,4 +109,4 @@ class Guard:
                 update failed or has not ended.
         """
         return self.runtime.replaying(
-            self.ledger.assert_stable, repair=self._repair, reads=self.reads)
+            self.assert_stable, repair=self._repair, reads=self.reads)

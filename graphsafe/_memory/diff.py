@@ -17,7 +17,7 @@ from graphsafe._declare.spec import Drift, DriftKind
 from graphsafe._memory.pins import CHECK_ERRORS, RESOLVE_ERRORS, Pin, SubmodulePin, has_storage
 from graphsafe._memory.walk import Ref, step, storage_key
 
-__all__ = ["holder_drift", "module_drift", "pin_drifts"]
+__all__ = ["holder_drift", "module_drift", "pin_drifts", "resolve_pin"]
 
 _MISSING = object()
 
@@ -76,7 +76,7 @@ def _resolve(p: Pin) -> Any:
     return value
 
 
-def _resolve_loose(p: Pin) -> tuple[object, str]:
+def resolve_pin(p: Pin) -> tuple[object, str]:
     """What the path holds now (or None, and why), through the container, then by
     attribute: a plain attribute that became a parameter (`m.x = nn.Parameter(...)`)
     leaves `__dict__` but is still `m.x`, and describing it beats reporting it removed."""
@@ -99,7 +99,7 @@ def _resolve_loose(p: Pin) -> tuple[object, str]:
 def pin_drifts(p: Pin) -> list[Drift]:
     """Every drift of the tensor pinned by `p`: removed, or each geometry field that changed,
     or, with all of them equal, a different tensor object."""
-    value, why = _resolve_loose(p)
+    value, why = resolve_pin(p)
     path = p.site.path
     cls = type(p.site.module).__name__
     if not isinstance(value, torch.Tensor) or not has_storage(value):

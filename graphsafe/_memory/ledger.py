@@ -45,7 +45,7 @@ from torch import nn
 
 from graphsafe import _native
 from graphsafe._declare.spec import Drift
-from graphsafe._memory.diff import holder_drift, module_drift, pin_drifts
+from graphsafe._memory.diff import resolve_pin, holder_drift, module_drift, pin_drifts
 from graphsafe._memory.drift import moved_error
 from graphsafe._memory.pins import CHECK_ERRORS, Pin, SubmodulePin, has_storage, pin
 from graphsafe._memory.snapshot import DATA_PTR, PLAIN, STRIDE
@@ -355,15 +355,46 @@ class Ledger:
         return tuple(drifts)
 
     def assert_stable(self) -> None:
-        """Raise unless every pinned tensor and submodule is where the snapshot found it.
+        """Raise unless every pinned tensor and submodule is where the snapshot found it
+        (a tensor object rebound to another over the same memory and geometry is: a
+        graph reads the same addresses).
 
         Raises:
             StorageMovedError: Naming every drift with its expected and got values, and
                 the fix; `.drifts` holds the `Drift`s.
         """
+        self.checked()
+
+    def checked(self) -> Ledger:
+        """`assert_stable`, returning the ledger to check next time: this one, or, when
+        tensor objects were rebound to others over the same memory and geometry (a kernel
+        object's views made anew at each load), one that pins the new objects (so that
+        the next check takes the flat path again).
+
+        Raises:
+            StorageMovedError: As `assert_stable`.
+        """
+        if self._unchanged():
+            return self
         drifts = self.verify()
-        if drifts:
-            raise moved_error(drifts, self._label)
+        moved = [d for d in drifts if d.what != "object"]
+        if moved:
+            raise moved_error(tuple(moved), self._label)
+        if not drifts:
+            return self
+        return self._rebased({d.path for d in drifts})
+
+    def _rebased(self, paths: Set[str]) -> Ledger:
+        """This snapshot with the tensor objects at `paths` read again where they are."""
+        pins = []
+        for p in self._pins:
+            if p.site.path in paths:
+                now, _ = resolve_pin(p)
+                if isinstance(now, torch.Tensor):
+                    p = p._replace(site=p.site._replace(tensor=now))
+            pins.append(p)
+        return Ledger._of(self._root, tuple(pins), self._bindings, self._label,
+                          self._all_refs)
 
 
 

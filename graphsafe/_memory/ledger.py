@@ -45,7 +45,7 @@ from torch import nn
 
 from graphsafe import _native
 from graphsafe._declare.spec import Drift
-from graphsafe._memory.diff import resolve_pin, holder_drift, module_drift, pin_drifts
+from graphsafe._memory.diff import holder_drift, module_drift, pin_drifts, resolve_pin
 from graphsafe._memory.drift import moved_error
 from graphsafe._memory.pins import CHECK_ERRORS, Pin, SubmodulePin, has_storage, pin
 from graphsafe._memory.snapshot import DATA_PTR, PLAIN, STRIDE

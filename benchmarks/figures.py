@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ from harness import (
     paired_diff,
     peak_extra_bytes,
     profile_per_item,
+    why,
 )
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,6 +62,11 @@ class Sizes:
     fig5_inputs: int  # small derivations under a guard (one input each)
     fig6_rows: tuple[int, ...]  # rows of each layer, C = 1024, n = 4
     fig7_preset: str
+    smoke: bool = False  # `quick()`'s sizes: their numbers mean nothing
+
+    def with_repeats(self, repeats: int | None) -> Sizes:
+        """The same sizes with `repeats` samples per case (None: unchanged)."""
+        return self if repeats is None else dataclasses.replace(self, repeats=repeats)
 
     @classmethod
     def full(cls) -> Sizes:
@@ -96,19 +104,26 @@ class Sizes:
             fig5_inputs=100,
             fig6_rows=(4, 16, 8),
             fig7_preset="tiny",
+            smoke=True,
         )
 
 
 @dataclasses.dataclass
 class Ctx:
-    """What every figure gets: device, clock, sizes, and whether to print profiles."""
+    """What every figure gets: device, clock, sizes, and whether to print profiles.
+
+    `rows` maps a figure to the rows asked of it (`--only 4c,5`: {"4": {"4c"}}); a figure
+    not in it runs whole. `failed` collects the rows that raised (see `attempt`).
+    """
 
     device: torch.device
     sizes: Sizes
     profile: bool = False
+    rows: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     clock: Clock = dataclasses.field(init=False)
     cache: dict[str, Any] = dataclasses.field(default_factory=dict)
     profiles: list[str] = dataclasses.field(default_factory=list)
+    failed: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.clock = Clock(self.device)
@@ -116,6 +131,26 @@ class Ctx:
     def timer(self, fn: Callable[[], Any], number: int = 1) -> Callable[[], float]:
         """A case for `interleave`: the synchronized time of `fn`."""
         return lambda: self.clock.time(fn, number)
+
+    def wants(self, row: str) -> bool:
+        """Whether row `row` ("4c") was asked for; a figure's own id ("8") always is."""
+        figure = row.rstrip("abcdefghijklmnopqrstuvwxyz")
+        asked = self.rows.get(figure)
+        return asked is None or row == figure or row in asked
+
+    def attempt(self, row: str, name: str, measure: Callable[[], Row | list[Row]]) -> list[Row]:
+        """Row `row` if it was asked for: `measure()`, or, if that raises, a SKIP row
+        saying why (the traceback on stderr, the run's exit status 1), so that one
+        broken row hides none of its figure's others."""
+        if not self.wants(row):
+            return []
+        try:
+            got = measure()
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            self.failed.append(row)
+            return [Row(row, name, skipped=why(exc))]
+        return got if isinstance(got, list) else [got]
 
 
 # -----------------------------------------------------------------------------
@@ -478,14 +513,19 @@ def fig4(ctx: Ctx) -> list[Row]:
     """
     s = ctx.sizes
     host = torch.device("cpu")  # where a checkpoint is read into, before load_weights
-    rows = [
-        _load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4a", 1.10, host),
-        _load_rows(ctx, s.fig4_small_layers, 32, 32, "4b", 1.5, host),
-    ]
-    if ctx.device.type == "cuda":  # RL weight sync: the new weights are already on the GPU
+    rows = []
+    if ctx.wants("4a"):
+        rows.append(_load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4a", 1.10, host))
+    if ctx.wants("4b"):
+        rows.append(_load_rows(ctx, s.fig4_small_layers, 32, 32, "4b", 1.5, host))
+    # RL weight sync: the new weights are already on the GPU.
+    if ctx.device.type == "cuda" and ctx.wants("4c"):
         rows.append(
             _load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4c", None, ctx.device)
         )
+    elif ctx.wants("4c"):
+        rows.append(Row("4c", "tracked load of weights already on the GPU", skipped=(
+            "CUDA only: the new weights on the GPU (this run is on the CPU)")))
     return rows
 
 
@@ -515,7 +555,15 @@ def _capture(ctx: Ctx, graph: Any, model: nn.Module, x: tuple[torch.Tensor, ...]
 
 def fig5(ctx: Ctx) -> list[Row]:
     """The guard a guarded replay runs: tiny flagship, 2,000 inputs; Ledger.verify alone."""
-    rows = [_guard_flagship(ctx), _guard_many(ctx)]
+    rows = [_guard_flagship(ctx)] if ctx.wants("5a") else []
+    if ctx.wants("5b"):
+        rows.append(_ledger_verify(ctx))
+    if ctx.wants("5c"):
+        rows.append(_guard_many(ctx))
+    return rows
+
+
+def _ledger_verify(ctx: Ctx) -> Row:
     count = ctx.sizes.fig5_tensors
     with torch.device(ctx.device):
         many = nn.ModuleList(nn.Linear(2, 2) for _ in range(count // 2))
@@ -523,14 +571,10 @@ def fig5(ctx: Ctx) -> list[Row]:
     number = max(1, 50_000 // count)
     stats = interleave({"verify": ctx.timer(ledger.verify, number)}, ctx.sizes.repeats)
     v = stats["verify"].median
-    rows.insert(
-        1,
-        Row(
-            "5b", f"Ledger.verify, {len(ledger)} tensors", v, None,
-            details={"per_1000_tensors_us": round(v / len(ledger) * 1000 * 1e6, 2)},
-        ),
+    return Row(
+        "5b", f"Ledger.verify, {len(ledger)} tensors", v, None,
+        details={"per_1000_tensors_us": round(v / len(ledger) * 1000 * 1e6, 2)},
     )
-    return rows
 
 
 def _guard_only(model: nn.Module | None) -> gs.Graph:

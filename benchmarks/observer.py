@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from figures import Ctx, Sizes
+from figures import Ctx
 from harness import Row, interleave, paired
 from torch import nn
 
@@ -130,7 +130,7 @@ def _training_row(ctx: Ctx, fig: str, hidden: int, target: float | None) -> Row:
         loss.backward()
         opt.step()
 
-    on, off, ratio, number = _on_off(ctx, step, 0.005 if ctx.sizes == Sizes.quick() else 0.1)
+    on, off, ratio, number = _on_off(ctx, step, 0.005 if ctx.sizes.smoke else 0.1)
     graph.reset()
     return Row(
         fig, f"training step, MLP {_LAYERS} x hidden {hidden}, observer on", on.median,
@@ -172,7 +172,7 @@ def fig8(ctx: Ctx) -> list[Row]:
         return [Row("8", "the process-wide write observer", skipped=(
             "it needs the compiled build (`graphsafe native build`; not with GRAPHSAFE_NATIVE=0)"
         ))]
-    quick = ctx.sizes == Sizes.quick()
+    quick = ctx.sizes.smoke
     hidden = (16, 32, 64) if quick else (64, 256, 1024)
     rows = [
         _training_row(ctx, fig, h, target)

@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphsafe as gs
 from graphsafe import _native
 from graphsafe._memory.snapshot import Witnesses
+from graphsafe._runtime.writes.observer import OBSERVER
 from graphsafe._runtime.writes.tracking import storage_key, write_tracker
 from graphsafe.models import deepseek_v4 as dsv4
 
@@ -554,12 +556,19 @@ def _capture(ctx: Ctx, graph: Any, model: nn.Module, x: tuple[torch.Tensor, ...]
 
 
 def fig5(ctx: Ctx) -> list[Row]:
-    """The guard a guarded replay runs: tiny flagship, 2,000 inputs; Ledger.verify alone."""
+    """The guard a guarded replay runs: tiny flagship, Ledger.verify alone, 2,000 inputs,
+    and a guarded replay of the flash preset with the compiled checks and the Python ones."""
     rows = [_guard_flagship(ctx)] if ctx.wants("5a") else []
     if ctx.wants("5b"):
         rows.append(_ledger_verify(ctx))
     if ctx.wants("5c"):
         rows.append(_guard_many(ctx))
+    preset = ctx.sizes.fig7_preset
+    for fig, compiled in (("5d", True), ("5e", False)):
+        name = f"guarded replay, {preset} preset, {'compiled' if compiled else 'Python'} checks"
+        rows += ctx.attempt(
+            fig, name, lambda c=compiled, f=fig, n=name: _guard_preset(ctx, f, n, c)
+        )
     return rows
 
 
@@ -635,6 +644,69 @@ def _guard_flagship(ctx: Ctx) -> Row:
             "difference_ratio": round(diff / p.median, 4),
             "backend": _backend(ctx),
             "spread": [round(guard_t.spread, 3), round(p.spread, 3)],
+        },
+    )
+
+
+def _guard_preset(ctx: Ctx, fig: str, name: str, compiled: bool) -> Row:
+    """A guarded replay of the flagship preset (`fig7_preset`: flash, DeepSeek V4-Flash's
+    mHC sizes) against an unguarded replay of the same model, in real CUDA graphs on
+    `--device cuda`; the model, its runtime and its graphs made on the compiled checks'
+    path (`_native.using(True)`) or on the Python one (as `GRAPHSAFE_NATIVE=0` does)."""
+    if compiled and _native.get() is None:
+        return Row(fig, name, skipped=(
+            "the compiled checks are not here: `graphsafe native build` has not run, or "
+            f"GRAPHSAFE_NATIVE=0 ({_native.describe()})"
+        ))
+    preset = ctx.sizes.fig7_preset
+    with _native.using(compiled), warnings.catch_warnings():
+        # Every check snapshotted inside takes this path. On the Python one the observer
+        # cannot start for this model: it says so once, as without the compiled build.
+        warnings.simplefilter("ignore", gs.GraphSafetyWarning)
+        model, x = _flagship(ctx, preset)
+        model(*x)  # lazy initialisation (cuBLAS handles, ...) before any capture
+        rt = gs.runtime(model)
+        rt.refresh_stale()
+        guarded = gs.Graph(backend=_backend(ctx), guard=model)
+        _capture(ctx, guarded, model, x)
+        plain = gs.Graph(backend=_backend(ctx))
+        _capture(ctx, plain, model, x)
+        guard, empty = _guard_only(model), _guard_only(None)
+        paths = {
+            "ledger": "compiled" if guarded.ledger._native is not None else "python",
+            "witnesses": "compiled" if _engine(rt).witnesses._native is not None else "python",
+        }
+        if paths["ledger"] != ("compiled" if compiled else "python"):
+            raise AssertionError(f"the guard's ledger took the {paths['ledger']} path")
+        number = ctx.sizes.fig5_replays
+        stats = interleave(
+            {
+                "guarded": ctx.timer(guarded.replay, number),
+                "plain": ctx.timer(plain.replay, number),
+                "guard": ctx.timer(guard.replay, number=50),
+                "empty": ctx.timer(empty.replay, number=50),
+            },
+            ctx.sizes.repeats,
+        )
+        observer, pinned = OBSERVER.running, len(guarded.ledger or ())
+        for graph in (guarded, plain, guard, empty):
+            graph.reset()  # unpinned: the model is guarded by nothing after this row
+    g, p, guard_t = stats["guarded"], stats["plain"], stats["guard"]
+    diff = paired_diff(g, p)
+    return Row(
+        fig, name, g.median, p.median, baseline_name="unguarded replay",
+        ratio=paired(g, p), ratio_def="guarded / unguarded",
+        details={
+            "tensors_pinned": pinned,
+            "checks": paths,
+            "observer_running": observer,
+            "guard_s": guard_t.median,
+            "guard_over_replay": round(paired(guard_t, p), 4),
+            "of_which_empty_replay_s": stats["empty"].median,
+            "paired_difference_s": diff,
+            "replays_per_sample": number,
+            "backend": _backend(ctx),
+            "spread": [round(g.spread, 3), round(p.spread, 3), round(guard_t.spread, 3)],
         },
     )
 

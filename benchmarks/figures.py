@@ -64,6 +64,7 @@ class Sizes:
     fig5_inputs: int  # small derivations under a guard (one input each)
     fig6_rows: tuple[int, ...]  # rows of each layer, C = 1024, n = 4
     fig7_preset: str
+    fig13_bytes: int  # the tensor gs.fingerprint reads (and a clone copies)
     smoke: bool = False  # `quick()`'s sizes: their numbers mean nothing
 
     def with_repeats(self, repeats: int | None) -> Sizes:
@@ -87,6 +88,7 @@ class Sizes:
             fig5_inputs=2000,
             fig6_rows=(16, 64, 256, 32),
             fig7_preset="flash",
+            fig13_bytes=64 * MiB,
         )
 
     @classmethod
@@ -106,6 +108,7 @@ class Sizes:
             fig5_inputs=100,
             fig6_rows=(4, 16, 8),
             fig7_preset="tiny",
+            fig13_bytes=4 * MiB,
             smoke=True,
         )
 

@@ -32,6 +32,7 @@ import torch
 from audit import fig10
 from figures import FIGURES as _FIGURES
 from figures import Ctx, Sizes, warm
+from fingerprint import fig13
 from harness import Row, add_machine_args, fmt_bytes, machine, why
 from observer import fig8
 from provenance import fig11
@@ -40,9 +41,10 @@ from verify_oracle import fig12
 
 import graphsafe
 
-FIGURES = {**_FIGURES, "8": fig8, "9": fig9, "10": fig10, "11": fig11, "12": fig12}
+FIGURES = {**_FIGURES, "8": fig8, "9": fig9, "10": fig10, "11": fig11, "12": fig12,
+           "13": fig13}
 """Figure number to function, in order: figures.py's, the write observer's, the walk's,
-the content audit's, provenance's, verify's oracle's."""
+the content audit's, provenance's, verify's oracle's, gs.fingerprint's."""
 
 
 def parse_only(only: str) -> tuple[list[str], dict[str, set[str]]]:

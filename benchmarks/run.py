@@ -37,14 +37,16 @@ from harness import Row, add_machine_args, fmt_bytes, machine, why
 from observer import fig8
 from provenance import fig11
 from reach import fig9
+from refresh_graph import fig14
 from verify_oracle import fig12
 
 import graphsafe
 
 FIGURES = {**_FIGURES, "8": fig8, "9": fig9, "10": fig10, "11": fig11, "12": fig12,
-           "13": fig13}
+           "13": fig13, "14": fig14}
 """Figure number to function, in order: figures.py's, the write observer's, the walk's,
-the content audit's, provenance's, verify's oracle's, gs.fingerprint's."""
+the content audit's, provenance's, verify's oracle's, gs.fingerprint's, and the prototype
+of a refresh captured as one CUDA graph."""
 
 
 def parse_only(only: str) -> tuple[list[str], dict[str, set[str]]]:

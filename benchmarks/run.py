@@ -157,6 +157,16 @@ def _detail(key: str, value: Any) -> str:
     return str(value)
 
 
+def _progress(fig: str, seconds: float, rows: list[Row]) -> None:
+    """One line on stderr per figure as it ends, so that a run cut short still shows what
+    it measured."""
+    got = ", ".join(
+        f"{r.figure} SKIP" if r.skipped else f"{r.figure} {r.ratio:.3g}" if r.ratio is not None
+        else f"{r.figure} {_fmt(r.value, r.unit)}" for r in rows
+    )
+    print(f"run.py: figure {fig} took {seconds} s: {got}", file=sys.stderr, flush=True)
+
+
 def _loadavg() -> str:
     try:
         return f"{os.getloadavg()[0]:.2f}"
@@ -192,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     warm(ctx)
     per_figure: dict[str, float] = {}
-    for fig in wanted:
+    for i, fig in enumerate(wanted):
         began = time.perf_counter()
         try:
             got = FIGURES[fig](ctx)
@@ -200,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc(file=sys.stderr)
             got = [Row(fig, f"figure {fig}", skipped=why(exc))]
             raised = True
+        except KeyboardInterrupt:  # SIGINT, e.g. `timeout -s INT`: report what was measured
+            rows.append(Row(fig, f"figure {fig}", skipped=(
+                f"interrupted after {time.perf_counter() - began:.1f} s; not run: "
+                f"{', '.join(wanted[i:])}")))
+            raised = True
+            break
         ctx.clock.sync()
         per_figure[fig] = round(time.perf_counter() - began, 1)
         # A figure measures only the rows asked of it; rows measured together (1a with
@@ -214,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"figure {fig} gave no row {row_id} (it gave: {rows_of})")))
             raised = True
         rows += got
+        _progress(fig, per_figure[fig], got)
     raised = raised or bool(ctx.failed)
     cpu = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
     meta: dict[str, Any] = {

@@ -110,3 +110,15 @@ def test_fingerprint_figure_times_gs_fingerprint_against_a_clone(monkeypatch):
     row = rows["13a"]
     assert not row.skipped and row.value > 0 and row.baseline > 0 and row.ratio > 0
     assert row.details["same_twice"] is True
+
+
+def test_refresh_graph_check_is_bitwise_and_catches_a_replay_that_did_nothing():
+    # Figure 14's check, on the CPU: the engine's own loop stands in for the graph replay.
+    from figures import _many_small
+    from refresh_graph import _check_bitwise, _engine_loop
+
+    ctx = Ctx(device=torch.device("cpu"), sizes=Sizes.quick())
+    model, rt, _, _ = _many_small(ctx, 50)
+    assert _check_bitwise(ctx, model, rt, _engine_loop(rt), seed=1) == 50
+    with pytest.raises(AssertionError, match="differs from the eager one in 50 of 50"):
+        _check_bitwise(ctx, model, rt, lambda: None, seed=2)

@@ -7,7 +7,8 @@ Prints one table: per figure, graphsafe's median time (or bytes), the baseline m
 in the same run, their ratio, the target and whether it is met; the absolute numbers
 follow under the table. `--json` prints the same as JSON, and nothing else, on stdout.
 `--quick` is a smoke run of a few seconds with tiny sizes: its numbers mean nothing.
-`--only` takes figures (`5`) and rows (`4c`: figure 4 measures that row alone);
+`--only` takes figures (`5`) and rows (`4c`: figure 4 measures that row alone), run in
+the order named;
 `--repeats` sets the samples per case (fewer: a shorter run, noisier medians).
 The exit status is 0 whatever the figures measure, and 1 when one raised (it is printed
 as SKIP, its traceback on stderr: an internal it reads may have moved); see README.md for
@@ -50,37 +51,41 @@ of a refresh captured as one CUDA graph."""
 
 
 def parse_only(only: str) -> tuple[list[str], dict[str, set[str]]]:
-    """`--only`'s figures in run order, and the rows asked of the figures named by row.
+    """`--only`'s figures in the order first named, and the rows asked of the figures
+    named by row only.
 
     Args:
-        only: Comma-separated figures and rows, e.g. "1,4c,5,11a,11b"; "" for all.
+        only: Comma-separated figures and rows, e.g. "14,5d,5e,1"; "" for every figure in
+            the order of `FIGURES`.
 
     Returns:
-        (figures to run, figure -> rows asked of it); a figure named whole is not in the
-        second: it runs whole.
+        (figures to run, figure -> rows asked of it); a figure also named whole is not in
+        the second: it runs whole.
 
     Raises:
         ValueError: A figure that does not exist, or a row id that is not one.
 
     Example:
         >>> parse_only("5,4c")
-        (['4', '5'], {'4': {'4c'}})
+        (['5', '4'], {'4': {'4c'}})
     """
     tokens = [t.strip() for t in only.split(",") if t.strip()]
+    order: list[str] = []
     whole: set[str] = set()
     rows: dict[str, set[str]] = {}
     for token in tokens:
         figure = token.rstrip("abcdefghijklmnopqrstuvwxyz")
         if figure not in FIGURES or (figure != token and not token[len(figure):].isalpha()):
             raise ValueError(f"unknown figure or row {token!r}; figures: {list(FIGURES)}")
+        if figure not in order:
+            order.append(figure)
         if figure == token:
             whole.add(figure)
         else:
             rows.setdefault(figure, set()).add(token)
     for figure in whole:
         rows.pop(figure, None)
-    wanted = whole | set(rows)
-    return [f for f in FIGURES if not tokens or f in wanted], rows
+    return order or list(FIGURES), rows
 
 
 def _fmt(value: float | None, unit: str) -> str:

@@ -69,12 +69,12 @@ def test_quick_run_reports_every_figure_as_json():
 
 
 def test_only_takes_rows_and_repeats_sets_the_samples():
-    done = _run("--repeats", "2", "--only", "4b,5e,14")
+    done = _run("--repeats", "2", "--only", "14,5e,4b")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert set(_rows(report)) == {"4b", "5e", "14a"}  # 4a and 5a-5d were not measured
+    assert [row["figure"] for row in report["rows"]] == ["14a", "5e", "4b"]  # as named
     assert report["meta"]["repeats"] == 2
-    assert list(report["meta"]["seconds_per_figure"]) == ["4", "5", "14"]
+    assert list(report["meta"]["seconds_per_figure"]) == ["14", "5", "4"]
     assert "run.py: figure 5 took" in done.stderr  # one line per figure as it ends
 
 
@@ -86,8 +86,8 @@ def test_a_row_no_figure_gives_is_a_skip_row_and_exit_1():
 
 
 def test_parse_only():
-    assert run.parse_only("5,4c") == (["4", "5"], {"4": {"4c"}})
-    assert run.parse_only("4c,4") == (["4"], {})  # the whole figure wins
+    assert run.parse_only("5,4c") == (["5", "4"], {"4": {"4c"}})  # in the order named
+    assert run.parse_only("4c,4,4b") == (["4"], {})  # the whole figure wins
     assert run.parse_only("") == (list(run.FIGURES), {})
     for bad in ("99", "4c1", "x", "4-"):
         with pytest.raises(ValueError, match="unknown figure or row"):

@@ -15,7 +15,8 @@ saying so.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from figures import Ctx
@@ -29,7 +30,8 @@ __all__ = ["fig13"]
 def _row(ctx: Ctx, fig: str, device: torch.device) -> Row:
     numel = ctx.sizes.fig13_bytes // 4
     t = torch.randn(numel, generator=torch.Generator().manual_seed(13)).to(device)
-    fingerprint = gs.fingerprint  # type: ignore[attr-defined]
+    # Not in every version of graphsafe (fig13 checks first).
+    fingerprint: Callable[[Any], Mapping[str, str]] = getattr(gs, "fingerprint")  # noqa: B009
     first = fingerprint({"w": t})
     if not isinstance(first, Mapping) or set(first) != {"w"}:
         raise TypeError(f"gs.fingerprint({{'w': t}}) gave {type(first).__name__} "

@@ -210,7 +210,6 @@ def _replay_row(ctx: Ctx, fig: str, hidden: int) -> Row:
     model, x, _ = _mlp(ctx, hidden)
     graph = _pinned(ctx, model, lambda: model.infer(x))
     graph.replay()  # the first replay uploads the graph
-    # The replay's own output was written by every replay since: the graph is still right.
     on, off, ratio, number = _on_off(ctx, graph.replay, _seconds(ctx))
     graph.reset()
     return Row(

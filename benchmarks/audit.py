@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from bench_models import fold_stack_class
-from figures import Ctx, Sizes
+from figures import Ctx
 from harness import Row, fmt_bytes, interleave, paired, peak_extra_bytes
 from torch import nn
 
@@ -79,7 +79,7 @@ def _matmul_class(registry: gs.Registry) -> type[nn.Module]:
 
 def _models(ctx: Ctx) -> dict[str, tuple[nn.Module, str]]:
     """Figure -> (model with its derivations materialized, what it derives)."""
-    quick = ctx.sizes == Sizes.quick()
+    quick = ctx.sizes.smoke
     total = (1 if quick else 64) * MiB  # bytes of weights in all, 10a and 10b
     n, C = 4, 1024
     rows = max(1, total // _LAYERS // (n * C * 4))

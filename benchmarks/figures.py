@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
+import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +29,7 @@ from harness import (
     paired_diff,
     peak_extra_bytes,
     profile_per_item,
+    why,
 )
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphsafe as gs
 from graphsafe import _native
 from graphsafe._memory.snapshot import Witnesses
+from graphsafe._runtime.writes.observer import OBSERVER
 from graphsafe._runtime.writes.tracking import storage_key, write_tracker
 from graphsafe.models import deepseek_v4 as dsv4
 
@@ -59,6 +64,12 @@ class Sizes:
     fig5_inputs: int  # small derivations under a guard (one input each)
     fig6_rows: tuple[int, ...]  # rows of each layer, C = 1024, n = 4
     fig7_preset: str
+    fig13_bytes: int  # the tensor gs.fingerprint reads (and a clone copies)
+    smoke: bool = False  # `quick()`'s sizes: their numbers mean nothing
+
+    def with_repeats(self, repeats: int | None) -> Sizes:
+        """The same sizes with `repeats` samples per case (None: unchanged)."""
+        return self if repeats is None else dataclasses.replace(self, repeats=repeats)
 
     @classmethod
     def full(cls) -> Sizes:
@@ -77,6 +88,7 @@ class Sizes:
             fig5_inputs=2000,
             fig6_rows=(16, 64, 256, 32),
             fig7_preset="flash",
+            fig13_bytes=64 * MiB,
         )
 
     @classmethod
@@ -96,19 +108,27 @@ class Sizes:
             fig5_inputs=100,
             fig6_rows=(4, 16, 8),
             fig7_preset="tiny",
+            fig13_bytes=4 * MiB,
+            smoke=True,
         )
 
 
 @dataclasses.dataclass
 class Ctx:
-    """What every figure gets: device, clock, sizes, and whether to print profiles."""
+    """What every figure gets: device, clock, sizes, and whether to print profiles.
+
+    `rows` maps a figure to the rows asked of it (`--only 4c,5`: {"4": {"4c"}}); a figure
+    not in it runs whole. `failed` collects the rows that raised (see `attempt`).
+    """
 
     device: torch.device
     sizes: Sizes
     profile: bool = False
+    rows: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     clock: Clock = dataclasses.field(init=False)
     cache: dict[str, Any] = dataclasses.field(default_factory=dict)
     profiles: list[str] = dataclasses.field(default_factory=list)
+    failed: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.clock = Clock(self.device)
@@ -116,6 +136,26 @@ class Ctx:
     def timer(self, fn: Callable[[], Any], number: int = 1) -> Callable[[], float]:
         """A case for `interleave`: the synchronized time of `fn`."""
         return lambda: self.clock.time(fn, number)
+
+    def wants(self, row: str) -> bool:
+        """Whether row `row` ("4c") was asked for; a figure's own id ("8") always is."""
+        figure = row.rstrip("abcdefghijklmnopqrstuvwxyz")
+        asked = self.rows.get(figure)
+        return asked is None or row == figure or row in asked
+
+    def attempt(self, row: str, name: str, measure: Callable[[], Row | list[Row]]) -> list[Row]:
+        """Row `row` if it was asked for: `measure()`, or, if that raises, a SKIP row
+        saying why (the traceback on stderr, the run's exit status 1), so that one
+        broken row hides none of its figure's others."""
+        if not self.wants(row):
+            return []
+        try:
+            got = measure()
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            self.failed.append(row)
+            return [Row(row, name, skipped=why(exc))]
+        return got if isinstance(got, list) else [got]
 
 
 # -----------------------------------------------------------------------------
@@ -478,14 +518,19 @@ def fig4(ctx: Ctx) -> list[Row]:
     """
     s = ctx.sizes
     host = torch.device("cpu")  # where a checkpoint is read into, before load_weights
-    rows = [
-        _load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4a", 1.10, host),
-        _load_rows(ctx, s.fig4_small_layers, 32, 32, "4b", 1.5, host),
-    ]
-    if ctx.device.type == "cuda":  # RL weight sync: the new weights are already on the GPU
+    rows = []
+    if ctx.wants("4a"):
+        rows.append(_load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4a", 1.10, host))
+    if ctx.wants("4b"):
+        rows.append(_load_rows(ctx, s.fig4_small_layers, 32, 32, "4b", 1.5, host))
+    # RL weight sync: the new weights are already on the GPU.
+    if ctx.device.type == "cuda" and ctx.wants("4c"):
         rows.append(
             _load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4c", None, ctx.device)
         )
+    elif ctx.wants("4c"):
+        rows.append(Row("4c", "tracked load of weights already on the GPU", skipped=(
+            "CUDA only: the new weights on the GPU (this run is on the CPU)")))
     return rows
 
 
@@ -514,8 +559,23 @@ def _capture(ctx: Ctx, graph: Any, model: nn.Module, x: tuple[torch.Tensor, ...]
 
 
 def fig5(ctx: Ctx) -> list[Row]:
-    """The guard a guarded replay runs: tiny flagship, 2,000 inputs; Ledger.verify alone."""
-    rows = [_guard_flagship(ctx), _guard_many(ctx)]
+    """The guard a guarded replay runs: tiny flagship, Ledger.verify alone, 2,000 inputs,
+    and a guarded replay of the flash preset with the compiled checks and the Python ones."""
+    rows = [_guard_flagship(ctx)] if ctx.wants("5a") else []
+    if ctx.wants("5b"):
+        rows.append(_ledger_verify(ctx))
+    if ctx.wants("5c"):
+        rows.append(_guard_many(ctx))
+    preset = ctx.sizes.fig7_preset
+    for fig, compiled in (("5d", True), ("5e", False)):
+        name = f"guarded replay, {preset} preset, {'compiled' if compiled else 'Python'} checks"
+        rows += ctx.attempt(
+            fig, name, lambda c=compiled, f=fig, n=name: _guard_preset(ctx, f, n, c)
+        )
+    return rows
+
+
+def _ledger_verify(ctx: Ctx) -> Row:
     count = ctx.sizes.fig5_tensors
     with torch.device(ctx.device):
         many = nn.ModuleList(nn.Linear(2, 2) for _ in range(count // 2))
@@ -523,14 +583,10 @@ def fig5(ctx: Ctx) -> list[Row]:
     number = max(1, 50_000 // count)
     stats = interleave({"verify": ctx.timer(ledger.verify, number)}, ctx.sizes.repeats)
     v = stats["verify"].median
-    rows.insert(
-        1,
-        Row(
-            "5b", f"Ledger.verify, {len(ledger)} tensors", v, None,
-            details={"per_1000_tensors_us": round(v / len(ledger) * 1000 * 1e6, 2)},
-        ),
+    return Row(
+        "5b", f"Ledger.verify, {len(ledger)} tensors", v, None,
+        details={"per_1000_tensors_us": round(v / len(ledger) * 1000 * 1e6, 2)},
     )
-    return rows
 
 
 def _guard_only(model: nn.Module | None) -> gs.Graph:
@@ -591,6 +647,69 @@ def _guard_flagship(ctx: Ctx) -> Row:
             "difference_ratio": round(diff / p.median, 4),
             "backend": _backend(ctx),
             "spread": [round(guard_t.spread, 3), round(p.spread, 3)],
+        },
+    )
+
+
+def _guard_preset(ctx: Ctx, fig: str, name: str, compiled: bool) -> Row:
+    """A guarded replay of the flagship preset (`fig7_preset`: flash, DeepSeek V4-Flash's
+    mHC sizes) against an unguarded replay of the same model, in real CUDA graphs on
+    `--device cuda`; the model, its runtime and its graphs made on the compiled checks'
+    path (`_native.using(True)`) or on the Python one (as `GRAPHSAFE_NATIVE=0` does)."""
+    if compiled and _native.get() is None:
+        return Row(fig, name, skipped=(
+            "the compiled checks are not here: `graphsafe native build` has not run, or "
+            f"GRAPHSAFE_NATIVE=0 ({_native.describe()})"
+        ))
+    preset = ctx.sizes.fig7_preset
+    with _native.using(compiled), warnings.catch_warnings():
+        # Every check snapshotted inside takes this path. On the Python one the observer
+        # cannot start for this model: it says so once, as without the compiled build.
+        warnings.simplefilter("ignore", gs.GraphSafetyWarning)
+        model, x = _flagship(ctx, preset)
+        model(*x)  # lazy initialisation (cuBLAS handles, ...) before any capture
+        rt = gs.runtime(model)
+        rt.refresh_stale()
+        guarded = gs.Graph(backend=_backend(ctx), guard=model)
+        _capture(ctx, guarded, model, x)
+        plain = gs.Graph(backend=_backend(ctx))
+        _capture(ctx, plain, model, x)
+        guard, empty = _guard_only(model), _guard_only(None)
+        paths = {
+            "ledger": "compiled" if guarded.ledger._native is not None else "python",
+            "witnesses": "compiled" if _engine(rt).witnesses._native is not None else "python",
+        }
+        if paths["ledger"] != ("compiled" if compiled else "python"):
+            raise AssertionError(f"the guard's ledger took the {paths['ledger']} path")
+        number = ctx.sizes.fig5_replays
+        stats = interleave(
+            {
+                "guarded": ctx.timer(guarded.replay, number),
+                "plain": ctx.timer(plain.replay, number),
+                "guard": ctx.timer(guard.replay, number=50),
+                "empty": ctx.timer(empty.replay, number=50),
+            },
+            ctx.sizes.repeats,
+        )
+        observer, pinned = OBSERVER.running, len(guarded.ledger or ())
+        for graph in (guarded, plain, guard, empty):
+            graph.reset()  # unpinned: the model is guarded by nothing after this row
+    g, p, guard_t = stats["guarded"], stats["plain"], stats["guard"]
+    diff = paired_diff(g, p)
+    return Row(
+        fig, name, g.median, p.median, baseline_name="unguarded replay",
+        ratio=paired(g, p), ratio_def="guarded / unguarded",
+        details={
+            "tensors_pinned": pinned,
+            "checks": paths,
+            "observer_running": observer,
+            "guard_s": guard_t.median,
+            "guard_over_replay": round(paired(guard_t, p), 4),
+            "of_which_empty_replay_s": stats["empty"].median,
+            "paired_difference_s": diff,
+            "replays_per_sample": number,
+            "backend": _backend(ctx),
+            "spread": [round(g.spread, 3), round(p.spread, 3), round(guard_t.spread, 3)],
         },
     )
 

@@ -107,17 +107,20 @@ def fig11(ctx: Any) -> list[Row]:
 
     probe = small()
     ckpt = [(n, torch.randn(p.shape, generator=gen)) for n, p in probe.named_parameters()]
-    rows = [_load_row(ctx, "11a", f"{len(ckpt)} small tensors", small, ckpt, 1.5)]
+    rows = []
+    if ctx.wants("11a"):
+        rows.append(_load_row(ctx, "11a", f"{len(ckpt)} small tensors", small, ckpt, 1.5))
+    if ctx.wants("11b"):
+        preset = ctx.sizes.fig7_preset
+        config = dsv4.DeepseekV4Config.preset(preset)
 
-    preset = ctx.sizes.fig7_preset
-    config = dsv4.DeepseekV4Config.preset(preset)
+        def flagship() -> nn.Module:
+            return dsv4.DeepseekV4Model(config)
 
-    def flagship() -> nn.Module:
-        return dsv4.DeepseekV4Model(config)
-
-    fckpt = list(dsv4.random_checkpoint(config, seed=0))
-    rows.append(_load_row(ctx, "11b", preset, flagship, fckpt, 1.5))
-    rows.append(_replay_row(ctx, layers, reg, ckpt))
+        fckpt = list(dsv4.random_checkpoint(config, seed=0))
+        rows.append(_load_row(ctx, "11b", preset, flagship, fckpt, 1.5))
+    if ctx.wants("11c"):
+        rows.append(_replay_row(ctx, layers, reg, ckpt))
     return rows
 
 

@@ -1,0 +1,76 @@
+"""Figure 13: what `gs.fingerprint` costs next to a copy of the same bytes.
+
+`gs.fingerprint(obj) -> Mapping[str, str]` names the content of every tensor of `obj`;
+it reads each byte once, so a copy (`t.clone()`: read once, write once) is the yardstick.
+Each row times `gs.fingerprint({"w": t})` and `t.clone()` of one float32 tensor of
+`fig13_bytes` (64 MiB; 4 MiB with `--quick`), alternated in one run; the ratio is the
+median of the paired ratios (see harness.py).
+
+- 13a: the tensor in host memory (torch's CPU threads as `--threads` sets them).
+- 13b: CUDA only: the tensor on the GPU.
+
+Where graphsafe has no `fingerprint` (an older version), the figure is one SKIP row
+saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from figures import Ctx
+from harness import Row, fmt_bytes, gbps, interleave, paired
+
+import graphsafe as gs
+
+__all__ = ["fig13"]
+
+
+def _row(ctx: Ctx, fig: str, device: torch.device) -> Row:
+    numel = ctx.sizes.fig13_bytes // 4
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(13)).to(device)
+    # Not in every version of graphsafe (fig13 checks first).
+    fingerprint: Callable[[Any], Mapping[str, str]] = getattr(gs, "fingerprint")  # noqa: B009
+    first = fingerprint({"w": t})
+    if not isinstance(first, Mapping) or set(first) != {"w"}:
+        raise TypeError(f"gs.fingerprint({{'w': t}}) gave {type(first).__name__} "
+                        f"{list(first)[:4] if isinstance(first, Mapping) else first!r:.80}, "
+                        "not a mapping of 'w' to its fingerprint")
+    stats = interleave(
+        {
+            "fingerprint": ctx.timer(lambda: fingerprint({"w": t})),
+            "clone": ctx.timer(t.clone),
+        },
+        ctx.sizes.repeats,
+    )
+    f, c = stats["fingerprint"], stats["clone"]
+    return Row(
+        fig, f"gs.fingerprint of {fmt_bytes(t.nbytes)} on {device.type}", f.median, c.median,
+        baseline_name="t.clone()", ratio=paired(f, c), ratio_def="fingerprint / clone",
+        details={
+            "bytes": fmt_bytes(t.nbytes),
+            "fingerprint_read_bandwidth": gbps(t.nbytes, f.median),
+            "clone_bandwidth": gbps(2 * t.nbytes, c.median),  # read + write
+            "fingerprint": str(first["w"])[:32],
+            "same_twice": fingerprint({"w": t}) == first,
+            "spread": [round(f.spread, 3), round(c.spread, 3)],
+        },
+    )
+
+
+def fig13(ctx: Ctx) -> list[Row]:
+    """gs.fingerprint vs a clone, on the CPU, and on the GPU where the run is on one."""
+    name = "gs.fingerprint vs t.clone()"
+    if not hasattr(gs, "fingerprint"):
+        return [Row("13", name, skipped=(
+            f"graphsafe {gs.__version__} has no `fingerprint` "
+            "(gs.fingerprint(obj) -> Mapping[str, str] is not in this version)"
+        ))]
+    rows = ctx.attempt("13a", f"{name}, cpu", lambda: _row(ctx, "13a", torch.device("cpu")))
+    if ctx.device.type == "cuda":
+        rows += ctx.attempt("13b", f"{name}, cuda", lambda: _row(ctx, "13b", ctx.device))
+    elif ctx.wants("13b"):
+        rows.append(Row("13b", f"{name}, cuda",
+                        skipped="CUDA only: the tensor on the GPU (this run is on the CPU)"))
+    return rows

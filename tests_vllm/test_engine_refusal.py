@@ -6,6 +6,11 @@ flight through vLLM's own abort path (`LLMEngine.abort_request`), which frees th
 blocks, and resets the prefix cache those blocks were hashed into. Without that the
 requests stay scheduled: the next `generate` never returns (the control shows the
 blocks still held, without hanging).
+
+A bare `load_weights` that vLLM rejects before writing anything (a packed layer's weight
+on the CPU build) changed nothing: it is no failed update, and the engine serves on. A
+bare load that wrote an entry before it raised still leaves the model owing every
+weight.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from typing import Any
 
 import engine_util as eu
 import pytest
+import torch
 from vllm.v1.engine.llm_engine import LLMEngine
 
 import graphsafe as gs
 
 HANG = 300.0  # seconds: a generate that has not returned by then is hung, not slow
 QKV = "model.layers.1.self_attn.qkv_proj.weight"
+EMBED = "model.embed_tokens.weight"
+PACKED = "model.layers.0.self_attn.o_proj.weight"  # the CPU build emptied it after packing
 
 
 @pytest.fixture(scope="module")
@@ -111,4 +119,33 @@ def test_control_without_the_abort_the_refused_request_keeps_its_blocks(
     assert list(scheduler(llm).requests) and llm.llm_engine.has_unfinished_requests()
     assert free_blocks(llm) < free
     assert llm.reset_prefix_cache() is False  # "some blocks (2) are not freed yet"
+
+
+def model_of(llm: Any) -> Any:
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def test_a_bare_load_vllm_rejects_before_writing_owes_nothing(
+    llm: Any, hf: dict[str, Any]
+) -> None:
+    w = hf["other"].get_parameter(PACKED).detach().clone()
+    with pytest.raises(AssertionError, match=r"into parameter \(torch\.Size\(\[0\]\)\)"):
+        model_of(llm).load_weights([(PACKED, w)])
+    (status,) = llm.collective_rpc("graphsafe_status")
+    assert status["stale"] == [] and status["updates"] == 0
+    gs.runtime(model_of(llm)).assert_fresh()  # nothing owed: the weights are as they were
+    assert within_hang_limit(lambda: greedy(llm)) == eu.hf_greedy(hf["base"])
+
+
+def test_control_a_bare_load_that_wrote_before_it_raised_owes_every_weight(
+    llm: Any, hf: dict[str, Any]
+) -> None:
+    new = hf["other"].get_parameter(EMBED).detach().clone()
+    w = hf["other"].get_parameter(PACKED).detach().clone()
+    with pytest.raises(AssertionError):
+        model_of(llm).load_weights([(EMBED, new), (PACKED, w)])
+    assert torch.equal(model_of(llm).get_parameter(EMBED), new)  # written, then it raised
+    with pytest.raises(gs.StaleError, match="holds a mix of old and new weights") as e:
+        greedy(llm)
+    assert "tensor(s) still owed" in str(e.value)
 

@@ -249,3 +249,102 @@ def test_the_builtin_targets_are_the_registered_entry_points() -> None:
 
     registered = {ep.name: ep.value for ep in entry_points(group="graphsafe.targets")}
     assert registered == _BUILTIN
+
+
+# -----------------------------------------------------------------------------
+# the command line itself: help, version, usage, presets, seeds
+
+
+def test_verify_help_names_the_presets_of_graphsafes_own_targets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from graphsafe.models import llama
+
+    with pytest.raises(SystemExit) as done:
+        main(["verify", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for target in (verify_target, llama.verify_target):
+        assert f"{target.name}: {', '.join(target.presets)}" in out
+    assert "default: the target's first" in out
+
+
+def test_version_names_graphsafe_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"graphsafe {gs.__version__} (torch {torch.__version__})"
+    )
+
+
+def test_an_unknown_verify_option_prints_verifys_own_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["verify", "--bogus"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: graphsafe verify [-h]")  # not `graphsafe [-h] ...`
+    assert err.rstrip().endswith("graphsafe verify: error: unrecognized arguments: --bogus")
+
+
+@dataclass(frozen=True)
+class _SmallOnly:
+    """A target of one preset, not named `tiny` (as docs/verify.md's fused QK example)."""
+
+    name: str = "small-only"
+    presets: tuple[str, ...] = ("small",)
+    critical: tuple[str, ...] = ("hc_attn_fn",)
+
+    def build(self, preset: str, naive: bool, device: torch.device) -> nn.Module:
+        assert preset == "small", preset
+        return verify_target.build("tiny", naive, device)
+
+    def checkpoint(self, model: nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+        return verify_target.checkpoint(model, seed)
+
+    def example_input(self, model: nn.Module, seed: int) -> tuple[torch.Tensor, ...]:
+        return verify_target.example_input(model, seed)
+
+
+SMALL_ONLY = _SmallOnly()
+
+
+def test_a_target_without_preset_given_runs_its_own_first_preset(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: "unknown preset 'tiny' for small-only", the default of graphsafe's targets.
+    argv = ["verify", "--target", "test_cli:SMALL_ONLY", "--refits", "1", "--json"]
+    assert main(argv) == 0
+    assert VerifyReport.model_validate_json(capsys.readouterr().out).preset == "small"
+    # Control: a preset the target does not have is still refused.
+    assert main([*argv, "--preset", "tiny"]) == 2
+    assert "unknown preset 'tiny' for small-only; choose one of small" in capsys.readouterr().err
+
+
+def test_a_negative_seed_is_refused_instead_of_running_as_its_absolute_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import random
+
+    # Why: the bucket draws seed `random.Random` with the absolute value.
+    assert random.Random(-1).random() == random.Random(1).random()
+    assert main(["verify", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err == (
+        "graphsafe verify: --seed must be 0 or more: expected an integer >= 0, got -1\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--refits", "0"], ["--pp", "0"], ["--seed", "-3"], ["--preset", "huge"],
+     ["--timeout", "5"], ["--pp", "2", "--timeout", "nan"]],
+    ids=["refits", "pp", "seed", "preset", "timeout-without-pp", "timeout-nan"],
+)
+def test_every_bad_value_is_one_line_and_exit_two(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert main(["verify", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphsafe verify: ") and err.count("\n") == 1, err

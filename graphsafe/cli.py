@@ -20,6 +20,7 @@ from graphsafe._verify import (
     run_verify_pp,
 )
 from graphsafe._verify.pp.pipeline import DEFAULT_TIMEOUT
+from graphsafe._verify.pp.processes import in_rank_process
 from graphsafe._verify.target import BUILTIN_TARGETS
 
 __all__ = ["main"]
@@ -79,6 +80,10 @@ def _verify_command(args: argparse.Namespace) -> int:
             return _usage("--backend cuda needs a GPU; none is visible")
         report = _run(args, target)
     except GraphSafetyError as exc:
+        if in_rank_process():
+            # A `--pp` rank importing the caller's script again, which called this at its
+            # top level: the rank must stop here, so that the run names the cause.
+            raise
         print(f"graphsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(report.model_dump_json(indent=2) if args.json else format_report(report))

@@ -348,3 +348,23 @@ def test_every_bad_value_is_one_line_and_exit_two(
     assert main(["verify", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("graphsafe verify: ") and err.count("\n") == 1, err
+
+
+def test_verify_pp_from_a_script_without_a_main_guard_names_the_cause(tmp_path: Path) -> None:
+    """docs/rl-weight-sync.md's example pasted without `if __name__ == "__main__":` (the
+    page runs it with the guard, as a script: the control). Before, the ranks died with
+    multiprocessing's bootstrapping error and the run said only `died (1)`."""
+    script = tmp_path / "sync_check.py"
+    script.write_text(
+        "from graphsafe.cli import main\n\n"
+        'main(["verify", "--pp", "2", "--refits", "1", "--backend", "cpu"])\n'
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, check=False, cwd=tmp_path)
+    err = done.stderr
+    final = err[err.rindex("graphsafe verify: GraphSafetyError: verify --pp 2"):]
+    assert final.splitlines()[0].endswith(
+        f"every rank died before its own code ran, while importing the script {script} again")
+    assert '  fix:        call it under `if __name__ == "__main__":` in your script' in final
+    # Each rank says why it stopped, too.
+    assert err.count("verify --pp was called again inside one of its own rank processes") == 3

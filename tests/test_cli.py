@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import random
 import subprocess
 import sys
 import time
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import graphsafe as gs
@@ -326,8 +329,6 @@ def test_a_target_without_preset_given_runs_its_own_first_preset(
 def test_a_negative_seed_is_refused_instead_of_running_as_its_absolute_value(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import random
-
     # Why: the bucket draws seed `random.Random` with the absolute value.
     assert random.Random(-1).random() == random.Random(1).random()
     assert main(["verify", "--seed", "-1"]) == 2
@@ -368,3 +369,27 @@ def test_verify_pp_from_a_script_without_a_main_guard_names_the_cause(tmp_path: 
     assert '  fix:        call it under `if __name__ == "__main__":` in your script' in final
     # Each rank says why it stopped, too.
     assert err.count("verify --pp was called again inside one of its own rank processes") == 3
+
+
+# -----------------------------------------------------------------------------
+# the bucket draws
+
+
+@given(entries=st.integers(2, 80), n_critical=st.integers(0, 3), seed=st.integers(0, 2**32),
+       critical_last=st.booleans())
+def test_a_refit_is_split_into_two_to_five_buckets_the_critical_one_among_them(
+    entries: int, n_critical: int, seed: int, critical_last: bool
+) -> None:
+    """docs/verify.md: "split into 2 to 5 buckets"; the critical entries' own bucket, on
+    the first refit, counts among them (before, it came on top: up to 6)."""
+    from graphsafe._verify.single.run import _buckets
+
+    n_critical = min(n_critical, entries - 1)
+    ck = [(f"w{i}" + ("_crit" if i < n_critical else ""), torch.zeros(1))
+          for i in range(entries)]
+    buckets = _buckets(ck, random.Random(seed), ("_crit",), critical_last)
+    assert 2 <= len(buckets) <= 5
+    names = [n for b in buckets for n, _ in b]
+    assert sorted(names) == sorted(n for n, _ in ck)  # each entry once
+    if critical_last and n_critical:
+        assert {n for n, _ in buckets[-1]} == {n for n, _ in ck if n.endswith("_crit")}

@@ -294,3 +294,57 @@ def test_bad_markers_are_refused(tmp_path: Path, marker: str, message: str) -> N
     page.write_text(f"{marker}\n```python\nx = 1\n```\n")
     with pytest.raises(ValueError, match=message):
         run_page(page)
+
+
+# -----------------------------------------------------------------------------
+# docs/adopting.md's troubleshooting table
+
+
+def _troubleshooting_rows() -> list[str]:
+    text = (DOCS / "adopting.md").read_text()
+    table = text[text.index("| error: first line |"):].split("\n\n")[0]
+    return [line.split(" | ")[0].lstrip("| ") for line in table.splitlines()[2:]]
+
+
+def test_the_troubleshooting_table_names_errors_graphsafe_raises() -> None:
+    """Each row's class is graphsafe's, and each literal part of its message shape (the
+    text between `...` and counts) is in the source that raises it, or, for a message
+    composed of parts, in an error errors.md shows (those shown after a block are held to
+    what it raises): a message reworded in the code fails here until the table says it
+    too."""
+    import graphsafe as gs
+
+    source = "\n".join(p.read_text() for d in ("graphsafe", "models")
+                       for p in sorted((ROOT / d).rglob("*.py")))
+    source = " ".join((source + (DOCS / "errors.md").read_text()).split())
+    rows = _troubleshooting_rows()
+    assert rows
+    for row in rows:
+        for name, message in _shapes(row):
+            assert isinstance(getattr(gs, name, None), type), row
+            for part in re.split(r"\.\.\.|'\.\.\.'|\bN\b|`", message):
+                part = part.strip(" '`()")
+                if len(part) >= 8:
+                    assert part in source, f"{row!r}: {part!r} is in no message"
+
+
+def test_every_error_class_has_a_troubleshooting_row() -> None:
+    import graphsafe as gs
+
+    classes = {n for n in gs.__all__ if isinstance(getattr(gs, n), type)
+               and issubclass(getattr(gs, n), (gs.GraphSafetyError, gs.GraphSafetyWarning))}
+    listed = {name for row in _troubleshooting_rows() for name, _ in _shapes(row)}
+    assert classes <= listed, classes - listed
+
+
+def _shapes(row: str) -> list[tuple[str, str]]:
+    """A row's message shapes, `Class: text` or (after the first) `text` of the same
+    class, separated by ` / `: (class name, text)."""
+    out: list[tuple[str, str]] = []
+    for shape in row.split(" / "):
+        m = re.fullmatch(r"(\w+(?:Error|Warning)): (.*)", shape.strip().strip("`"))
+        if m is not None:
+            out.append((m[1], m[2]))
+        else:
+            out.append((out[-1][0], shape.strip().strip("`")))
+    return out

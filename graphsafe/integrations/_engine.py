@@ -171,7 +171,7 @@ class EngineAttachment:
         if stack is None or self._owner is not owner:
             return
         if exc is not None:
-            if tracked and not _written_so_far(self.runtime):
+            if tracked and not _wrote_anything(self.runtime):
                 # Nothing was written: the update names no tensor as written from now
                 # on, so only what it did write (a rebound tensor, none here) is owed.
                 self.runtime.expect_writes(())
@@ -247,7 +247,7 @@ class EngineAttachment:
 _IN_UPDATE = in_update_error(nn.Module, 0).summary
 
 
-def _written_so_far(rt: Runtime) -> bool:
+def _wrote_anything(rt: Runtime) -> bool:
     """Whether the weight update open in this thread has written a tensor of the model.
 
     `Runtime.assert_fresh` refuses an open update before anything else, and only once it

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from graphsafe import _native
+from graphsafe import __version__, _native
 from graphsafe._errors import GraphSafetyError
 from graphsafe._verify import (
     VerifyReport,
@@ -20,6 +20,8 @@ from graphsafe._verify import (
     run_verify_pp,
 )
 from graphsafe._verify.pp.pipeline import DEFAULT_TIMEOUT
+from graphsafe._verify.pp.processes import in_rank_process
+from graphsafe._verify.target import BUILTIN_TARGETS
 
 __all__ = ["main"]
 
@@ -37,7 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         From a shell, `graphsafe verify --refits 1 --json` is `main(["verify",
         "--refits", "1", "--json"])`; it prints the report and returns 0 when it passed.
     """
-    args = _parser().parse_args(argv)
+    parser, commands = _parsers()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's own usage, not the top-level one
+        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "native":
         return _native_command(args.action)
     return _verify_command(args)
@@ -46,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _verify_command(args: argparse.Namespace) -> int:
     if args.refits < 1:
         return _usage("--refits must be at least 1")
+    if args.seed < 0:
+        # `random.Random` seeds with the absolute value: -1 would run as seed 1.
+        return _usage(f"--seed must be 0 or more: expected an integer >= 0, got {args.seed}")
     if args.pp is not None and args.pp < 1:
         return _usage("--pp must be at least 1")
     if args.timeout is not None:
@@ -59,6 +67,11 @@ def _verify_command(args: argparse.Namespace) -> int:
         target = load_target(args.target)
     except GraphSafetyError as exc:
         return _usage(f"--target: {exc}")
+    if not target.presets:
+        return _usage(f"--target: {target.name} has no presets; give its `presets` a name "
+                      "build() accepts")
+    if args.preset is None:  # the target's own first preset
+        args.preset = target.presets[0]
     try:
         if args.preset not in target.presets:
             return _usage(f"unknown preset {args.preset!r} for {target.name}; "
@@ -67,6 +80,10 @@ def _verify_command(args: argparse.Namespace) -> int:
             return _usage("--backend cuda needs a GPU; none is visible")
         report = _run(args, target)
     except GraphSafetyError as exc:
+        if in_rank_process():
+            # A `--pp` rank importing the caller's script again, which called this at its
+            # top level: the rank must stop here, so that the run names the cause.
+            raise
         print(f"graphsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(report.model_dump_json(indent=2) if args.json else format_report(report))
@@ -106,11 +123,14 @@ def _native_command(action: str) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser, and each subcommand's by name (for its own usage)."""
     parser = argparse.ArgumentParser(
         prog="graphsafe",
         description="Keep derived buffers correct under captured graphs across weight reloads.",
     )
+    parser.add_argument("--version", action="version",
+                        version=f"graphsafe {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser(
         "verify",
@@ -129,8 +149,12 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                         help="graph backend; auto: CUDA graphs when a GPU is present")
     verify.add_argument("--refits", type=int, default=3, help="number of refits (default 3)")
-    verify.add_argument("--preset", default="tiny", help="model size preset (default tiny)")
-    verify.add_argument("--seed", type=int, default=0, help="seed of weights and buckets")
+    verify.add_argument(
+        "--preset", default=None,
+        help=f"the target's size preset: {_builtin_presets()}; default: the target's first",
+    )
+    verify.add_argument("--seed", type=int, default=0,
+                        help="seed of weights and buckets, 0 or more (default 0)")
     verify.add_argument(
         "--oracle", choices=("fresh", "self"), default="fresh",
         help="what each replay is compared with: fresh (default), a model built anew from "
@@ -162,7 +186,19 @@ def _parser() -> argparse.ArgumentParser:
         "the same answers. `status` says which path the guard takes here.",
     )
     native.add_argument("action", choices=("build", "status"))
-    return parser
+    return parser, {"verify": verify, "native": native}
+
+
+def _builtin_presets() -> str:
+    """graphsafe's own targets and their presets, for `verify --help`."""
+    parts = []
+    for name in BUILTIN_TARGETS:
+        try:
+            presets = load_target(name).presets
+        except GraphSafetyError:  # not importable here: its presets are not known
+            continue
+        parts.append(f"{name}: {', '.join(presets)}")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import random
 import subprocess
 import sys
 import time
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import graphsafe as gs
@@ -249,3 +252,144 @@ def test_the_builtin_targets_are_the_registered_entry_points() -> None:
 
     registered = {ep.name: ep.value for ep in entry_points(group="graphsafe.targets")}
     assert registered == _BUILTIN
+
+
+# -----------------------------------------------------------------------------
+# the command line itself: help, version, usage, presets, seeds
+
+
+def test_verify_help_names_the_presets_of_graphsafes_own_targets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from graphsafe.models import llama
+
+    with pytest.raises(SystemExit) as done:
+        main(["verify", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for target in (verify_target, llama.verify_target):
+        assert f"{target.name}: {', '.join(target.presets)}" in out
+    assert "default: the target's first" in out
+
+
+def test_version_names_graphsafe_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"graphsafe {gs.__version__} (torch {torch.__version__})"
+    )
+
+
+def test_an_unknown_verify_option_prints_verifys_own_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["verify", "--bogus"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: graphsafe verify [-h]")  # not `graphsafe [-h] ...`
+    assert err.rstrip().endswith("graphsafe verify: error: unrecognized arguments: --bogus")
+
+
+@dataclass(frozen=True)
+class _SmallOnly:
+    """A target of one preset, not named `tiny` (as docs/verify.md's fused QK example)."""
+
+    name: str = "small-only"
+    presets: tuple[str, ...] = ("small",)
+    critical: tuple[str, ...] = ("hc_attn_fn",)
+
+    def build(self, preset: str, naive: bool, device: torch.device) -> nn.Module:
+        assert preset == "small", preset
+        return verify_target.build("tiny", naive, device)
+
+    def checkpoint(self, model: nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+        return verify_target.checkpoint(model, seed)
+
+    def example_input(self, model: nn.Module, seed: int) -> tuple[torch.Tensor, ...]:
+        return verify_target.example_input(model, seed)
+
+
+SMALL_ONLY = _SmallOnly()
+
+
+def test_a_target_without_preset_given_runs_its_own_first_preset(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: "unknown preset 'tiny' for small-only", the default of graphsafe's targets.
+    argv = ["verify", "--target", "test_cli:SMALL_ONLY", "--refits", "1", "--json"]
+    assert main(argv) == 0
+    assert VerifyReport.model_validate_json(capsys.readouterr().out).preset == "small"
+    # Control: a preset the target does not have is still refused.
+    assert main([*argv, "--preset", "tiny"]) == 2
+    assert "unknown preset 'tiny' for small-only; choose one of small" in capsys.readouterr().err
+
+
+def test_a_negative_seed_is_refused_instead_of_running_as_its_absolute_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Why: the bucket draws seed `random.Random` with the absolute value.
+    assert random.Random(-1).random() == random.Random(1).random()
+    assert main(["verify", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err == (
+        "graphsafe verify: --seed must be 0 or more: expected an integer >= 0, got -1\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--refits", "0"], ["--pp", "0"], ["--seed", "-3"], ["--preset", "huge"],
+     ["--timeout", "5"], ["--pp", "2", "--timeout", "nan"]],
+    ids=["refits", "pp", "seed", "preset", "timeout-without-pp", "timeout-nan"],
+)
+def test_every_bad_value_is_one_line_and_exit_two(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert main(["verify", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphsafe verify: ") and err.count("\n") == 1, err
+
+
+def test_verify_pp_from_a_script_without_a_main_guard_names_the_cause(tmp_path: Path) -> None:
+    """docs/rl-weight-sync.md's example pasted without `if __name__ == "__main__":` (the
+    page runs it with the guard, as a script: the control). Before, the ranks died with
+    multiprocessing's bootstrapping error and the run said only `died (1)`."""
+    script = tmp_path / "sync_check.py"
+    script.write_text(
+        "from graphsafe.cli import main\n\n"
+        'main(["verify", "--pp", "2", "--refits", "1", "--backend", "cpu"])\n'
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, check=False, cwd=tmp_path)
+    err = done.stderr
+    final = err[err.rindex("graphsafe verify: GraphSafetyError: verify --pp 2"):]
+    assert final.splitlines()[0].endswith(
+        f"every rank died before its own code ran, while importing the script {script} again")
+    assert '  fix:        call it under `if __name__ == "__main__":` in your script' in final
+    # Each rank says why it stopped, too.
+    assert err.count("verify --pp was called again inside one of its own rank processes") == 3
+
+
+# -----------------------------------------------------------------------------
+# the bucket draws
+
+
+@given(entries=st.integers(2, 80), n_critical=st.integers(0, 3), seed=st.integers(0, 2**32),
+       critical_last=st.booleans())
+def test_a_refit_is_split_into_two_to_five_buckets_the_critical_one_among_them(
+    entries: int, n_critical: int, seed: int, critical_last: bool
+) -> None:
+    """docs/verify.md: "split into 2 to 5 buckets"; the critical entries' own bucket, on
+    the first refit, counts among them (before, it came on top: up to 6)."""
+    from graphsafe._verify.single.run import _buckets
+
+    n_critical = min(n_critical, entries - 1)
+    ck = [(f"w{i}" + ("_crit" if i < n_critical else ""), torch.zeros(1))
+          for i in range(entries)]
+    buckets = _buckets(ck, random.Random(seed), ("_crit",), critical_last)
+    assert 2 <= len(buckets) <= 5
+    names = [n for b in buckets for n, _ in b]
+    assert sorted(names) == sorted(n for n, _ in ck)  # each entry once
+    if critical_last and n_critical:
+        assert {n for n, _ in buckets[-1]} == {n for n, _ in ck if n.endswith("_crit")}

@@ -12,6 +12,10 @@ says otherwise; the comment does not render on the site:
   addresses (`0x...`) aside.
 - `<!-- no-run: why -->`: the block is not run (it needs a GPU, say); the
   reason is required and shows in the markdown source.
+- `<!-- script: why -->`: the block runs as a script of its own, `python block.py` in a
+  fresh process from the repository root, as a user would paste it, and must exit 0 (a
+  block that starts processes, which import the main module again); the reason is
+  required. It does not share the page's namespace.
 
 Any other comment of the form `<!-- word: ... -->` before a fence is refused, so a typo
 in a marker cannot turn a block off silently.
@@ -21,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
 import sys
+import tempfile
 import textwrap
 import types
 from pathlib import Path
@@ -40,7 +46,7 @@ _FENCE = re.compile(
 )
 # The HTML comment right before a fence, if any.
 _MARKER = re.compile(r"<!--\s*(?P<kind>[\w-]+)\s*:\s*(?P<arg>.*?)\s*-->\s*\Z", re.S)
-_KINDS = ("raises", "no-run")
+_KINDS = ("raises", "no-run", "script")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +58,10 @@ class Block:
     code: str
     """The block's code, dedented."""
     kind: str
-    """`run`, `raises` or `no-run`."""
+    """`run`, `raises`, `no-run` or `script`."""
     arg: str
-    """The exception expression of `raises`, the reason of `no-run`, else empty."""
+    """The exception expression of `raises`, the reason of `no-run` or `script`, else
+    empty."""
     shown: str | None = None
     """The body of a plain fence right after the block (its printed error), if any."""
 
@@ -127,7 +134,9 @@ def run_page(path: Path) -> int:
             # Padding keeps tracebacks pointing at the page's own line numbers;
             # dont_inherit: this file's `from __future__` must not leak into the page.
             code = compile("\n" * block.line + block.code, str(path), "exec", dont_inherit=True)
-            if block.kind == "raises":
+            if block.kind == "script":
+                _run_script(block, path)
+            elif block.kind == "raises":
                 expected = eval(block.arg, namespace)  # the page's own marker
                 with pytest.raises(expected) as info:
                     exec(code, namespace)
@@ -139,6 +148,19 @@ def run_page(path: Path) -> int:
     finally:
         del sys.modules[module.__name__]
     return ran
+
+
+def _run_script(block: Block, page: Path) -> None:
+    """Run `block` as `python block.py` in a fresh process; it must exit 0."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / f"{page.stem}_line{block.line}.py"
+        script.write_text(block.code)
+        done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=900, check=False)
+    assert done.returncode == 0, (
+        f"{page.name}:{block.line}: the script exited {done.returncode}\n"
+        f"{done.stdout[-2000:]}{done.stderr[-4000:]}"
+    )
 
 
 def _printed(err: BaseException) -> str:
@@ -239,6 +261,23 @@ def test_no_run_marker_skips_only_its_block(tmp_path: Path) -> None:
     assert run_page(page) == 1
 
 
+def test_script_blocks_run_as_a_main_module_of_their_own(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text(
+        "```python\nx = 1\n```\n\n<!-- script: it starts processes -->\n"
+        "```python\nimport sys\nassert __name__ == '__main__' and 'x' not in dir()\n"
+        "if __name__ == '__main__':\n    sys.exit(0)\n```\n"
+    )
+    assert run_page(page) == 2
+
+
+def test_a_script_that_fails_fails_the_page(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("<!-- script: why -->\n```python\nraise SystemExit('broken')\n```\n")
+    with pytest.raises(AssertionError, match=r"p\.md:2: the script exited 1(.|\n)*broken"):
+        run_page(page)
+
+
 def test_a_marker_further_up_does_not_apply(tmp_path: Path) -> None:
     page = tmp_path / "p.md"
     page.write_text("<!-- no-run: needs a GPU -->\n\ntext\n\n```python\nassert False, 'ran'\n```\n")
@@ -255,3 +294,57 @@ def test_bad_markers_are_refused(tmp_path: Path, marker: str, message: str) -> N
     page.write_text(f"{marker}\n```python\nx = 1\n```\n")
     with pytest.raises(ValueError, match=message):
         run_page(page)
+
+
+# -----------------------------------------------------------------------------
+# docs/adopting.md's troubleshooting table
+
+
+def _troubleshooting_rows() -> list[str]:
+    text = (DOCS / "adopting.md").read_text()
+    table = text[text.index("| error: first line |"):].split("\n\n")[0]
+    return [line.split(" | ")[0].lstrip("| ") for line in table.splitlines()[2:]]
+
+
+def test_the_troubleshooting_table_names_errors_graphsafe_raises() -> None:
+    """Each row's class is graphsafe's, and each literal part of its message shape (the
+    text between `...` and counts) is in the source that raises it, or, for a message
+    composed of parts, in an error errors.md shows (those shown after a block are held to
+    what it raises): a message reworded in the code fails here until the table says it
+    too."""
+    import graphsafe as gs
+
+    source = "\n".join(p.read_text() for d in ("graphsafe", "models")
+                       for p in sorted((ROOT / d).rglob("*.py")))
+    source = " ".join((source + (DOCS / "errors.md").read_text()).split())
+    rows = _troubleshooting_rows()
+    assert rows
+    for row in rows:
+        for name, message in _shapes(row):
+            assert isinstance(getattr(gs, name, None), type), row
+            for part in re.split(r"\.\.\.|'\.\.\.'|\bN\b|`", message):
+                part = part.strip(" '`()")
+                if len(part) >= 8:
+                    assert part in source, f"{row!r}: {part!r} is in no message"
+
+
+def test_every_error_class_has_a_troubleshooting_row() -> None:
+    import graphsafe as gs
+
+    classes = {n for n in gs.__all__ if isinstance(getattr(gs, n), type)
+               and issubclass(getattr(gs, n), (gs.GraphSafetyError, gs.GraphSafetyWarning))}
+    listed = {name for row in _troubleshooting_rows() for name, _ in _shapes(row)}
+    assert classes <= listed, classes - listed
+
+
+def _shapes(row: str) -> list[tuple[str, str]]:
+    """A row's message shapes, `Class: text` or (after the first) `text` of the same
+    class, separated by ` / `: (class name, text)."""
+    out: list[tuple[str, str]] = []
+    for shape in row.split(" / "):
+        m = re.fullmatch(r"(\w+(?:Error|Warning)): (.*)", shape.strip().strip("`"))
+        if m is not None:
+            out.append((m[1], m[2]))
+        else:
+            out.append((out[-1][0], shape.strip().strip("`")))
+    return out

@@ -95,6 +95,31 @@ def test_attach_materializes_and_load_weights_is_one_update_each() -> None:
     }
 
 
+def test_a_load_that_raised_before_writing_anything_owes_nothing() -> None:
+    """vLLM rejects a bad first entry before it writes: the model keeps its weights."""
+    model = Model()
+    model.load_weights(checkpoint(0))
+    att = gsv.attach(model, registry)
+    att.pin()
+    with pytest.raises(KeyError, match="nope"):
+        model.load_weights([("nope", torch.zeros(1)), *checkpoint(1)])
+    gs.runtime(model).assert_fresh()  # no debt, nothing stale: it may serve
+    assert att.status()["stale"] == [] and att.updates == 0
+
+
+def test_control_a_load_that_wrote_before_it_raised_owes_every_weight() -> None:
+    model = Model()
+    model.load_weights(checkpoint(0))
+    att = gsv.attach(model, registry)
+    att.pin()
+    first = checkpoint(1)[0]  # lin.weight
+    with pytest.raises(KeyError, match="nope"):
+        model.load_weights([first, ("nope", torch.zeros(1))])
+    with pytest.raises(gs.StaleError, match="holds a mix of old and new weights") as e:
+        gs.runtime(model).assert_fresh()
+    assert "emb" in str(e.value)  # owed, though this load never reached it
+
+
 def test_a_rebinding_in_an_update_raises_at_its_end_for_any_pinned_tensor() -> None:
     model = Model()
     model.load_weights(checkpoint(0))

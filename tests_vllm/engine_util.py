@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 PROMPT = list(range(3, 43))  # token ids: more than one 32-token KV block
@@ -30,6 +32,46 @@ def hf_model(path: Path, seed: int) -> LlamaForCausalLM:
     )
     m = LlamaForCausalLM(cfg).eval()
     m.save_pretrained(path)
+    return m
+
+
+def w8a8_model(path: Path, seed: int, *, keep: tuple[str, ...] = ()) -> LlamaForCausalLM:
+    """`hf_model`, saved as a compressed-tensors W8A8 checkpoint: the decoder's linear
+    weights int8 per output channel, the activations quantized per token, asymmetric
+    (dynamic); `keep`: prefixes of linear layers left unquantized (and the LM head)."""
+    m = hf_model(path, seed)
+    tensors: dict[str, torch.Tensor] = {}
+    ignore = ["lm_head"]
+    for name, t in m.state_dict().items():
+        t = t.detach().clone().contiguous()
+        if not name.endswith("_proj.weight"):
+            tensors[name] = t
+        elif name.startswith(keep):
+            tensors[name] = t
+            ignore.append(name.removesuffix(".weight"))
+        else:
+            scale = t.abs().amax(dim=1, keepdim=True) / 127  # [out, 1]
+            tensors[name] = torch.round(t / scale).clamp(-128, 127).to(torch.int8)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                            "strategy": "channel", "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "int", "symmetric": False,
+                                      "strategy": "token", "dynamic": True},
+            }
+        },
+        "ignore": ignore,
+    }
+    (path / "config.json").write_text(json.dumps(config))
     return m
 
 

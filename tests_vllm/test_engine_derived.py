@@ -9,8 +9,7 @@ stays (the LM head, and the embedding, whose forward reads the weight itself) a 
 `model.load_weights([(name, p)])`, as TRL syncs, writes the weight and leaves the packed
 copy the forward reads as it was: the engine serves the old LM head, silently.
 
-Each refusing test starts an engine of its own: a step refused before the forward leaves
-its request scheduled, and that engine does not serve again.
+Each test starts an engine of its own, from the first load's weights.
 """
 
 from __future__ import annotations

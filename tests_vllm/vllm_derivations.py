@@ -27,3 +27,11 @@ def weight_plus_one(
     m: RMSNorm, weight: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     return torch.add(weight, 1.0, out=out)
+
+# For a quantized model whose kernels drop the weight after loading (vLLM's CPU W8A8
+# int8 kernel packs it and sets `weight` to None): `when=` skips those layers, so the
+# layers that keep their weight get the derived buffer and the others none.
+kept = gs.Registry()
+kept.derive(
+    QKVParallelLinear, "qkv_weight_t", inputs=["weight"], when=lambda m: m.weight is not None
+)(recipes.transpose())

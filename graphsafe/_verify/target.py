@@ -13,7 +13,7 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError
 
-__all__ = ["Checkpoint", "VerifyTarget", "load_target"]
+__all__ = ["BUILTIN_TARGETS", "Checkpoint", "VerifyTarget", "load_target"]
 
 Checkpoint = list[tuple[str, torch.Tensor]]
 
@@ -45,6 +45,9 @@ _BUILTIN = {
 }
 """graphsafe's own targets, as pyproject.toml registers them: found by name also where the
 package runs from its source tree without installed metadata (scripts/gpu-check)."""
+
+BUILTIN_TARGETS = tuple(_BUILTIN)
+"""The names of graphsafe's own targets, the default first."""
 
 
 def load_target(spec: str) -> VerifyTarget:

@@ -10,15 +10,16 @@ import functools
 import importlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from torch import nn
 
 from graphsafe._declare.registry import Registry
-from graphsafe._errors import RegistrationError
+from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._graphs.guard import Guard
 from graphsafe._lineage import Lineage
 from graphsafe._memory.walk import Site
+from graphsafe._runtime.freshness import in_update_error
 from graphsafe._runtime.runtime import Runtime, runtime
 
 __all__ = [
@@ -114,6 +115,12 @@ class EngineAttachment:
         registries: Where its derived buffers are declared.
     """
 
+    loads_tracked: ClassVar[bool] = False
+    """Whether the engine's `model.load_weights` writes the model only through torch ops,
+    which graphsafe's tracker sees: then a bare load that raised before writing anything
+    (the engine refused its first entry) leaves nothing owed. Otherwise a failed load owes
+    every weight, as any failed update does."""
+
     def __init__(self, model: nn.Module, registries: Iterable[Registry]) -> None:
         rt = runtime(model)
         for reg in registries:
@@ -144,8 +151,17 @@ class EngineAttachment:
         stack.enter_context(self.runtime.weight_update())
         self._open, self._owner = stack, owner
 
-    def end(self, owner: object, exc: BaseException | None = None) -> None:
+    def end(
+        self, owner: object, exc: BaseException | None = None, *, tracked: bool = False
+    ) -> None:
         """Close the update `owner` opened: refresh once, or fail closed on `exc`.
+
+        Args:
+            owner: Who opened it (`begin`); anyone else closes nothing.
+            exc: What the update raised, if it failed.
+            tracked: The update ran only code that writes through torch ops (an engine's
+                weight loaders): if it failed before writing anything, it owes nothing,
+                since the model holds its old weights, whole.
 
         Raises:
             GraphSafetyError: What the update's end found (a rebound tensor, a failed
@@ -154,10 +170,15 @@ class EngineAttachment:
         stack = self._open
         if stack is None or self._owner is not owner:
             return
-        self._open, self._owner = None, None
         if exc is not None:
+            if tracked and not _wrote_anything(self.runtime):
+                # Nothing was written: the update names no tensor as written from now
+                # on, so only what it did write (a rebound tensor, none here) is owed.
+                self.runtime.expect_writes(())
+            self._open, self._owner = None, None
             stack.__exit__(type(exc), exc, exc.__traceback__)
             return
+        self._open, self._owner = None, None
         stack.close()
         self.updates += 1
         self._updated()
@@ -203,8 +224,11 @@ class EngineAttachment:
             **checks,
         }
 
-    def updating(self, owner: object, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` run as one weight update (or inside the one open)."""
+    def updating(
+        self, owner: object, fn: Callable[..., Any], *, tracked: bool = False
+    ) -> Callable[..., Any]:
+        """`fn` run as one weight update (or inside the one open); `tracked`: as `end`
+        takes it."""
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -212,12 +236,29 @@ class EngineAttachment:
             try:
                 ret = fn(*args, **kwargs)
             except BaseException as exc:
-                self.end(owner, exc)
+                self.end(owner, exc, tracked=tracked)
                 raise
             self.end(owner)
             return ret
 
         return run
+
+
+_IN_UPDATE = in_update_error(nn.Module, 0).summary
+
+
+def _wrote_anything(rt: Runtime) -> bool:
+    """Whether the weight update open in this thread has written a tensor of the model.
+
+    `Runtime.assert_fresh` refuses an open update before anything else, and only once it
+    has written something (its `in_update_error`); any other refusal (a stale buffer, a
+    debt of an earlier failure) comes after, so the update wrote nothing.
+    """
+    try:
+        rt.assert_fresh()
+    except GraphSafetyError as exc:
+        return exc.summary == _IN_UPDATE
+    return False
 
 
 _A = TypeVar("_A", bound=EngineAttachment)
@@ -263,7 +304,7 @@ def attach_once(
 
     @functools.wraps(load)
     def load_weights(*args: Any, **kwargs: Any) -> Any:
-        return att.updating(token, load)(*args, **kwargs)
+        return att.updating(token, load, tracked=att.loads_tracked)(*args, **kwargs)
 
     setattr(model, "load_weights", load_weights)  # noqa: B010 (on the instance)
     return att

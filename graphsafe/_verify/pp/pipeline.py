@@ -26,16 +26,20 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
 import torch
+import torch.multiprocessing as mp
 
 from graphsafe._errors import GraphSafetyError
 from graphsafe._verify.pp.job import Job
 from graphsafe._verify.pp.processes import (
+    RANK_NAME,
     Results,
     context,
     describe_failure,
     end,
     free_port,
+    in_rank_process,
     init_group,
+    main_rerun,
     quiet_native_logs,
     wait,
 )
@@ -52,6 +56,12 @@ DEFAULT_TIMEOUT = 600.0
 """Seconds a rank may wait for another, unless the run says otherwise."""
 
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)  # gloo's and c10d's stores' words
+
+_GUARD_FIX = (
+    'call it under `if __name__ == "__main__":` in your script: each rank process imports '
+    "the main module again before it runs, and a call at its top level starts the run "
+    "again there"
+)
 
 
 def run_verify_pp(
@@ -94,6 +104,17 @@ def run_verify_pp(
             line), or the run outlasted its deadline.
     """
     say = progress or (lambda line: None)
+    if in_rank_process():
+        # The rank process imports the caller's main module again, which called this at
+        # its top level: a script without `if __name__ == "__main__":`.
+        raise GraphSafetyError(
+            "verify --pp was called again inside one of its own rank processes",
+            expected="the run started once, by the main process",
+            got=f"{mp.current_process().name} importing {main_rerun() or 'the main module'} "
+            "again (each rank process does, before it runs), which called it at its top "
+            "level",
+            fix=_GUARD_FIX,
+        )
     if pp < 1:
         raise GraphSafetyError("--pp needs at least one stage", expected=">= 1", got=pp,
                                fix="pass --pp 2 for a trainer and two pipeline stages")
@@ -120,6 +141,8 @@ class _Ended:
     """The trainer's report (JSON), if it came."""
     errors: dict[int, str] = field(default_factory=dict)
     """Rank -> its failure in a line (-1: the run's own), in the order they came."""
+    started: set[int] = field(default_factory=set)
+    """Ranks whose own code began (past importing the main module)."""
     stopped: set[int] = field(default_factory=set)
     """Ranks still running when the run stopped them."""
     exitcodes: list[int | None] = field(default_factory=list)
@@ -133,7 +156,7 @@ def _run(job: Job, say: Callable[[str], None]) -> _Ended:
     world = job.pp + 1
     procs: list[BaseProcess] = [
         ctx.Process(target=_worker, args=(rank, world, port, job, results), daemon=True,
-                    name=f"graphsafe-verify-rank{rank}")
+                    name=f"{RANK_NAME}{rank}")
         for rank in range(world)
     ]
     with quiet_native_logs():
@@ -141,7 +164,7 @@ def _run(job: Job, say: Callable[[str], None]) -> _Ended:
             p.start()
     ended = _Ended()
     try:
-        ended.report = wait(procs, results, ended.errors, say,
+        ended.report = wait(procs, results, ended.errors, ended.started, say,
                             deadline=time.monotonic() + job.timeout * (job.refits + 4) + 60)
     finally:
         ended.stopped = {rank for rank, p in enumerate(procs) if p.exitcode is None}
@@ -174,6 +197,13 @@ def _no_report(job: Job, ended: _Ended) -> GraphSafetyError:
     summary = f"verify --pp {job.pp}: the run ended without a report"
     fix = ("read the ranks' errors: the first one that is not about another rank (a "
            "closed connection, a sync that did not arrive) is where the run broke")
+    rerun = main_rerun()
+    if rerun is not None and not ended.started and all(ended.exitcodes):
+        # Each rank imports the main module before its own code runs: all of them dying
+        # there is what a script calling verify without a `__main__` guard does.
+        summary += (f": every rank died before its own code ran, while importing {rerun} "
+                    "again")
+        fix = _GUARD_FIX
     timed_out = sorted(r for r, e in ended.errors.items() if r >= 0 and _TIMED_OUT.search(e))
     if timed_out:
         summary += (f": {' and '.join(map(_role, timed_out))} timed out waiting for another "
@@ -191,6 +221,7 @@ def _worker(rank: int, world: int, port: int, job: Job, results: Results) -> Non
     when a peer died)."""
     code = 0
     try:
+        results.put(("started", rank, ""))
         init_group(rank, world, port, job.timeout)
         with torch.no_grad():
             if rank == 0:

@@ -23,19 +23,25 @@ import torch.multiprocessing as mp
 from graphsafe._errors import GraphSafetyError, one_line
 
 __all__ = [
+    "RANK_NAME",
     "Results",
     "context",
     "describe_failure",
     "end",
     "free_port",
+    "in_rank_process",
     "init_group",
+    "main_rerun",
     "quiet_native_logs",
     "wait",
 ]
 
 Results: TypeAlias = "Queue[tuple[str, int, str]]"
-"""What the processes tell the parent: `(kind, rank, text)`, kind `say`, `report` or
-`error`."""
+"""What the processes tell the parent: `(kind, rank, text)`, kind `started` (the rank's
+own code began), `say`, `report` or `error`."""
+
+RANK_NAME = "graphsafe-verify-rank"
+"""The name of each rank process, followed by its rank."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CPP_SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ")  # gloo's "[.../pair.cc:553] "
@@ -52,6 +58,26 @@ def context() -> Any:
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "graphsafe.distributed", "graphsafe._verify.pp.pipeline"])
     return ctx
+
+
+def main_rerun() -> str | None:
+    """The main module a rank process imports again before it runs (as `spawn` and
+    `forkserver` do, under the name `__mp_main__`), if any: "the script PATH" or "the
+    module NAME"; None for an interactive session, `python -c` or a package's
+    `__main__` (pytest's, say), which are not imported again."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name is not None:
+        return None if name == "__main__" or name.endswith(".__main__") else f"the module {name}"
+    path = getattr(main, "__file__", None)
+    return f"the script {path}" if path else None
+
+
+def in_rank_process() -> bool:
+    """Whether this process is one of verify's rank processes (its name is set before it
+    imports the main module again)."""
+    return mp.current_process().name.startswith(RANK_NAME)
 
 
 @contextmanager
@@ -121,10 +147,12 @@ def wait(
     procs: Sequence[BaseProcess],
     results: Results,
     errors: dict[int, str],
+    started: set[int],
     say: Callable[[str], None],
     deadline: float,
 ) -> str | None:
-    """Relay progress until every process ended; a failure gives the others a grace."""
+    """Relay progress until every process ended; a failure gives the others a grace.
+    `errors` and `started` take each rank's failure and the ranks whose code began."""
     report: str | None = None
     grace: float | None = None
     while True:
@@ -132,7 +160,9 @@ def wait(
             kind, rank, text = results.get(timeout=0.1)
         except queue_mod.Empty:
             kind = ""
-        if kind == "say":
+        if kind == "started":
+            started.add(rank)
+        elif kind == "say":
             say(text)
         elif kind == "report":
             report = text

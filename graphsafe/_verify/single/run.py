@@ -254,13 +254,14 @@ def _control(run: _Run, backend: Literal["cuda", "cpu"]) -> ControlRow:
 def _buckets(
     ck: Checkpoint, rng: random.Random, critical: Sequence[str], critical_last: bool
 ) -> list[Checkpoint]:
-    """The checkpoint shuffled into 2 to 5 buckets; the critical entries last if asked."""
+    """The checkpoint shuffled into 2 to 5 buckets (fewer only for a checkpoint of fewer
+    entries); the critical entries last if asked, their bucket one of the count."""
     entries = list(ck)
     rng.shuffle(entries)
     crit = [e for e in entries if critical_last and e[0].endswith(tuple(critical))]
     rest = [e for e in entries if e not in crit] if crit else entries
-    n = rng.randint(2, 5)
-    cuts = sorted(rng.sample(range(1, len(rest)), min(n - 1, len(rest) - 1)))
+    n = rng.randint(2, 5) - (1 if crit and len(rest) > 1 else 0)  # buckets of `rest`
+    cuts = sorted(rng.sample(range(1, len(rest)), max(0, min(n - 1, len(rest) - 1))))
     out = [rest[i:j] for i, j in zip([0, *cuts], [*cuts, len(rest)])]
     if crit:
         out.append(crit)

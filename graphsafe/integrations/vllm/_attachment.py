@@ -28,6 +28,8 @@ class Attachment(EngineAttachment):
         registries: Where its derived buffers are declared.
     """
 
+    loads_tracked = True  # vLLM's weight loaders write with torch ops (`copy_`, `narrow`)
+
     def __init__(self, model: nn.Module, registries: Iterable[Registry]) -> None:
         super().__init__(model, registries)
         self.recording = False

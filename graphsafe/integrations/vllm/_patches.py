@@ -1,7 +1,7 @@
 """The patches to vLLM's own code, each installed once per process: linear layers on the
 CPU backend keep the weights derivations read (or every weight a bare `load_weights`
-writes, when asked), and the layerwise reload becomes one weight update of the attached
-model it reloads."""
+writes, when asked), the layerwise reload becomes one weight update of the attached
+model it reloads, and a step graphsafe refuses aborts the requests in flight."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from graphsafe._declare.registry import Registry
+from graphsafe._errors import GraphSafetyError
 from graphsafe.integrations._engine import Once
 from graphsafe.integrations.vllm._attachment import attachment
 from graphsafe.integrations.vllm._registries import (
@@ -74,6 +75,44 @@ def _keep_cpu_weights() -> None:
 
     UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading
     UnquantizedEmbeddingMethod.process_weights_after_loading = process_embedding_weights
+
+
+def _abort_refused_steps() -> None:
+    """vLLM's engine in the caller's process (`LLM`, `LLMEngine`): when graphsafe refuses
+    a step, every request in flight is aborted through vLLM's own abort path, and the
+    prefix cache is reset, before the refusal propagates.
+
+    The refusal is raised by the worker's `execute_model`, after the scheduler allocated
+    the step's KV blocks and before any forward wrote them. Without this the requests
+    stay scheduled and keep their blocks: the `generate` that raised returns none of
+    them, and the next one waits for them forever (a step the model runner cannot
+    serve). `LLMEngine.abort_request` removes them from the output processor and
+    finishes them in the scheduler, which frees their blocks; the blocks were hashed
+    into the prefix cache for tokens no forward computed, so the cache is reset too.
+    Every request in flight goes, not only the step's: they were all to be served by
+    the model graphsafe refused. An engine core in a process of its own dies on any
+    error of a step; this leaves it as it is."""
+    with _once("refused steps") as first:
+        if not first:
+            return
+        try:
+            from vllm.v1.engine.llm_engine import LLMEngine
+        except ImportError:  # attached without vLLM (a model of its shape, in tests)
+            return
+        step = LLMEngine.step
+
+        @functools.wraps(step)
+        def step_or_abort(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return step(self, *args, **kwargs)
+            except GraphSafetyError:
+                in_flight = list(self.output_processor.request_states)
+                if in_flight:
+                    self.abort_request(in_flight, internal=True)
+                self.reset_prefix_cache()
+                raise
+
+        LLMEngine.step = step_or_abort
 
 
 def _on(name: str) -> bool:

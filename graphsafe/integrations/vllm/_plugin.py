@@ -7,7 +7,7 @@ import functools
 import os
 from typing import Any
 
-from graphsafe.integrations.vllm._patches import _keep_cpu_weights, _once
+from graphsafe.integrations.vllm._patches import _abort_refused_steps, _keep_cpu_weights, _once
 from graphsafe.integrations.vllm._registries import (
     CPU_KEEP_LM_HEAD,
     CPU_KEEP_WEIGHTS,
@@ -64,6 +64,7 @@ def plugin() -> None:
     spec = os.environ.get(ENV, "").strip()
     if not spec:
         return
+    _abort_refused_steps()
     with _once("worker") as first:
         if not first:
             return

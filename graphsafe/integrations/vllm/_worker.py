@@ -16,7 +16,7 @@ from graphsafe._errors import RegistrationError
 from graphsafe._lineage import Lineage, record
 from graphsafe.integrations._engine import attach_once
 from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
-from graphsafe.integrations.vllm._patches import _on, _patch_layerwise
+from graphsafe.integrations.vllm._patches import _abort_refused_steps, _on, _patch_layerwise
 from graphsafe.integrations.vllm._reads import runs_forward, runs_op_by_op
 from graphsafe.integrations.vllm._registries import LAZY_REFRESH, registries_from
 
@@ -61,6 +61,7 @@ def attach(
 
     def make() -> Attachment:
         _patch_layerwise()
+        _abort_refused_steps()
         regs = registries_from(registries)
         _refuse_packed_inputs(model, regs)
         return Attachment(model, regs)

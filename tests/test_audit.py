@@ -461,3 +461,30 @@ def test_compare_is_bitwise_for_signed_zeros_and_nans() -> None:
     minus = torch.tensor([-0.0, float("nan")])
     assert torch.equal(minus[:1], zero[:1])
     assert compare(minus, zero, atol=0.0, rtol=0.0) is not None
+
+
+@gs.graphsafe
+class TwoOutputs(nn.Module):
+    """One derivation with two outputs: both are compared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 6))
+
+    @gs.derive(("w_t", "w_neg"), inputs=["w"])
+    def _both(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return w.t().contiguous(), -w
+
+    def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for _, t in weights:
+            gs.load_into(self.w, t, name="w")
+
+
+def test_every_output_of_a_derivation_with_two_is_compared() -> None:
+    model = TwoOutputs()
+    model.load_weights([("w", torch.randn(4, 6, generator=torch.Generator().manual_seed(0)))])
+    assert set(gs.audit(model).checked) == {"w_t", "w_neg"}
+    model.w_neg.numpy()[0, 0] += 1.0  # the second output only, invisible to the guard
+    with pytest.raises(gs.StaleError, match=r"w_neg") as info:
+        gs.audit(model)
+    assert info.value.paths == ("w_neg",)

@@ -519,3 +519,82 @@ def test_a_model_with_declared_and_discovered_state_is_freed_whole() -> None:
     del m, module, w
     gc.collect()
     assert all(r() is None for r in refs)  # no runtime keeps a submodule (or itself) alive
+
+
+# -- checks no test held before (each planted bug survived the suite) -------------------
+
+
+def test_state_derived_from_a_staging_copy_of_a_weight_is_discovered_from_that_weight(
+) -> None:
+    def post(m: Engine) -> None:  # the loader's own staging copy, packed after the copy in
+        m.lin.packed = m._staged.t().contiguous()
+
+    @gs.graphsafe
+    class Staging(Engine):
+        def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True
+                         ) -> None:
+            staged = weights["lin.weight"].to(torch.float32).clone()  # the staging copy
+            with torch.no_grad():
+                self.lin.weight.copy_(staged)
+            self._staged = staged
+            if post:
+                self.post(self)
+            del self._staged
+
+    m = Staging(post, _run_attr)
+    m.load_weights(_weights(0))
+    found = {d.path: d.sources for d in gs.runtime(m).discovered}
+    assert found == {"lin.packed": ("lin.weight",)}  # the staging copy stands for its weight
+
+
+def test_the_audit_of_a_copy_re_derived_in_place_does_not_write_into_it() -> None:
+    def post(m: Engine) -> None:
+        if "packed" in vars(m.lin):
+            m.lin.packed.copy_(m.lin.weight.t())  # re-derived in place, positionally
+        else:
+            m.lin.packed = m.lin.weight.t().contiguous()
+
+    m = Engine(post, _run_attr)
+    m.load_weights(_weights(0))
+    m.load_weights(_weights(1))  # the second load re-derives in place
+    m.load_weights(_weights(2), post=False)
+    held = m.lin.packed.clone()
+    with pytest.raises(gs.StaleError, match=r"lin\.packed"):
+        gs.audit(m)  # a recompute that wrote into `packed` would pass
+    assert torch.equal(m.lin.packed, held)
+
+
+def test_the_observer_runs_when_only_discovered_state_is_pinned() -> None:
+    from graphsafe import _native
+    from graphsafe._runtime.writes.observer import OBSERVER
+
+    m, g, _ = _captured(CASES[0], guard=True)  # nothing declared: only discovered state
+    assert gs.runtime(m).derivations == ()
+    assert OBSERVER.running == (_native.get() is not None)
+    if not OBSERVER.running:
+        return  # the Python path has no observer (the pin warned)
+    m.lin.weight.data.copy_(_weights(1)["lin.weight"])  # a script write, no load
+    with pytest.raises(gs.StaleError, match=r"lin\.packed"):
+        g.replay()
+
+
+def test_a_tensor_held_as_a_keyword_only_default_is_discovered() -> None:
+    def post(m: Engine) -> None:
+        made = m.lin.weight.t().contiguous()
+
+        def kernel(x: torch.Tensor, *, packed: torch.Tensor = made) -> torch.Tensor:
+            return x @ packed
+
+        del made  # held by the default alone
+
+        m.lin.kernel_fn = kernel
+
+    m = Engine(post, _run_apply)
+    m.load_weights(_weights(0))
+    assert [d.path for d in gs.runtime(m).discovered] == ["lin.kernel_fn.__kwdefaults__.packed"]
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        m(torch.ones(2, C))
+    m.load_weights(_weights(1), post=False)
+    with pytest.raises(gs.StaleError, match=r"__kwdefaults__\.packed"):
+        g.replay()

@@ -1248,3 +1248,42 @@ def test_the_poison_of_a_failed_load_dies_with_its_storage() -> None:
     g, out = _capture(fresh, x)
     g.replay()  # the storage is new: nothing failed in it
     assert torch.equal(out, x * 512.0)
+
+
+# -- what two failed updates owe survives a storage move and a partial heal --------------
+
+
+@gs.graphsafe
+class TwoWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(2, 3))
+        self.b = nn.Parameter(torch.zeros(2, 3))
+
+    @gs.derive("ab", inputs=["a", "b"])
+    def _ab(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    def load_weights(self, weights: Weights) -> None:
+        _copy_in(self, weights)
+
+
+def _fail(m: nn.Module, path: str) -> None:
+    with pytest.raises(RuntimeError, match="torn"), gs.weight_update(m, writes=[path]):
+        m.get_parameter(path).data.copy_(torch.ones(2, 3))  # half of the update landed
+        raise RuntimeError("torn")
+
+
+def test_two_failed_updates_owe_both_through_a_storage_move_and_a_partial_heal() -> None:
+    m = TwoWeights()
+    m.load_weights([])
+    _fail(m, "a")
+    _fail(m, "b")  # owes b besides a: the second failure must not replace the first's debt
+    for p in m.parameters():  # every weight's storage moves; debts are kept by path
+        p.share_memory_()
+    m.load_weights([("b", torch.full((2, 3), 2.0))])  # heals b only
+    with pytest.raises(gs.StaleError, match=r"mix of old and new weights") as info:
+        gs.runtime(m).assert_fresh()
+    assert "a" in str(info.value)
+    m.load_weights([("a", torch.full((2, 3), 3.0))])
+    gs.runtime(m).assert_fresh()  # both written whole again

@@ -691,3 +691,46 @@ def test_control_views_over_new_memory_are_refused() -> None:
     m.load_weights(_kv(1))
     with pytest.raises(gs.StorageMovedError, match=r"impl\.W_U"):
         g.replay()
+
+
+# -- under real CUDA graphs ---------------------------------------------------------------
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@_CUDA
+def test_cuda_a_number_changed_after_capture_is_refused_and_its_control_replays_it() -> None:
+    for guard in (True, False):
+        with torch.device("cuda"):
+            m = Scaled()
+            m.load_weights({k: v.cuda() for k, v in _scaled(0.5).items()})
+        g = gs.Graph(backend="cuda", guard=m if guard else None)
+        x = torch.ones(2, C, device="cuda")
+        with torch.no_grad(), g.capture():
+            y = m(x)
+        new = {k: v.cuda() for k, v in _scaled(2.0).items()}
+        m.load_weights(new)
+        if guard:
+            with pytest.raises(gs.StorageMovedError, match=r"_k_scale_float"):
+                g.replay()
+            continue
+        g.replay()  # the kernel's argument is the float baked in at capture
+        torch.cuda.synchronize()
+        assert not torch.allclose(y, _scaled_reference(new, x))
+
+
+@_CUDA
+def test_cuda_state_made_on_first_use_before_capture_is_guarded() -> None:
+    with torch.device("cuda"):
+        m = Lazy()
+    m.load_weights({k: v.cuda() for k, v in _weights(0).items()})
+    x = torch.ones(2, C, device="cuda")
+    with torch.no_grad():
+        m(x)  # the warm-up packs
+    g = gs.Graph(backend="cuda", guard=m)
+    with torch.no_grad(), g.capture():
+        m(x)
+    assert [d.path for d in gs.runtime(m).discovered] == ["packed"]
+    m.load_weights({k: v.cuda() for k, v in _weights(1).items()})
+    with pytest.raises(gs.StaleError, match=r"packed"):
+        g.replay()

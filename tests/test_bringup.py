@@ -435,7 +435,7 @@ class Lazy(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rope is None:  # made on first use from the config: no weight feeds it
-            self.rope = torch.arange(C, dtype=torch.float32).cos()
+            self.rope = torch.arange(C, dtype=torch.float32, device=x.device).cos()
         return x @ self._pack() + self.rope
 
 

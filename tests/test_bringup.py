@@ -701,9 +701,10 @@ _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA d
 @_CUDA
 def test_cuda_a_number_changed_after_capture_is_refused_and_its_control_replays_it() -> None:
     for guard in (True, False):
+        first = {k: v.cuda() for k, v in _scaled(0.5).items()}  # made on the host
         with torch.device("cuda"):
             m = Scaled()
-            m.load_weights({k: v.cuda() for k, v in _scaled(0.5).items()})
+        m.load_weights(first)
         g = gs.Graph(backend="cuda", guard=m if guard else None)
         x = torch.ones(2, C, device="cuda")
         with torch.no_grad(), g.capture():
@@ -721,9 +722,10 @@ def test_cuda_a_number_changed_after_capture_is_refused_and_its_control_replays_
 
 @_CUDA
 def test_cuda_state_made_on_first_use_before_capture_is_guarded() -> None:
+    first = {k: v.cuda() for k, v in _weights(0).items()}  # made on the host
     with torch.device("cuda"):
         m = Lazy()
-    m.load_weights({k: v.cuda() for k, v in _weights(0).items()})
+    m.load_weights(first)
     x = torch.ones(2, C, device="cuda")
     with torch.no_grad():
         m(x)  # the warm-up packs

@@ -488,3 +488,16 @@ def test_every_output_of_a_derivation_with_two_is_compared() -> None:
     with pytest.raises(gs.StaleError, match=r"w_neg") as info:
         gs.audit(model)
     assert info.value.paths == ("w_neg",)
+
+
+def test_an_audit_that_checked_nothing_warns_instead_of_passing_silently() -> None:
+    plain = nn.Linear(3, 2)  # nothing declared, nothing recorded
+    with pytest.warns(gs.GraphSafetyWarning, match=r"checked nothing"):
+        report = gs.audit(plain)
+    assert report.checked == ()
+    # Control: an audit that compared something says nothing more than its report.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gs.GraphSafetyWarning)
+        assert gs.audit(_loaded()).checked

@@ -598,3 +598,21 @@ def test_a_tensor_held_as_a_keyword_only_default_is_discovered() -> None:
     m.load_weights(_weights(1), post=False)
     with pytest.raises(gs.StaleError, match=r"__kwdefaults__\.packed"):
         g.replay()
+
+
+def test_runtime_stale_lists_stale_discovered_state_too() -> None:
+    m, _graph, _ = _captured(CASES[0], guard=True)
+    assert gs.runtime(m).stale == ()
+    m.load_weights(_weights(1), post=False)
+    assert gs.runtime(m).stale == ("lin.packed",)  # before: () while the replay refused
+    gs.runtime(m).exempt("lin.packed", why="frozen on purpose")
+    assert gs.runtime(m).stale == ()
+
+
+def test_a_registry_added_after_capture_is_refused_as_such() -> None:
+    m, graph, _ = _captured(CASES[0], guard=True)  # the graph holds the pin
+    with pytest.raises(gs.RegistrationError, match=r"added after graph capture") as info:
+        gs.runtime(m, gs.Registry())
+    assert not isinstance(info.value, gs.StorageMovedError)  # nothing moved
+    graph.reset()  # released: the registry can be added
+    gs.runtime(m, gs.Registry())

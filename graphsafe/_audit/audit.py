@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
 from graphsafe._audit.compare import compare
-from graphsafe._errors import GraphSafetyError, StaleError, one_line
+from graphsafe._errors import GraphSafetyError, GraphSafetyWarning, StaleError, one_line
 from graphsafe._lineage.discovery import AuditItem
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
@@ -177,6 +178,9 @@ class Auditor:
                                   unchecked, mismatches)
         if mismatches:
             raise _audit_error(type(rt.model).__name__, mismatches, atol, rtol)
+        if not declared and not discovered:
+            warnings.warn(_nothing_checked(type(rt.model).__name__, unchecked),
+                          GraphSafetyWarning, stacklevel=4)
         return AuditReport(
             checked=(*declared, *discovered),
             declared=tuple(declared),
@@ -434,6 +438,19 @@ def _audit_error(model_class: str, mismatches: list[_Mismatch], atol: float,
         "a difference with no write graphsafe saw since the last refresh comes from a write "
         "it cannot see (" + _INVISIBLE + "): declare such writes with "
         "gs.mark_written(tensor), so that the guard sees them from then on",
+    )
+
+
+def _nothing_checked(model_class: str, unchecked: list[Unchecked]) -> str:
+    """The warning of an audit that compared nothing: a clean report would overstate."""
+    why = (f"; {len(unchecked)} listed unchecked ({unchecked[0].path}: {unchecked[0].why})"
+           if unchecked else "")
+    return (
+        f"gs.audit({model_class}) checked nothing: the model has no declared derivation and "
+        f"nothing its recorded loads derived from its weights{why}. A clean report vouches "
+        "only for what it checked: state made where graphsafe records nothing (after the "
+        "first capture outside any load, in threads no Python code starts) is in neither. "
+        "Declare it with a registry, or make it inside the load"
     )
 
 

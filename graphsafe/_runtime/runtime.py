@@ -20,7 +20,7 @@ from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._declare.spec import DerivationInfo, RefreshReport
-from graphsafe._errors import GraphSafetyError, StorageMovedError
+from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
 from graphsafe._lineage.recorder import Lineage
 from graphsafe._memory.journal import JOURNAL
@@ -146,7 +146,7 @@ class Runtime(metaclass=_OnePerModel):
 
     def add_registry(self, registry: Registry) -> None:
         """Also bind the derivations of `registry` (rebinding if already bound); refused
-        with `StorageMovedError` once pinned (new buffers no captured graph knows)."""
+        with `RegistrationError` once pinned (new buffers no captured graph knows)."""
         with self._lock:
             if self._binder.consults(registry):
                 return
@@ -220,14 +220,17 @@ class Runtime(metaclass=_OnePerModel):
 
     @property
     def stale(self) -> tuple[str, ...]:
-        """Paths of derived buffers that do not match their inputs: never materialized,
-        failed, or whose input was rebound or written since the last refresh."""
+        """Paths of derived buffers that do not match their inputs (never materialized,
+        failed, or whose input was rebound or written since the last refresh), then of
+        what the model derived undeclared that is stale (`discovered`), not exempted."""
         with self._lock:
             engine = self._bound_engine()
             load = self._loads.current
             in_update = load.written_so_far() if load is not None else set()
             stale = engine.stale_reasons(in_update)
-            return tuple(p for i in sorted(stale) for p in engine.bound[i].out_paths)
+            found = (() if not self._discovery else
+                     tuple(d.path for d in self._discovery.info() if d.stale and not d.exempt))
+            return (*(p for i in sorted(stale) for p in engine.bound[i].out_paths), *found)
 
     @property
     def materialized(self) -> bool:
@@ -528,12 +531,16 @@ def runtime_conflict_error(model_class: type, conflict: list[str]) -> GraphSafet
     )
 
 
-def pinned_registry_error(model_class: type) -> StorageMovedError:
-    """The error for a registry added once graphs pinned the model."""
-    return StorageMovedError(
-        "cannot add a registry to a pinned runtime",
+def pinned_registry_error(model_class: type) -> RegistrationError:
+    """The error for a registry added once graphs pinned the model (nothing moved: new
+    buffers would be made that no captured graph knows)."""
+    return RegistrationError(
+        "a registry was added after graph capture",
         module_class=model_class.__name__,
-        expected="registries added before graphs are captured",
-        got="runtime pinned by a capture",
-        fix="pass the registry at the first gs.runtime(model, registry) call",
+        expected="registries added before graphs are captured (its derivations make new "
+        "buffers, which no captured graph reads)",
+        got="gs.runtime(model, registry) or rt.add_registry(registry) on a model a graph "
+        "has pinned",
+        fix="pass the registry at the first gs.runtime(model, registry) call, before "
+        "capturing; or release the graphs (Graph.reset()), add it, and capture again",
     )

@@ -1152,3 +1152,40 @@ def test_loads_inside_and_outside_inference_mode_mix(first_inside: bool) -> None
         write(layer, "w", torch.randn(2, 3))
         gs.runtime(layer).refresh()
     _assert_correct(layer)
+
+
+@gs.graphsafe
+class _AssignsItsOutput(nn.Module):
+    def __init__(self, assign: bool) -> None:
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(2, 3))
+        self.wk = nn.Parameter(torch.randn(2, 3))
+        self.assign = assign
+
+    @gs.derive("wqk", inputs=["wq", "wk"])
+    def _wqk(self, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
+        if self.assign:
+            self.wqk = torch.cat([wq, wk])  # the mistake: rebinds its own output
+            return self.wqk
+        return torch.cat([wq, wk])
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            gs.load_into(self.get_parameter(name), w, name=name)
+
+
+def test_a_derivation_that_assigns_its_own_output_is_refused_at_the_load() -> None:
+    m = _AssignsItsOutput(assign=True)
+    m.load_weights([])
+    held = m.wqk
+    with pytest.raises(gs.ImpureDerivationError, match=r"_wqk assigned its own output 'wqk'"):
+        m.load_weights([("wq", torch.randn(2, 3))])
+    assert m._buffers["wqk"] is held  # the buffer graphs captured is where it was
+    assert torch.equal(held, torch.cat([m.wq, m.wk]).detach())
+    # Control: the same derivation returning its result refreshes in place, silently.
+    ok = _AssignsItsOutput(assign=False)
+    ok.load_weights([])
+    before = ok.wqk
+    ok.load_weights([("wq", torch.randn(2, 3))])
+    assert ok.wqk is before and gs.runtime(ok).last_report is not None
+    assert all(e.storage_held for e in gs.runtime(ok).last_report.entries)

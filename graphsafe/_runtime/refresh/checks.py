@@ -25,6 +25,7 @@ from graphsafe._runtime.bind.binding import BoundDerivation
 from graphsafe._runtime.bind.inputs import Input, describe, join
 
 __all__ = [
+    "refuse_rebound_output",
     "adoptee",
     "as_results",
     "check_results",
@@ -265,4 +266,28 @@ def rebound_error(
         "of rebinding them (`param.data = w`, attribute assignment, `set_`); never assign "
         "derived buffers; or release the graphs' pins (Graph.reset()), refresh() and "
         "re-capture",
+    )
+
+
+def refuse_rebound_output(b: BoundDerivation) -> None:
+    """Refuse a derivation that assigned its own output (`self.wqk = torch.cat(...)`
+    inside it): the module would hold a new tensor, not the buffer graphs captured. The
+    buffer (refreshed already) is put back where the module holds it, then the refresh
+    fails, naming the derivation."""
+    buffers = b.buffers
+    assert buffers is not None
+    moved = [name for name, buf in zip(b.outputs, buffers) if b.container.get(name) is not buf]
+    if not moved:
+        return
+    for name, buf in zip(b.outputs, buffers):
+        b.container[name] = buf
+    raise b.error(
+        ImpureDerivationError,
+        f"derivation {b.spec.name} assigned its own output {moved[0]!r} instead of returning "
+        "it: the module would hold a new tensor, not the buffer captured graphs read",
+        expected=f"{b.spec.name} returns its result (or writes into `out=`); graphsafe "
+        "writes it into the buffer",
+        got=f"`{moved[0]}` rebound to a new tensor inside the derivation (`self.{moved[0]} "
+        "= ...`); the buffer was put back, with the result written into it",
+        fix=f"drop the assignment in {b.spec.name} and return the result",
     )

@@ -22,6 +22,7 @@ from graphsafe._runtime.refresh.checks import (
     check_results,
     impurity_refusal,
     read_refusal,
+    refuse_rebound_output,
     refuse_resized,
 )
 from graphsafe._runtime.writes.tracking import ReadGuard, WriteTracker
@@ -37,6 +38,7 @@ def copy_apart(b: BoundDerivation, ret: Any) -> int:
     assert b.buffers is not None
     b.buffers[0].copy_(check_results(b, ret)[0])
     b.use_slow_path()  # from now on through refresh_checked
+    refuse_rebound_output(b)
     return SLOW
 
 
@@ -75,6 +77,7 @@ def refresh_checked(b: BoundDerivation, purity: dict[int, str] | None) -> int:
         buffers[0].copy_(results[0])
     else:
         torch._foreach_copy_(buffers, results)
+    refuse_rebound_output(b)
     return SLOW
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -1189,3 +1190,35 @@ def test_a_derivation_that_assigns_its_own_output_is_refused_at_the_load() -> No
     ok.load_weights([("wq", torch.randn(2, 3))])
     assert ok.wqk is before and gs.runtime(ok).last_report is not None
     assert all(e.storage_held for e in gs.runtime(ok).last_report.entries)
+
+
+def test_a_stale_error_over_several_derivations_labels_each_buffer_with_its_own() -> None:
+    reg = gs.Registry()
+
+    @reg.derive(nn.Linear, "weight_t", inputs=["weight"])
+    def _weight_t(m: nn.Linear, w: torch.Tensor) -> torch.Tensor:
+        return w.t().contiguous()
+
+    @reg.derive(nn.LayerNorm, "weight_plus_one", inputs=["weight"])
+    def _plus_one(m: nn.LayerNorm, w: torch.Tensor) -> torch.Tensor:
+        return w + 1.0
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    rt = gs.runtime(model, reg)
+    rt.refresh()
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+        model[1].weight.mul_(2.0)
+    with pytest.raises(gs.StaleError) as info:
+        rt.assert_fresh()
+    message = str(info.value)
+    assert re.search(r"0\.weight_t \(Linear, \S*_weight_t\)", message)
+    assert re.search(r"1\.weight_plus_one \(LayerNorm, \S*_plus_one\)", message)
+    assert info.value.module_class == "Linear, LayerNorm"
+    # Control: one derivation alone keeps the short form.
+    with torch.no_grad():
+        rt.refresh()
+        model[0].weight.mul_(2.0)
+    with pytest.raises(gs.StaleError, match=r"got:\s+0\.weight_t: ") as one:
+        rt.assert_fresh()
+    assert one.value.derivation is not None and one.value.derivation.endswith("_weight_t")

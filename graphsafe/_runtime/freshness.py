@@ -43,16 +43,22 @@ def check_fresh(
         stale = {}
     if stale:
         paths = [p for i in sorted(stale) for p in engine.bound[i].out_paths]
-        first = engine.bound[min(stale)]
+        bound = [engine.bound[i] for i in sorted(stale)]
+        classes = list(dict.fromkeys(b.module_class for b in bound))
+        names = list(dict.fromkeys(b.spec.name for b in bound))
         unmaterialized = any(b.buffers is None for b in engine.bound)
         raise StaleError(
             f"{len(paths)} derived buffer(s) do not match their inputs",
             paths=paths,
-            module_class=first.module_class,
-            derivation=first.spec.name,
+            module_class=", ".join(classes),  # each buffer's own below, in `got`
+            derivation=", ".join(names[:4]) + (" ..." if len(names) > 4 else ""),
             path=", ".join(paths[:8]) + (" ..." if len(paths) > 8 else ""),
             expected="every derived buffer refreshed from the current weights",
-            got="; ".join(f"{engine.bound[i].path}: {why}" for i, why in list(stale.items())[:4]),
+            got="; ".join(
+                f"{engine.bound[i].path} ({engine.bound[i].module_class}, "
+                f"{engine.bound[i].spec.name}): {why}"
+                if len(names) > 1 else f"{engine.bound[i].path}: {why}"
+                for i, why in list(stale.items())[:4]),
             fix=fresh_fix(model_class, unmaterialized),
         )
     if owed:

@@ -104,31 +104,27 @@ class Call:
 
     def inputs(self) -> Iterator[Arg]:
         """Every tensor argument."""
-        for a in (*self.args, *self.kwargs.values()):
-            if isinstance(a, Arg):
-                yield a
-            elif isinstance(a, (list, tuple)):
-                yield from (x for x in a if isinstance(x, Arg))
+        return _args(self.args, self.kwargs, frozenset())
 
     def reads(self) -> Iterator[Arg]:
         """Every tensor argument the op reads: not what it only overwrites (the
         destination of `copy_`, `fill_`, `zero_`; an `out=`)."""
         overwritten = set(self.mutated) if self.name in _OVERWRITES else {
             w for w in self.mutated if isinstance(w, str)}
-        for i, a in enumerate(self.args):
-            if i in overwritten:
-                continue
-            if isinstance(a, Arg):
-                yield a
-            elif isinstance(a, (list, tuple)):
-                yield from (x for x in a if isinstance(x, Arg))
-        for k, a in self.kwargs.items():
-            if k in overwritten:
-                continue
-            if isinstance(a, Arg):
-                yield a
-            elif isinstance(a, (list, tuple)):
-                yield from (x for x in a if isinstance(x, Arg))
+        return _args(self.args, self.kwargs, frozenset(overwritten))
+
+
+def _args(args: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[int | str]
+          ) -> Iterator[Arg]:
+    """The tensor arguments (`Arg`s, in lists too), but those at the positions or
+    keywords of `skip`."""
+    for where, a in (*enumerate(args), *kwargs.items()):
+        if where in skip:
+            continue
+        if isinstance(a, Arg):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, Arg))
 
 
 _OVERWRITES = frozenset({"aten.copy_", "aten.fill_", "aten.zero_"})

@@ -92,18 +92,8 @@ class LoadDriver:
 
     @property
     def lazy_refresh(self) -> bool:
-        """Whether loads only mark the derived buffers they make stale, and the check
-        before the next replay (a guarded graph's, an engine's step) refreshes them once.
-
-        For loaders that come in many small calls (one per parameter, each its own load):
-        each call costs its tracking only, and a derivation that reads several of the
-        written tensors is computed once per sync instead of once per call. The cost: the
-        buffers are stale between the sync and the next replay (`stale` lists them, and
-        `assert_fresh` outside a replay refuses), the refresh runs in the replay's path,
-        and a write outside any load into an input they read is refreshed with them
-        rather than refused. A model with transient inputs refreshes at each load's end.
-        Off by default.
-        """
+        """Whether loads only mark what they make stale, for the next replay's check to
+        refresh once (see `Runtime.lazy_refresh`)."""
         return self._deferred.lazy
 
     def set_lazy_refresh(self, value: bool) -> None:
@@ -206,16 +196,9 @@ class LoadDriver:
 
     @contextlib.contextmanager
     def weight_update(self, *, writes: Iterable[str] | None = None) -> Iterator[None]:
-        """A block of writes (the bucketed RL weight sync): load
-        calls inside do not refresh; every write into a model tensor inside is tracked
-        (worker threads' loads join it), writes declared with `gs.mark_written` and
-        in-place writes the version counters see are picked up, and when the block exits
-        normally the affected derivations are refreshed once. An exception leaves the
-        model failed closed until completed loads have written again every tensor it may
-        have written: every weight of the model, or only `writes` (dotted tensor paths)
-        if given, and what it wrote besides. See `expect_writes`. Inside another load or
-        update of the model, the block is part of it (and `writes` is the outer one's).
-        """
+        """A block of writes as one load (see `Runtime.weight_update`): refreshed once
+        when it exits normally, failed closed when it raises; part of the load or update
+        of the model in progress in this thread, if any."""
         if _nested(self._load, "weight_update", type(self._binder.model)):
             yield
             return
@@ -226,14 +209,8 @@ class LoadDriver:
                 yield
 
     def expect_writes(self, paths: Iterable[str] | None) -> None:
-        """Name, inside a `weight_update` block, every tensor it writes from now on: if it
-        fails, only these (and what it wrote besides) are owed. None: any tensor of the
-        model (the default).
-
-        Raises:
-            GraphSafetyError: No update of this model runs in this thread, or a path names
-                no tensor of the model.
-        """
+        """Name what the update in progress in this thread writes from now on (see
+        `Runtime.expect_writes`)."""
         with self._lock:
             load = self._load
             if load is None or load.thread != threading.get_ident():

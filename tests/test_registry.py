@@ -311,3 +311,19 @@ def test_registry_route_with_when_and_a_derivation_spec() -> None:
     gs.runtime(without, reg).refresh()
     assert torch.equal(with_bias.bias_neg, -with_bias.bias)
     assert without.bias_neg is None
+
+
+def test_an_input_set_to_none_is_named_as_such_with_the_when_fix() -> None:
+    reg = gs.Registry()
+
+    @reg.derive(nn.Linear, "weight_t", inputs=["weight"])
+    def weight_t(m: nn.Linear, w: torch.Tensor) -> torch.Tensor:
+        return w.t().contiguous()
+
+    lin = nn.Linear(3, 2)
+    lin.weight = None  # a quantized kernel removed it after loading
+    with pytest.raises(gs.RegistrationError, match=r"input 'weight' is None") as info:
+        gs.runtime(lin, reg).refresh()
+    message = str(info.value)
+    assert "when=lambda m: m.weight is not None" in message
+    assert "tensors there: bias" in message and "tensors there: weight" not in message

@@ -389,14 +389,27 @@ def _container_of(b: BoundDerivation, owner: nn.Module, name: str, full: str) ->
     else:
         if isinstance(owner.__dict__.get(name), torch.Tensor):
             return owner.__dict__
-    known = [*owner._parameters, *owner._buffers] + [
+    known = [k for table in (owner._parameters, owner._buffers)
+             for k, v in table.items() if v is not None] + [
         k for k, v in owner.__dict__.items() if isinstance(v, torch.Tensor)
     ]
+    cls = type(owner).__name__
+    if name in owner._parameters or name in owner._buffers:  # there, and None
+        raise b.error(
+            RegistrationError,
+            f"input {full!r} is None on this {cls}",
+            path=full,
+            expected=f"a tensor at {name!r} of {cls}",
+            got=f"{name!r} is None (removed after loading, as quantized kernels do)"
+            + (f"; tensors there: {', '.join(known)}" if known else ""),
+            fix="skip the modules that do not hold it: "
+            f"`when=lambda m: m.{name} is not None` on the derivation",
+        )
     raise b.error(
         RegistrationError,
         f"unknown input path {full!r}",
         path=full,
-        expected=f"a parameter, buffer or tensor attribute {name!r} of {type(owner).__name__}",
+        expected=f"a parameter, buffer or tensor attribute {name!r} of {cls}",
         got=("tensors there: " + ", ".join(known)) if known else "no tensors there",
         fix="check the spelling of `inputs`, or create the tensor in __init__",
     )

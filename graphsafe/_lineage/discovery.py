@@ -45,7 +45,6 @@ from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Arg, Call, Lineage
 from graphsafe._lineage.resolve import (
     Found,
-    Rewrite,
     Source,
     arguments_now,
     find,
@@ -55,13 +54,13 @@ from graphsafe._lineage.resolve import (
     recompute_scalar,
     sources_of,
 )
+from graphsafe._lineage.rewrites import Rewritten, rewritten_error
 from graphsafe._lineage.window import Window
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
 from graphsafe._memory.walk import Site, ValueSite, step, storage_key
 
-__all__ = ["AuditItem", "Discovered", "Discovery", "moved_error", "rewritten_error",
-           "stale_error"]
+__all__ = ["AuditItem", "Discovered", "Discovery", "moved_error", "stale_error"]
 
 
 class Discovered(BaseModel):
@@ -242,45 +241,6 @@ def _same_number(a: object, b: object) -> bool:
     return a == b
 
 
-class _Rewritten:
-    """A weight the recorded load rewrote in place (`Rewrite`), and whether a later load
-    broke it (`broken`: why)."""
-
-    __slots__ = ("broken", "chain", "module_class", "ops", "path", "site", "sources")
-
-    def __init__(self, rewrite: Rewrite, module_class: str) -> None:
-        self.path = rewrite.weight.path
-        self.site = (rewrite.weight.holder, rewrite.weight.key)
-        self.module_class = module_class
-        self.ops = rewrite.ops
-        self.sources = tuple(dict.fromkeys(s.path for s in rewrite.sources))
-        self.chain = " -> ".join(rewrite.chain)
-        self.broken: str | None = None
-
-    def key(self) -> int:
-        holder, key = self.site
-        with PLAIN():
-            t = holder.get(key)
-            return storage_key(t) if isinstance(t, torch.Tensor) else 0
-
-    def judge(self, ops: Sequence[str]) -> str | None:
-        """Why a load whose writes into the weight were `ops` (in order) left it wrong,
-        or None: loaded, then rewritten the way the recorded load did."""
-        mine = list(self.ops)
-        done = " -> ".join(mine)
-        if not ops:
-            return (f"written by a load graphsafe saw no op of (load_state_dict, a write "
-                    f"it tracks by versions): the post-load rewrite ({done}) not re-applied")
-        if len(ops) > len(mine) and list(ops[-len(mine):]) == mine:
-            return None
-        if list(ops) == mine:
-            return (f"written only by {done}: either loaded raw with the post-load rewrite "
-                    f"not re-applied, or the rewrite re-applied over its own output (a fold "
-                    f"applied twice)")
-        return (f"written by {' -> '.join(ops)}: raw values where the model reads the output "
-                f"of the post-load rewrite ({done}), which this load did not re-apply")
-
-
 class Discovery:
     """The discovered entries of one model, their witnesses and exemptions.
 
@@ -295,7 +255,7 @@ class Discovery:
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
         self._recorded = False
-        self._rewritten: dict[str, _Rewritten] = {}  # weight path -> its rewrite
+        self._rewritten: dict[str, Rewritten] = {}  # weight path -> its rewrite
         self._window: Window | None = None  # the bring-up's forwards, until the capture
 
     def __len__(self) -> int:
@@ -339,7 +299,7 @@ class Discovery:
 
     def judge_rewrites(
         self, written: set[int], ops: Mapping[int, Sequence[str]]
-    ) -> list[_Rewritten]:
+    ) -> list[Rewritten]:
         """A load ended that wrote `written` (storage keys), each rewritten weight by
         `ops[key]`: every weight it left wrong (not exempted); one written the way the
         recorded load did is whole again."""
@@ -380,7 +340,7 @@ class Discovery:
         classes = {id(m._parameters): type(m).__name__ for m in model.modules()}
         classes.update((id(m._buffers), type(m).__name__) for m in model.modules())
         for rewrite in () if lazily else find_rewrites(lineage, sources, derived):
-            self._rewritten[rewrite.weight.path] = _Rewritten(
+            self._rewritten[rewrite.weight.path] = Rewritten(
                 rewrite, classes.get(id(rewrite.weight.holder), type(model).__name__))
         for staged, weight in lineage.copied.items():  # a staging copy stands for its weight
             if weight in sources and staged not in sources:
@@ -605,7 +565,7 @@ class Discovery:
         w = self._witnesses
         return w is None or w.unchanged()
 
-    def broken_rewrites(self) -> list[_Rewritten]:
+    def broken_rewrites(self) -> list[Rewritten]:
         """The weights rewritten in place that a load left wrong, not exempted."""
         return [r for r in self._rewritten.values()
                 if r.broken is not None and r.path not in self._exempt]
@@ -742,26 +702,6 @@ def stale_error(model_class: type, stale: list[tuple[_Entry, str]]) -> StaleErro
         fix="re-run the engine's post-load processing over what was written (in vLLM, "
         "its layerwise processing of the written layers, not `reload_weights` from disk, "
         f"which would discard the sync){declare}; or exempt it if it is meant to differ: "
-        f'`gs.runtime(model).exempt("{first.path}", why="...")`',
-    )
-
-
-def rewritten_error(broken: list[_Rewritten]) -> StaleError:
-    """The refusal of a load, or a replay, after a load left weights that the post-load
-    step rewrites in place with the wrong values."""
-    first = broken[0]
-    return StaleError(
-        f"{len(broken)} weight(s) the post-load step rewrites in place were written by a "
-        "load that did not rewrite them the same way",
-        paths=[r.path for r in broken],
-        module_class=first.module_class,
-        path=", ".join(r.path for r in broken[:8]) + (" ..." if len(broken) > 8 else ""),
-        expected="each load writes the loaded values, then re-applies the post-load rewrite "
-        "(as the first load did: " + first.chain + ")",
-        got="; ".join(f"{r.path}: {r.broken}" for r in broken[:4]),
-        fix="run the engine's full post-load processing after loading these weights (in "
-        "vLLM, its layerwise reload of the written layers); if the rewrite is applied "
-        "elsewhere on purpose, exempt the weight: "
         f'`gs.runtime(model).exempt("{first.path}", why="...")`',
     )
 

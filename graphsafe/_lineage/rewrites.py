@@ -1,0 +1,83 @@
+"""Weights the post-load step rewrites in place, and how each later load is judged.
+
+A weight the recorded load rewrote after loading it, by ops over the model's state (a
+scale folded in, `1 + w`, a layout interleaved or prepacked), holds derived state in the
+parameter itself. Every later load must write it the way the first did: loaded values,
+then the same rewrite; both write trackers keep, for these weights, the ops that write
+each in order. A load whose last writes are not (raw values with the rewrite not
+re-applied, or the rewrite alone over its own output: a fold applied twice) leaves it
+wrong, and it stays so until a load writes it whole again. `Discovery` keeps one
+`Rewritten` per such weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphsafe._errors import StaleError
+from graphsafe._lineage.resolve import Rewrite
+from graphsafe._memory.snapshot import PLAIN
+from graphsafe._memory.walk import storage_key
+
+__all__ = ["Rewritten", "rewritten_error"]
+
+
+class Rewritten:
+    """A weight the recorded load rewrote in place (`Rewrite`), and whether a later load
+    broke it (`broken`: why)."""
+
+    __slots__ = ("broken", "chain", "module_class", "ops", "path", "site", "sources")
+
+    def __init__(self, rewrite: Rewrite, module_class: str) -> None:
+        self.path = rewrite.weight.path
+        self.site = (rewrite.weight.holder, rewrite.weight.key)
+        self.module_class = module_class
+        self.ops = rewrite.ops
+        self.sources = tuple(dict.fromkeys(s.path for s in rewrite.sources))
+        self.chain = " -> ".join(rewrite.chain)
+        self.broken: str | None = None
+
+    def key(self) -> int:
+        holder, key = self.site
+        with PLAIN():
+            t = holder.get(key)
+            return storage_key(t) if isinstance(t, torch.Tensor) else 0
+
+    def judge(self, ops: Sequence[str]) -> str | None:
+        """Why a load whose writes into the weight were `ops` (in order) left it wrong,
+        or None: loaded, then rewritten the way the recorded load did."""
+        mine = list(self.ops)
+        done = " -> ".join(mine)
+        if not ops:
+            return (f"written by a load graphsafe saw no op of (load_state_dict, a write "
+                    f"it tracks by versions): the post-load rewrite ({done}) not re-applied")
+        if len(ops) > len(mine) and list(ops[-len(mine):]) == mine:
+            return None
+        if list(ops) == mine:
+            return (f"written only by {done}: either loaded raw with the post-load rewrite "
+                    f"not re-applied, or the rewrite re-applied over its own output (a fold "
+                    f"applied twice)")
+        return (f"written by {' -> '.join(ops)}: raw values where the model reads the output "
+                f"of the post-load rewrite ({done}), which this load did not re-apply")
+
+
+def rewritten_error(broken: list[Rewritten]) -> StaleError:
+    """The refusal of a load, or a replay, after a load left weights that the post-load
+    step rewrites in place with the wrong values."""
+    first = broken[0]
+    return StaleError(
+        f"{len(broken)} weight(s) the post-load step rewrites in place were written by a "
+        "load that did not rewrite them the same way",
+        paths=[r.path for r in broken],
+        module_class=first.module_class,
+        path=", ".join(r.path for r in broken[:8]) + (" ..." if len(broken) > 8 else ""),
+        expected="each load writes the loaded values, then re-applies the post-load rewrite "
+        "(as the first load did: " + first.chain + ")",
+        got="; ".join(f"{r.path}: {r.broken}" for r in broken[:4]),
+        fix="run the engine's full post-load processing after loading these weights (in "
+        "vLLM, its layerwise reload of the written layers); if the rewrite is applied "
+        "elsewhere on purpose, exempt the weight: "
+        f'`gs.runtime(model).exempt("{first.path}", why="...")`',
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import signal
 import time
 from typing import Any
@@ -261,6 +262,17 @@ def test_torn_bytes_fail_a_verified_sync_on_every_rank_and_control_unverified_re
     results = run_world(torn).ok(0, 1, 2)
     assert not (results[1][0] and results[2][0])  # control: some stage replayed torn bytes
     assert results[1][1] or results[2][1]  # the stage that got them named the checksum
+
+
+def reports_then_aborts(rank: int, ctx: dict[str, Any]) -> Any:
+    report("before", rank)
+    os.abort()
+
+
+def test_a_report_made_just_before_the_process_aborts_reaches_the_parent():
+    world = run_world(reports_then_aborts, late=True)  # no process group: nothing to wait
+    assert {r: world.reports[r].get("before") for r in range(3)} == {0: 0, 1: 1, 2: 2}
+    assert set(world.exitcodes.values()) == {-signal.SIGABRT}
 
 
 # -----------------------------------------------------------------------------

@@ -111,6 +111,15 @@ def _bytes_of(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Whether the compiled kernel can read `t`'s bytes as they are: a plain tensor (a
+    subclass may run code on reads), dense, contiguous, with no lazy conjugate or
+    negation."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
+            and t.is_contiguous() and not t.is_quantized and not t.is_conj()
+            and not t.is_neg())
+
+
 class Digests:
     """The digests of several tensors, computed as they are added: on a CPU at once
     (without the GIL, so other threads run meanwhile), on a GPU queued on the current
@@ -122,22 +131,37 @@ class Digests:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, t: torch.Tensor, name: str = "tensor") -> None:
-        """Take the digest of `t` (`name` is for errors).
+    def add(self, t: torch.Tensor, name: str = "tensor", *,
+            into: torch.Tensor | None = None) -> None:
+        """Take the digest of `t` (`name` is for errors); with `into`, a tensor of its
+        shape and dtype, also copy `t` there. On a CPU with the compiled kernel the copy
+        is made in the same pass, from the bytes the digest reads (a weight sync's
+        packing); elsewhere it is `into.copy_(t)` after the digest.
 
         Raises:
             TypeError: `t` is not a dense tensor with values (sparse, quantized, meta).
         """
-        flat = _bytes_of(t, name)
         sums: Digest | torch.Tensor
-        if flat.device.type == "cpu":
-            native = loader.get()
-            sums = (native.fingerprint_sums(flat, -1) if native is not None
-                    else _words(torch_sums(flat)))
-        elif flat.device.type == "cuda" and gpu.available():
-            sums = gpu.sums(flat)
+        native = loader.get() if t.device.type == "cpu" else None
+        if native is not None and _plain(t):  # the kernel reads its bytes as they are
+            out = None
+            if (into is not None and into.device.type == "cpu" and into.dtype == t.dtype
+                    and into.shape == t.shape and _plain(into)):
+                out, into = into, None
+            sums = (native.fingerprint_sums(t, -1) if out is None
+                    else native.fingerprint_sums(t, -1, out))
         else:
-            sums = torch_sums(flat)
+            flat = _bytes_of(t, name)
+            if flat.device.type == "cpu":
+                sums = (native.fingerprint_sums(flat, -1) if native is not None
+                        and type(flat) is torch.Tensor else _words(torch_sums(flat)))
+            elif flat.device.type == "cuda" and gpu.available():
+                sums = gpu.sums(flat)
+            else:
+                sums = torch_sums(flat)
+        if into is not None:
+            with torch.no_grad():
+                into.copy_(t)
         self._items.append((sums, t.dtype, tuple(t.shape)))
 
     def done(self) -> list[Digest]:

@@ -95,7 +95,8 @@ class Native(Protocol):
     def observer_pending(self) -> bool: ...
     def observer_drain(self) -> tuple[dict[int, str], bool]: ...
     def observer_quiet(self, enter: bool, /) -> None: ...
-    def fingerprint_sums(self, tensor: Any, level: int, /) -> tuple[int, int]: ...
+    def fingerprint_sums(self, tensor: Any, level: int, out: Any = None, /
+                         ) -> tuple[int, int]: ...
     def fingerprint_level(self) -> int: ...
 
 
@@ -363,13 +364,16 @@ _FINGERPRINT_KNOWN = (0x191C502A263F09FB, 0x3A99C44EDC285CC4)
 
 def _fingerprint_check(module: Any) -> bool:
     """Whether every loop this CPU runs gives the known answer, and the same sums as the
-    scalar loop over a buffer long enough for the vector loops and their threads."""
+    scalar loop over a buffer long enough for the vector loops, copying it or not."""
     small = torch.arange(37, dtype=torch.uint8)
     large = torch.arange(4099, dtype=torch.int64).mul_(0x5851F42D).view(torch.uint8)[3:-2]
     want = module.fingerprint_sums(large, 0)
+    copied = torch.empty_like(large)
     return all(
         module.fingerprint_sums(small, level) == _FINGERPRINT_KNOWN
         and module.fingerprint_sums(large, level) == want
+        and module.fingerprint_sums(large, level, copied.zero_()) == want
+        and torch.equal(copied, large)
         for level in range(module.fingerprint_level() + 1)
     )
 

@@ -11,8 +11,10 @@ built from scratch from the trainer's weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -33,6 +35,8 @@ from dist_worlds import (
 import graphsafe as gs
 import graphsafe.distributed as gsd
 from graphsafe.distributed import _sender
+from graphsafe.distributed._protocol.layout import _TRAILER, _trailer
+from graphsafe.distributed._receive import metadata, transfer
 
 _BUCKET = 16 << 10
 _STEP = TIMEOUT + 1.5  # a train step longer than the transfer timeout
@@ -310,6 +314,120 @@ def test_a_report_made_just_before_the_process_aborts_reaches_the_parent():
     world = run_world(reports_then_aborts, late=True)  # no process group: nothing to wait
     assert {r: world.reports[r].get("before") for r in range(3)} == {0: 0, 1: 1, 2: 2}
     assert set(world.exitcodes.values()) == {-signal.SIGABRT}
+
+
+# -----------------------------------------------------------------------------
+# two checks of the plan: an unexpected entry in a partial sync; another sync's trailer
+
+
+def _claiming_all() -> Any:
+    """The receivers' verdict weakened: each claims every entry of the sync."""
+    real = metadata._verdict
+
+    def verdict(plan: Any, expected: frozenset[str], *args: Any) -> Any:
+        return real(plan, expected | {e.name for e in plan.entries}, *args)
+
+    return real, verdict
+
+
+def _stale_trailer(bucket: int, sync: int) -> Any:
+    """`dist.broadcast` that sends packed bucket `bucket` with `sync` in its trailer (a
+    bucket of that sync: the data is this sync's, whole)."""
+    real = dist.broadcast
+    calls, held = [0], []
+
+    def broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == bucket + 1:
+            tensor = tensor.clone()
+            tensor[-_TRAILER:].view(torch.int64)[1] = sync
+            held.append(tensor)
+        return real(tensor, *args, **kwargs)
+
+    return real, broadcast
+
+
+def _ignoring_sync() -> Any:
+    """The receivers' trailer check without its comparison of the sync id."""
+    real = transfer._check_trailer
+
+    def check(slot: torch.Tensor, size: int, plan: Any, *args: Any) -> Any:
+        sync = int(_trailer(slot, size)[1])
+        return real(slot, size, dataclasses.replace(plan, sync=sync), *args)
+
+    return real, check
+
+
+def plan_checks(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    cks = {seed: checkpoint(seed) for seed in (2, 3, 4, 5)}
+    bogus = [*cks[3][:10], ("bogus.entry", torch.zeros(3))]
+    timeout = datetime.timedelta(seconds=TIMEOUT)
+    if rank == 0:
+        first = gsd.send_weights(cks[2], src=0, group=group, bucket_bytes=_BUCKET)
+        for _ in range(2):  # checked, then the control with every receiver claiming all
+            err = _raises(lambda: gsd.send_weights(bogus, src=0, group=group, partial=True),
+                          "refused before any data moved|did not apply the sync")
+        assert err.failed_ranks == (1, 2)  # the control: the data moved
+        gsd.send_weights(cks[3], src=0, group=group, bucket_bytes=_BUCKET)
+        real, stale = _stale_trailer(3, first.sync)
+        dist.broadcast = stale
+        try:
+            err = _raises(lambda: gsd.send_weights(cks[4], src=0, group=group,
+                                                   bucket_bytes=_BUCKET), "")
+            group = gsd.recover(err, group=group, timeout=timeout)
+            gsd.send_weights(cks[4], src=0, group=group, bucket_bytes=_BUCKET)  # control
+        finally:
+            dist.broadcast = real
+        gsd.send_weights(cks[5], src=0, group=group, bucket_bytes=_BUCKET)
+        return err.recovery
+    stage = Stage.build(rank, checkpoint(1))
+    gsd.receive_weights(stage.model, src=0, group=group)
+    # A partial sync carrying an entry no receiver expects: refused before any data
+    # moved, the model untouched (it replays the last sync's weights).
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
+                  rf"rank {rank}: the sync was refused before any data moved")
+    assert "no receiver expects 1 entry of the sync: 'bogus.entry'" in str(err)
+    untouched = stage.replays(cks[2])
+    real_verdict, claiming = _claiming_all()
+    metadata._verdict = claiming  # control: the check weakened
+    try:
+        _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
+                "did not apply the sync|rejected 1 entry")
+    finally:
+        metadata._verdict = real_verdict
+    moved = stage.refused()  # the data moved: failed closed, no longer untouched
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(cks[3])
+    # A trailer carrying another sync's id fails every rank.
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group), "")
+    refused_trailer = stage.refused()
+    group = gsd.recover(err, group=group, timeout=timeout)
+    real_check, ignoring = _ignoring_sync()
+    transfer._check_trailer = ignoring  # control: the comparison removed
+    try:
+        gsd.receive_weights(stage.model, src=0, group=group)  # every rank applies it
+    finally:
+        transfer._check_trailer = real_check
+    applied = stage.replays(cks[4])
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(cks[5])
+    return untouched, moved, str(err), err.recovery, refused_trailer, applied
+
+
+def test_unexpected_entry_in_partial_and_stale_trailer_fail_every_rank_and_controls_pass():
+    results = run_world(plan_checks).ok(0, 1, 2)
+    assert results[0] == "group"  # the sender failed too
+    for r in (1, 2):
+        untouched, moved, _, recovery, refused, applied = results[r]
+        assert untouched  # refused before any data moved
+        assert moved == "StaleError"  # control: with the check weakened the data moved
+        assert recovery == "group" and refused == "StaleError"
+        assert applied  # control: without the comparison every rank applied the sync
+    # The rank that read the stale trailer names it; the other was told by the store.
+    errors = results[1][2] + results[2][2]
+    assert re.search(r"bucket 3 arrived with a wrong trailer", errors), errors
+    assert "sync " in errors
 
 
 # -----------------------------------------------------------------------------

@@ -181,6 +181,15 @@ def test_digests_are_equal_across_processes_and_paths_and_control_one_flipped_bi
     assert [n for n in same[0] if same[0][n] != flip[n]] == ["h"]  # the control
 
 
+def test_some_names_of_a_module_in_their_order_and_an_unknown_name_is_named() -> None:
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    every = gs.fingerprint(model)
+    some = gs.fingerprint(model, ["1.bias", "0.weight"])
+    assert list(some.items()) == [("1.bias", every["1.bias"]), ("0.weight", every["0.weight"])]
+    with pytest.raises(KeyError, match=r"no entry '2\.weight'"):
+        gs.fingerprint(model, ["0.weight", "2.weight"])
+
+
 def test_what_has_no_fingerprint_is_named() -> None:
     with pytest.raises(TypeError, match=r"cannot fingerprint 'm': a meta tensor"):
         gs.fingerprint({"m": torch.empty(3, device="meta")})

@@ -13,8 +13,9 @@
    and with buckets of a sixteenth.
    Each time runs from a barrier to a barrier, so it ends when the receiver has the
    data (and, for the sync, has loaded and refreshed). Every sync checks its
-   completeness (the receivers' verdict on the metadata) before any data moves; the
-   same syncs with `verify=True` give the checksums' cost per GiB.
+   completeness (the receivers' verdict on the metadata) before any data moves, and is
+   fingerprinted end to end (`verify`, the default); the same syncs with `verify=False`
+   give the fingerprints' cost (the ratio of the two, and seconds per GiB).
 2. A trainer and two pipeline stages of DeepSeek V4 (`--preset`, flash by default): the
    stages' refresh time against their whole sync time, and the staging memory.
 3. Faults, each in a world of its own (the tiny DeepSeek V4 on a trainer and two
@@ -122,7 +123,7 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
                     params[name].data.copy_(part.view_as(params[name]))
 
     def sync(bucket: int, overlap: bool = True, direct: bool = True,
-             verify: bool = False) -> Callable[[], None]:
+             verify: bool = True) -> Callable[[], None]:
         def run() -> None:
             if rank == 0:
                 gsd.send_weights(ck, src=0, bucket_bytes=bucket, overlap=overlap,
@@ -136,10 +137,11 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
     sync(256 << 20)()  # first sync: materialize the derived buffer, allocate staging
     sync(quarter)()
     runs = {"raw": raw, "loop": loop, "loop_async": loop_async, "copies": copies,
-            "one": sync(256 << 20), "one_packed": sync(256 << 20, direct=False),
-            "quarter": sync(quarter), "quarter_serial": sync(quarter, overlap=False),
-            "sixteenth": sync(sixteenth), "one_verified": sync(256 << 20, verify=True),
-            "quarter_verified": sync(quarter, verify=True)}
+            "one": sync(256 << 20), "one_unverified": sync(256 << 20, verify=False),
+            "one_packed": sync(256 << 20, direct=False),
+            "one_packed_unverified": sync(256 << 20, direct=False, verify=False),
+            "quarter": sync(quarter), "quarter_unverified": sync(quarter, verify=False),
+            "quarter_serial": sync(quarter, overlap=False), "sixteenth": sync(sixteenth)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
         for key, run in runs.items():
@@ -147,7 +149,12 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
     if rank == 0:
         return None
     med = {k: statistics.median(v) for k, v in times.items()}
+    # The fingerprints' cost: per repeat, the sync over the same sync unverified (the
+    # two ran next to each other), then the median of those ratios.
+    ratios = {k: statistics.median(a / b for a, b in zip(times[k], times[f"{k}_unverified"]))
+              for k in ("one", "one_packed", "quarter")}
     return {
+        "fingerprint_ratio": ratios,
         "bytes": n * tensor, "tensors": n, "tensor_bytes": tensor, "quarter_bucket": quarter,
         "sixteenth_bucket": sixteenth,
         "seconds": med,
@@ -407,14 +414,14 @@ def _table1(f1: dict[str, Any]) -> str:
         ("loop_async", "  the same, async_op=True, all posted then waited for"),
         ("copies", "pack, one broadcast, unpack, by hand (no graphsafe)"),
         ("one", "send_weights/receive_weights, one bucket"),
+        ("one_unverified", "  the same, verify=False (no fingerprints)"),
         ("one_packed", "  the same, direct_bytes=None (every tensor packed)"),
+        ("one_packed_unverified", "  the same, packed, verify=False"),
         ("quarter", f"send_weights/receive_weights, {f1['quarter_bucket'] >> 20} MiB buckets"),
+        ("quarter_unverified", "  the same, verify=False"),
         ("quarter_serial", "  the same, overlap=False (copies not overlapped)"),
         ("sixteenth",
          f"send_weights/receive_weights, {f1['sixteenth_bucket'] >> 20} MiB buckets"),
-        ("one_verified", "send_weights(verify=True), one bucket"),
-        ("quarter_verified", f"send_weights(verify=True), {f1['quarter_bucket'] >> 20} MiB "
-         "buckets"),
     ):
         rows.append(f"   {what:<58} {s[key]:>9.4f} {f1['bytes'] / s[key] / 2**30:>7.2f} "
                     f"{s[key] / s['raw']:>6.2f}x")
@@ -422,10 +429,11 @@ def _table1(f1: dict[str, Any]) -> str:
     rows.append(f"   fastest sync / hand-written pack-broadcast-unpack: {best / s['copies']:.2f}x "
                 "(the packing and unpacking copies are what separates a sync from raw)")
     gib = f1["bytes"] / 2**30
-    rows.append(f"   checksums (verify=True): +{(s['one_verified'] - s['one']) / gib:.3f} s/GiB "
-                f"with one bucket, +{(s['quarter_verified'] - s['quarter']) / gib:.3f} s/GiB "
-                f"with {f1['quarter_bucket'] >> 20} MiB buckets "
-                f"({s['quarter_verified'] / s['quarter']:.2f}x the unverified sync)")
+    r = f1["fingerprint_ratio"]
+    rows.append(f"   fingerprints (the default against verify=False, median of per-repeat "
+                f"ratios): {r['one']:.3f}x with one bucket, {r['one_packed']:.3f}x packed, "
+                f"{r['quarter']:.3f}x with {f1['quarter_bucket'] >> 20} MiB buckets; "
+                f"{(s['one'] - s['one_unverified']) / gib:+.3f} s/GiB with one bucket")
     rows.append(f"   receiver refresh (one derived buffer) {f1['refresh_seconds'] * 1e3:.2f} ms; "
                 f"staging {f1['staging_bytes'] / 2**20:.1f} MiB (the one-bucket sync's; "
                 "the smaller buckets' two slots fit in it)")

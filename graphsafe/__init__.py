@@ -11,6 +11,7 @@ from graphsafe._errors import RegistrationError
 from graphsafe._errors import StaleError
 from graphsafe._errors import StorageMovedError
 from graphsafe._errors import WeightLoadError
+from graphsafe._fingerprint.digest import fingerprint
 from graphsafe._graphs.graph import Graph
 from graphsafe._lineage.discovery import Discovered
 from graphsafe._lineage.probes import register_probe
@@ -58,6 +59,7 @@ __all__ = [
     "audit",
     "default_registry",
     "derive",
+    "fingerprint",
     "graphsafe",
     "load_into",
     "mark_written",

@@ -4,8 +4,9 @@
 each of which initializes a gloo world on `127.0.0.1` with a short timeout and runs
 `scenario(rank, ctx)`; what the scenario returns, or the traceback it raised, comes
 back per rank. A hard deadline kills every process left and fails: a fault test never
-hangs. A scenario may kill its own process (`die`): its rank reports what it put before
-dying, and its exit code is `-SIGKILL`.
+hangs. A scenario may end its own process (`die`), or have gloo abort it: each rank
+writes its reports into a pipe of its own, and a report is in the pipe when `report`
+returns, so what a rank reported reaches the parent whatever ends it next.
 
 The fault suite runs the tiny DeepSeek V4 split into two pipeline stages: rank 0 is the
 trainer (the full checkpoint), ranks 1 and 2 the stages.
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue as queue_mod
 import signal
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import pytest
@@ -47,21 +48,20 @@ def _context() -> Any:
     return ctx
 
 
-_QUEUE: list[Any] = [None]
-_RANK = [0]
+_PIPE: list[Connection | None] = [None]
 
 
 def report(key: str, value: Any) -> None:
-    """Send `value` to the parent now, under `key` (it arrives even if the process dies
-    next)."""
-    _QUEUE[0].put((_RANK[0], key, value))
+    """Send `value` to the parent under `key`: written into this rank's pipe before it
+    returns (no feeder thread), so it arrives even if the process dies next."""
+    pipe = _PIPE[0]
+    assert pipe is not None
+    pipe.send((key, value))
 
 
 def die() -> None:
-    """SIGKILL this process, after what it reported reached the parent."""
+    """SIGKILL this process, after reporting when."""
     report("killed_at", time.monotonic())
-    _QUEUE[0].close()
-    _QUEUE[0].join_thread()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -74,21 +74,20 @@ def init_world(rank: int, port: int, world: int = WORLD) -> dist.ProcessGroup:
     return group
 
 
-def _child(scenario: Scenario, rank: int, ports: list[int], world: int, results: Any,
+def _child(scenario: Scenario, rank: int, ports: list[int], world: int, pipe: Connection,
            args: dict[str, Any]) -> None:
-    _QUEUE[0], _RANK[0] = results, rank
+    _PIPE[0] = pipe
     code = 0
     try:
         ctx: dict[str, Any] = dict(args, ports=ports, world=world)
         if not args.get("late"):
             ctx["group"] = init_world(rank, ports[0], world)
-        results.put((rank, "result", scenario(rank, ctx)))
+        report("result", scenario(rank, ctx))
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        report("error", traceback.format_exc())
         code = 1
     finally:
-        results.close()
-        results.join_thread()
+        pipe.close()
         os._exit(code)
 
 
@@ -114,7 +113,7 @@ class World:
         return {r: self.reports[r]["result"] for r in ranks}
 
 
-def run_world(scenario: Scenario, *, world: int = WORLD, deadline: float = 60.0,
+def run_world(scenario: Scenario, *, world: int = WORLD, deadline: float = 180.0,
               extra: Iterable[tuple[int, Scenario]] = (), start_extra_after: str = "",
               **args: Any) -> World:
     """Run `scenario` on every rank of a new world; kill what is left at `deadline`.
@@ -124,51 +123,63 @@ def run_world(scenario: Scenario, *, world: int = WORLD, deadline: float = 60.0,
             ranks, timeout `TIMEOUT`), `ports` (two free ports: the world's, and one for
             a world made after a failure), `world` and `args`.
         world: The number of ranks.
-        deadline: Seconds the whole world may take.
+        deadline: Seconds the whole world may take: a guard against a hang, not a
+            measure (a loaded machine takes several times the usual time).
         extra: (rank, scenario) of processes started later, once some rank reported
             `start_extra_after` (a restarted trainer); they join no world by themselves
-            (`late`: they call `init_world` with `ctx["ports"][1]`).
+            (`late`: they call `init_world` with `ctx["ports"][1]`). Their reports are
+            kept under `100 + rank`.
         start_extra_after: The report key that starts them.
         **args: Put into `ctx`.
     """
     ctx = _context()
-    results = ctx.Queue()
     ports = [free_port(), free_port()]
-    procs = {r: ctx.Process(target=_child, args=(scenario, r, ports, world, results, args),
-                            daemon=True) for r in range(world)}
-    for p in procs.values():
+    readers: dict[Any, int] = {}  # the parent's end of each process's pipe -> its key
+    every: dict[int, Any] = {}  # key -> process
+
+    def start(key: int, rank: int, fn: Scenario, kwargs: dict[str, Any]) -> None:
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(fn, rank, ports, world, writer, kwargs),
+                        daemon=True)
         p.start()
+        writer.close()  # the child holds it now: when it ends, this end reads EOF
+        readers[reader] = key
+        every[key] = p
+
+    for r in range(world):
+        start(r, r, scenario, args)
     pending = list(extra)
-    late: dict[int, Any] = {}
     out = World()
     end = time.monotonic() + deadline
     try:
-        while time.monotonic() < end:
-            try:
-                rank, key, value = results.get(timeout=0.1)
-                out.reports.setdefault(rank + 100 * (rank in late), {})[key] = value
-                if pending and key == start_extra_after:
+        while readers and time.monotonic() < end:
+            ready = wait(list(readers), timeout=0.1)
+            if not ready and not pending and all(p.exitcode is not None
+                                                 for p in every.values()):
+                readers.clear()  # every process ended and nothing is left to read
+            for conn in ready:
+                key = readers[conn]
+                try:
+                    name, value = conn.recv()  # type: ignore[union-attr]
+                except EOFError:  # the process ended: everything it reported was read
+                    del readers[conn]
+                    continue
+                out.reports.setdefault(key, {})[name] = value
+                if pending and name == start_extra_after:
                     for r, fn in pending:
-                        p = ctx.Process(target=_child, daemon=True, args=(
-                            fn, r, ports, world, results, dict(args, late=True)))
-                        p.start()
-                        late[r] = p
+                        start(100 + r, r, fn, dict(args, late=True))
                     pending = []
-            except queue_mod.Empty:
-                if all(p.exitcode is not None for p in [*procs.values(), *late.values()]):
-                    break
     finally:
-        every = [*procs.items(), *((100 + r, p) for r, p in late.items())]
-        for _, p in every:
-            if p.exitcode is None:
+        for p in every.values():
+            if p.exitcode is None and readers:
                 p.kill()
-        for r, p in every:
+        for key, p in every.items():
             p.join(timeout=10)
-            out.exitcodes[r] = p.exitcode
-    leftover = [r for r, p in every if p.exitcode is None]
+            out.exitcodes[key] = p.exitcode
+    leftover = [key for key, p in every.items() if p.exitcode is None]
     if leftover:
         pytest.fail(f"ranks {leftover} did not end", pytrace=False)
-    if time.monotonic() >= end:
+    if readers:
         pytest.fail(f"the world ran past its deadline of {deadline} s; reports: "
                     f"{out.reports}", pytrace=False)
     return out

@@ -11,7 +11,10 @@ built from scratch from the trainer's weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import os
+import re
 import signal
 import time
 from typing import Any
@@ -32,6 +35,8 @@ from dist_worlds import (
 import graphsafe as gs
 import graphsafe.distributed as gsd
 from graphsafe.distributed import _sender
+from graphsafe.distributed._protocol.layout import _TRAILER, _trailer
+from graphsafe.distributed._receive import metadata, transfer
 
 _BUCKET = 16 << 10
 _STEP = TIMEOUT + 1.5  # a train step longer than the transfer timeout
@@ -175,7 +180,7 @@ def partial_heal(rank: int, ctx: dict[str, Any]) -> Any:
     if rank == 0:
         broken = [(n, torch.empty(t.shape, device="meta") if n == "layers.2.hc_ffn_fn" else t)
                   for n, t in checkpoint(5)]
-        with pytest.raises(NotImplementedError):
+        with pytest.raises(TypeError, match="a meta tensor has no values"):
             gsd.send_weights(broken, src=0, group=group, bucket_bytes=_BUCKET)
         gsd.send_weights(new[:10], src=0, group=group, partial=True)
         gsd.send_weights([], src=0, group=group, partial=True)
@@ -206,12 +211,128 @@ def test_a_partial_sync_heals_only_what_it_rewrote_and_control_an_unsaid_partial
 
 
 # -----------------------------------------------------------------------------
-# torn bytes: checksums
+# end to end: bytes changed between the trainer's tensors and the receivers
 
 
-def _tearing(bucket: int) -> Any:
-    """`dist.broadcast` that puts the `bucket`-th broadcast on the wire with one byte
-    flipped, the sender's own buffer intact: bytes torn on the way."""
+_DIRECT = 8 << 10  # these syncs send entries of 8 KiB and more as direct buckets
+_FAULTS = {  # fault -> (the bucket it hits, the entry there; with _BUCKET and _DIRECT)
+    "staging": (5, "layers.0.hc_ffn_base"),  # packed: bucket 5 starts with it
+    "wire": (0, "hc_head_fn"),  # packed, held by the second stage
+    "short": (2, "layers.0.hc_attn_fn"),  # direct: 24 KiB, alone in bucket 2
+}
+
+
+def _faulty(fault: str) -> Any:
+    """`dist.broadcast` that damages the sender's broadcast of one bucket, below every
+    check the sender makes (its fingerprints were taken, its bucket matched the plan):
+
+    - `staging`: one byte flipped in the sender's staging slot, after packing;
+    - `wire`: one byte flipped on the way (the sender's slot intact);
+    - `short`: a direct bucket cut 64 bytes short on the wire (gloo takes it silently).
+    """
+    real = dist.broadcast
+    bucket = _FAULTS[fault][0]
+    calls, held = [0], []
+
+    def broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == bucket + 1:  # the sync's broadcasts are its buckets, in order
+            if fault == "staging":
+                tensor.view(torch.uint8)[3] ^= 0x40  # the exponent of the first value
+            elif fault == "wire":
+                tensor = tensor.clone()
+                tensor.view(torch.uint8)[3] ^= 0x40
+            else:
+                tensor = tensor[:-64]
+            held.append(tensor)  # alive until the asynchronous broadcast has read it
+        return real(tensor, *args, **kwargs)
+
+    return real, broadcast
+
+
+def end_to_end(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    cks = {seed: checkpoint(seed) for seed in range(2, 9)}
+    runs = [(fault, verify) for fault in _FAULTS for verify in (True, False)]
+    if rank == 0:
+        for (fault, verify), seed in zip(runs, cks):
+            real, faulty = _faulty(fault)
+            dist.broadcast = faulty
+            try:
+                if verify:  # the default
+                    entry = _FAULTS[fault][1]
+                    err = _raises(lambda seed=seed: gsd.send_weights(
+                        cks[seed], src=0, group=group, bucket_bytes=_BUCKET,
+                        direct_bytes=_DIRECT),
+                        rf"did not apply the sync: '{entry}' arrived changed")
+                    assert err.mismatched == (entry,) and err.recovery == "resend"
+                    assert err.failed_ranks == (1, 2)
+                else:
+                    gsd.send_weights(cks[seed], src=0, group=group, bucket_bytes=_BUCKET,
+                                     direct_bytes=_DIRECT, verify=False)
+            finally:
+                dist.broadcast = real
+        report_ = gsd.send_weights(cks[8], src=0, group=group, bucket_bytes=_BUCKET,
+                                   direct_bytes=_DIRECT)
+        assert report_.verified and report_.fingerprinted == len(cks[8])
+        return None
+    stage = Stage.build(rank, checkpoint(1))
+    held = {n for n, _ in stage.model.named_parameters()}
+    wrong: dict[str, bool] = {}
+    for (fault, verify), seed in zip(runs, cks):
+        entry = _FAULTS[fault][1]
+        if verify:  # every receiver names the entry, and refuses to replay
+            err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
+                          rf"rank {rank}: 1 entry of the sync arrived other than the "
+                          rf"sender was given it: '{entry}'")
+            assert err.mismatched == (entry,) and err.recovery == "resend"
+            assert f"the sender's {gs.fingerprint(dict(cks[seed]))[entry]}" in str(err)
+            assert stage.refused() == "StaleError"
+        else:  # control: unverified, the same fault reaches the model unseen
+            got = gsd.receive_weights(stage.model, src=0, group=group)
+            assert not got.verified and got.fingerprinted == 0
+            if entry in held:
+                wrong[fault] = not stage.replays(cks[seed])
+    got = gsd.receive_weights(stage.model, src=0, group=group)
+    assert got.verified and got.fingerprinted == len(cks[8])
+    assert stage.replays(cks[8])
+    return wrong
+
+
+def test_bytes_changed_after_the_fingerprint_fail_every_rank_by_entry_and_control_replays():
+    results = run_world(end_to_end).ok(0, 1, 2)
+    wrong = {**results[1], **results[2]}  # each fault, on the stage that holds its entry
+    assert wrong == {fault: True for fault in _FAULTS}
+
+
+def reports_then_aborts(rank: int, ctx: dict[str, Any]) -> Any:
+    report("before", rank)
+    os.abort()
+
+
+def test_a_report_made_just_before_the_process_aborts_reaches_the_parent():
+    world = run_world(reports_then_aborts, late=True)  # no process group: nothing to wait
+    assert {r: world.reports[r].get("before") for r in range(3)} == {0: 0, 1: 1, 2: 2}
+    assert set(world.exitcodes.values()) == {-signal.SIGABRT}
+
+
+# -----------------------------------------------------------------------------
+# two checks of the plan: an unexpected entry in a partial sync; another sync's trailer
+
+
+def _claiming_all() -> Any:
+    """The receivers' verdict weakened: each claims every entry of the sync."""
+    real = metadata._verdict
+
+    def verdict(plan: Any, expected: frozenset[str], *args: Any) -> Any:
+        return real(plan, expected | {e.name for e in plan.entries}, *args)
+
+    return real, verdict
+
+
+def _stale_trailer(bucket: int, sync: int) -> Any:
+    """`dist.broadcast` that sends packed bucket `bucket` with `sync` in its trailer (a
+    bucket of that sync: the data is this sync's, whole)."""
     real = dist.broadcast
     calls, held = [0], []
 
@@ -219,48 +340,94 @@ def _tearing(bucket: int) -> Any:
         calls[0] += 1
         if calls[0] == bucket + 1:
             tensor = tensor.clone()
-            tensor.view(torch.uint8)[3] ^= 0x40  # the exponent of the first value
-            held.append(tensor)  # alive until the asynchronous broadcast read it
+            tensor[-_TRAILER:].view(torch.int64)[1] = sync
+            held.append(tensor)
         return real(tensor, *args, **kwargs)
 
     return real, broadcast
 
 
-def torn(rank: int, ctx: dict[str, Any]) -> Any:
+def _ignoring_sync() -> Any:
+    """The receivers' trailer check without its comparison of the sync id."""
+    real = transfer._check_trailer
+
+    def check(slot: torch.Tensor, size: int, plan: Any, *args: Any) -> Any:
+        sync = int(_trailer(slot, size)[1])
+        return real(slot, size, dataclasses.replace(plan, sync=sync), *args)
+
+    return real, check
+
+
+def plan_checks(rank: int, ctx: dict[str, Any]) -> Any:
     group = ctx["group"]
-    cks = {seed: checkpoint(seed) for seed in (2, 3, 4)}
+    cks = {seed: checkpoint(seed) for seed in (2, 3, 4, 5)}
+    bogus = [*cks[3][:10], ("bogus.entry", torch.zeros(3))]
+    timeout = datetime.timedelta(seconds=TIMEOUT)
     if rank == 0:
-        for seed, verify in ((2, False), (3, True)):
-            real, tearing = _tearing(2)
-            dist.broadcast = tearing
-            try:
-                if verify:
-                    err = _raises(lambda seed=seed: gsd.send_weights(cks[seed], src=0, group=group,
-                                                           bucket_bytes=_BUCKET, verify=True),
-                                  r"did not apply the sync")
-                    assert err.failed_ranks
-                else:
-                    gsd.send_weights(cks[seed], src=0, group=group, bucket_bytes=_BUCKET)
-            finally:
-                dist.broadcast = real
-        report_ = gsd.send_weights(cks[4], src=0, group=group, bucket_bytes=_BUCKET, verify=True)
-        assert report_.verified
-        return None
+        first = gsd.send_weights(cks[2], src=0, group=group, bucket_bytes=_BUCKET)
+        for _ in range(2):  # checked, then the control with every receiver claiming all
+            err = _raises(lambda: gsd.send_weights(bogus, src=0, group=group, partial=True),
+                          "refused before any data moved|did not apply the sync")
+        assert err.failed_ranks == (1, 2)  # the control: the data moved
+        gsd.send_weights(cks[3], src=0, group=group, bucket_bytes=_BUCKET)
+        real, stale = _stale_trailer(3, first.sync)
+        dist.broadcast = stale
+        try:
+            err = _raises(lambda: gsd.send_weights(cks[4], src=0, group=group,
+                                                   bucket_bytes=_BUCKET), "")
+            group = gsd.recover(err, group=group, timeout=timeout)
+            gsd.send_weights(cks[4], src=0, group=group, bucket_bytes=_BUCKET)  # control
+        finally:
+            dist.broadcast = real
+        gsd.send_weights(cks[5], src=0, group=group, bucket_bytes=_BUCKET)
+        return err.recovery
     stage = Stage.build(rank, checkpoint(1))
-    gsd.receive_weights(stage.model, src=0, group=group)  # control: torn, unverified
-    exact_unverified = stage.replays(cks[2])
+    gsd.receive_weights(stage.model, src=0, group=group)
+    # A partial sync carrying an entry no receiver expects: refused before any data
+    # moved, the model untouched (it replays the last sync's weights).
     err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
-                  rf"rank {rank}: .*(checksum other than the sender's|did not apply the sync)")
-    assert stage.refused() == "StaleError"
-    got = gsd.receive_weights(stage.model, src=0, group=group)
-    assert got.verified and stage.replays(cks[4])
-    return exact_unverified, "checksum" in str(err)
+                  rf"rank {rank}: the sync was refused before any data moved")
+    assert "no receiver expects 1 entry of the sync: 'bogus.entry'" in str(err)
+    untouched = stage.replays(cks[2])
+    real_verdict, claiming = _claiming_all()
+    metadata._verdict = claiming  # control: the check weakened
+    try:
+        _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
+                "did not apply the sync|rejected 1 entry")
+    finally:
+        metadata._verdict = real_verdict
+    moved = stage.refused()  # the data moved: failed closed, no longer untouched
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(cks[3])
+    # A trailer carrying another sync's id fails every rank.
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group), "")
+    refused_trailer = stage.refused()
+    group = gsd.recover(err, group=group, timeout=timeout)
+    real_check, ignoring = _ignoring_sync()
+    transfer._check_trailer = ignoring  # control: the comparison removed
+    try:
+        gsd.receive_weights(stage.model, src=0, group=group)  # every rank applies it
+    finally:
+        transfer._check_trailer = real_check
+    applied = stage.replays(cks[4])
+    gsd.receive_weights(stage.model, src=0, group=group)
+    assert stage.replays(cks[5])
+    return untouched, moved, str(err), err.recovery, refused_trailer, applied
 
 
-def test_torn_bytes_fail_a_verified_sync_on_every_rank_and_control_unverified_replays_them():
-    results = run_world(torn).ok(0, 1, 2)
-    assert not (results[1][0] and results[2][0])  # control: some stage replayed torn bytes
-    assert results[1][1] or results[2][1]  # the stage that got them named the checksum
+def test_unexpected_entry_in_partial_and_stale_trailer_fail_every_rank_and_controls_pass():
+    results = run_world(plan_checks).ok(0, 1, 2)
+    assert results[0] == "group"  # the sender failed too
+    for r in (1, 2):
+        untouched, moved, _, recovery, refused, applied = results[r]
+        assert untouched  # refused before any data moved
+        assert moved == "StaleError"  # control: with the check weakened the data moved
+        assert recovery == "group" and refused == "StaleError"
+        assert applied  # control: without the comparison every rank applied the sync
+    # The rank that read the stale trailer names it; the other was told by the store.
+    errors = results[1][2] + results[2][2]
+    assert re.search(r"bucket 3 arrived with a wrong trailer", errors), errors
+    assert "sync " in errors
 
 
 # -----------------------------------------------------------------------------

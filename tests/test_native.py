@@ -406,8 +406,8 @@ def test_processes_that_build_on_first_use_at_once_compile_once(tmp_path: Path) 
         assert out.startswith(f"native ({cache}"), out
     runs = [run.split() for run in log.read_text().splitlines()]
     compiled = sorted(Path(run[run.index("-c") + 1]).name for run in runs if "-c" in run)
-    assert compiled == ["checks.cpp", "observer.cpp", "tracker.cpp"]
-    assert len(runs) == 4  # and one link
+    assert compiled == ["checks.cpp", "fingerprint.cpp", "observer.cpp", "tracker.cpp"]
+    assert len(runs) == 5  # and one link
     assert all("-Wall" in run and "-w" not in run for run in runs if "-c" in run)
     assert "warning" not in Path(f"{log}.err").read_text()
 

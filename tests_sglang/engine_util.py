@@ -136,8 +136,9 @@ def ok(result: Any) -> bool:
 
 def probe(model: torch.nn.Module, named_tensors: Any) -> None:
     """Runs in the scheduler (SGLang calls it as a custom loader): writes graphsafe's
-    status on the model, whether MLA's `w_kc`/`w_vc` match `kv_b_proj`, and where they
-    are, to the file `GRAPHSAFE_TEST_PROBE` names."""
+    status on the model, its fingerprints (with each tensor's dtype and shape), whether
+    MLA's `w_kc`/`w_vc` match `kv_b_proj`, and where they are, to the file
+    `GRAPHSAFE_TEST_PROBE` names."""
     from graphsafe.integrations import sglang as gss
 
     a = gss.attachment(model)
@@ -145,6 +146,9 @@ def probe(model: torch.nn.Module, named_tensors: Any) -> None:
     report = {
         "attached": a is not None,
         "status": None if a is None else a.status(),
+        "fingerprints": None if a is None else a.fingerprint(),
+        "held": {n: [str(t.dtype).removeprefix("torch."), list(t.shape)]
+                 for n, t in model.state_dict().items()},
         "mla_fresh": sm.mla_fresh(model) if mla else None,
         "mla_addresses": sm.mla_addresses(model) if mla else None,
         "addresses": {n: p.data_ptr() for n, p in model.named_parameters()},

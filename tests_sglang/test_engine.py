@@ -1,17 +1,22 @@
 """Tier 2: SGLang's real CPU Engine (scheduler and detokenizer in their own processes) with
 graphsafe's plugin loaded there from its entry point: a tiny Llama held to Hugging Face's
-greedy tokens across SGLang's update entry points, a tiny DeepSeek V3 (MLA + MoE) held to
-itself and to exact derived buffers, and the direct path without graphsafe (the control)."""
+greedy tokens across SGLang's update entry points, and to the trainer's fingerprints (the
+engine serves what was sent, bit for bit, wherever the names map one to one), a tiny
+DeepSeek V3 (MLA + MoE) held to itself and to exact derived buffers, and the direct path
+without graphsafe (the control)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import engine_util as eu
 import pytest
 import sglang_models as sm
 import torch
 from conftest import PLUGIN_INSTALLED
+
+import graphsafe as gs
 
 pytestmark = pytest.mark.skipif(
     not PLUGIN_INSTALLED, reason="graphsafe is not installed here: SGLang cannot load its "
@@ -37,6 +42,18 @@ def sglang_llama_names(seed: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def mismatches(probe: dict[str, Any], sent: list[tuple[str, torch.Tensor]]
+               ) -> tuple[int, list[str]]:
+    """How many of the `sent` entries the engine holds under the same name and shape, and
+    those whose fingerprint differs from the engine's (each cast to the engine's dtype
+    first, as the engine's loader casts it)."""
+    held = probe["held"]
+    same = {n: w.to(getattr(torch, held[n][0])) for n, w in sent
+            if n in held and list(w.shape) == held[n][1]}
+    mine = gs.fingerprint(same)
+    return len(same), [n for n in same if mine[n] != probe["fingerprints"][n]]
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sglang")
@@ -50,9 +67,18 @@ def test_llama_engine_matches_hugging_face_across_updates(root: Path) -> None:
 
         eu.update(eng, sm.checkpoint("llama", 1))  # load_format None: SGLang's loader
         assert eu.generate(eng) == eu.hf_generate("llama", 1)
+        # The engine serves the sent weights wherever a name maps one to one (SGLang's
+        # loader fuses q, k, v and gate, up: those have no counterpart); control: the
+        # engine's first weights differ from them in every one.
+        compared, changed = mismatches(eu.probed(eng), sm.checkpoint("llama", 1))
+        assert compared == 2 * 4 + 3 and changed == []
+        assert len(mismatches(start, sm.checkpoint("llama", 1))[1]) == compared
 
         eu.update(eng, sglang_llama_names(2), "direct")
         assert eu.generate(eng) == eu.hf_generate("llama", 2)
+        # In SGLang's own names, fused tensors included, every entry compares.
+        sent = sglang_llama_names(2)
+        assert mismatches(eu.probed(eng), sent) == (len(sent), [])
 
         assert eu.ok(eng.update_weights_from_disk(eu.save("llama", 3, root)))
         assert eu.generate(eng) == eu.hf_generate("llama", 3)
@@ -64,7 +90,7 @@ def test_llama_engine_matches_hugging_face_across_updates(root: Path) -> None:
         assert end["addresses"] == start["addresses"]  # no weight moved
         assert end["status"]["stale"] == []
         # Each probe and each update above is one graphsafe update.
-        assert end["status"]["updates"] == start["status"]["updates"] + 5
+        assert end["status"]["updates"] == start["status"]["updates"] + 7
 
 
 def _kv_b(seed: int) -> list[tuple[str, torch.Tensor]]:

@@ -3,10 +3,12 @@
 `GRPOTrainer` runs 3 steps on a tiny random Llama made on the fly (float32, offline
 tokenizer and dataset). Right after each of TRL's weight syncs the test checks: the sync
 was one graphsafe update with nothing stale, every derived buffer equals its derivation
-of the policy's weights, and vLLM's greedy tokens equal Hugging Face's on the policy.
-Controls: a rebinding inside the sync fails the training step with graphsafe's error;
-the LM head's packed copy, left stale by TRL's sync when the LM-head switch is off, is
-caught by name.
+of the policy's weights, the engine serves the policy's weights bit for bit wherever
+their names match (no fingerprint mismatch), and vLLM's greedy tokens equal Hugging
+Face's on the policy. Controls: a rebinding inside the sync fails the training step with
+graphsafe's error; the LM head's packed copy, left stale by TRL's sync when the LM-head
+switch is off, is caught by name; an engine weight changed after the sync's load is
+one fingerprint mismatch, named.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def test_grpo_three_steps_each_sync_one_update_exact_and_greedy_equal(
     for i, s in enumerate(seen):
         r = s["record"]
         assert (r.updates, r.refreshed, r.stale) == (1, 2, ()), (i, r)
+        # Norms, o_proj, down_proj, embeddings and head: the names the fused engine shares.
+        assert r.fingerprints_compared == 2 * 4 + 3 and r.fingerprint_mismatches == (), r
         assert s["status"]["stale"] == [] and s["status"]["updates"] == i + 1
         assert all(s["exact_before_step"].values()), (i, s["exact_before_step"])
         assert all(s["exact"].values()) and s["vllm"] == s["hf"], i
@@ -141,6 +145,34 @@ def test_grpo_three_steps_each_sync_one_update_exact_and_greedy_equal(
     # graphsafe's record reached TRL's logs, once per step.
     logged = [h for h in trainer.state.log_history if "graphsafe/updates" in h]
     assert [(h["graphsafe/updates"], h["graphsafe/stale"]) for h in logged] == [(1.0, 0.0)] * 3
+    assert [h["graphsafe/fingerprint_mismatches"] for h in logged] == [0.0] * 3
+    del trainer
+
+
+def test_control_an_engine_weight_changed_after_the_load_is_one_fingerprint_mismatch(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    assert gs_trl.enable(REGISTRY)
+    trainer = tu.trainer(ckpt, tmp_path, steps=1)
+    engine = _engine_model(trainer.vllm_generation)
+    load = engine.load_weights  # graphsafe's wrapper of vLLM's loader
+
+    def tampering(weights: Any) -> Any:
+        weights = list(weights)
+        done = load(weights)
+        if any(n == "model.norm.weight" for n, _ in weights):
+            with torch.no_grad():
+                engine.model.norm.weight[0] += 1.0  # in place: no rebinding, another value
+        return done
+
+    engine.load_weights = tampering  # what TRL's sync calls, once per parameter
+    trainer.train()
+    (record,) = gs_trl.syncs(trainer.vllm_generation)
+    assert record.stale == () and record.fingerprints_compared == 2 * 4 + 3
+    assert record.fingerprint_mismatches == ("model.norm.weight",)
+    logged = [h["graphsafe/fingerprint_mismatches"] for h in trainer.state.log_history
+              if "graphsafe/fingerprint_mismatches" in h]
+    assert logged == [1.0]
     del trainer
 
 

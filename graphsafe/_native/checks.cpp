@@ -2,7 +2,7 @@
 // graphsafe/_memory/ledger.py (geometry, same_geometry, same_items) and
 // graphsafe/_memory/snapshot.py (same_witnesses, same_bindings), without a Python call
 // per field. This file also creates the module; tracker.cpp adds the write tracker's
-// functions to it.
+// functions to it, fingerprint.cpp gs.fingerprint's kernel.
 //
 // Every function answers True only when it is sure nothing changed; anything it cannot
 // read (a site that holds no tensor, a tensor without storage, an inference tensor's
@@ -324,7 +324,8 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, GRAPHSAFE_NATIVE_NAME, nullptr, -1,
 // builds never share an init symbol.
 extern "C" PyMODINIT_FUNC GRAPHSAFE_CAT(PyInit_, GRAPHSAFE_NATIVE_ID)(void) {
   PyObject* m = PyModule_Create(&module);
-  if (m != nullptr && PyModule_AddFunctions(m, graphsafe_native::tracker_methods) != 0) {
+  if (m != nullptr && (PyModule_AddFunctions(m, graphsafe_native::tracker_methods) != 0 ||
+                       PyModule_AddFunctions(m, graphsafe_native::fingerprint_methods) != 0)) {
     Py_DECREF(m);
     return nullptr;
   }

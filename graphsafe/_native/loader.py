@@ -58,7 +58,8 @@ from graphsafe._native import cache
 __all__ = ["Native", "NativeBuildError", "build", "describe", "get", "path", "timed_build", "using"]
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "checks.cpp", _HERE / "tracker.cpp", _HERE / "observer.cpp")
+_SOURCES = (_HERE / "checks.cpp", _HERE / "tracker.cpp", _HERE / "observer.cpp",
+            _HERE / "fingerprint.cpp")
 _HEADERS = (_HERE / "tracker.h",)
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
@@ -68,7 +69,8 @@ _LIBS = ("-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python")
 
 
 class Native(Protocol):
-    """The compiled module's functions (see `checks.cpp`, `tracker.cpp`, `observer.cpp`)."""
+    """The compiled module's functions (see `checks.cpp`, `tracker.cpp`, `observer.cpp`,
+    `fingerprint.cpp`)."""
 
     def geometry(self, tensors: list[Any], /) -> bytes | None: ...
     def same_geometry(self, tensors: list[Any], expected: bytes, /) -> bool: ...
@@ -97,6 +99,9 @@ class Native(Protocol):
     def observer_pending(self) -> bool: ...
     def observer_drain(self) -> tuple[dict[int, str], bool]: ...
     def observer_quiet(self, enter: bool, /) -> None: ...
+    def fingerprint_sums(self, tensor: Any, level: int, out: Any = None, /
+                         ) -> tuple[int, int]: ...
+    def fingerprint_level(self) -> int: ...
 
 
 class NativeBuildError(RuntimeError):
@@ -326,7 +331,7 @@ def _check(module: Any) -> None:
     ok = ok and module.tracker_ops(tracker) == {
         b.untyped_storage().data_ptr(): ["aten::mul_.Tensor", "aten::copy_"]}
     module.tracker_free(tracker)
-    ok = ok and _observer_check(module, b, c)
+    ok = ok and _observer_check(module, b, c) and _fingerprint_check(module)
     if not ok:
         raise NativeBuildError("the built extension fails its self-check; not used")
 
@@ -358,6 +363,27 @@ def _observer_check(module: Any, watched: torch.Tensor, other: torch.Tensor) -> 
     seen, blind = module.observer_drain()
     return (quiet_and_tracked and not blind and list(seen) == [key]
             and seen[key].startswith("aten::mul_") and not module.observer_running())
+
+
+# gs.fingerprint's sums of bytes 0, 1, ..., 36 (four words and a padded tail), from the
+# definition in graphsafe/_fingerprint/digest.py: a known answer every loop must give.
+_FINGERPRINT_KNOWN = (0x191C502A263F09FB, 0x3A99C44EDC285CC4)
+
+
+def _fingerprint_check(module: Any) -> bool:
+    """Whether every loop this CPU runs gives the known answer, and the same sums as the
+    scalar loop over a buffer long enough for the vector loops, copying it or not."""
+    small = torch.arange(37, dtype=torch.uint8)
+    large = torch.arange(4099, dtype=torch.int64).mul_(0x5851F42D).view(torch.uint8)[3:-2]
+    want = module.fingerprint_sums(large, 0)
+    copied = torch.empty_like(large)
+    return all(
+        module.fingerprint_sums(small, level) == _FINGERPRINT_KNOWN
+        and module.fingerprint_sums(large, level) == want
+        and module.fingerprint_sums(large, level, copied.zero_()) == want
+        and torch.equal(copied, large)
+        for level in range(module.fingerprint_level() + 1)
+    )
 
 
 def get() -> Native | None:

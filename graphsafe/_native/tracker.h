@@ -1,5 +1,5 @@
 // What the sources of the module share: the method tables checks.cpp's module init
-// adds, and what tracker.cpp and observer.cpp both use (which arguments an op writes,
+// adds (the tracker's and observer's, the fingerprint's), and what tracker.cpp and observer.cpp both use (which arguments an op writes,
 // a tensor's storage key, the thread's count of tracked loads and quiet scopes).
 
 #pragma once
@@ -19,6 +19,9 @@ namespace graphsafe_native {
 // tracker_* (tracker.cpp) and observer_* (observer.cpp), ended by a null entry as
 // PyModule_AddFunctions expects.
 extern PyMethodDef tracker_methods[];
+
+// fingerprint_* (fingerprint.cpp), likewise.
+extern PyMethodDef fingerprint_methods[];
 
 // What an op writes: the positions of the arguments its schema marks written (`Tensor(a!)`,
 // and the first argument of c10d's in-place collectives, whose schemas mark none), and

@@ -27,7 +27,11 @@ The wire protocol, in order:
    abort their processes inside gloo). A sender that fails while packing a bucket
    broadcasts that bucket with the status *abort* in its trailer; its error text goes
    to the store.
-4. **Checksums** (`verify=True` only), one `broadcast` of one int64 per bucket.
+4. **Fingerprints** (`verify=True`, the default), one `broadcast` of two int64 per
+   entry: each entry's `gs.fingerprint`, taken by the sender from the tensor it was
+   given before packing it. Each receiver took the fingerprint of the bytes it received
+   for the entry before its loader ran, and compares; a mismatch fails the sync on every
+   rank, naming the entry (the handshake says so, the store carries the names).
 5. **Handshake**, one `all_gather` of one integer per rank, still inside the
    receivers' update blocks: every rank says whether it applied the sync, and if any did
    not, every receiver fails closed.

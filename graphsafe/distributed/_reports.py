@@ -62,7 +62,14 @@ class SendReport(BaseModel):
     partial: bool = False
     """Whether the sync was sent as partial (receivers did not require every entry)."""
     verified: bool = False
-    """Whether every bucket travelled with a checksum the receivers compared."""
+    """Whether the sync was checked end to end: this rank took each entry's fingerprint
+    (`gs.fingerprint`) from the tensor it was given, before packing it, and every
+    receiver compared it with the fingerprint of the bytes it received."""
+    fingerprinted: int = 0
+    """Entries fingerprinted (every entry of a verified sync; 0 otherwise)."""
+    fingerprint_seconds: float = 0.0
+    """Time this rank spent taking fingerprints, overlapped with the broadcasts (for
+    packed entries the packing's time too: on a CPU one pass reads, digests and packs)."""
     seconds: float
     """Wall time of the call, handshake included."""
     throughput: float
@@ -122,7 +129,15 @@ class ReceiveReport(BaseModel):
     partial: bool = False
     """Whether the sender sent the sync as partial."""
     verified: bool = False
-    """Whether every bucket's checksum was compared with the sender's."""
+    """Whether the sync was checked end to end: this rank took the fingerprint of the
+    bytes it received for each entry, before its loader ran, and compared it with the
+    sender's, taken from the tensor the sender was given."""
+    fingerprinted: int = 0
+    """Entries whose fingerprint this rank compared (every entry of a verified sync,
+    those its loader skips too; 0 otherwise)."""
+    fingerprint_seconds: float = 0.0
+    """Time this rank spent taking fingerprints, overlapped with the next buckets'
+    broadcasts (on a GPU: the time to queue them, and to read them back at the end)."""
     waited_seconds: float = 0.0
     """Wall time spent waiting for the sender to begin the sync (not in `seconds`)."""
 
@@ -139,7 +154,8 @@ _RECOVERY = {
 
 class WeightSyncError(GraphSafetyError):
     """A weight sync did not complete: the sender failed or died, a collective failed,
-    or the receiver's loader refused entries.
+    the receiver's loader refused entries, or entries arrived other than the sender was
+    given them.
 
     On a receiver the model is left failed closed (guarded replays raise `StaleError`)
     until a later sync completes.
@@ -149,6 +165,8 @@ class WeightSyncError(GraphSafetyError):
         bucket: The bucket (0-based) being sent or received, if any.
         entry: The checkpoint entry involved, if one is known.
         rejected: Entries the loader refused.
+        mismatched: Entries whose fingerprint on some receiver differs from the
+            sender's: their bytes changed on the way.
         failed_ranks: Ranks that did not apply the sync.
         report: The report of the call, where the sync reached its end.
         recovery: What the next sync needs: `"resend"` (the group is in step: sync
@@ -164,6 +182,7 @@ class WeightSyncError(GraphSafetyError):
         bucket: int | None = None,
         entry: str | None = None,
         rejected: Sequence[RejectedEntry] = (),
+        mismatched: Sequence[str] = (),
         failed_ranks: Sequence[int] = (),
         report: SendReport | ReceiveReport | None = None,
         recovery: str = "resend",
@@ -177,6 +196,7 @@ class WeightSyncError(GraphSafetyError):
         self.bucket = bucket
         self.entry = entry
         self.rejected = tuple(rejected)
+        self.mismatched = tuple(mismatched)
         self.failed_ranks = tuple(failed_ranks)
         self.report = report
         super().__init__(summary, **kwargs)

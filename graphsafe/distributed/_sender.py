@@ -12,14 +12,23 @@ import torch
 import torch.distributed as dist
 
 from graphsafe._errors import one_line
+from graphsafe._fingerprint.digest import Digests
 from graphsafe.distributed._control.channel import _Channel, _recovery_of
-from graphsafe.distributed._protocol.exchange import _check, _device, _handshake, _verdicts
+from graphsafe.distributed._protocol.exchange import (
+    _APPLIED,
+    _check,
+    _device,
+    _handshake,
+    _names,
+    _Outcome,
+    _verdicts,
+)
 from graphsafe.distributed._protocol.layout import (
     _ABORT,
     _DATA,
     _MAGIC,
     _PROTOCOL,
-    _checksum,
+    _fingerprints_wire,
     _Plan,
     _plan,
     _slot,
@@ -58,8 +67,20 @@ class _SendProgress:
     """What the sync is doing, outside the buckets: for errors."""
     refused: bool = False
     """The receivers refused the sync's entries (every rank raised, in step)."""
-    sums: list[int] = field(default_factory=list)
-    """Per bucket sent: its checksum (when the sync is verified)."""
+    digests: Digests = field(default_factory=Digests)
+    """Per entry packed or posted so far: its fingerprint, taken from the caller's tensor
+    before packing (when the sync is verified)."""
+    fingerprint_seconds: float = 0.0
+    """Time spent taking them."""
+
+    def fingerprint(self, t: torch.Tensor, name: str, into: torch.Tensor | None = None
+                    ) -> None:
+        """Take the fingerprint of entry `name` from `t`, the tensor the caller gave (and
+        pack it `into` its place in staging: on a CPU one pass does both)."""
+        start = time.perf_counter()
+        self.entry = name
+        self.digests.add(t, name, into=into)
+        self.fingerprint_seconds += time.perf_counter() - start
 
     def join(self, work: Any, what: str) -> None:
         """Wait for a collective, watching the store for another rank's abort."""
@@ -98,7 +119,7 @@ def send_weights(
     overlap: bool = True,
     direct_bytes: int | None = 16 << 20,
     partial: bool = False,
-    verify: bool = False,
+    verify: bool = True,
 ) -> SendReport:
     """Broadcast checkpoint entries to every other rank of `group`, bucket by bucket.
 
@@ -118,6 +139,12 @@ def send_weights(
     byte is written. A sync of only some entries must say so with `partial=True`; it
     then heals only what it rewrites.
 
+    It is checked end to end by default (`verify`): this rank takes each entry's
+    fingerprint (`gs.fingerprint`) from the tensor it was given, before packing it, and
+    sends them after the last bucket; each receiver takes the fingerprint of the bytes
+    it received for the entry before its loader runs, and compares. An entry that
+    arrived other than it was given fails the sync on every rank, naming it.
+
     Args:
         weights: `(name, tensor)` pairs in checkpoint names, or a mapping (a state dict).
         src: This rank (global), the source of the broadcasts.
@@ -133,8 +160,9 @@ def send_weights(
         partial: The sync carries only some of the entries the receivers expect (a
             subset a failed sync owed, or the layers that changed). Entries no receiver
             expects are refused all the same.
-        verify: Send every bucket's checksum after the last bucket; each receiver
-            compares it with what arrived, and a mismatch fails the sync on every rank.
+        verify: Fingerprint every entry end to end (above); False sends none and the
+            receivers check only the plan and the trailers (a byte flipped or a bucket
+            cut short on the way then reaches the model unseen).
 
     Returns:
         The report.
@@ -143,7 +171,8 @@ def send_weights(
         WeightSyncError: A receiver refused the sync's entries (missing, extra or
             misrouted names), a collective failed (a receiver died or timed out; the
             other receivers are told at once), or some receivers did not apply the sync
-            (`.failed_ranks`; their errors say why). `.recovery` says what the next sync
+            (`.failed_ranks`; their errors say why; `.mismatched` names the entries
+            that arrived other than they were given). `.recovery` says what the next sync
             needs (`gsd.recover`).
         Exception: Whatever reading or packing the weights raised, after the receivers
             were told to abort (they raise `WeightSyncError`).
@@ -155,13 +184,14 @@ def send_weights(
     start = time.perf_counter()
     rank = _check(src, group, sending=True)
     channel = _Channel(group, rank)
-    plan, staging, stride, failed = _send(
+    plan, staging, stride, outcome, fingerprinting = _send(
         weights, src, group, bucket_bytes, overlap, direct_bytes, channel,
         partial=partial, verify=verify,
     )
-    report = _send_report(plan, rank, group, bucket_bytes, staging, stride, start)
-    if failed:
-        raise _receivers_failed(failed, report)
+    report = _send_report(plan, rank, group, bucket_bytes, staging, stride, start,
+                          fingerprinting)
+    if outcome.failed:
+        raise _receivers_failed(outcome, report)
     return report
 
 
@@ -176,12 +206,12 @@ def _send(
     *,
     partial: bool,
     verify: bool,
-) -> tuple[_Plan, torch.Tensor, int, tuple[int, ...]]:
-    """The sync on the wire: metadata, the receivers' verdict on it, buckets, checksums,
-    handshake; a failure tells the receivers.
+) -> tuple[_Plan, torch.Tensor, int, _Outcome, float]:
+    """The sync on the wire: metadata, the receivers' verdict on it, buckets,
+    fingerprints, handshake; a failure tells the receivers.
 
-    Returns the plan, the staging buffer, its second slot's offset (0: one slot) and the
-    receivers that did not apply the sync.
+    Returns the plan, the staging buffer, its second slot's offset (0: one slot), the
+    receivers that did not apply the sync, and the seconds spent taking fingerprints.
     """
     device = _device(group)
     sync = secrets.randbits(62) + 1
@@ -202,14 +232,16 @@ def _send(
             state.refused = True
             raise refused
         staging, stride = _send_buckets(plan, items, state, src, group, device, overlap)
-        if plan.verify:
+        if plan.verify and plan.entries:
+            start = time.perf_counter()
+            wire = _fingerprints_wire(state.digests.done(), device)
+            state.fingerprint_seconds += time.perf_counter() - start
             state.in_collective, state.wire = True, len(plan.sizes)
-            sums = torch.tensor(state.sums, dtype=torch.int64, device=device)
-            state.join(dist.broadcast(sums, src=src, group=group, async_op=True),
-                       "sending the checksums")
+            state.join(dist.broadcast(wire, src=src, group=group, async_op=True),
+                       "sending the fingerprints")
             state.wire = -1
         state.in_collective, state.phase = True, "the handshake"
-        failed = _handshake(True, group, device, channel)
+        outcome = _handshake(_APPLIED, group, device, channel)
         state.in_collective = False
     except BaseException as exc:
         _drop_busy_staging(state, group)
@@ -219,7 +251,7 @@ def _send(
             raise _collective_error(state, exc, channel) from exc
         _abort(exc, state, plan, src, group, sync, channel)
         raise
-    return plan, staging, stride, failed
+    return plan, staging, stride, outcome, state.fingerprint_seconds
 
 
 def _check_sizes(bucket_bytes: int, direct_bytes: int | None) -> None:
@@ -303,8 +335,9 @@ def _send_direct(out: _Outgoing, b: int, state: _SendProgress) -> None:
     state.direct.append((b, work))
     state.posted = b
     state.in_collective, state.wire = False, -1
-    if out.plan.verify:  # read while gloo sends it: the bytes do not change
-        state.sums.append(_checksum(wire))
+    if out.plan.verify:  # the tensor given, read while the broadcast sends it
+        state.fingerprint(out.tensors[e.name], e.name)
+        state.entry = None
 
 
 def _wire_of(t: torch.Tensor) -> torch.Tensor:
@@ -322,7 +355,10 @@ def _send_packed(out: _Outgoing, b: int, state: _SendProgress) -> None:
     with torch.no_grad():  # trainer parameters require grad; the copy is no op of it
         for e in plan.bucket(b):
             state.entry = e.name
-            _view(slot, e).copy_(tensors[e.name])
+            if plan.verify:  # from the bytes of the tensor given, read to pack them
+                state.fingerprint(tensors[e.name], e.name, into=_view(slot, e))
+            else:
+                _view(slot, e).copy_(tensors[e.name])
     state.entry = None
     _trailer(slot, plan.sizes[b]).copy_(torch.tensor([_MAGIC, plan.sync, b, _DATA]))
     state.in_collective, state.wire = True, b
@@ -330,8 +366,6 @@ def _send_packed(out: _Outgoing, b: int, state: _SendProgress) -> None:
     state.pending[i] = (b, work)
     state.posted = b
     state.in_collective, state.wire = False, -1
-    if plan.verify:  # read while gloo sends it: the bytes do not change
-        state.sums.append(_checksum(slot[: plan.sizes[b]]))
     if not out.stride:
         state.wait(0)
 
@@ -350,7 +384,7 @@ def _collective_error(
     receivers are told through the store, so they fail at once."""
     where = f"bucket {state.wire}" if state.wire >= 0 else state.phase
     if state.wire >= 0 and state.plan is not None and state.wire == len(state.plan.sizes):
-        where = "the checksums"
+        where = "the fingerprints"
     recovery = _recovery_of(exc)
     channel.abort(recovery, f"the sender's broadcast of {where} failed: {one_line(exc)}")
     return WeightSyncError(
@@ -417,6 +451,7 @@ def _send_report(
     staging: torch.Tensor,
     stride: int,
     start: float,
+    fingerprint_seconds: float,
 ) -> SendReport:
     """The report of a sync that reached the handshake."""
     seconds = time.perf_counter() - start
@@ -428,19 +463,31 @@ def _send_report(
         direct_buckets=sum(plan.direct), bucket_bytes=bucket_bytes,
         largest_bucket=max(plan.sizes, default=0),
         staging_bytes=staging.numel(), overlap=stride > 0, partial=plan.partial,
-        verified=plan.verify, seconds=seconds,
+        verified=plan.verify, fingerprinted=len(plan.entries) if plan.verify else 0,
+        fingerprint_seconds=fingerprint_seconds, seconds=seconds,
         throughput=total / seconds if seconds > 0 else 0.0,
     )
 
 
-def _receivers_failed(failed: tuple[int, ...], report: SendReport) -> WeightSyncError:
-    """The error naming the receivers that said at the handshake they did not apply it."""
+def _receivers_failed(outcome: _Outcome, report: SendReport) -> WeightSyncError:
+    """The error naming the receivers that said at the handshake they did not apply the
+    sync, and the entries that arrived other than they were given, if any."""
+    failed, mismatched = outcome
+    got = f"{len(failed)} receiver(s) failed; each raised WeightSyncError naming why"
+    if mismatched:
+        got += (f"; {len(mismatched)} entr{'y' if len(mismatched) == 1 else 'ies'} arrived "
+                f"other than this rank was given {'it' if len(mismatched) == 1 else 'them'}:"
+                f" {_names(list(mismatched))}")
     return WeightSyncError(
-        f"receiver rank(s) {', '.join(map(str, failed))} did not apply the sync",
+        f"receiver rank(s) {', '.join(map(str, failed))} did not apply the sync"
+        + (f": {_names(list(mismatched))} arrived changed" if mismatched else ""),
+        entry=mismatched[0] if mismatched else None,
+        mismatched=mismatched,
         failed_ranks=failed,
         report=report,
-        expected="every receiver to load every entry it holds",
-        got=f"{len(failed)} receiver(s) failed; each raised WeightSyncError naming why",
+        expected="every receiver to load every entry it holds, as it was given here",
+        got=got,
         fix="read the receivers' errors (rejected entries name the checkpoint names to "
-        "fix), then sync again: until then those models refuse to replay",
+        "fix; changed entries call for the same sync again), then sync again: until then "
+        "those models refuse to replay",
     )

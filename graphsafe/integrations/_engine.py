@@ -1,7 +1,7 @@
 """What every engine integration shares: how registry names resolve in an engine's
 processes, patches installed once, the weight update an engine's entry points open and
-close on one attached model and the status it reports (`EngineAttachment`), and how a
-loaded model is attached once (`attach_once`)."""
+close on one attached model, the status and the fingerprints it reports
+(`EngineAttachment`), and how a loaded model is attached once (`attach_once`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import GraphSafetyError, RegistrationError
+from graphsafe._fingerprint.digest import fingerprint
 from graphsafe._graphs.guard import Guard
 from graphsafe._lineage import Lineage
 from graphsafe._memory.walk import Site
@@ -223,6 +224,19 @@ class EngineAttachment:
             "last_refresh_bytes": None if report is None else report.bytes_written,
             **checks,
         }
+
+    def fingerprint(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """The engine model's fingerprints (`gs.fingerprint`): of its parameters and
+        persistent buffers by the engine's own names, or of `names` among them.
+
+        What a trainer compares with `gs.fingerprint(policy)` after a sync, name by name
+        where the names map one to one (a fused `qkv_proj` has no counterpart in the
+        policy's `q_proj`, `k_proj`, `v_proj`: see `docs/rl-weight-sync.md`).
+
+        Raises:
+            KeyError: `names` holds a name the model does not hold.
+        """
+        return dict(fingerprint(self.model, names))
 
     def updating(
         self, owner: object, fn: Callable[..., Any], *, tracked: bool = False

@@ -25,8 +25,8 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError, first_line
 from graphsafe._lineage.discovery import Discovery
-from graphsafe._lineage.rewrites import rewritten_error
 from graphsafe._lineage.resolve import atoms_of
+from graphsafe._lineage.rewrites import rewritten_error
 from graphsafe._memory.journal import Journal
 from graphsafe._runtime.loads.debts import Debts, Owed
 from graphsafe._runtime.loads.deferred import Deferred

@@ -4,6 +4,8 @@ role, the receivers' verdict on the metadata, and the end-of-sync handshake.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -50,15 +52,35 @@ def _check(src: int, group: dist.ProcessGroup | None, *, sending: bool) -> int:
     return rank
 
 
+_APPLIED, _FAILED, _MISMATCHED = 0, 1, 2
+"""What a rank says at the handshake: it applied the sync; it did not; it did not, as
+entries arrived other than the sender was given them (named in the store under
+`mismatched/<rank>` before the handshake)."""
+
+
+class _Outcome(NamedTuple):
+    """The handshake's answer: who did not apply the sync, and which entries arrived
+    other than they were sent, as the ranks that saw them told."""
+
+    failed: tuple[int, ...]
+    mismatched: tuple[str, ...]
+
+
 def _handshake(
-    ok: bool, group: dist.ProcessGroup | None, device: torch.device, channel: _Channel
-) -> tuple[int, ...]:
-    """Every rank says whether it applied the sync; returns the ranks that did not."""
+    status: int, group: dist.ProcessGroup | None, device: torch.device, channel: _Channel
+) -> _Outcome:
+    """Every rank says whether it applied the sync (`status`)."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    mine = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    mine = torch.tensor([status], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in ranks]
     channel.wait(dist.all_gather(every, mine, group=group, async_op=True), "at the handshake")
-    return tuple(r for r, flag in zip(ranks, torch.cat(every).tolist()) if flag)
+    said = dict(zip(ranks, torch.cat(every).tolist()))
+    names: dict[str, None] = {}
+    for r, s in said.items():
+        if s == _MISMATCHED:  # posted before the handshake: there now
+            names.update(dict.fromkeys((channel.get(f"mismatched/{r}") or "").split("\n")))
+    names.pop("", None)
+    return _Outcome(tuple(r for r, s in said.items() if s != _APPLIED), tuple(names))
 
 
 _SHOWN = 8  # names an error lists before it counts the rest

@@ -7,24 +7,27 @@ large entry broadcast straight from the sender's tensor, with no copy into stagi
 no trailer; the next packed bucket's trailer (the plan ends with one) says whether the
 sender held up, so a failure in a run of direct buckets is still told. A staging buffer
 holds one bucket slot, or two when the transfer overlaps the copies (`_slots`, `_slot`).
+A verified sync (the default) sends every entry's fingerprint after the last bucket
+(`_FINGERPRINT_WORDS` int64 per entry, in the plan's order).
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 import torch
 
+from graphsafe._fingerprint.digest import Digest
 from graphsafe.distributed._reports import WeightSyncError
 
-_PROTOCOL = 3
+_PROTOCOL = 4  # 4: `verify` sends each entry's fingerprint (3: a CRC-32 per bucket)
 _MAGIC = 0x6773_5359_4E43  # "gsSYNC"
 _ALIGN = 64
 _TRAILER = 32  # four int64: magic, sync id, bucket index, status
 _DATA, _ABORT = 1, 2
+_FINGERPRINT_WORDS = 2  # a fingerprint on the wire: its two 64-bit words
 
 
 class _Entry(NamedTuple):
@@ -52,7 +55,8 @@ class _Plan:
     """The sender says the sync carries only some entries: receivers do not require
     every entry they expect (each still refuses entries no rank expects)."""
     verify: bool = False
-    """Every bucket's checksum follows the last bucket, for the receivers to compare."""
+    """Every entry's fingerprint, taken by the sender from the tensor it was given,
+    follows the last bucket, for the receivers to compare with theirs."""
 
     @property
     def wires(self) -> tuple[int, ...]:
@@ -77,20 +81,17 @@ class _Plan:
                    partial=bool(record["partial"]), verify=bool(record["verify"]))
 
 
-def _checksum(data: torch.Tensor) -> int:
-    """A checksum of a flat `uint8` tensor (what a bucket carries): CRC-32 on the CPU;
-    on a GPU, two sums of its 32-bit words (plain and squared, mod 2**62) computed there.
-    It catches flipped, torn and missing bytes; it is no cryptographic hash."""
-    if data.device.type == "cpu":
-        return zlib.crc32(data.contiguous().numpy().tobytes() if data.numel() < 4096
-                          else memoryview(data.contiguous().numpy()))  # type: ignore[arg-type]
-    n = data.numel()
-    head = data[: n - n % 4].view(torch.int32).to(torch.int64)
-    tail = data[n - n % 4 :].to(torch.int64)
-    mask = (1 << 62) - 1
-    plain = int(head.sum().item() + tail.sum().item()) & mask
-    squared = int((head * head).sum().item()) & mask
-    return (plain ^ (squared << 1)) & mask
+def _fingerprints_wire(digests: Sequence[Digest], device: torch.device) -> torch.Tensor:
+    """The fingerprints as they travel: int64 [entries, 2], the same bits."""
+    signed = [[w - (1 << 64) if w >> 63 else w for w in d] for d in digests]
+    return torch.tensor(signed, dtype=torch.int64, device=device).reshape(
+        len(digests), _FINGERPRINT_WORDS)
+
+
+def _fingerprints_read(wire: torch.Tensor) -> list[Digest]:
+    """The fingerprints a receiver got, as unsigned words."""
+    mask = (1 << 64) - 1
+    return [(a & mask, b & mask) for a, b in wire.cpu().tolist()]
 
 
 def _align(n: int) -> int:

@@ -13,7 +13,15 @@ from torch import nn
 from graphsafe._errors import one_line
 from graphsafe._runtime.runtime import runtime, weight_update
 from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
-from graphsafe.distributed._protocol.exchange import _check, _device, _handshake
+from graphsafe.distributed._protocol.exchange import (
+    _APPLIED,
+    _FAILED,
+    _MISMATCHED,
+    _check,
+    _device,
+    _handshake,
+    _names,
+)
 from graphsafe.distributed._receive.metadata import _agree, _Agreed
 from graphsafe.distributed._receive.report import _receive_report
 from graphsafe.distributed._receive.transfer import _mismatch_error, _receive, _Transfer
@@ -41,6 +49,12 @@ def receive_weights(
     the derived buffers are refreshed once, at the end, if every rank applied the sync.
     With `overlap`, the broadcast of bucket k+1 is posted into one staging slot before
     the loader runs on bucket k in the other.
+
+    A verified sync (the sender's default) is checked end to end: before the loader
+    runs on an entry, this rank takes the fingerprint of the bytes it received for it,
+    and after the last bucket compares them with the sender's, taken from the tensors it
+    was given. An entry that arrived changed fails the sync on every rank, naming it
+    (`.mismatched`); `report.verified` and `report.fingerprinted` say what was checked.
 
     Entries the loader refuses (`gs.WeightLoadError`) are collected, not fatal on the
     wire: the remaining entries of the bucket are retried and the later buckets still
@@ -72,7 +86,8 @@ def receive_weights(
     Raises:
         WeightSyncError: No sync began within `wait_timeout` (the model is untouched),
             the sync was refused, the sender aborted or died, a collective failed, the
-            model has no loader, the loader refused entries, a checksum differed, or
+            model has no loader, the loader refused entries, an entry arrived other
+            than the sender was given it (its fingerprint differs), or
             another rank failed. The model's guarded graphs then refuse to replay until
             a later sync completes. `.recovery` says what the next sync needs
             (`gsd.recover`).
@@ -166,8 +181,12 @@ def _apply(
                 known = True
                 raise transfer  # the sender's abort, read in a trailer
             loaded = time.perf_counter()
+            status = _APPLIED if transfer.ok else _FAILED
+            if transfer.mismatched:  # named for every rank, before the handshake says so
+                channel.put(f"mismatched/{rank}", "\n".join(m.name for m in transfer.mismatched))
+                status = _MISMATCHED
             try:
-                failed = _handshake(transfer.ok, group, device, channel)
+                outcome = _handshake(status, group, device, channel)
             except _ToldError:
                 raise
             except Exception as exc:
@@ -176,18 +195,10 @@ def _apply(
             if transfer.rejected:
                 raise _rejected_error(model, agreed, transfer, waited, rank, src)
             if transfer.mismatched:
-                raise _mismatch_error(agreed.plan, transfer.mismatched, rank, src)
-            if failed:
-                raise WeightSyncError(
-                    f"rank {rank}: receiver rank(s) {', '.join(map(str, failed))} did not "
-                    "apply the sync",
-                    failed_ranks=failed,
-                    expected="every receiver applying the sync",
-                    got=f"{len(failed)} receiver(s) failed; each raised WeightSyncError "
-                    "naming why",
-                    fix="read their errors, then sync again: until then every receiver's "
-                    "model refuses to replay",
-                )
+                raise _mismatch_error(transfer.mismatched, rank, src,
+                                      _receive_report(rank, src, agreed, transfer, waited))
+            if outcome.failed:
+                raise _others_failed(outcome.failed, outcome.mismatched, rank)
     except BaseException as exc:
         if not known:
             _tell(exc, channel)
@@ -225,6 +236,25 @@ def _rejected_error(
         got=f"rejected:\n{shown}{more}",
         fix="the model refuses to replay until a complete sync: fix these entries' names, "
         "shapes or dtypes on the sender (or the receiver's config), then sync again",
+    )
+
+
+def _others_failed(failed: tuple[int, ...], mismatched: tuple[str, ...], rank: int
+                   ) -> WeightSyncError:
+    """The error of a receiver that applied the sync when others did not."""
+    changed = _names(list(mismatched))
+    return WeightSyncError(
+        f"rank {rank}: receiver rank(s) {', '.join(map(str, failed))} did not apply the "
+        "sync" + (f": {changed} arrived changed there" if mismatched else ""),
+        entry=mismatched[0] if mismatched else None,
+        mismatched=mismatched,
+        failed_ranks=failed,
+        expected="every receiver applying the sync",
+        got=f"{len(failed)} receiver(s) failed; each raised WeightSyncError naming why"
+        + (f"; entries that arrived other than the sender was given them: {changed}"
+           if mismatched else ""),
+        fix="read their errors, then sync again: until then every receiver's model "
+        "refuses to replay",
     )
 
 

@@ -35,5 +35,6 @@ def _receive_report(
         staging_bytes=transfer.staging_bytes, staging_reused=transfer.reused,
         overlap=transfer.overlap, accepted=transfer.accepted, rejected=transfer.rejected,
         refresh=refresh, failed_ranks=(), expected=agreed.expected, partial=plan.partial,
-        verified=plan.verify, waited_seconds=waited,
+        verified=plan.verify, fingerprinted=transfer.fingerprinted,
+        fingerprint_seconds=transfer.fingerprint_seconds, waited_seconds=waited,
     )

@@ -1,34 +1,50 @@
 """The transfer on the receiving side: each bucket broadcast into staging, its trailer
-checked, then given to the loader; then the checksums against the sender's."""
+checked, its entries fingerprinted, then given to the loader; then the fingerprints
+against the sender's."""
 
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from graphsafe._errors import one_line
+from graphsafe._fingerprint.digest import Digests, hexdigest
 from graphsafe._memory.journal import mark_written
 from graphsafe._runtime.runtime import runtime
 from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
-from graphsafe.distributed._protocol.exchange import _names
+from graphsafe.distributed._protocol.exchange import _SHOWN, _names
 from graphsafe.distributed._protocol.layout import (
     _ABORT,
     _DATA,
+    _FINGERPRINT_WORDS,
     _MAGIC,
-    _checksum,
     _Entry,
+    _fingerprints_read,
     _Plan,
     _Ring,
     _trailer,
+    _view,
 )
 from graphsafe.distributed._receive.loading import _load_run
 from graphsafe.distributed._reports import RejectedEntry, WeightSyncError
 from graphsafe.distributed._staging import _drop_busy, _staging
+
+
+class _Mismatch(NamedTuple):
+    """An entry whose bytes arrived other than the sender's tensor held them."""
+
+    name: str
+    bucket: int
+    got: str
+    """The fingerprint of what arrived here."""
+    sent: str
+    """The sender's, of the tensor it was given."""
 
 
 @dataclass(frozen=True)
@@ -45,12 +61,16 @@ class _Transfer:
     """Names the loader reported loading."""
     rejected: tuple[RejectedEntry, ...]
     """Entries the loader refused."""
-    mismatched: tuple[int, ...]
-    """Buckets whose checksum differs from the sender's (a verified sync)."""
+    mismatched: tuple[_Mismatch, ...]
+    """Entries whose fingerprint differs from the sender's (a verified sync)."""
+    fingerprinted: int
+    """Entries whose fingerprint was compared with the sender's (0: not verified)."""
+    fingerprint_seconds: float
+    """Time spent taking them."""
 
     @property
     def ok(self) -> bool:
-        """Every entry loaded and every checksum matched: this rank applies the sync."""
+        """Every entry loaded and every fingerprint matched: this rank applies the sync."""
         return not self.rejected and not self.mismatched
 
 
@@ -63,14 +83,16 @@ def _receive(
     overlap: bool,
     channel: _Channel,
 ) -> _Transfer | WeightSyncError:
-    """The transfer: each bucket into staging and the loader, then the checksums.
+    """The transfer: each bucket into staging, its entries' fingerprints and the loader,
+    then the sender's fingerprints.
 
     Returns:
         What it did; or the sender's abort, read in a bucket's trailer, which every rank
         raises in step (the caller raises it and posts no abort).
 
     Raises:
-        WeightSyncError: A bucket or the checksums did not arrive, or a trailer is wrong.
+        WeightSyncError: A bucket or the fingerprints did not arrive, or a trailer is
+            wrong.
     """
     runtime(model).expect_writes(_sync_writes(model, plan))
     wires = plan.wires
@@ -80,7 +102,8 @@ def _receive(
     loader = getattr(model, "load_weights", None)
     accepted: list[str] = []
     rejected: list[RejectedEntry] = []
-    arrived: list[int] = []  # per bucket arrived: its checksum, when the sync is verified
+    digests = Digests()  # per entry arrived, in the plan's order, when verified
+    fingerprint_seconds = 0.0
     flight = _InFlight(plan, wires, ring, staging, src, group, overlap, channel)
     by_bucket: list[list[_Entry]] = [[] for _ in plan.sizes]
     for e in plan.entries:
@@ -95,8 +118,12 @@ def _receive(
                 return flight.aborted
             mark_written(staging)  # c10d writes: declared, whatever the tracker saw
             flight.post_ahead()  # the next buckets arrive while the loader runs
-            if plan.verify:
-                arrived.extend(_checksum(slot[: plan.sizes[b]]) for b, slot in run)
+            if plan.verify:  # the bytes received, before the loader can touch them
+                start = time.perf_counter()
+                for b, slot in run:
+                    for e in by_bucket[b]:
+                        digests.add(_view(slot, e), e.name)
+                fingerprint_seconds += time.perf_counter() - start
             loaded, refused = _load_run(model, loader, run, by_bucket)
             accepted.extend(loaded)
             rejected.extend(refused)
@@ -106,21 +133,30 @@ def _receive(
     finally:
         if flight.works:  # a broadcast still writes into it: no later sync may reuse it
             _drop_busy(model, group, staging)
-    mismatched: tuple[int, ...] = ()
-    if plan.verify:
-        sums = torch.zeros(buckets, dtype=torch.int64, device=device)
+    mismatched: tuple[_Mismatch, ...] = ()
+    if plan.verify and plan.entries:
+        wire = torch.zeros(len(plan.entries), _FINGERPRINT_WORDS, dtype=torch.int64,
+                           device=device)
         try:
-            channel.wait(dist.broadcast(sums, src=src, group=group, async_op=True),
-                         "receiving the checksums")
+            channel.wait(dist.broadcast(wire, src=src, group=group, async_op=True),
+                         "receiving the fingerprints")
         except _ToldError:
             raise
         except Exception as exc:
             raise flight.lost(buckets, exc) from exc
-        mismatched = tuple(b for b, (want, got) in enumerate(zip(sums.tolist(), arrived))
-                           if want != got)
+        start = time.perf_counter()
+        got = digests.done()
+        fingerprint_seconds += time.perf_counter() - start
+        mismatched = tuple(
+            _Mismatch(e.name, e.bucket, hexdigest(mine), hexdigest(theirs))
+            for e, mine, theirs in zip(plan.entries, got, _fingerprints_read(wire))
+            if mine != theirs
+        )
     return _Transfer(staging_bytes=staging.numel(), reused=reused,
                      overlap=overlap and buckets > 1, accepted=tuple(accepted),
-                     rejected=tuple(rejected), mismatched=mismatched)
+                     rejected=tuple(rejected), mismatched=mismatched,
+                     fingerprinted=len(plan.entries) if plan.verify else 0,
+                     fingerprint_seconds=fingerprint_seconds)
 
 
 def _sync_writes(model: nn.Module, plan: _Plan) -> list[str] | None:
@@ -222,8 +258,9 @@ class _InFlight:
         """The error for bucket `b`, whose broadcast failed."""
         entries = self.plan.bucket(b) if b < len(self.wires) else ()
         what = (f"bucket {b} of {len(self.wires)}" if b < len(self.wires)
-                else "the checksums of the buckets")
-        size = self.wires[b] if b < len(self.wires) else 8 * len(self.wires)
+                else "the fingerprints of the entries")
+        size = (self.wires[b] if b < len(self.wires)
+                else 8 * _FINGERPRINT_WORDS * len(self.plan.entries))
         return WeightSyncError(
             f"receive_weights: {what} did not arrive from rank {self.src}",
             bucket=b if b < len(self.wires) else None,
@@ -269,18 +306,26 @@ def _check_trailer(
 
 
 def _mismatch_error(
-    plan: _Plan, mismatched: tuple[int, ...], rank: int, src: int
+    mismatched: tuple[_Mismatch, ...], rank: int, src: int, report: Any
 ) -> WeightSyncError:
-    """The error naming the buckets whose checksum differs from the sender's."""
-    names = [e.name for b in mismatched for e in plan.bucket(b)]
+    """The error naming the entries whose bytes arrived other than the sender's tensors
+    held them."""
+    n = len(mismatched)
+    shown = "\n".join(f"    {m.name!r} (bucket {m.bucket}): fingerprint {m.got}, the "
+                      f"sender's {m.sent}" for m in mismatched[:_SHOWN])
+    more = f"\n    ... and {n - _SHOWN} more" if n > _SHOWN else ""
     return WeightSyncError(
-        f"rank {rank}: {len(mismatched)} bucket(s) arrived with a checksum other "
-        "than the sender's",
-        bucket=mismatched[0],
-        entry=names[0] if names else None,
-        expected=f"the checksums rank {src} computed before sending",
-        got=f"buckets {list(mismatched)} differ (entries {_names(names)})",
-        fix="bytes were torn or changed on the way: the sender changed a tensor during "
-        "the sync, or the transport corrupts data. Every receiver's model refuses to "
-        "replay until a complete sync",
+        f"rank {rank}: {n} entr{'y' if n == 1 else 'ies'} of the sync arrived other than "
+        f"the sender was given {'it' if n == 1 else 'them'}: "
+        f"{_names([m.name for m in mismatched])}",
+        entry=mismatched[0].name,
+        bucket=mismatched[0].bucket,
+        mismatched=[m.name for m in mismatched],
+        report=report,
+        expected=f"the fingerprints rank {src} took of the tensors it was given, before "
+        "packing them",
+        got=f"the fingerprints of the bytes this rank received:\n{shown}{more}",
+        fix="bytes changed between the trainer's tensors and this rank (in the sender's "
+        "staging buffer, on the wire, or a bucket arrived short or torn): send the sync "
+        "again; until a complete sync every receiver's model refuses to replay",
     )

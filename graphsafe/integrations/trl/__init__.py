@@ -7,9 +7,10 @@
 `enable` turns graphsafe's vLLM plugin on (`graphsafe.integrations.vllm.enable`) with the
 CPU-build settings a bare `load_weights` sync needs, makes each TRL weight sync
 (`VLLMGeneration.sync_weights`, one `load_weights` call per parameter) one graphsafe
-update with one refresh at its end, and adds a `GraphsafeCallback` to every
-`GRPOTrainer` that uses vLLM, which puts each sync's record (updates, refreshed, stale,
-time) into TRL's logs. Where TRL is not installed, importing this module does nothing,
+update with one refresh at its end, compares the policy's fingerprints with the
+engine's after each sync, and adds a `GraphsafeCallback` to every `GRPOTrainer` that
+uses vLLM, which puts each sync's record (updates, refreshed, stale, time, fingerprint
+mismatches) into TRL's logs. Where TRL is not installed, importing this module does nothing,
 and `enable` returns False and changes nothing.
 """
 
@@ -49,6 +50,7 @@ def enable(
     cpu_keep_lm_head: bool = True,
     lazy_refresh: bool | None = None,
     callback: bool = True,
+    fingerprints: bool = True,
 ) -> bool:
     """Turn graphsafe on for TRL trainers built afterwards in this process.
 
@@ -61,6 +63,9 @@ def enable(
             packed copy TRL's sync would leave stale (caught, by name, if off).
         lazy_refresh: See `graphsafe.integrations.vllm.enable` (None: as it is).
         callback: Add a `GraphsafeCallback` to each `GRPOTrainer` that uses vLLM.
+        fingerprints: After each sync, compare the policy's parameters with the engine's
+            by fingerprint, where the names and shapes match (`SyncRecord`): one read
+            of both, on their devices.
 
     Returns:
         Whether TRL was found and patched (False: nothing was changed).
@@ -78,7 +83,7 @@ def enable(
         cpu_keep_lm_head=cpu_keep_lm_head,
         lazy_refresh=lazy_refresh,
     )
-    patch_sync(generation.VLLMGeneration)
+    patch_sync(generation.VLLMGeneration, fingerprints=fingerprints)
     if callback:
         _add_callback_on_init()
     return True

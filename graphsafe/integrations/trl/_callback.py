@@ -17,8 +17,12 @@ class GraphsafeCallback(TrainerCallback):
 
     At the end of every step, each sync into the colocated vLLM engine since the last
     step adds `graphsafe/updates`, `graphsafe/refreshed`, `graphsafe/stale` (how many
-    tensors were stale after it) and `graphsafe/sync_seconds` to the metrics the trainer
-    logs next, as TRL's own timings reach them (`trainer._metrics`). `records` keeps every
+    tensors were stale after it), `graphsafe/sync_seconds`,
+    `graphsafe/fingerprints_compared` (the policy's parameters compared with the
+    engine's after the sync, where the names and shapes match) and
+    `graphsafe/fingerprint_mismatches` (how many of those the engine does not serve bit
+    for bit) to the metrics the trainer logs next, as TRL's own timings reach them
+    (`trainer._metrics`). `records` keeps every
     sync's `SyncRecord`. `gs_trl.enable()` adds one to every `GRPOTrainer` that uses vLLM.
 
     Args:
@@ -45,6 +49,8 @@ class GraphsafeCallback(TrainerCallback):
                     ("refreshed", float(r.refreshed)),
                     ("stale", float(len(r.stale))),
                     ("sync_seconds", r.seconds),
+                    ("fingerprints_compared", float(r.fingerprints_compared)),
+                    ("fingerprint_mismatches", float(len(r.fingerprint_mismatches))),
                 ):
                     train[PREFIX + key].append(value)
         return control

@@ -13,6 +13,7 @@ from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import RegistrationError
+from graphsafe._fingerprint.digest import fingerprint
 from graphsafe._lineage import Lineage, record
 from graphsafe.integrations._engine import attach_once
 from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
@@ -242,6 +243,19 @@ class WorkerExtension:
         state = getattr(self, "_graphsafe", None) or {}
         a = state.get("model")
         return None if a is None else a.status()
+
+    def graphsafe_fingerprint(self, names: list[str] | None = None) -> dict[str, str]:
+        """`gs.fingerprint` of this worker's model, attached or not: its parameters and
+        persistent buffers by vLLM's names, or `names` among them.
+
+        A trainer compares them with its own after a sync, by name where the names map
+        one to one (`llm.collective_rpc("graphsafe_fingerprint")`: one mapping per
+        worker; a tensor-parallel worker's shard has its own).
+
+        Raises:
+            KeyError: `names` holds a name the model does not hold.
+        """
+        return dict(fingerprint(self.model_runner.get_model(), names))  # type: ignore[attr-defined]
 
     def graphsafe_exempt(self, path: str, why: str) -> dict[str, Any] | None:
         """Never check the discovered tensor at `path` on this worker's model (one meant to

@@ -736,3 +736,22 @@ def test_cuda_state_made_on_first_use_before_capture_is_guarded() -> None:
     m.load_weights({k: v.cuda() for k, v in _weights(1).items()})
     with pytest.raises(gs.StaleError, match=r"packed"):
         g.replay()
+
+
+def test_the_bring_up_ends_after_its_most_forwards_or_at_a_later_load() -> None:
+    from graphsafe._lineage.window import FORWARDS
+
+    m = Lazy()
+    m.load_weights(_weights(0))
+    x = torch.ones(2, C)
+    with torch.no_grad():
+        for _ in range(FORWARDS):  # a model no graph ever captures
+            m(x)
+    assert not m._forward_pre_hooks and not m._forward_hooks  # no recorder from here on
+    assert [d.path for d in gs.runtime(m).discovered] == ["packed"]
+    # A later load ends it too (what forwards after a sync make is no warm-up's).
+    m2 = Lazy()
+    m2.load_weights(_weights(0))
+    assert m2._forward_pre_hooks
+    m2.load_weights(_weights(1))
+    assert not m2._forward_pre_hooks and gs.runtime(m2).discovered == ()

@@ -281,13 +281,21 @@ class Discovery:
         self.settle(lineage, model, sites)
         self._recorded = True
         if bring_up is not None and self._window is None and RECORDING[0] != "off":
-            self._window = Window(model, lineage, bring_up)
+            ref = weakref.ref(model)
+
+            def full() -> None:  # the most forwards a bring-up records: it ends
+                now = ref()
+                if now is not None:
+                    self.close_window(now, sites)
+
+            self._window = Window(model, lineage, bring_up, full)
         else:
             lineage.release()
 
     def close_window(self, model: nn.Module, sites: Callable[[], Sequence[Site]]) -> None:
-        """The model's first capture ended (or it was pinned by an engine that captured
-        its own graphs): what its forwards made lazily from the weights is discovered."""
+        """The model's bring-up ended (its first capture ended, an engine that captured
+        its own graphs pinned it, a later load began, or it ran `FORWARDS` forwards): what
+        its forwards made lazily from the weights is discovered."""
         window, self._window = self._window, None
         if window is not None:
             window.close(lambda lineage: self.settle(lineage, model, sites, lazily=True))

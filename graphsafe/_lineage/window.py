@@ -5,7 +5,9 @@ Engines make state outside any load: a kernel that packs its weight on first use
 the profile or dummy run, the warm-up), a per-layer cache keyed by the weight's identity.
 A `Window` keeps the first load's recording open over every forward of the root module
 until the model's first capture ends (or it is pinned without one of graphsafe's graphs:
-an engine pins once its own graphs are captured). Each forward is an epoch of its own
+an engine pins once its own graphs are captured), until a later load begins (the
+bring-up is over), or for `FORWARDS` forwards at most (a model no graph ever captures
+must not pay a dispatch mode on every op of every forward). Each forward is an epoch of its own
 (`Lineage.epoch`). When the window closes, a tensor the model holds whose last writer ran
 in an earlier forward, computed from the weights, was made lazily and is kept: it is
 discovered like what the load made. One written again by the last forward (the capture,
@@ -28,7 +30,11 @@ from torch.utils.hooks import RemovableHandle
 
 from graphsafe._lineage.recorder import Lineage, Recorder
 
-__all__ = ["Window"]
+__all__ = ["FORWARDS", "Window"]
+
+FORWARDS = 64
+"""The most forwards a bring-up records (an engine's profile run, its warm-ups, one
+capture per batch size)."""
 
 
 class Window:
@@ -38,14 +44,17 @@ class Window:
         model: The root module (held by the hooks it installs, which `close` removes).
         lineage: The first load's recording, continued.
         weights: Storage keys of the model's weights (see `Recorder.weights`).
+        full: Called when the `FORWARDS`-th forward ended (the owner closes it).
     """
 
-    __slots__ = ("_handles", "_local", "closed", "lineage", "weights")
+    __slots__ = ("_full", "_handles", "_local", "closed", "lineage", "weights")
 
-    def __init__(self, model: nn.Module, lineage: Lineage, weights: frozenset[int]) -> None:
+    def __init__(self, model: nn.Module, lineage: Lineage, weights: frozenset[int],
+                 full: Callable[[], None]) -> None:
         self.lineage = lineage
         self.weights = weights
         self.closed = False
+        self._full = full  # called once the last forward it records has ended
         self._local = threading.local()
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._before),
@@ -79,6 +88,8 @@ class Window:
         recorder = stack.pop()
         if recorder is not None:
             recorder.__exit__(None, None, None)
+            if self.lineage.epoch >= FORWARDS and not self.closed:
+                self._full()
 
     def close(self, settle: Callable[[Lineage], None]) -> None:
         """Stop recording, hand what the forwards made to `settle`, then forget it."""

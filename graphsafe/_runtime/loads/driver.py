@@ -224,6 +224,8 @@ class LoadDriver:
     ) -> Iterator[Load]:
         """One load, begun and ended under the lock the caller holds."""
         self.settle_state_dict()
+        # A later load ends the bring-up: forwards after it are no warm-up.
+        self._discovery.close_window(self._binder.model, lambda: self._binder.walked().sites)
         engine = self._bound_engine()
         before = self._binder.model_map()
         load = self._load = Load.begin(

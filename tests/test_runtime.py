@@ -509,7 +509,9 @@ def test_stale_error_names_the_module_class_and_derivation() -> None:
     with pytest.raises(gs.StaleError) as e:
         gs.runtime(layer).assert_fresh()
     assert e.value.module_class == "ScaledLayer"
-    assert e.value.derivation == "ScaledLayer._w_scaled"
+    # Every derivation whose buffers are stale, the first first (each buffer's own in `got`).
+    assert e.value.derivation is not None
+    assert e.value.derivation.split(", ")[0] == "ScaledLayer._w_scaled"
     assert "ScaledLayer" in str(e.value)
 
 

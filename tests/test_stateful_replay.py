@@ -1027,7 +1027,11 @@ class RefitMachine(RuleBasedStateMachine):
                 self.interrupted = "maybe"
             return
         self._refreshed(self.net)
-        assert rt.stale == () or self._net_failed(), rt.stale
+        # A refresh recomputes the declared buffers; what was derived undeclared it does
+        # not (only a load, or an adopted copy at a repairing replay, makes it again).
+        found = {d.path for d in rt.discovered}
+        declared = tuple(p for p in rt.stale if p not in found)
+        assert declared == () or self._net_failed(), rt.stale
 
     @rule(mode=st.sampled_from(MODES))
     def capture(self, mode: OnStale) -> None:
@@ -1240,7 +1244,13 @@ class RefitMachine(RuleBasedStateMachine):
                 continue  # what a failure marks stale is graphsafe's to choose
             if side is self.draft and self._draft_poisoned():
                 continue
-            stale = set(gs.runtime(side.model).stale)
+            rt = gs.runtime(side.model)
+            found = rt.discovered
+            listed = set(rt.stale)
+            # What the model derived undeclared is listed exactly when it is stale.
+            assert listed & {d.path for d in found} == {
+                d.path for d in found if d.stale and not d.exempt}, (listed, found)
+            stale = listed - {d.path for d in found}
             dirty, maybe = _closure(side.dirty), _closure(side.dirty | side.maybe)
             assert dirty <= stale <= maybe, (stale, side.dirty, side.maybe)
 

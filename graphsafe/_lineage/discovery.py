@@ -39,10 +39,10 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from graphsafe._declare.spec import Drift
-from graphsafe._errors import GraphSafetyError, StaleError, StorageMovedError
+from graphsafe._errors import GraphSafetyError
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Arg, Call, Lineage
+from graphsafe._lineage.refusals import moved_error, stale_error
 from graphsafe._lineage.resolve import (
     Found,
     Source,
@@ -687,67 +687,3 @@ def _refusal(e: _Entry) -> str | None:
     if not (torch.equal(first, second) and torch.equal(first, held)):
         return "running its recorded chain again does not give what the model holds, bitwise"
     return None
-
-
-def stale_error(model_class: type, stale: list[tuple[_Entry, str]]) -> StaleError:
-    """The refusal of a replay that would read engine-derived state computed from
-    weights written since."""
-    first = stale[0][0]
-    paths = [e.path for e, _ in stale]
-    got = "; ".join(
-        f"{e.path} (from {', '.join(e.source_paths())} by {e.chain}): {why}"
-        for e, why in stale[:4]
-    )
-    declare = _declare_line(first)
-    return StaleError(
-        f"{len(stale)} tensor(s) the model derived from its weights (found without a "
-        "declaration) were not recomputed after their sources were written",
-        paths=paths,
-        module_class=first.module_class,
-        path=", ".join(paths[:8]) + (" ..." if len(paths) > 8 else ""),
-        expected="every tensor computed from the weights recomputed after they are written",
-        got=got,
-        fix="re-run the engine's post-load processing over what was written (in vLLM, "
-        "its layerwise processing of the written layers, not `reload_weights` from disk, "
-        f"which would discard the sync){declare}; or exempt it if it is meant to differ: "
-        f'`gs.runtime(model).exempt("{first.path}", why="...")`',
-    )
-
-
-def moved_error(model_class: type, moved: list[tuple[_Entry, str]]) -> StorageMovedError:
-    """The refusal of a replay whose graph holds a scalar's old value or a handle
-    rebuilt since the capture."""
-    first = moved[0][0]
-    drifts = [Drift(path=e.path, module_class=e.module_class,
-                    what="value" if e.kind == "scalar" else "handle",
-                    old=how.split(", now ")[0].removesuffix(" at capture"),
-                    new=how.split(", now ")[-1]) for e, how in moved]
-    got = "; ".join(f"{e.path} (a {e.kind} from {', '.join(e.source_paths())}): {how}"
-                    for e, how in moved[:4])
-    return StorageMovedError(
-        f"{len(moved)} value(s) the model derived from its weights changed after graph "
-        "capture: the graph holds the old one",
-        drifts=drifts,
-        module_class=first.module_class,
-        path=", ".join(e.path for e, _ in moved[:8]),
-        expected="a Python number or kernel handle the graph captured kept as it was "
-        "(a graph bakes a number into its kernels' arguments and holds a handle's memory)",
-        got=got,
-        fix="re-capture the graphs after the engine's post-load processing changed them "
-        "(release them: Graph.reset()); or keep such values in tensors the graph reads, "
-        "updated in place",
-    )
-
-
-def _declare_line(e: _Entry) -> str:
-    """`; or declare it: <the registry line>` where the tensor is a module attribute."""
-    site = e.site
-    if site.chain or not isinstance(site.key, str):
-        return ""
-    prefix = e.path.rsplit(".", 1)[0] + "." if "." in e.path else ""
-    inputs = [s.path[len(prefix):] for s in e.sources if s.path.startswith(prefix)]
-    if len(inputs) != len(e.sources):
-        return ""
-    return (f"; or declare it as a derivation: `@registry.derive({e.module_class}, "
-            f"{site.key!r}, inputs={inputs!r})` over a function computing it")
-

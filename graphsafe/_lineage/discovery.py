@@ -251,6 +251,7 @@ class Discovery:
     def __init__(self, journal: Journal) -> None:
         self._journal = journal
         self._entries: list[_Entry] = []
+        self._values: list[_Entry] = []  # the numbers and handles among them
         self._exempt: dict[str, str] = {}
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
@@ -437,6 +438,7 @@ class Discovery:
         return by_entry
 
     def _rebuild(self, old_rows: dict[int, list[int]]) -> None:
+        self._values = [e for e in self._entries if e.kind != "tensor"]
         sites: list[tuple[dict[str, object], str]] = []
         rows: list[int | None] = []
         owner: list[int] = []
@@ -559,8 +561,8 @@ class Discovery:
     def pin(self) -> None:
         """A graph holds the model from now on: what each scalar and handle is now is what
         it holds."""
-        for e in self._entries:
-            if e.kind != "tensor" and e.pinned is None:
+        for e in self._values:
+            if e.pinned is None:
                 e.pinned = _ref(e.value())
 
     def unpin(self) -> None:
@@ -603,7 +605,7 @@ class Discovery:
         """Raise `StorageMovedError` for a scalar whose value, or a handle whose object,
         changed since the pin (a graph holds the old one), then `StaleError` for every
         checked stale entry (repairing adopted ones first when `repair`)."""
-        moved = [(e, how) for e in self._entries
+        moved = [(e, how) for e in self._values  # a replay pays for these alone
                  if e.pinned is not None and e.path not in self._exempt
                  and (how := e.moved()) is not None]
         if moved:

@@ -242,16 +242,9 @@ def walk_values(model: nn.Module, wanted: Callable[[Any], bool]) -> list[ValueSi
         ['scale', 'kernel.keywords.other']
     """
     found: list[ValueSite] = []
-    modules = list(walk_modules(model))
-    tree = {id(s.module) for s in modules}
+    tree, each = _each_module(model)
     entered: set[int] = set()
-    done: set[int] = set()
-    for where in modules:
-        module = where.module
-        if id(module) in done:
-            continue
-        done.add(id(module))
-        head = f"{where.path}." if where.path else ""
+    for head, module in each:
         attrs = module.__dict__
         for name, top in tuple(attrs.items()):
             if name in _MODULE_INTERNALS:
@@ -272,6 +265,19 @@ def walk_values(model: nn.Module, wanted: Callable[[Any], bool]) -> list[ValueSi
                 for k, child in reversed(children):
                     stack.append((child, _join(path, value, k), (*chain, k)))
     return found
+
+
+def _each_module(model: nn.Module) -> tuple[set[int], list[tuple[str, nn.Module]]]:
+    """The ids of the tree's modules, and each module once (at its first binding) with
+    its path prefix (`"layers.0."`, `""` for the root)."""
+    modules = list(walk_modules(model))
+    done: set[int] = set()
+    each = []
+    for where in modules:
+        if id(where.module) not in done:
+            done.add(id(where.module))
+            each.append((f"{where.path}." if where.path else "", where.module))
+    return {id(s.module) for s in modules}, each
 
 
 # Types whose instances hold no tensor the walk could find: one set lookup per value.
@@ -334,15 +340,8 @@ class _Walker:
         self.entered: set[int] = set()
 
     def run(self) -> Reach:
-        modules = list(walk_modules(self.model))
-        self.tree = {id(s.module) for s in modules}
-        done: set[int] = set()
-        for where in modules:
-            module = where.module
-            if id(module) in done:
-                continue
-            done.add(id(module))
-            head = f"{where.path}." if where.path else ""
+        self.tree, each = _each_module(self.model)
+        for head, module in each:
             for container in (module._parameters, module._buffers):
                 for name, value in tuple(container.items()):
                     if isinstance(value, torch.Tensor):

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pydantic
 import pytest
 import torch
@@ -327,3 +332,111 @@ def test_an_input_set_to_none_is_named_as_such_with_the_when_fix() -> None:
     message = str(info.value)
     assert "when=lambda m: m.weight is not None" in message
     assert "tensors there: bias" in message and "tensors there: weight" not in message
+
+
+# -----------------------------------------------------------------------------
+# A forward that reads a buffer of a registry nobody attached
+
+
+class _PlusOneNorm(nn.Module):
+    """A norm whose forward reads `weight_plus_one`, which only a registry declares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight_plus_one  # type: ignore[operator]
+
+
+def _plus_one_registry() -> gs.Registry:
+    reg = gs.Registry()
+    reg.register(_PlusOneNorm, gs.Derivation(
+        outputs=("weight_plus_one",), inputs=("weight",), fn=lambda m, w: w + 1))
+    return reg
+
+
+def _notes(error: BaseException) -> str:
+    return "\n".join(getattr(error, "__notes__", ()))
+
+
+def test_a_forgotten_registry_is_named_where_the_capture_fails() -> None:
+    reg = _plus_one_registry()
+    model = _PlusOneNorm()
+    with (pytest.raises(AttributeError, match="weight_plus_one") as caught,
+          torch.no_grad(), gs.Graph(backend="cpu").capture()):
+        model(torch.ones(4))
+    notes = _notes(caught.value)
+    assert "_PlusOneNorm.weight_plus_one is a derived buffer" in notes
+    assert f"{__file__}:" in notes  # where the registry was made
+    assert "gs.runtime(model, registry)" in notes
+    # Attached, it works: the note pointed at the fix.
+    gs.runtime(model, reg).refresh()
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(4)), torch.full((4,), 2.0))
+
+
+def test_control_an_attribute_no_registry_declares_gets_no_note() -> None:
+    _plus_one_registry()  # declares weight_plus_one, not what this forward reads
+
+    class Other(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight_minus_one  # type: ignore[operator]
+
+    with (pytest.raises(AttributeError) as caught,
+          torch.no_grad(), gs.Graph(backend="cpu").capture()):
+        Other()(torch.ones(4))
+    assert _notes(caught.value) == ""
+
+
+def test_a_runtime_without_that_registry_and_one_not_loaded_are_told_apart() -> None:
+    from graphsafe._declare.forgotten import hint
+
+    reg = _plus_one_registry()
+    model = _PlusOneNorm()
+    gs.runtime(model)  # a runtime, but consulting the default registry only
+    with pytest.raises(AttributeError) as caught:
+        model(torch.ones(4))
+    assert "does not consult that registry" in (hint(caught.value) or "")
+
+    other = _PlusOneNorm()
+    rt = gs.Runtime(other, reg)  # attached, never loaded: nothing materialized yet
+    with pytest.raises(AttributeError) as caught:
+        other(torch.ones(4))
+    assert "not materialized yet" in (hint(caught.value) or "")
+    rt.refresh()
+    other(torch.ones(4))
+
+
+def test_an_uncaught_error_prints_the_hint(tmp_path: Path) -> None:
+    """Where nothing of graphsafe's is on the stack, the process's excepthook adds it;
+    the control, without the declaration, prints torch's error alone."""
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        import graphsafe as gs
+
+        class Norm(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = nn.Parameter(torch.ones(4))
+
+            def forward(self, x):
+                return x * self.weight_plus_one
+
+        reg = gs.Registry()
+        if DECLARE:
+            reg.register(Norm, gs.Derivation(outputs=("weight_plus_one",),
+                                             inputs=("weight",), fn=lambda m, w: w + 1))
+        Norm()(torch.ones(4))
+    """)
+    for declare in (True, False):
+        path = tmp_path / f"forgot_{declare}.py"
+        path.write_text(script.replace("DECLARE", str(declare)))
+        done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 1
+        assert "AttributeError: 'Norm' object has no attribute 'weight_plus_one'" in done.stderr
+        made = f"the registry made at {path}:14 declares (derivation '<lambda>')"
+        assert (made in done.stderr) is declare, done.stderr
+        assert ("graphsafe:" in done.stderr) is declare

@@ -8,10 +8,12 @@ checked without an instance is checked here, at registration.
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from graphsafe._declare.forgotten import known
 from graphsafe._declare.spec import Derivation
 from graphsafe._errors import RegistrationError
 
@@ -121,6 +123,9 @@ class Registry:
     """
 
     def __init__(self) -> None:
+        caller = sys._getframe(1)
+        self._made_at = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        """Where it was made, for the hint on a forward that reads an undeclared buffer."""
         self._own: dict[type, list[Derivation]] = {}
         self._cache: dict[type, tuple[Derivation, ...]] = {}
         self._lock = threading.Lock()
@@ -185,6 +190,7 @@ class Registry:
                 )
             own.append(derivation)
             self._cache.clear()
+        known(self, self._made_at)
         return derivation
 
     def derive(

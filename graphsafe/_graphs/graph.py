@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from graphsafe._audit.audit import Auditor, AuditReport
+from graphsafe._declare.forgotten import hinting
 from graphsafe._graphs.capture import CaptureState
 from graphsafe._graphs.cpu import CPUBackend
 from graphsafe._graphs.guard import Guard
@@ -220,7 +221,7 @@ class Graph:
             Guard.check_capturable(self._model)  # before warm-up runs the model
         bring_up = (runtime(self._model).capturing() if self._model is not None
                     else contextlib.nullcontext())
-        with bring_up:  # the warm-up and the capture end the model's bring-up
+        with bring_up, hinting():  # the warm-up and the capture end the model's bring-up
             if warmup is not None:
                 self._backend.warmup(warmup, warmup_iters)
             try:

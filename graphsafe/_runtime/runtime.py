@@ -18,6 +18,7 @@ from typing import Any, Final
 
 from torch import nn
 
+from graphsafe._declare.forgotten import ATTACHED
 from graphsafe._declare.registry import Registry
 from graphsafe._declare.spec import DerivationInfo, RefreshReport
 from graphsafe._errors import GraphSafetyError, RegistrationError
@@ -492,6 +493,17 @@ def runtime(
     if strict is not None:
         rt.strict = strict
     return rt
+
+
+def _consults(module: nn.Module, registry: Registry) -> bool | None:
+    """Whether the runtime `module` is bound by consults `registry` (None: it has none)."""
+    rt = _RUNTIMES.get(module) or _OWNERS.get(module)
+    if rt is None or not rt._binder.alive:
+        return None
+    return rt._binder.consults(registry)
+
+
+ATTACHED[:] = [_consults]
 
 
 def weight_update(

@@ -53,6 +53,7 @@ from graphsafe._lineage.resolve import (
     recompute,
     recompute_scalar,
     sources_of,
+    trace,
 )
 from graphsafe._lineage.rewrites import Rewritten, rewritten_error
 from graphsafe._lineage.window import Window
@@ -79,7 +80,8 @@ class Discovered(BaseModel):
     module_class: str
     """Class of the module it hangs off."""
     sources: tuple[str, ...]
-    """Dotted paths of the weights it was computed from."""
+    """Dotted paths of the weights it was computed from (another model's led by its
+    class: `Target:lm_head.weight`)."""
     chain: str
     """How: the op chain from the first source (shortened)."""
     opaque: bool
@@ -248,8 +250,12 @@ class Discovery:
         journal: Whose epochs the witnesses take.
     """
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal,
+                 others: Callable[[], Iterable[nn.Module]] = tuple) -> None:
         self._journal = journal
+        self._others = others
+        """The other models graphsafe binds: their weights are sources too (a draft that
+        packs or copies its head from the target's, by reference)."""
         self._entries: list[_Entry] = []
         self._values: list[_Entry] = []  # the numbers and handles among them
         self._exempt: dict[str, str] = {}
@@ -343,6 +349,7 @@ class Discovery:
         if not alive and not lineage.values and not lineage.weight_writes:
             return
         sources = sources_of(model)
+        foreign = self._foreign(model, sources)
         derived = frozenset(
             sid for m in model.modules() for name in m._non_persistent_buffers_set
             if isinstance(b := m._buffers.get(name), torch.Tensor) and (sid := _sid(b)))
@@ -351,9 +358,16 @@ class Discovery:
         for rewrite in () if lazily else find_rewrites(lineage, sources, derived):
             self._rewritten[rewrite.weight.path] = Rewritten(
                 rewrite, classes.get(id(rewrite.weight.holder), type(model).__name__))
+        if foreign:
+            # A weight of its own last written from another model's weights (a draft
+            # copying the target's head into its own) is derived from them, not loaded.
+            for sid in [sid for sid in sources if sid in lineage.writers and sid in alive]:
+                if trace(lineage.writers[sid][0], foreign)[0]:
+                    del sources[sid]
         for staged, weight in lineage.copied.items():  # a staging copy stands for its weight
-            if weight in sources and staged not in sources:
+            if weight in sources and staged not in sources and staged not in foreign:
                 sources[staged] = sources[weight]._replace(sid=staged)
+        sources = {**foreign, **sources}
         candidates = alive - sources.keys()
         if not candidates and not lineage.values:
             return
@@ -372,6 +386,28 @@ class Discovery:
         old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
         self._entries = kept + fresh
         self._rebuild(old_rows)
+
+    def _foreign(self, model: nn.Module, own: dict[int, Source]) -> dict[int, Source]:
+        """The weights of the other models graphsafe binds that `model` does not hold
+        itself, by storage identity, each path led by its model's class
+        (`Target:lm_head.weight`)."""
+        found: dict[int, Source] = {}
+        for other in self._others():
+            if other is model:
+                continue
+            name = type(other).__name__
+            for sid, src in sources_of(other).items():
+                if sid not in own:
+                    found.setdefault(sid, src._replace(path=f"{name}:{src.path}"))
+        return found
+
+    def foreign_keys(self, model: nn.Module) -> frozenset[int]:
+        """Storage keys of the other bound models' weights `model` does not hold (for a
+        recording: a copy from one is a derivation)."""
+        foreign = self._foreign(model, sources_of(model))
+        with PLAIN():
+            return frozenset(storage_key(t) for s in foreign.values()
+                             if isinstance(t := s.holder.get(s.key), torch.Tensor))
 
     def follow(self, written: set[int]) -> None:
         """After a load that was not recorded: an entry it wrote (re-derived in place), or

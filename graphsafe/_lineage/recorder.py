@@ -143,8 +143,8 @@ class Lineage:
     """What a recording found: the latest writer of each storage it saw written, and the
     values that left torch, with the call that made each."""
 
-    __slots__ = ("_atoms", "_refs", "before", "copied", "epoch", "handles", "values",
-                 "weight_writes", "writers")
+    __slots__ = ("_atoms", "_refs", "before", "copied", "epoch", "foreign", "handles",
+                 "values", "weight_writes", "writers")
 
     def __init__(self) -> None:
         self.writers: dict[int, tuple[Call, Arg]] = {}
@@ -161,6 +161,9 @@ class Lineage:
         self.weight_writes: dict[int, list[tuple[str, bool]]] = {}
         """A weight's storage -> each op that wrote it, in order (`schema_name`), and
         whether it was a load (a copy from what the recording did not compute)."""
+        self.foreign: frozenset[int] = frozenset()
+        """Storage keys of other models' weights: a weight copied from one is derived
+        from it (a draft copying the target's head), not loaded."""
         self.before: dict[str, object] | None = None
         """Where the model kept the values that do not tell one occurrence from another
         (`bool`s, small `int`s), taken before the recording made the first of them: a
@@ -355,7 +358,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             src = args[1]
             lineage = self.lineage
             sid = sid_of(src) if isinstance(src, torch.Tensor) else 0
-            if sid and sid in lineage.writers:  # computed here: maybe a post-load rewrite
+            if sid and (sid in lineage.writers  # computed here: maybe a post-load rewrite
+                        or storage_key(src) in lineage.foreign):  # another model's weight
                 with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
                     self._note(func, args, kwargs, out)
             else:  # a weight loaded: what reads it stops there

@@ -104,7 +104,7 @@ class Runtime(metaclass=_OnePerModel):
         self._capturing = 0  # graphs capturing now (the bring-up ends when they end)
         # Every model storage while pinned: poison on any refuses the graphs' replays.
         self._pinned_keys: frozenset[int] = frozenset()
-        self._discovery: Final = Discovery(JOURNAL)
+        self._discovery: Final = Discovery(JOURNAL, others=_bound_models)
         self._loads: Final = LoadDriver(self._lock, JOURNAL, self._binder,
                                  pinned=lambda: bool(self._holders), discovery=self._discovery)
 
@@ -493,6 +493,13 @@ def runtime(
     if strict is not None:
         rt.strict = strict
     return rt
+
+
+def _bound_models() -> list[nn.Module]:
+    """Every model a live runtime binds (the sources of what another derives from them)."""
+    with _CREATE:
+        runtimes = list(_RUNTIMES.items())
+    return [model for model, rt in runtimes if rt._binder.alive]
 
 
 def _consults(module: nn.Module, registry: Registry) -> bool | None:

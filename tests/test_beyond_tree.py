@@ -1,0 +1,163 @@
+"""State beyond one model's tree: what a model derives from another model's weights.
+
+A speculative draft packs its head from the target's LM head, reached by reference (not a
+shared submodule), or copies the target's head into its own weight when it loads; an RL
+sync then writes the target only (SGLang #27718, vLLM-Ascend #13209, verl #6947). Each
+case comes with its control: the same capture replayed unguarded reads the stale head.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphsafe as gs
+
+C, V = 4, 6
+
+
+def _head(seed: int) -> torch.Tensor:
+    return torch.randn(V, C, generator=torch.Generator().manual_seed(seed))
+
+
+@gs.graphsafe
+class Target(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(C, V, bias=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x)
+
+
+@gs.graphsafe
+class PackingDraft(nn.Module):
+    """Packs its head from the target's, which its loader is handed by reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(C, C, bias=False)
+        self.head_t = torch.zeros(C, V)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], target: Target) -> None:
+        with torch.no_grad():
+            self.proj.weight.copy_(weights["proj.weight"])
+            self.head_t.copy_(target.lm_head.weight.t())  # [C, V], packed in place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) @ self.head_t
+
+
+@gs.graphsafe
+class CopyingDraft(nn.Module):
+    """Copies the target's head into a weight of its own when it loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(C, C, bias=False)
+        self.head = nn.Linear(C, V, bias=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], target: Target) -> None:
+        with torch.no_grad():
+            self.proj.weight.copy_(weights["proj.weight"])
+            self.head.weight.copy_(target.lm_head.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(x))
+
+
+def _draft_weights() -> dict[str, torch.Tensor]:
+    return {"proj.weight": torch.eye(C)}
+
+
+def _capture(m: nn.Module, *, guard: bool) -> tuple[gs.Graph, torch.Tensor]:
+    g = gs.Graph(backend="cpu", guard=m if guard else None)
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(2, C))
+    return g, y
+
+
+def _expected(head: torch.Tensor) -> torch.Tensor:
+    return torch.ones(2, C) @ head.t()
+
+
+@pytest.mark.parametrize("draft_class", [PackingDraft, CopyingDraft])
+def test_a_draft_derived_from_the_target_is_stale_after_a_target_only_sync(
+    draft_class: type[nn.Module],
+) -> None:
+    target, draft = Target(), draft_class()
+    target.load_weights({"lm_head.weight": _head(0)})
+    draft.load_weights(_draft_weights(), target)
+    found = {d.path: d for d in gs.runtime(draft).discovered}
+    path = "head_t" if draft_class is PackingDraft else "head.weight"
+    assert found[path].sources == ("Target:lm_head.weight",)
+    g, y = _capture(draft, guard=True)
+    target.load_weights({"lm_head.weight": _head(1)})  # the RL sync writes the target only
+    with pytest.raises(gs.StaleError, match=rf"{path}[\s\S]*Target:lm_head.weight"):
+        g.replay()
+    # The fix the error names: the draft's own load again, from the synced target.
+    draft.load_weights(_draft_weights(), target)
+    g.replay()
+    assert torch.allclose(y, _expected(_head(1)))
+
+
+@pytest.mark.parametrize("draft_class", [PackingDraft, CopyingDraft])
+def test_control_unguarded_the_draft_replays_the_old_head(draft_class: type[nn.Module]) -> None:
+    target, draft = Target(), draft_class()
+    target.load_weights({"lm_head.weight": _head(0)})
+    draft.load_weights(_draft_weights(), target)
+    g, y = _capture(draft, guard=False)
+    target.load_weights({"lm_head.weight": _head(1)})
+    g.replay()
+    assert torch.allclose(y, _expected(_head(0)))  # stale: the old head
+    assert not torch.allclose(y, _expected(_head(1)))
+
+
+class SharingDraft(nn.Module):
+    """Holds the target's head submodule itself: nothing is derived, nothing goes stale."""
+
+    def __init__(self, target: Target) -> None:
+        super().__init__()
+        self.proj = nn.Linear(C, C, bias=False)
+        self.lm_head = target.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.proj(x))
+
+
+def test_a_draft_that_shares_the_targets_submodule_is_no_false_alarm() -> None:
+    target = Target()
+    target.load_weights({"lm_head.weight": _head(0)})
+    draft = SharingDraft(target)
+    with gs.runtime(draft).weight_update(), torch.no_grad():
+        draft.proj.weight.copy_(torch.eye(C))
+    assert gs.runtime(draft).discovered == ()
+    g, y = _capture(draft, guard=True)
+    target.load_weights({"lm_head.weight": _head(1)})
+    g.replay()  # the draft reads the target's head itself
+    assert torch.allclose(y, _expected(_head(1)))
+
+
+def test_a_draft_loaded_from_its_own_checkpoint_is_no_false_alarm() -> None:
+    """A weight the draft loads from its own checkpoint is loaded, whatever the target
+    does afterwards."""
+    target, draft = Target(), CopyingDraft()
+    target.load_weights({"lm_head.weight": _head(0)})
+
+    def own_load(weights: dict[str, torch.Tensor]) -> None:
+        with gs.runtime(draft).weight_update(), torch.no_grad():
+            for name, w in weights.items():
+                draft.get_parameter(name).copy_(w)
+
+    own_load({**_draft_weights(), "head.weight": _head(5)})
+    assert gs.runtime(draft).discovered == ()
+    g, y = _capture(draft, guard=True)
+    target.load_weights({"lm_head.weight": _head(1)})
+    g.replay()
+    assert torch.allclose(y, _expected(_head(5)))

@@ -161,3 +161,101 @@ def test_a_draft_loaded_from_its_own_checkpoint_is_no_false_alarm() -> None:
     target.load_weights({"lm_head.weight": _head(1)})
     g.replay()
     assert torch.allclose(y, _expected(_head(5)))
+
+
+# -- a cache outside any model -------------------------------------------------------
+
+_PACKED: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+"""A kernel library's process-wide prepacked-weight cache, keyed by address and shape."""
+
+
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    key = (w.data_ptr(), tuple(w.shape))
+    if key not in _PACKED:
+        _PACKED[key] = w.t().contiguous()  # packed on first use
+    return _PACKED[key]
+
+
+@gs.graphsafe
+class CachedLinear(nn.Module):
+    """Reads its weight through the library's cache: the model holds no packed copy."""
+
+    def __init__(self, *, cached: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, V, bias=False)
+        self.cached = cached
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _packed(self.lin.weight) if self.cached else self.lin.weight.t()
+        return x @ w
+
+
+def _cached_capture(*, guard: bool) -> tuple[CachedLinear, gs.Graph, torch.Tensor]:
+    _PACKED.clear()
+    m = CachedLinear()
+    m.load_weights({"lin.weight": _head(0)})
+    with torch.no_grad():
+        m(torch.ones(2, C))  # the warm-up packs the weight into the cache
+    g, y = _capture(m, guard=guard)
+    return m, g, y
+
+
+def test_a_cache_outside_the_model_is_guarded_named_by_its_key() -> None:
+    m, g, _ = _cached_capture(guard=True)
+    (found,) = gs.runtime(m).discovered
+    assert found.path.startswith(f"<outside the model> {__name__}._PACKED[(")
+    assert found.sources == ("lin.weight",)
+    m.load_weights({"lin.weight": _head(1)})  # in place: the cache keeps the old packing
+    with pytest.raises(gs.StaleError, match=r"_PACKED\[\([\s\S]*lin\.weight"):
+        g.replay()
+
+
+def test_control_unguarded_the_cache_replays_the_old_weight() -> None:
+    m, g, y = _cached_capture(guard=False)
+    m.load_weights({"lin.weight": _head(1)})
+    g.replay()
+    assert torch.allclose(y, _expected(_head(0)))
+    assert not torch.allclose(y, _expected(_head(1)))
+
+
+def test_a_cache_refreshed_in_place_by_the_load_is_no_false_alarm() -> None:
+    """A load that writes the new packing into the cached tensor itself keeps it fresh."""
+    m, g, y = _cached_capture(guard=True)
+    weights = {"lin.weight": _head(1)}
+
+    def load_and_repack() -> None:
+        with gs.runtime(m).weight_update(), torch.no_grad():
+            m.lin.weight.copy_(weights["lin.weight"])
+            _PACKED[(m.lin.weight.data_ptr(), (V, C))].copy_(m.lin.weight.t())
+
+    load_and_repack()
+    g.replay()
+    assert torch.allclose(y, _expected(_head(1)))
+
+
+def test_state_no_weight_feeds_outside_the_model_is_no_false_alarm() -> None:
+    m = CachedLinear(cached=False)
+    m.load_weights({"lin.weight": _head(0)})
+    scale = torch.full((V,), 2.0)  # made outside the model, from no weight
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = m
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * scale
+
+    outer = Scaled()
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        y = outer(torch.ones(2, C))
+    assert gs.runtime(m).discovered == ()
+    m.load_weights({"lin.weight": _head(1)})
+    g.replay()
+    assert torch.allclose(y, 2 * _expected(_head(1)))

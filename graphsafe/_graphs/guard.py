@@ -77,6 +77,7 @@ class Guard:
         model = self.runtime.model
         owned = set(storage_paths(model))
         self.inputs = tuple(t for t in outside if storage_key(t) not in owned)
+        self.runtime.take_inputs(self.inputs)  # those computed from the weights: guarded
         if reads is not None:
             self.reads = reads
             self.ledger = self.ledger.restricted(reads)

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from graphsafe._errors import GraphSafetyError
+from graphsafe._lineage.outside import find_outside
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Arg, Call, Lineage
 from graphsafe._lineage.refusals import moved_error, stale_error
@@ -125,15 +126,21 @@ class _Place(NamedTuple):
     table: str | None
     key: Any
     chain: tuple[Any, ...]
+    outside: list[Any] | None = None
+    """For a tensor no model holds (`graphsafe._lineage.outside`): the entry's own list
+    that holds it (a graph reads it)."""
 
     @classmethod
     def of(cls, site: Site | ValueSite) -> _Place:
         m = site.module
         table = next((n for n in ("_parameters", "_buffers")
                       if site.container is m.__dict__.get(n)), None)
-        return cls(weakref.ref(m), table, site.key, site.chain)
+        outside = site.container if isinstance(site.container, list) else None
+        return cls(weakref.ref(m), table, site.key, site.chain, outside)
 
     def container(self) -> Any:
+        if self.outside is not None:
+            return self.outside
         m = self.module()
         if m is None:
             return None
@@ -400,6 +407,30 @@ class Discovery:
                 if sid not in own:
                     found.setdefault(sid, src._replace(path=f"{name}:{src.path}"))
         return found
+
+    def take_inputs(self, model: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
+        """A capture of `model` read `tensors`, which no model holds: those the bring-up
+        saw computed from the weights (a process-wide cache of packed weights) are
+        guarded from now on, like what the model holds."""
+        window = self._window
+        if window is None or not tensors:
+            return
+        sources = sources_of(model)
+        sources = {**self._foreign(model, sources), **sources}
+        known = {e.path for e in self._entries}
+        fresh = [_Entry(f) for f in find_outside(window.lineage, model, tensors, sources)
+                 if f.site.path not in known]
+        if fresh:
+            by_entry = self._rows_by_entry()
+            old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
+            self._entries = self._entries + fresh
+            self._rebuild(old_rows)
+
+    def outside_keys(self) -> dict[int, str]:
+        """Storage key -> path of each tensor held outside the model (a load watches
+        them: one it re-derives in place is witnessed anew)."""
+        return {k: e.path for e in self._entries
+                if e.site.outside is not None and (k := e.key())}
 
     def foreign_keys(self, model: nn.Module) -> frozenset[int]:
         """Storage keys of the other bound models' weights `model` does not hold (for a

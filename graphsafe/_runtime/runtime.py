@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Sequence
 from typing import Any, Final
 
+import torch
 from torch import nn
 
 from graphsafe._declare.forgotten import ATTACHED
@@ -437,6 +438,12 @@ class Runtime(metaclass=_OnePerModel):
             # in any thread, are seen from now on (`_runtime.writes.observer`).
             OBSERVER.watch(self, self._bound_engine().watch.storage_keys()
                            | self._discovery.source_keys(), self._binder.tensors)
+
+    def take_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """A capture read `tensors`, which the model does not hold: those its bring-up
+        computed from the weights are guarded (`Discovery.take_inputs`)."""
+        with self._lock:
+            self._discovery.take_inputs(self.model, tensors)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:

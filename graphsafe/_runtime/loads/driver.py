@@ -228,8 +228,10 @@ class LoadDriver:
         self._discovery.close_window(self._binder.model, lambda: self._binder.walked().sites)
         engine = self._bound_engine()
         before = self._binder.model_map()
+        outside = self._discovery.outside_keys()  # caches the graphs read, no model holds
         load = self._load = Load.begin(
-            engine, self._journal, pinned=self._pinned(), everything=before.keys,
+            engine, self._journal, pinned=self._pinned(),
+            everything={**before.keys, **outside} if outside else before.keys,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
             sequenced=self._discovery.sequenced_keys(),
         )

@@ -607,3 +607,88 @@ def test_a_non_contiguous_input_gives_the_contiguous_input_result(fn: recipes.Re
     for a, b in zip(got if isinstance(got, tuple) else (got,),
                     want if isinstance(want, tuple) else (want,)):
         assert _same(a, b)
+
+
+# -----------------------------------------------------------------------------
+# place_experts: an expert-load balancer's physical slots
+
+
+E, P, D = 3, 5, 2  # logical experts, physical slots, expert width
+
+
+@gs.graphsafe
+class BalancedMoE(nn.Module):
+    """Experts served from physical slots by a balancer's map, the slots declared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.zeros(E, D, D), requires_grad=False)
+        self.register_buffer("physical_to_logical", torch.tensor([0, 1, 2, 0, 1]),
+                             persistent=False)
+
+    _physical = recipes.derive("physical", inputs=["experts", "physical_to_logical"],
+                               fn=recipes.place_experts())
+
+    def load_weights(self, weights: dict[str, Tensor]) -> None:
+        for name, w in weights.items():
+            gs.load_into(self.get_parameter(name), w, name=name)
+
+    def forward(self, x: Tensor, slots: Tensor) -> Tensor:
+        return torch.einsum("td,tde->te", x, self.physical[slots])  # [T, D]
+
+
+def _experts(seed: int) -> Tensor:
+    return torch.randn(E, D, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _served(experts: Tensor, mapping: Tensor, x: Tensor, slots: Tensor) -> Tensor:
+    return torch.einsum("td,tde->te", x, experts[mapping[slots]])
+
+
+def _balanced_capture() -> tuple[BalancedMoE, gs.Graph, Tensor, Tensor, Tensor]:
+    m = BalancedMoE()
+    m.load_weights({"experts": _experts(0)})
+    x, slots = torch.ones(P, D), torch.arange(P)
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        y = m(x, slots)
+    return m, g, y, x, slots
+
+
+def test_place_experts_follows_a_load_and_a_rebalance_in_place() -> None:
+    m, g, y, x, slots = _balanced_capture()
+    m.load_weights({"experts": _experts(1)})
+    g.replay()
+    assert torch.allclose(y, _served(_experts(1), m.physical_to_logical, x, slots))
+    # A rebalance while serving, in an update block: the slots follow the new map.
+    moved = torch.tensor([2, 2, 1, 0, 0])
+    with gs.weight_update(m):
+        m.physical_to_logical.copy_(moved)
+    g.replay()
+    assert torch.allclose(y, _served(_experts(1), moved, x, slots))
+
+
+def test_control_a_rebalance_outside_any_update_is_refused_not_served() -> None:
+    m, g, _, _, _ = _balanced_capture()
+    m.physical_to_logical.copy_(torch.tensor([2, 2, 1, 0, 0]))  # seen by its version
+    with pytest.raises(gs.StaleError, match="physical"):
+        g.replay()
+
+
+def test_control_slots_written_in_checkpoint_order_serve_the_wrong_expert() -> None:
+    """What the recipe prevents (prime-rl #3583): a sync writing the experts into the
+    slots in checkpoint order, under a map that is not the identity."""
+    mapping = torch.tensor([2, 2, 1, 0, 0])
+    experts = _experts(1)
+    slots_in_checkpoint_order = torch.cat([experts, experts[: P - E]])  # slot s <- expert s
+    x, slots = torch.ones(P, D), torch.arange(P)
+    served = torch.einsum("td,tde->te", x, slots_in_checkpoint_order[slots])
+    assert not torch.allclose(served, _served(experts, mapping, x, slots))
+
+
+def test_place_experts_refuses_a_map_naming_no_expert() -> None:
+    fn = recipes.place_experts()
+    with pytest.raises(gs.GraphSafetyError, match=r"(?s)expected:.*\[0, 3\).*got:.*expert 7"):
+        fn(BalancedMoE(), _experts(0), torch.tensor([0, 7]))
+    with pytest.raises(gs.GraphSafetyError, match=r"dtype torch\.float32"):
+        fn(BalancedMoE(), _experts(0), torch.tensor([0.0, 1.0]))

@@ -8,6 +8,7 @@ the fit, raising `gs.DerivationDriftError` before writing anything, then writes 
 """
 
 from graphsafe.recipes._derive import derive
+from graphsafe.recipes._experts import place_experts
 from graphsafe.recipes._fp8 import (
     dequantize_fp8,
     fp8_quantize,
@@ -28,6 +29,7 @@ __all__ = [
     "transpose",
     "fold_streams",
     "lora_merge",
+    "place_experts",
     "mla_absorb",
     "fp8_quantize",
     "dequantize_fp8",

@@ -259,3 +259,95 @@ def test_state_no_weight_feeds_outside_the_model_is_no_false_alarm() -> None:
     m.load_weights({"lin.weight": _head(1)})
     g.replay()
     assert torch.allclose(y, 2 * _expected(_head(1)))
+
+
+# -- state a later load creates in a new place ----------------------------------------
+
+R = 2  # the adapter's rank
+
+
+@gs.graphsafe
+class Adapted(nn.Module):
+    """A base linear; a later load adds a LoRA adapter and merges it into a kernel-layout
+    copy the forward reads from then on (SGLang #29874: stale adapter after a reload)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, V, bias=False)
+        self.kernel: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, merge: bool = True) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                if name.startswith("lora_") and not hasattr(self, name):
+                    self.register_parameter(name, nn.Parameter(w.clone(), requires_grad=False))
+                else:
+                    self.get_parameter(name).copy_(w)
+            if merge and hasattr(self, "lora_a"):
+                merged = (self.lin.weight + self.lora_b @ self.lora_a).t()  # [C, V]
+                if "merged_t" in self.kernel:
+                    self.kernel["merged_t"].copy_(merged)
+                else:
+                    self.kernel["merged_t"] = merged.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "merged_t" in self.kernel:
+            return x @ self.kernel["merged_t"]
+        return self.lin(x)
+
+
+def _adapter(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"lora_a": torch.randn(R, C, generator=g), "lora_b": torch.randn(V, R, generator=g)}
+
+
+def _merged_reference(head: torch.Tensor, adapter: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.ones(2, C) @ (head + adapter["lora_b"] @ adapter["lora_a"]).t()
+
+
+def _adapted_capture(*, guard: bool) -> tuple[Adapted, gs.Graph, torch.Tensor]:
+    m = Adapted()
+    m.load_weights({"lin.weight": _head(0)})  # the first load, recorded
+    m.load_weights(_adapter(3))  # a later load, not recorded: adds and merges the adapter
+    g, y = _capture(m, guard=guard)
+    return m, g, y
+
+
+def test_state_a_later_load_creates_in_a_new_place_is_found_and_guarded() -> None:
+    m, g, y = _adapted_capture(guard=True)
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found["kernel.merged_t"].sources) == {"lin.weight", "lora_a", "lora_b"}
+    gs.runtime(m).adopt("kernel.merged_t")  # its ops are not known: it cannot be
+    (again,) = (d for d in gs.runtime(m).discovered if d.path == "kernel.merged_t")
+    assert "a later load that was not recorded" in (again.refused or "")
+    m.load_weights({"lin.weight": _head(1)}, merge=False)  # a base sync, no re-merge
+    with pytest.raises(gs.StaleError, match=r"kernel\.merged_t[\s\S]*lin\.weight"):
+        g.replay()
+    m.load_weights({"lin.weight": _head(1)})  # the fix: the load that merges again
+    g.replay()
+    assert torch.allclose(y, _merged_reference(_head(1), _adapter(3)), atol=1e-6)
+
+
+def test_control_unguarded_a_later_loads_merge_replays_the_old_base() -> None:
+    m, g, y = _adapted_capture(guard=False)
+    m.load_weights({"lin.weight": _head(1)}, merge=False)
+    g.replay()
+    assert torch.allclose(y, _merged_reference(_head(0), _adapter(3)), atol=1e-6)
+    assert not torch.allclose(y, _merged_reference(_head(1), _adapter(3)), atol=1e-6)
+
+
+def test_an_adapter_swap_without_a_merge_is_refused_too() -> None:
+    """The adapter's own weights, created by the later load, are sources as well."""
+    m, g, _ = _adapted_capture(guard=True)
+    m.load_weights(_adapter(4), merge=False)
+    with pytest.raises(gs.StaleError, match=r"kernel\.merged_t[\s\S]*lora_"):
+        g.replay()
+
+
+def test_state_a_later_load_makes_from_no_weight_is_no_false_alarm() -> None:
+    m = Adapted()
+    m.load_weights({"lin.weight": _head(0)})
+    with gs.runtime(m).weight_update(), torch.no_grad():
+        m.lin.weight.copy_(_head(1))
+        m.kernel["positions"] = torch.arange(4.0)  # a cache no weight feeds
+    assert gs.runtime(m).discovered == ()

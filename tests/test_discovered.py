@@ -422,6 +422,9 @@ def test_a_script_write_into_a_source_while_pinned_is_caught() -> None:
 
 
 def test_only_the_first_load_is_recorded_unless_every_load_is_asked_for() -> None:
+    """A later load is followed, not recorded: what it makes in a new place is found with
+    its sources, not its ops (it cannot be adopted); every load recorded gives the ops;
+    with provenance off, nothing is found."""
     from graphsafe._lineage.recorder import RECORDING
 
     def late(m: Engine) -> None:  # the post-load step runs from the second load on
@@ -429,18 +432,27 @@ def test_only_the_first_load_is_recorded_unless_every_load_is_asked_for() -> Non
             m.lin.packed = m.lin.weight.t().contiguous()
         m.loads = getattr(m, "loads", 0) + 1
 
-    first = Engine(late, _run_attr)
-    first.load_weights(_weights(0))
-    first.load_weights(_weights(0))
-    assert gs.runtime(first).discovered == ()  # made by a load that was not recorded
-    saved, RECORDING[0] = RECORDING[0], "all"
-    try:
-        every = Engine(late, _run_attr)
-        every.load_weights(_weights(0))
-        every.load_weights(_weights(0))
-    finally:
-        RECORDING[0] = saved
-    assert [d.path for d in gs.runtime(every).discovered] == ["lin.packed"]
+    def run(mode: str) -> gs.Runtime:
+        saved, RECORDING[0] = RECORDING[0], mode
+        try:
+            m = Engine(late, _run_attr)
+            m.load_weights(_weights(0))
+            m.load_weights(_weights(0))
+        finally:
+            RECORDING[0] = saved
+        rt = gs.runtime(m)
+        rt.adopt()
+        rt.model_kept = m  # type: ignore[attr-defined]  # the runtime holds it weakly
+        return rt
+
+    (followed,) = run("first").discovered
+    assert (followed.path, followed.sources) == ("lin.packed", ("lin.weight",))
+    assert followed.chain.startswith("lin.weight -> ...")
+    assert "a later load that was not recorded" in (followed.refused or "")
+    (recorded,) = run("all").discovered
+    assert (recorded.path, recorded.chain) == ("lin.packed", "lin.weight -> aten.clone")
+    assert recorded.adopted
+    assert run("off").discovered == ()
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

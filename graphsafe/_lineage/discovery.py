@@ -33,26 +33,33 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from graphsafe._errors import GraphSafetyError
+from graphsafe._lineage.entries import (
+    UNRECORDED,
+    Entry,
+    read_place,
+    ref_to,
+    refusal,
+    still_held,
+)
 from graphsafe._lineage.outside import find_outside
 from graphsafe._lineage.probes import PROBES
-from graphsafe._lineage.recorder import RECORDING, Arg, Call, Lineage
+from graphsafe._lineage.recorder import RECORDING, Lineage
 from graphsafe._lineage.refusals import moved_error, stale_error
 from graphsafe._lineage.resolve import (
-    Found,
     Source,
     arguments_now,
     find,
     find_rewrites,
+    find_tainted,
     find_values,
-    recompute,
-    recompute_scalar,
+    foreign_sources,
     sources_of,
     trace,
 )
@@ -60,7 +67,7 @@ from graphsafe._lineage.rewrites import Rewritten, rewritten_error
 from graphsafe._lineage.window import Window
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
-from graphsafe._memory.walk import Site, ValueSite, step, storage_key
+from graphsafe._memory.walk import Site, storage_key
 
 __all__ = ["AuditItem", "Discovered", "Discovery", "moved_error", "stale_error"]
 
@@ -116,140 +123,6 @@ class AuditItem(NamedTuple):
     """Why it cannot be recomputed, when that is known before trying."""
 
 
-class _Place(NamedTuple):
-    """Where an entry is held: the module's `table` (`_parameters`, `_buffers`, or None
-    for its `__dict__`) at `key`, then each step of `chain`. The module is held weakly:
-    a module's `__dict__` holds its submodules, and a runtime that held them would keep
-    itself alive through `_OWNERS`."""
-
-    module: weakref.ref[nn.Module]
-    table: str | None
-    key: Any
-    chain: tuple[Any, ...]
-    outside: list[Any] | None = None
-    """For a tensor no model holds (`graphsafe._lineage.outside`): the entry's own list
-    that holds it (a graph reads it)."""
-
-    @classmethod
-    def of(cls, site: Site | ValueSite) -> _Place:
-        m = site.module
-        table = next((n for n in ("_parameters", "_buffers")
-                      if site.container is m.__dict__.get(n)), None)
-        outside = site.container if isinstance(site.container, list) else None
-        return cls(weakref.ref(m), table, site.key, site.chain, outside)
-
-    def container(self) -> Any:
-        if self.outside is not None:
-            return self.outside
-        m = self.module()
-        if m is None:
-            return None
-        return vars(m) if self.table is None else vars(m)[self.table]
-
-
-def _ref(value: object) -> Callable[[], object]:
-    """A reference to `value`: weak for a tensor (a rebuilt copy must not be kept alive
-    by graphsafe), strong for a number or a handle (its identity must not be reused)."""
-    if isinstance(value, torch.Tensor):
-        return weakref.ref(value)
-    return lambda: value
-
-
-class _Entry:
-    """One discovered tensor, scalar or handle: where it is held, from what, and how it
-    was last written."""
-
-    __slots__ = ("adopted", "chain", "kind", "module_class", "opaque", "path", "pinned",
-                 "refused", "seen", "site", "sources", "tensor", "writer")
-
-    def __init__(self, found: Found) -> None:
-        site = found.site
-        self.path = site.path
-        self.site = _Place.of(site)
-        self.module_class = type(site.module).__name__
-        if isinstance(site, Site):
-            held: object = site.tensor
-            self.kind = "tensor"
-        else:
-            held = site.value
-            self.kind = "handle" if found.opaque else "scalar"
-        self.tensor = _ref(held)
-        """What was last witnessed computed from the sources (what is held may be
-        another: rebuilt by a load that failed)."""
-        self.seen = self.tensor
-        """What the last load that ended (or failed) left at the place."""
-        self.pinned: Callable[[], object] | None = None
-        """A scalar's value or a handle's object when the model was pinned (a graph
-        holds it from then on); None: not pinned."""
-        self.sources: tuple[Source, ...] = found.sources
-        self.chain = " -> ".join(found.chain)
-        self.opaque = found.opaque
-        self.writer: tuple[Call, Arg | None] = found.writer
-        self.adopted = False
-        self.refused: str | None = None
-
-    def held(self) -> torch.Tensor | None:
-        """The tensor the model holds at the entry's place now (None for a scalar or a
-        handle, or when none is there)."""
-        now = _read(self.site)
-        return now if isinstance(now, torch.Tensor) else None
-
-    def value(self) -> object:
-        """Whatever the model holds at the entry's place now."""
-        return _read(self.site)
-
-    def recompute(self) -> torch.Tensor | None:
-        if self.kind == "scalar":
-            return recompute_scalar(self.writer[0], self.sources)
-        held = self.held()
-        if held is None or self.opaque or self.writer[1] is None:
-            return None
-        return recompute((self.writer[0], self.writer[1]), held, self.sources)
-
-    def scalar_holds(self) -> bool:
-        """A scalar: whether the value held is what its sources give now."""
-        now = self.value()
-        again = self.recompute()
-        return again is not None and type(now) in (int, float, bool) and _same_number(
-            again.item(), now)
-
-    def source_paths(self) -> tuple[str, ...]:
-        """The paths of the sources, once each (a staging copy stands for its weight)."""
-        return tuple(dict.fromkeys(s.path for s in self.sources))
-
-    def key(self) -> int:
-        t = self.held()
-        return 0 if t is None else storage_key(t)
-
-    def source_keys(self) -> set[int]:
-        """Storage keys of the sources as the model holds them now."""
-        with PLAIN():
-            return {storage_key(t) for s in self.sources
-                    if isinstance(t := s.holder.get(s.key), torch.Tensor)}
-
-    def moved(self) -> str | None:
-        """Pinned: how the value a graph holds differs from what is held now (a scalar's
-        value changed, a handle rebuilt), or None."""
-        if self.pinned is None:
-            return None
-        was, now = self.pinned(), self.value()
-        if self.kind == "scalar":
-            return None if _same_number(was, now) else f"{was!r} at capture, now {now!r}"
-        if self.kind == "handle" and now is not was:
-            return (f"{type(was).__name__} at 0x{id(was):x} at capture, now "
-                    f"{type(now).__name__} at 0x{id(now):x}")
-        return None
-
-
-def _same_number(a: object, b: object) -> bool:
-    """Equal numbers of the same type (a NaN equals itself: the same bits baked in)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
-    return a == b
-
-
 class Discovery:
     """The discovered entries of one model, their witnesses and exemptions.
 
@@ -263,8 +136,8 @@ class Discovery:
         self._others = others
         """The other models graphsafe binds: their weights are sources too (a draft that
         packs or copies its head from the target's, by reference)."""
-        self._entries: list[_Entry] = []
-        self._values: list[_Entry] = []  # the numbers and handles among them
+        self._entries: list[Entry] = []
+        self._values: list[Entry] = []  # the numbers and handles among them
         self._exempt: dict[str, str] = {}
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
@@ -335,13 +208,25 @@ class Discovery:
                 broken.append(r)
         return broken
 
-    def after_load(self, model: nn.Module, written: set[int]) -> None:
+    def after_load(self, model: nn.Module, written: set[int],
+                   tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
+                   sites: Callable[[], Sequence[Site]] | None = None) -> None:
         """A load that was not recorded completed, writing the storages `written`: each
         source is read where the model holds it now (`rehome`), and what the load
-        re-derived or rebuilt is witnessed anew (`follow`)."""
+        re-derived or rebuilt is witnessed anew (`follow`). What it computed from the
+        weights (`tainted`, its tracker's) that the model holds in a new place (`sites()`)
+        is taken as found, with the weights it came from (its ops are not known)."""
         if self._entries:
             self.rehome(model)
             self.follow(written)
+        if tainted and sites is not None:
+            known = {e.path for e in self._entries} | self._rewritten.keys()
+            found = find_tainted(sites(), sources_of(model), tainted, known)
+            if found:
+                by_entry = self._rows_by_entry()
+                old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
+                self._entries = self._entries + [Entry(f) for f in found]
+                self._rebuild(old_rows)
 
     def settle(
         self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]], *,
@@ -382,31 +267,21 @@ class Discovery:
         if lazily:
             known = {e.path for e in self._entries}
             found = {p: f for p, f in found.items()
-                     if 1 <= f.writer[0].epoch < lineage.epoch and p not in known}
+                     if f.writer and 1 <= f.writer[0].epoch < lineage.epoch
+                     and p not in known}
             if not found:
                 return
         else:
             found.update((f.site.path, f) for f in find_values(lineage, model, sources))
-        kept = [e for e in self._entries if e.path not in found and _still_held(e)]
-        fresh = [_Entry(f) for f in found.values()]
+        kept = [e for e in self._entries if e.path not in found and still_held(e)]
+        fresh = [Entry(f) for f in found.values()]
         by_entry = self._rows_by_entry()
         old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
         self._entries = kept + fresh
         self._rebuild(old_rows)
 
     def _foreign(self, model: nn.Module, own: dict[int, Source]) -> dict[int, Source]:
-        """The weights of the other models graphsafe binds that `model` does not hold
-        itself, by storage identity, each path led by its model's class
-        (`Target:lm_head.weight`)."""
-        found: dict[int, Source] = {}
-        for other in self._others():
-            if other is model:
-                continue
-            name = type(other).__name__
-            for sid, src in sources_of(other).items():
-                if sid not in own:
-                    found.setdefault(sid, src._replace(path=f"{name}:{src.path}"))
-        return found
+        return foreign_sources(self._others(), model, own)
 
     def take_inputs(self, model: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
         """A capture of `model` read `tensors`, which no model holds: those the bring-up
@@ -418,7 +293,7 @@ class Discovery:
         sources = sources_of(model)
         sources = {**self._foreign(model, sources), **sources}
         known = {e.path for e in self._entries}
-        fresh = [_Entry(f) for f in find_outside(window.lineage, model, tensors, sources)
+        fresh = [Entry(f) for f in find_outside(window.lineage, model, tensors, sources)
                  if f.site.path not in known]
         if fresh:
             by_entry = self._rows_by_entry()
@@ -450,14 +325,14 @@ class Discovery:
         rows = self._rows_by_entry()
         again: list[int] = []
         for i, e in enumerate(self._entries):
-            now = _read(e.site)
+            now = read_place(e.site)
             if e.kind == "scalar":
                 if not written.isdisjoint(e.source_keys()) and e.scalar_holds():
-                    e.tensor = e.seen = _ref(now)  # the value its sources give now
+                    e.tensor = e.seen = ref_to(now)  # the value its sources give now
                     again.extend(rows.get(i, []))
             elif e.kind == "handle":
                 if now is not e.seen():  # made anew where it was, by this load
-                    e.tensor = e.seen = _ref(now)
+                    e.tensor = e.seen = ref_to(now)
                     again.extend(rows.get(i, []))
             elif isinstance(now, torch.Tensor) and now is not e.seen():
                 e.tensor = e.seen = weakref.ref(now)  # rebuilt where it was, by this load
@@ -471,9 +346,9 @@ class Discovery:
         """A load failed: what it left at each entry's place is seen, and not taken for
         fresh by the next load (its witnesses stay as stale as the failure left them)."""
         for e in self._entries:
-            now = _read(e.site)
+            now = read_place(e.site)
             if e.kind != "tensor":
-                e.seen = _ref(now)
+                e.seen = ref_to(now)
             elif isinstance(now, torch.Tensor):
                 e.seen = weakref.ref(now)
 
@@ -553,7 +428,7 @@ class Discovery:
         for e in self._entries:
             if wanted is not None and e.path not in wanted:
                 continue
-            e.adopted, e.refused = False, _refusal(e)
+            e.adopted, e.refused = False, refusal(e)
             if e.refused is None:
                 e.adopted = True
 
@@ -605,7 +480,7 @@ class Discovery:
                 continue
             held = e.held()
             if e.kind == "handle" and held is None:  # an object, not an int in a tensor
-                found = PROBES.get(e.writer[0].name)
+                found = PROBES.get(e.writer[0].name) if e.writer else None
                 items.append(AuditItem(
                     e.path, torch.empty(0), e.recompute, e.source_paths(), True,
                     None if found is None else _probing(e, e.value(), found.run),
@@ -615,9 +490,10 @@ class Discovery:
             if held is None:
                 continue
             sources = e.source_paths()
-            probe = PROBES.get(e.writer[0].name) if e.opaque else None
+            probe = PROBES.get(e.writer[0].name) if e.opaque and e.writer else None
             if probe is None:
-                items.append(AuditItem(e.path, held, e.recompute, sources, e.opaque))
+                items.append(AuditItem(e.path, held, e.recompute, sources, e.opaque,
+                                       why="" if e.writer else UNRECORDED))
                 continue
             items.append(AuditItem(e.path, held, e.recompute, sources, e.opaque,
                                    _probing(e, held, probe.run), probe.atol, probe.rtol))
@@ -630,7 +506,7 @@ class Discovery:
         it holds."""
         for e in self._values:
             if e.pinned is None:
-                e.pinned = _ref(e.value())
+                e.pinned = ref_to(e.value())
 
     def unpin(self) -> None:
         """No graph holds the model any more."""
@@ -711,48 +587,11 @@ def _sid(t: torch.Tensor) -> int:
 
 
 def _probing(
-    e: _Entry, held: object, run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    e: Entry, held: object, run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor] | None]:
     def probe() -> tuple[torch.Tensor, torch.Tensor] | None:
-        args = arguments_now(e.writer[0], e.sources)
+        args = None if e.writer is None else arguments_now(e.writer[0], e.sources)
         return None if args is None else run(held, args)
 
     return probe
 
-
-def _still_held(e: _Entry) -> bool:
-    witnessed = e.tensor()
-    return witnessed is not None and _read(e.site) is witnessed
-
-
-def _read(site: _Place) -> object:
-    """What `site` holds now (None if the way to it is gone)."""
-    container = site.container()
-    if container is None:
-        return None
-    try:
-        value = container[site.key]
-        for key in site.chain:
-            value = step(value, key)
-    except (KeyError, IndexError, AttributeError, ValueError, TypeError):
-        return None
-    return value
-
-
-def _refusal(e: _Entry) -> str | None:
-    """Why `e` cannot be recomputed in place, or None."""
-    if e.kind == "scalar":
-        return ("it is a Python number a captured graph bakes in: it cannot be refreshed in "
-                "place (re-run the engine's post-load processing, then re-capture)")
-    held = e.held()
-    if held is None:
-        return "it is no longer held"
-    if e.opaque:
-        return ("its chain went through a value that left torch (a kernel handle): it "
-                "cannot be refreshed in place")
-    first, second = e.recompute(), e.recompute()
-    if first is None or second is None:
-        return "its recorded chain cannot be run again (a constant it read is gone)"
-    if not (torch.equal(first, second) and torch.equal(first, held)):
-        return "running its recorded chain again does not give what the model holds, bitwise"
-    return None

@@ -14,7 +14,7 @@ the walk reaches, found by its identity (`find_values`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -22,11 +22,12 @@ from torch import nn
 
 from graphsafe._lineage.recorder import Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import Site, ValueSite, walk_values
+from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 
 __all__ = [
     "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find", "find_rewrites",
-    "find_values", "recompute", "recompute_scalar", "sources_of", "trace",
+    "find_tainted", "find_values", "foreign_sources", "recompute", "recompute_scalar",
+    "sources_of", "trace",
 ]
 
 _CHAIN = 4
@@ -45,13 +46,15 @@ class Source(NamedTuple):
 class Found(NamedTuple):
     """A tensor the model holds (`site`) that the recording saw computed from `sources`
     by `chain` (op names, the first from a source), last written by `writer`; or a value
-    that left torch (`site` a `ValueSite`, `writer`'s `Arg` None: the call made it)."""
+    that left torch (`site` a `ValueSite`, `writer`'s `Arg` None: the call made it).
+    `writer` is None for a tensor a load that was not recorded computed (`find_tainted`):
+    its ops are not known."""
 
     site: Site | ValueSite
     sources: tuple[Source, ...]
     chain: tuple[str, ...]
     opaque: bool
-    writer: tuple[Call, Arg | None]
+    writer: tuple[Call, Arg | None] | None
 
 
 def sources_of(model: nn.Module) -> dict[int, Source]:
@@ -67,6 +70,48 @@ def sources_of(model: nn.Module) -> dict[int, Source]:
                         if sid and sid not in found:
                             found[sid] = Source(head + name, table, name, sid)
     return found
+
+
+def foreign_sources(others: Iterable[nn.Module], model: nn.Module,
+                    own: dict[int, Source]) -> dict[int, Source]:
+    """The weights of `others` (the other models graphsafe binds) that `model` does not
+    hold itself (`own`), by storage identity, each path led by its model's class
+    (`Target:lm_head.weight`)."""
+    found: dict[int, Source] = {}
+    for other in others:
+        if other is model:
+            continue
+        name = type(other).__name__
+        for sid, src in sources_of(other).items():
+            if sid not in own:
+                found.setdefault(sid, src._replace(path=f"{name}:{src.path}"))
+    return found
+
+
+def find_tainted(
+    sites: Iterable[Site], sources: dict[int, Source],
+    tainted: Mapping[int, tuple[tuple[int, ...], str]], known: Container[str],
+) -> list[Found]:
+    """The tensors held at `sites` whose storage a load that was not recorded computed
+    from the weights (`tainted`: storage key -> the weights' storage keys, the last op),
+    but those at `known` paths (found before: a later load that writes them is followed)
+    and the weights themselves; one per storage, at its first path."""
+    with PLAIN():
+        by_key = {storage_key(t): s for s in sources.values()
+                  if isinstance(t := s.holder.get(s.key), torch.Tensor)}
+        out: list[Found] = []
+        taken: set[int] = set()
+        for site in sites:
+            key = storage_key(site.tensor)
+            made = tainted.get(key)
+            if made is None or key in by_key or key in taken or site.path in known:
+                continue
+            taken.add(key)
+            srcs = tuple({by_key[k].path: by_key[k] for k in made[0] if k in by_key}.values())
+            if srcs:
+                chain = (srcs[0].path, "...", made[1].replace("::", "."))
+                out.append(Found(site, srcs, chain, False, None))
+    return out
 
 
 def trace(

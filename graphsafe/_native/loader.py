@@ -91,6 +91,8 @@ class Native(Protocol):
     def tracker_sequence(self, arg: tuple[int, Iterable[int]], /) -> None: ...
 
     def tracker_ops(self, tracker: int, /) -> dict[int, list[str]]: ...
+    def tracker_taint(self, arg: tuple[int, Iterable[int]], /) -> None: ...
+    def tracker_tainted(self, tracker: int, /) -> dict[int, tuple[tuple[int, ...], str]]: ...
     def tracker_free(self, tracker: int, /) -> None: ...
     def observer_watch(self, keys: Iterable[int], /) -> None: ...
     def observer_start(self) -> None: ...
@@ -331,9 +333,34 @@ def _check(module: Any) -> None:
     ok = ok and module.tracker_ops(tracker) == {
         b.untyped_storage().data_ptr(): ["aten::mul_.Tensor", "aten::copy_"]}
     module.tracker_free(tracker)
+    ok = ok and _taint_check(module, b)
     ok = ok and _observer_check(module, b, c) and _fingerprint_check(module)
     if not ok:
         raise NativeBuildError("the built extension fails its self-check; not used")
+
+
+def _taint_check(module: Any, weight: torch.Tensor) -> bool:
+    """Whether a tracker following derivations taints what is computed from `weight`
+    (through a view and a temporary), and not what is not; a storage overwritten with
+    loaded values is its own source."""
+    key = weight.untyped_storage().data_ptr()
+    tracker = module.tracker_new([])
+    module.tracker_taint((tracker, [key]))
+    module.tracker_push(tracker)
+    try:
+        with torch.no_grad():
+            packed = (weight * 2).view(1, -1).expand(2, -1).contiguous()  # a clone
+            plain = torch.arange(3.0)  # no weight reaches it, and no load wrote it
+            overwritten = weight * 3
+            overwritten.copy_(plain)
+    finally:
+        ok = bool(module.tracker_pop(tracker))
+    got = module.tracker_tainted(tracker)
+    module.tracker_free(tracker)
+    return (ok and got.get(packed.untyped_storage().data_ptr()) == ((key,), "aten::contiguous")
+            and plain.untyped_storage().data_ptr() not in got
+            and got.get(overwritten.untyped_storage().data_ptr())
+            == ((overwritten.untyped_storage().data_ptr(),), "aten::copy_"))
 
 
 def _observer_check(module: Any, watched: torch.Tensor, other: torch.Tensor) -> bool:

@@ -10,6 +10,15 @@
 // transient inputs (a write redirected to new memory) keep the Python tracker. While a
 // tracker is pushed, the process-wide observer (observer.cpp) skips the thread's ops:
 // the load records its writes itself.
+//
+// A tracker may also follow what the load derives from the model's weights (`tracker_taint`):
+// the storages an op writes or returns are tainted with the weights its inputs reach
+// (a weight itself, or a storage tainted before; a storage overwritten with values no
+// weight reaches is its own source: a weight the load creates), so that once the load
+// ends, a tensor
+// the model holds in a new place is known to be computed from those weights
+// (`tracker_tainted`) although no op was recorded. A taint holds a weak reference to its
+// storage: a storage freed in the load, and its address reused, is never taken for it.
 
 #include <Python.h>
 
@@ -23,13 +32,27 @@
 #include <vector>
 
 #include <ATen/record_function.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include "tracker.h"
 
 namespace {
 
+// What a storage was computed from in the load: the weights' keys (sorted), the last op.
+struct Taint {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  std::shared_ptr<const std::vector<int64_t>> sources;
+  std::string op;
+};
+
 struct Tracker {
   std::unordered_set<int64_t> watched;
+  bool taints = false;  // follows what the load derives from `weights`
+  std::unordered_set<int64_t> weights;
+  // Touched only by the thread that pushed it (a thread a load starts gets a tracker of
+  // its own), and read once it is popped: no lock.
+  std::unordered_map<int64_t, Taint> tainted;
   std::unordered_set<int64_t> sequenced;  // of these, the ops that write each are kept
   std::mutex mu;  // `written` is read from other threads (a replay asking how far a load got)
   std::unordered_set<int64_t> written;
@@ -43,16 +66,168 @@ int64_t next_id = 1;
 
 thread_local std::vector<std::shared_ptr<Tracker>> active;
 thread_local at::CallbackHandle callback = 0;
+thread_local bool callback_outputs = false;  // whether `callback` asks for op results
+
+// Calls `f(tensor)` for every defined tensor in `v` (as `each_key` walks it).
+template <class F>
+void each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    if (v.toTensor().defined()) {
+      f(v.toTensor());
+    }
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) {
+      if (t.defined()) {
+        f(t);
+      }
+    }
+  } else if (v.isList()) {
+    for (const c10::IValue& item : v.toListRef()) {
+      each_tensor(item, f);
+    }
+  }
+}
+
+bool same_storage(const Taint& taint, const at::Tensor& t) {
+  if (!t.unsafeGetTensorImpl()->has_storage()) {
+    return false;
+  }
+  c10::intrusive_ptr<c10::StorageImpl> held = taint.storage.lock();
+  return held && held.get() == t.storage().unsafeGetStorageImpl();
+}
+
+// The op's taint, handed from its start to its end (where its results are tainted).
+struct TaintContext : at::ObserverContext {
+  std::shared_ptr<Tracker> tracker;
+  std::shared_ptr<const std::vector<int64_t>> sources;
+  std::string op;
+  std::vector<int64_t> read;  // the storage keys of its arguments (inputs are gone at its end)
+};
+
+void taint(Tracker& tr, const at::Tensor& t, int64_t key,
+           const std::shared_ptr<const std::vector<int64_t>>& sources, const std::string& op,
+           bool named = false) {
+  if (!t.unsafeGetTensorImpl()->has_storage()) {
+    return;
+  }
+  auto it = tr.tainted.find(key);
+  if (!named && it != tr.tainted.end() && same_storage(it->second, t) &&
+      *it->second.sources == *sources) {
+    return;  // a view of it, or a write from what it came from: keep the op that made it
+  }
+  Taint entry{c10::weak_intrusive_ptr<c10::StorageImpl>(
+                  t.storage().getWeakStorageImpl()), sources, op};
+  tr.tainted.insert_or_assign(key, std::move(entry));
+}
+
+// Before the op runs: the weights its inputs reach. Its written arguments are tainted
+// with them now (an overwrite by values no weight reaches clears them), its results
+// when it ends.
+std::unique_ptr<at::ObserverContext> taint_start(
+    const std::shared_ptr<Tracker>& trp, const graphsafe_native::OpWrites& writes,
+    c10::ArrayRef<const c10::IValue> inputs) {
+  Tracker& tr = *trp;
+  const std::string& name = writes.name;
+  const bool overwrites = name == "aten::copy_" || name == "aten::fill_.Scalar" ||
+                          name == "aten::fill_.Tensor" || name == "aten::zero_";
+  auto written = [&writes](size_t i) {
+    return std::find(writes.args.begin(), writes.args.end(), i) != writes.args.end();
+  };
+  std::vector<int64_t> found;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (overwrites && written(i)) {
+      continue;  // its old value does not matter
+    }
+    each_tensor(inputs[i], [&](const at::Tensor& t) {
+      const int64_t key = graphsafe_native::storage_key(t);
+      if (key == 0) {
+        return;
+      }
+      if (tr.weights.count(key) != 0) {
+        found.push_back(key);
+        return;
+      }
+      auto it = tr.tainted.find(key);
+      if (it != tr.tainted.end() && same_storage(it->second, t)) {
+        found.insert(found.end(), it->second.sources->begin(), it->second.sources->end());
+      }
+    });
+  }
+  std::shared_ptr<const std::vector<int64_t>> sources;
+  if (!found.empty()) {
+    std::sort(found.begin(), found.end());
+    found.erase(std::unique(found.begin(), found.end()), found.end());
+    sources = std::make_shared<const std::vector<int64_t>>(std::move(found));
+  }
+  for (size_t i : writes.args) {
+    if (i >= inputs.size()) {
+      continue;
+    }
+    each_tensor(inputs[i], [&](const at::Tensor& t) {
+      const int64_t key = graphsafe_native::storage_key(t);
+      if (key == 0 || tr.weights.count(key) != 0) {
+        return;  // a weight is a source, never derived (its rewrites are judged apart)
+      }
+      if (sources) {
+        taint(tr, t, key, sources, name);
+      } else if (overwrites) {  // loaded values: its own source (a weight by the end?)
+        taint(tr, t, key, std::make_shared<const std::vector<int64_t>>(1, key), name, true);
+      }
+    });
+  }
+  if (!sources) {
+    return nullptr;
+  }
+  std::vector<int64_t> read;  // rare: an op over what the weights reach
+  for (const c10::IValue& v : inputs) {
+    graphsafe_native::each_key(v, [&read](int64_t key) { read.push_back(key); });
+  }
+  auto ctx = std::make_unique<TaintContext>();
+  ctx->tracker = trp;
+  ctx->sources = std::move(sources);
+  ctx->op = name;
+  ctx->read = std::move(read);
+  return ctx;
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  if (ctx == nullptr) {
+    return;
+  }
+  auto* c = static_cast<TaintContext*>(ctx);
+  Tracker& tr = *c->tracker;
+  const std::vector<int64_t>& read = c->read;  // a result over one of them is a view
+  for (const c10::IValue& v : fn.outputs()) {
+    each_tensor(v, [&](const at::Tensor& t) {
+      const int64_t key = graphsafe_native::storage_key(t);
+      if (key != 0 && tr.weights.count(key) == 0) {
+        // The op that returned it names it (an outer op ends after the ops it ran),
+        // unless it only viewed an argument.
+        const bool view = std::find(read.begin(), read.end(), key) != read.end();
+        taint(tr, t, key, c->sources, c->op, !view);
+      }
+    });
+  }
+}
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   if (active.empty()) {
     return nullptr;
   }
   const graphsafe_native::OpWrites& writes = graphsafe_native::writes_of(fn);
-  if (writes.args.empty()) {
-    return nullptr;
-  }
   const c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
+  std::unique_ptr<at::ObserverContext> ctx;
+  if (callback_outputs) {
+    for (auto it = active.rbegin(); it != active.rend(); ++it) {
+      if ((*it)->taints) {  // the innermost tracker that follows derivations
+        ctx = taint_start(*it, writes, inputs);
+        break;
+      }
+    }
+  }
+  if (writes.args.empty()) {
+    return ctx;
+  }
   for (size_t i : writes.args) {
     if (i >= inputs.size()) {
       continue;
@@ -69,7 +244,27 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
       }
     });
   }
-  return nullptr;
+  return ctx;
+}
+
+// (Re)registers this thread's callback, asking for op results only while a tracker
+// that follows derivations is active.
+void register_callback() {
+  bool outputs = false;
+  for (const auto& tr : active) {
+    outputs = outputs || tr->taints;
+  }
+  if (callback != 0 && (active.empty() || outputs != callback_outputs)) {
+    at::removeCallback(callback);
+    callback = 0;
+  }
+  if (callback == 0 && !active.empty()) {
+    at::RecordFunctionCallback cb = outputs ? at::RecordFunctionCallback(on_op, on_end)
+                                            : at::RecordFunctionCallback(on_op);
+    callback = at::addThreadLocalCallback(
+        cb.needsInputs(true).needsOutputs(outputs).scopes({at::RecordScope::FUNCTION}));
+    callback_outputs = outputs;
+  }
 }
 
 std::shared_ptr<Tracker> find(PyObject* id) {
@@ -119,10 +314,7 @@ PyObject* tracker_push(PyObject* /*self*/, PyObject* id) {
   graphsafe_native::track_registrations();
   active.push_back(std::move(tr));
   graphsafe_native::unobserved_enter();
-  if (callback == 0) {
-    callback = at::addThreadLocalCallback(
-        at::RecordFunctionCallback(on_op).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
-  }
+  register_callback();
   Py_RETURN_NONE;
 }
 
@@ -139,10 +331,7 @@ PyObject* tracker_pop(PyObject* /*self*/, PyObject* id) {
   }
   active.erase(std::next(it).base());
   graphsafe_native::unobserved_exit();
-  if (active.empty() && callback != 0) {
-    at::removeCallback(callback);
-    callback = 0;
-  }
+  register_callback();
   if (!at::isRecordFunctionEnabled()) {
     tr->blind = true;
   }
@@ -242,6 +431,73 @@ PyObject* tracker_ops(PyObject* /*self*/, PyObject* id) {
   return out;
 }
 
+// tracker_taint((id, weights)): follow what the load derives from these storage keys
+// (before it is pushed).
+PyObject* tracker_taint(PyObject* /*self*/, PyObject* arg) {
+  PyObject* id = nullptr;
+  PyObject* keys = nullptr;
+  if (!PyArg_ParseTuple(arg, "OO", &id, &keys)) {
+    return nullptr;
+  }
+  std::shared_ptr<Tracker> tr = find(id);
+  if (tr == nullptr) {
+    return nullptr;
+  }
+  PyObject* it = PyObject_GetIter(keys);
+  if (it == nullptr) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(tr->mu);
+  while (PyObject* item = PyIter_Next(it)) {
+    tr->weights.insert(PyLong_AsLongLong(item));
+    Py_DECREF(item);
+  }
+  Py_DECREF(it);
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  tr->taints = true;
+  Py_RETURN_NONE;
+}
+
+// tracker_tainted(id) -> dict[int, tuple[tuple[int, ...], str]]: each storage still alive
+// that the load computed from the weights -> (their keys, the last op that wrote it).
+PyObject* tracker_tainted(PyObject* /*self*/, PyObject* id) {
+  std::shared_ptr<Tracker> tr = find(id);
+  if (tr == nullptr) {
+    return nullptr;
+  }
+  PyObject* out = PyDict_New();
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (const auto& entry : tr->tainted) {
+    if (entry.second.storage.expired()) {
+      continue;
+    }
+    const std::vector<int64_t>& srcs = *entry.second.sources;
+    PyObject* keys = PyTuple_New(static_cast<Py_ssize_t>(srcs.size()));
+    if (keys == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    for (size_t i = 0; i < srcs.size(); ++i) {
+      PyTuple_SET_ITEM(keys, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(srcs[i]));
+    }
+    PyObject* value = Py_BuildValue("(Ns)", keys, entry.second.op.c_str());
+    PyObject* key = PyLong_FromLongLong(entry.first);
+    if (value == nullptr || key == nullptr || PyDict_SetItem(out, key, value) != 0) {
+      Py_XDECREF(value);
+      Py_XDECREF(key);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(value);
+    Py_DECREF(key);
+  }
+  return out;
+}
+
 // tracker_free(id): forget it (it must not be active in any thread).
 PyObject* tracker_free(PyObject* /*self*/, PyObject* id) {
   const int64_t key = PyLong_AsLongLong(id);
@@ -264,6 +520,8 @@ PyMethodDef tracker_methods[] = {
     {"tracker_written", tracker_written, METH_O, "Storage keys it saw written."},
     {"tracker_sequence", tracker_sequence, METH_O, "Keep the ops that write these keys."},
     {"tracker_ops", tracker_ops, METH_O, "The ops that wrote each sequenced key."},
+    {"tracker_taint", tracker_taint, METH_O, "Follow what is derived from these keys."},
+    {"tracker_tainted", tracker_tainted, METH_O, "Storages derived from the weights."},
     {"tracker_free", tracker_free, METH_O, "Forget it."},
     {"observer_watch", observer_watch, METH_O, "Storage keys the observer watches."},
     {"observer_start", observer_start, METH_NOARGS, "Observe every thread's ops."},

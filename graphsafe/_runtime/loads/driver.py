@@ -276,7 +276,8 @@ class LoadDriver:
                                      lambda: self._binder.walked().sites,
                                      bring_up=load.weights)
             else:
-                self._discovery.after_load(self._binder.model, written)
+                self._discovery.after_load(self._binder.model, written, load.tracker.tainted(),
+                                           lambda: self._binder.walked().sites)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()

@@ -27,7 +27,7 @@ import torch
 
 from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import one_line
-from graphsafe._lineage.recorder import Lineage, recording
+from graphsafe._lineage.recorder import RECORDING, Lineage, recording
 from graphsafe._lineage.threads import followed
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
@@ -143,6 +143,10 @@ class Load:
         load.writes = writes
         load.weights = weights
         load.record = record
+        if not record and RECORDING[0] != "off":
+            # What a later load makes from the weights in a new place (a LoRA merged into
+            # a kernel's copy) is found without recording it: its tracker follows it.
+            load.tracker.taint(weights)
         return load
 
     @classmethod

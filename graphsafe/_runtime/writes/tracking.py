@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphsafe import _native
@@ -25,6 +26,7 @@ from graphsafe._runtime.writes.observer import Quiet
 __all__ = [
     "NativeWriteTracker",
     "ReadGuard",
+    "Taints",
     "WriteTracker",
     "storage_key",
     "write_tracker",
@@ -91,6 +93,16 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Called after an op completed a transient input (the load's own thread only)."""
         self._completed = False
         self._quiet: list[Quiet] = []  # one per entry not yet exited
+        self._taints: Taints | None = None
+
+    def taint(self, weights: frozenset[int]) -> None:
+        """Follow what the load derives from `weights` (storage keys): see `Taints`."""
+        self._taints = Taints(weights)
+
+    def tainted(self) -> dict[int, tuple[tuple[int, ...], str]]:
+        """Each live storage the load computed from the weights -> (their keys, the op
+        that made it); empty unless `taint` was called."""
+        return {} if self._taints is None else self._taints.alive()
 
     def __enter__(self) -> WriteTracker:
         """Track this thread's ops. The process-wide observer skips them meanwhile: the
@@ -119,7 +131,11 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         args, kwargs = self._check_writes(func, args, kwargs or {})
+        taints = self._taints
+        pending = None if taints is None else taints.start(func, args, kwargs)
         out = func(*args, **kwargs)
+        if pending is not None:
+            taints.end(pending, args, kwargs, out)  # type: ignore[union-attr]
         if self._completed:
             # A transient input is complete now that the write landed: its derivations
             # run at once, outside this mode, so the layer's inputs need not all be held.
@@ -176,6 +192,121 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if key in self.sequenced:
                 self.ops.setdefault(key, []).append(schema_name(func))
         return None
+
+
+class Taints:
+    """What a load that is not recorded derives from the model's weights, op by op (the
+    Python path of the compiled tracker's `tracker_taint`).
+
+    The storages an op writes or returns are tainted with the weights its inputs reach (a
+    weight itself, or a storage tainted before); one overwritten (`copy_`, `fill_`,
+    `zero_`) by values no weight reaches is its own source (a weight the load creates:
+    what is computed from it is computed from that weight, if the model holds it as one
+    by the end). Each taint holds its storage weakly: one
+    freed in the load, whose address is reused, is never taken for it.
+    """
+
+    def __init__(self, weights: frozenset[int]) -> None:
+        self.weights = weights
+        self._tainted: dict[int, tuple[StorageWeakRef, frozenset[int], str]] = {}
+
+    def _reach(self, t: torch.Tensor) -> frozenset[int]:
+        key = storage_key(t)
+        if not key:
+            return frozenset()
+        if key in self.weights:
+            return frozenset((key,))
+        found = self._tainted.get(key)
+        if found is None or found[0].expired() or found[0].cdata != _cdata(t):  # type: ignore[no-untyped-call]
+            return frozenset()
+        return found[1]
+
+    def start(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[frozenset[int], str, frozenset[int]] | None:
+        """Before `func` runs: taint its written arguments; what its results get."""
+        name = schema_name(func)
+        writes = {i for i, _ in written_args(func)}
+        names = {n for _, n in written_args(func)}
+        overwrites = name in _OVERWRITES
+        reached: set[int] = set()
+        read: set[int] = set()
+        written: list[torch.Tensor] = []
+        for where, arg in (*enumerate(args), *kwargs.items()):
+            is_written = where in writes or where in names
+            for t in _tensors(arg):
+                read.add(storage_key(t))
+                if is_written:
+                    written.append(t)
+                if not (overwrites and is_written):
+                    reached |= self._reach(t)
+        sources = frozenset(reached)
+        for t in written:
+            key = storage_key(t)
+            if not key or key in self.weights:
+                continue  # a weight is a source, never derived
+            if sources:
+                self._mark(t, key, sources, name, named=False)
+            elif overwrites:  # loaded values: its own source (a weight by the end?)
+                self._mark(t, key, frozenset((key,)), name, named=True)
+        if not sources and name in _COPIES:  # a copy of loaded values: its own source
+            return (frozenset(), name, frozenset(read))
+        return (sources, name, frozenset(read)) if sources else None
+
+    def end(self, pending: tuple[frozenset[int], str, frozenset[int]], args: tuple[Any, ...],
+            kwargs: dict[str, Any], out: Any) -> None:
+        """After the op: its results are tainted (named after it, unless views)."""
+        sources, name, read = pending
+        for t in _tensors(out):
+            key = storage_key(t)
+            if key and key not in self.weights:
+                self._mark(t, key, sources or frozenset((key,)), name, named=key not in read)
+
+    def _mark(self, t: torch.Tensor, key: int, sources: frozenset[int], op: str, *,
+              named: bool) -> None:
+        was = self._tainted.get(key)
+        if (not named and was is not None and was[1] == sources
+                and not was[0].expired() and was[0].cdata == _cdata(t)):  # type: ignore[no-untyped-call]
+            return  # a view of it: the op that made it names it
+        try:
+            ref = StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+        except (RuntimeError, NotImplementedError):
+            return
+        self._tainted[key] = (ref, sources, op)
+
+    def alive(self) -> dict[int, tuple[tuple[int, ...], str]]:
+        """Each live tainted storage -> (the weights' keys, sorted; the op)."""
+        return {key: (tuple(sorted(srcs)), op) for key, (ref, srcs, op) in self._tainted.items()
+                if not ref.expired()}  # type: ignore[no-untyped-call]
+
+
+_OVERWRITES = frozenset({"aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor",
+                         "aten::zero_"})
+_COPIES = frozenset({"aten::clone", "aten::_to_copy", "aten::lift_fresh_copy"})
+"""Ops that make a new storage of their argument's values (which the compiled tracker
+sees as `empty_like` and a `copy_`, one of `_OVERWRITES`)."""
+
+
+def _cdata(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an argument or a result (in lists and tuples too, one level deep
+    below the first)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        out: list[torch.Tensor] = []
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (list, tuple)):
+                out.extend(x for x in v if isinstance(x, torch.Tensor))
+        return out
+    return []
 
 
 class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
@@ -241,6 +372,17 @@ class NativeWriteTracker:
         self._native = native
         self._id: int | None = None
         self._blind = False
+        self._weights: frozenset[int] | None = None
+
+    def taint(self, weights: frozenset[int]) -> None:
+        """Follow what the load derives from `weights` (before it is entered)."""
+        self._weights = weights
+
+    def tainted(self) -> dict[int, tuple[tuple[int, ...], str]]:
+        """As `WriteTracker.tainted`."""
+        if self._id is None or self._weights is None:
+            return {}
+        return self._native.tracker_tainted(self._id)
 
     @property
     def written(self) -> set[int]:
@@ -264,6 +406,8 @@ class NativeWriteTracker:
             weakref.finalize(self, self._native.tracker_free, self._id)
             if self.sequenced:
                 self._native.tracker_sequence((self._id, self.sequenced))
+            if self._weights is not None:
+                self._native.tracker_taint((self._id, self._weights))
         self._native.tracker_push(self._id)
         return self
 

@@ -1,0 +1,208 @@
+"""One discovered entry: a tensor, number or handle a model derived from its weights,
+where it is held and how it was made.
+
+`Place` says where (a module held weakly, its table or `__dict__`, the steps below it; or,
+for a tensor no model holds, the entry's own list); `Entry` holds what was witnessed
+computed there, the sources, the call that last wrote it, and, once pinned, the value or
+handle a graph holds. `refusal` says why an entry cannot be recomputed in place.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from graphsafe._lineage.recorder import Arg, Call
+from graphsafe._lineage.resolve import Found, Source, recompute, recompute_scalar
+from graphsafe._memory.snapshot import PLAIN
+from graphsafe._memory.walk import Site, ValueSite, step, storage_key
+
+__all__ = ["UNRECORDED", "Entry", "Place", "read_place", "ref_to", "refusal", "same_number",
+           "still_held"]
+
+
+class Place(NamedTuple):
+    """Where an entry is held: the module's `table` (`_parameters`, `_buffers`, or None
+    for its `__dict__`) at `key`, then each step of `chain`. The module is held weakly:
+    a module's `__dict__` holds its submodules, and a runtime that held them would keep
+    itself alive through `_OWNERS`."""
+
+    module: weakref.ref[nn.Module]
+    table: str | None
+    key: Any
+    chain: tuple[Any, ...]
+    outside: list[Any] | None = None
+    """For a tensor no model holds (`graphsafe._lineage.outside`): the entry's own list
+    that holds it (a graph reads it)."""
+
+    @classmethod
+    def of(cls, site: Site | ValueSite) -> Place:
+        m = site.module
+        table = next((n for n in ("_parameters", "_buffers")
+                      if site.container is m.__dict__.get(n)), None)
+        outside = site.container if isinstance(site.container, list) else None
+        return cls(weakref.ref(m), table, site.key, site.chain, outside)
+
+    def container(self) -> Any:
+        if self.outside is not None:
+            return self.outside
+        m = self.module()
+        if m is None:
+            return None
+        return vars(m) if self.table is None else vars(m)[self.table]
+
+
+def ref_to(value: object) -> Callable[[], object]:
+    """A reference to `value`: weak for a tensor (a rebuilt copy must not be kept alive
+    by graphsafe), strong for a number or a handle (its identity must not be reused)."""
+    if isinstance(value, torch.Tensor):
+        return weakref.ref(value)
+    return lambda: value
+
+
+class Entry:
+    """One discovered tensor, scalar or handle: where it is held, from what, and how it
+    was last written."""
+
+    __slots__ = ("adopted", "chain", "kind", "module_class", "opaque", "path", "pinned",
+                 "refused", "seen", "site", "sources", "tensor", "writer")
+
+    def __init__(self, found: Found) -> None:
+        site = found.site
+        self.path = site.path
+        self.site = Place.of(site)
+        self.module_class = type(site.module).__name__
+        if isinstance(site, Site):
+            held: object = site.tensor
+            self.kind = "tensor"
+        else:
+            held = site.value
+            self.kind = "handle" if found.opaque else "scalar"
+        self.tensor = ref_to(held)
+        """What was last witnessed computed from the sources (what is held may be
+        another: rebuilt by a load that failed)."""
+        self.seen = self.tensor
+        """What the last load that ended (or failed) left at the place."""
+        self.pinned: Callable[[], object] | None = None
+        """A scalar's value or a handle's object when the model was pinned (a graph
+        holds it from then on); None: not pinned."""
+        self.sources: tuple[Source, ...] = found.sources
+        self.chain = " -> ".join(found.chain)
+        self.opaque = found.opaque
+        self.writer: tuple[Call, Arg | None] | None = found.writer
+        """The call that last wrote it; None: made by a load that was not recorded."""
+        self.adopted = False
+        self.refused: str | None = None
+
+    def held(self) -> torch.Tensor | None:
+        """The tensor the model holds at the entry's place now (None for a scalar or a
+        handle, or when none is there)."""
+        now = read_place(self.site)
+        return now if isinstance(now, torch.Tensor) else None
+
+    def value(self) -> object:
+        """Whatever the model holds at the entry's place now."""
+        return read_place(self.site)
+
+    def recompute(self) -> torch.Tensor | None:
+        if self.writer is None:
+            return None
+        if self.kind == "scalar":
+            return recompute_scalar(self.writer[0], self.sources)
+        held = self.held()
+        if held is None or self.opaque or self.writer[1] is None:
+            return None
+        return recompute((self.writer[0], self.writer[1]), held, self.sources)
+
+    def scalar_holds(self) -> bool:
+        """A scalar: whether the value held is what its sources give now."""
+        now = self.value()
+        again = self.recompute()
+        return again is not None and type(now) in (int, float, bool) and same_number(
+            again.item(), now)
+
+    def source_paths(self) -> tuple[str, ...]:
+        """The paths of the sources, once each (a staging copy stands for its weight)."""
+        return tuple(dict.fromkeys(s.path for s in self.sources))
+
+    def key(self) -> int:
+        t = self.held()
+        return 0 if t is None else storage_key(t)
+
+    def source_keys(self) -> set[int]:
+        """Storage keys of the sources as the model holds them now."""
+        with PLAIN():
+            return {storage_key(t) for s in self.sources
+                    if isinstance(t := s.holder.get(s.key), torch.Tensor)}
+
+    def moved(self) -> str | None:
+        """Pinned: how the value a graph holds differs from what is held now (a scalar's
+        value changed, a handle rebuilt), or None."""
+        if self.pinned is None:
+            return None
+        was, now = self.pinned(), self.value()
+        if self.kind == "scalar":
+            return None if same_number(was, now) else f"{was!r} at capture, now {now!r}"
+        if self.kind == "handle" and now is not was:
+            return (f"{type(was).__name__} at 0x{id(was):x} at capture, now "
+                    f"{type(now).__name__} at 0x{id(now):x}")
+        return None
+
+
+def same_number(a: object, b: object) -> bool:
+    """Equal numbers of the same type (a NaN equals itself: the same bits baked in)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return a == b
+
+
+
+def still_held(e: Entry) -> bool:
+    witnessed = e.tensor()
+    return witnessed is not None and read_place(e.site) is witnessed
+
+
+def read_place(site: Place) -> object:
+    """What `site` holds now (None if the way to it is gone)."""
+    container = site.container()
+    if container is None:
+        return None
+    try:
+        value = container[site.key]
+        for key in site.chain:
+            value = step(value, key)
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError):
+        return None
+    return value
+
+
+UNRECORDED = ("a later load that was not recorded made it: which ops computed it from its "
+               "weights is not known, so it cannot be recomputed (GRAPHSAFE_PROVENANCE=all "
+               "records every load)")
+
+
+def refusal(e: Entry) -> str | None:
+    """Why `e` cannot be recomputed in place, or None."""
+    if e.kind == "scalar":
+        return ("it is a Python number a captured graph bakes in: it cannot be refreshed in "
+                "place (re-run the engine's post-load processing, then re-capture)")
+    held = e.held()
+    if held is None:
+        return "it is no longer held"
+    if e.writer is None:
+        return UNRECORDED
+    if e.opaque:
+        return ("its chain went through a value that left torch (a kernel handle): it "
+                "cannot be refreshed in place")
+    first, second = e.recompute(), e.recompute()
+    if first is None or second is None:
+        return "its recorded chain cannot be run again (a constant it read is gone)"
+    if not (torch.equal(first, second) and torch.equal(first, held)):
+        return "running its recorded chain again does not give what the model holds, bitwise"
+    return None

@@ -131,6 +131,24 @@ def test_a_number_the_new_weights_leave_as_it_was_is_no_false_alarm() -> None:
     g.replay()
 
 
+def test_a_number_the_post_load_step_takes_again_is_fresh_though_its_source_was_not_written(
+) -> None:
+    m = Scaled()
+    m.load_weights(_scaled(0.5))
+    m.load_weights(_scaled(2.0), post=False)  # a bare sync: the number is stale
+    stale = {d.path: d.stale for d in gs.runtime(m).discovered}
+    assert stale["_k_scale_float"] is not None  # control: what the next load must heal
+    # A load of `lin.weight` alone whose post-load step takes the number again from the
+    # scale the bare sync wrote: what the weights give now.
+    m.load_weights({"lin.weight": torch.randn(C, C)})
+    assert m._k_scale_float == 2.0
+    assert all(d.stale is None for d in gs.runtime(m).discovered)
+    g, y = _capture(m, guard=True)
+    g.replay()  # before: StaleError, "its source k_scale was written"
+    assert torch.allclose(y, _scaled_reference(
+        {**_scaled(2.0), "lin.weight": m.lin.weight.detach()}, torch.ones(2, C)))
+
+
 @gs.graphsafe
 class Gated(nn.Module):
     """A `bool` that picks a branch at load: "the bias is all zeros: skip it"."""

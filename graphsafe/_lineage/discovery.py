@@ -385,8 +385,12 @@ class Discovery:
         for i, e in enumerate(self._entries):
             now = _read(e.site)
             if e.kind == "scalar":
-                if not written.isdisjoint(e.source_keys()) and e.scalar_holds():
-                    e.tensor = e.seen = _ref(now)  # the value its sources give now
+                # Its sources written, or the number taken again (the post-load step
+                # re-ran over sources this load did not write): the value they give now.
+                again_taken = now is not e.seen()
+                if (again_taken or not written.isdisjoint(e.source_keys())) and (
+                        e.scalar_holds()):
+                    e.tensor = e.seen = _ref(now)
                     again.extend(rows.get(i, []))
             elif e.kind == "handle":
                 if now is not e.seen():  # made anew where it was, by this load

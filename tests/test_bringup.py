@@ -420,6 +420,26 @@ def test_the_rewrite_re_run_over_a_weight_no_load_wrote_is_refused() -> None:
     assert not torch.allclose(y, _expected(_fold_scale, _folded_weights(0)))  # folded twice
 
 
+def test_a_rewritten_weight_a_load_binds_to_new_memory_is_refused() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    new = _folded_weights(1)
+
+    def rebind(mod: Folded) -> None:  # raw values in new memory; the rewrite not re-run
+        mod.lin.weight.data = new["lin.weight"].clone()
+
+    # Before: accepted, the weight judged by the writes into its old memory (none).
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*bound to new memory"):
+        gs.runtime(m).run_load(rebind, m, (), {})
+    g, y = _capture(m, guard=False)  # the control: what a graph reads now is raw
+    assert not torch.allclose(y, _expected(_fold_scale, new))
+    guarded = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), guarded.capture():
+        m(torch.ones(2, C))
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        guarded.replay()
+
+
 # -- state made outside any load: on first use, in a warm-up ---------------------------
 
 

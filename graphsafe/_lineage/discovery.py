@@ -307,17 +307,26 @@ class Discovery:
         return frozenset(k for r in self._rewritten.values() if (k := r.key()))
 
     def judge_rewrites(
-        self, written: set[int], ops: Mapping[int, Sequence[str]]
+        self, written: set[int], ops: Mapping[int, Sequence[str]],
+        before: Mapping[str, int] | None = None,
     ) -> list[Rewritten]:
         """A load ended that wrote `written` (storage keys), each rewritten weight by
         `ops[key]`: every weight it left wrong (not exempted); one written the way the
-        recorded load did is whole again."""
+        recorded load did is whole again. `before`: the storage key of each path when the
+        load began; a rewritten weight the load bound to new memory is left wrong (its
+        writes there are not kept: whether the rewrite was re-applied is not known)."""
         broken = []
         for r in self._rewritten.values():
             key = r.key()
-            if key not in written:
+            was = None if before is None else before.get(r.path)
+            if was is not None and was != key:
+                r.broken = ("bound to new memory by the load (`p.data = ...`): whether the "
+                            "post-load rewrite was re-applied there is not known (load it "
+                            "in place, with `copy_`)")
+            elif key not in written:
                 continue
-            r.broken = r.judge(ops.get(key, ()))
+            else:
+                r.broken = r.judge(ops.get(key, ()))
             if r.broken is not None and r.path not in self._exempt:
                 broken.append(r)
         return broken

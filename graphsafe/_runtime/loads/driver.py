@@ -267,7 +267,7 @@ class LoadDriver:
                 self._discovery.failed()  # what it rebuilt is not taken for fresh
             self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
-            broken = self._discovery.judge_rewrites(written, load.write_ops())
+            broken = self._discovery.judge_rewrites(written, load.write_ops(), before)
             if load.record:  # what it made; its forwards until the capture are recorded on
                 self._discovery.take(load.lineage, self._binder.model,
                                      lambda: self._binder.walked().sites,

@@ -431,7 +431,7 @@ def test_a_rewritten_weight_a_load_binds_to_new_memory_is_refused() -> None:
     # Before: accepted, the weight judged by the writes into its old memory (none).
     with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*bound to new memory"):
         gs.runtime(m).run_load(rebind, m, (), {})
-    g, y = _capture(m, guard=False)  # the control: what a graph reads now is raw
+    _, y = _capture(m, guard=False)  # the control: what a graph reads now is raw
     assert not torch.allclose(y, _expected(_fold_scale, new))
     guarded = gs.Graph(backend="cpu", guard=m)
     with torch.no_grad(), guarded.capture():

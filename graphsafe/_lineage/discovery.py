@@ -324,12 +324,25 @@ class Discovery:
                             "post-load rewrite was re-applied there is not known (load it "
                             "in place, with `copy_`)")
             elif key not in written:
-                continue
+                why = r.input_written(written)
+                if why is None:
+                    continue
+                r.broken = why
             else:
                 r.broken = r.judge(ops.get(key, ()))
             if r.broken is not None and r.path not in self._exempt:
                 broken.append(r)
         return broken
+
+    def written_elsewhere(self, keys: set[int]) -> None:
+        """A load of another model (a tied weight) wrote the storages `keys`: each weight
+        rewritten in place among them holds raw values now, until a load of this model
+        writes it whole again."""
+        for r in self._rewritten.values():
+            if r.key() in keys:
+                r.elsewhere = True
+                r.broken = ("written by a load of another model that shares it, which does "
+                            "not re-apply this model's post-load rewrite")
 
     def after_load(self, model: nn.Module, written: set[int]) -> None:
         """A load that was not recorded completed, writing the storages `written`: each

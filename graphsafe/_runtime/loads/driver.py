@@ -322,6 +322,7 @@ class LoadDriver:
         parameters): pay what this model owed there, and refresh their readers, if this
         runtime is free right now (one busy in another thread is skipped: its witnesses
         still see the write, and what it owes stays owed)."""
+        self._discovery.written_elsewhere(keys)  # weights it rewrote in place: raw now
         if not self._lock.acquire(blocking=False):
             return
         try:

@@ -440,6 +440,64 @@ def test_a_rewritten_weight_a_load_binds_to_new_memory_is_refused() -> None:
         guarded.replay()
 
 
+def test_a_fold_applied_again_after_the_load_in_one_update_is_refused() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    g, _ = _capture(m, guard=True)
+    new = _folded_weights(1)
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*applied again"), \
+            gs.weight_update(m):
+        m.load_weights(new)  # loaded and folded ...
+        _fold_scale(m)  # ... and folded again (a post-load step run after each bucket)
+    assert not torch.allclose(m(torch.ones(2, C)), _expected(_fold_scale, new))  # control
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()
+
+
+def test_a_scale_the_rewrite_reads_loaded_without_the_rewrite_is_refused() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    g, _ = _capture(m, guard=True)
+    scale = _folded_weights(1)["scale"]
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*scale, which the post-load"):
+        m.load_weights({"scale": scale}, post=False)
+    want = _expected(_fold_scale, {**_folded_weights(0), "scale": scale})
+    assert not torch.allclose(m(torch.ones(2, C)), want)  # control: folded the old scale
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()
+
+
+@gs.graphsafe
+class Tied(nn.Module):
+    """Another model holding `Folded`'s linear layer (a draft tied to its weights)."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def load_weights(self, weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.lin.weight.copy_(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.lin.weight.t()
+
+
+def test_a_rewritten_weight_a_tied_model_loads_raw_is_refused_until_rewritten() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    tied = Tied(m.lin)
+    g, y = _capture(m, guard=True)
+    raw = _folded_weights(1)["lin.weight"]
+    tied.load_weights(raw)
+    assert torch.equal(m.lin.weight, raw)  # control: the graph would read raw values
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*another model"):
+        g.replay()
+    gs.runtime(m).run_load(_fold_scale, m, (), {})  # the post-load step over them: whole
+    g.replay()
+    assert torch.allclose(y, _expected(_fold_scale, {**_folded_weights(0), "lin.weight": raw}))
+
+
 # -- state made outside any load: on first use, in a warm-up ---------------------------
 
 

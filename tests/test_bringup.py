@@ -131,6 +131,24 @@ def test_a_number_the_new_weights_leave_as_it_was_is_no_false_alarm() -> None:
     g.replay()
 
 
+def test_a_number_the_post_load_step_takes_again_is_fresh_though_its_source_was_not_written(
+) -> None:
+    m = Scaled()
+    m.load_weights(_scaled(0.5))
+    m.load_weights(_scaled(2.0), post=False)  # a bare sync: the number is stale
+    stale = {d.path: d.stale for d in gs.runtime(m).discovered}
+    assert stale["_k_scale_float"] is not None  # control: what the next load must heal
+    # A load of `lin.weight` alone whose post-load step takes the number again from the
+    # scale the bare sync wrote: what the weights give now.
+    m.load_weights({"lin.weight": torch.randn(C, C)})
+    assert m._k_scale_float == 2.0
+    assert all(d.stale is None for d in gs.runtime(m).discovered)
+    g, y = _capture(m, guard=True)
+    g.replay()  # before: StaleError, "its source k_scale was written"
+    assert torch.allclose(y, _scaled_reference(
+        {**_scaled(2.0), "lin.weight": m.lin.weight.detach()}, torch.ones(2, C)))
+
+
 @gs.graphsafe
 class Gated(nn.Module):
     """A `bool` that picks a branch at load: "the bias is all zeros: skip it"."""
@@ -400,6 +418,84 @@ def test_the_rewrite_re_run_over_a_weight_no_load_wrote_is_refused() -> None:
     gs.runtime(m).exempt("lin.weight", why="the control: what the graph reads now")
     g.replay()
     assert not torch.allclose(y, _expected(_fold_scale, _folded_weights(0)))  # folded twice
+
+
+def test_a_rewritten_weight_a_load_binds_to_new_memory_is_refused() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    new = _folded_weights(1)
+
+    def rebind(mod: Folded) -> None:  # raw values in new memory; the rewrite not re-run
+        mod.lin.weight.data = new["lin.weight"].clone()
+
+    # Before: accepted, the weight judged by the writes into its old memory (none).
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*bound to new memory"):
+        gs.runtime(m).run_load(rebind, m, (), {})
+    _, y = _capture(m, guard=False)  # the control: what a graph reads now is raw
+    assert not torch.allclose(y, _expected(_fold_scale, new))
+    guarded = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), guarded.capture():
+        m(torch.ones(2, C))
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        guarded.replay()
+
+
+def test_a_fold_applied_again_after_the_load_in_one_update_is_refused() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    g, _ = _capture(m, guard=True)
+    new = _folded_weights(1)
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*applied again"), \
+            gs.weight_update(m):
+        m.load_weights(new)  # loaded and folded ...
+        _fold_scale(m)  # ... and folded again (a post-load step run after each bucket)
+    assert not torch.allclose(m(torch.ones(2, C)), _expected(_fold_scale, new))  # control
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()
+
+
+def test_a_scale_the_rewrite_reads_loaded_without_the_rewrite_is_refused() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    g, _ = _capture(m, guard=True)
+    scale = _folded_weights(1)["scale"]
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*scale, which the post-load"):
+        m.load_weights({"scale": scale}, post=False)
+    want = _expected(_fold_scale, {**_folded_weights(0), "scale": scale})
+    assert not torch.allclose(m(torch.ones(2, C)), want)  # control: folded the old scale
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()
+
+
+@gs.graphsafe
+class Tied(nn.Module):
+    """Another model holding `Folded`'s linear layer (a draft tied to its weights)."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def load_weights(self, weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.lin.weight.copy_(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.lin.weight.t()
+
+
+def test_a_rewritten_weight_a_tied_model_loads_raw_is_refused_until_rewritten() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    tied = Tied(m.lin)
+    g, y = _capture(m, guard=True)
+    raw = _folded_weights(1)["lin.weight"]
+    tied.load_weights(raw)
+    assert torch.equal(m.lin.weight, raw)  # control: the graph would read raw values
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*another model"):
+        g.replay()
+    gs.runtime(m).run_load(_fold_scale, m, (), {})  # the post-load step over them: whole
+    g.replay()
+    assert torch.allclose(y, _expected(_fold_scale, {**_folded_weights(0), "lin.weight": raw}))
 
 
 # -- state made outside any load: on first use, in a warm-up ---------------------------

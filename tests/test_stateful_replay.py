@@ -52,6 +52,7 @@ one with provenance off (`GRAPHSAFE_PROVENANCE=0`, nothing discovered): each mus
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import re
 import threading
@@ -141,13 +142,36 @@ def _kernel_fn(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return kernel_fn
 
 
-Style = Literal["once", "copy", "out", "rebuild"]
+Style = Literal["once", "copy", "out", "rebuild", "lazy", "float", "item", "fold", "affine"]
 Holder = Literal["kernel", "closure"]
 STYLES: tuple[Style, ...] = ("once", "copy", "out", "rebuild")
+POST_LOAD_STYLES: tuple[Style, ...] = ("lazy", "float", "item", "fold", "affine")
+SCALARS: tuple[Style, ...] = ("float", "item")
+REWRITES: tuple[Style, ...] = ("fold", "affine")
 HOLDERS: tuple[Holder, ...] = ("kernel", "closure")
 ENGINE_PATHS: dict[Holder, str] = {
     "kernel": "kernel.packed", "closure": "kernel_fn.<closure packed>"}
 ENGINE_SOURCES = ("emb.weight", "proj")
+# What the post-load step of the other styles derives: a number (`float`: of `emb.weight`;
+# `item`: of `proj`), or `proj` itself, rewritten in place (`fold`: a scale folded in;
+# `affine`: `1 + w`).
+STYLE_SOURCES: dict[Style, tuple[str, ...]] = {
+    "float": ("emb.weight",), "item": ("proj",), "fold": ("proj", "blocks.0.scale"),
+    "affine": ("proj",)}
+
+
+def _amax(style: Style, emb: torch.Tensor, proj: torch.Tensor) -> float:
+    """The number the post-load step of a scalar style takes from the weights."""
+    with torch.no_grad():
+        if style == "float":
+            return float(emb.abs().max())
+        return proj.abs().amax().item()
+
+
+def _rewrite(style: Style, proj: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the post-load step of a rewriting style makes of loaded `proj`, out of place
+    (the same op as in place: the same bits)."""
+    return proj * scale if style == "fold" else 1 + proj  # [C, MIX]
 
 
 @gs.graphsafe
@@ -157,8 +181,15 @@ class Net(nn.Module):
     by a kernel object or a closure (`holder`), made the way `style` says: `once`, on the
     first load only; made on the first load and re-derived in place by `copy_` on every
     load that runs the step (`copy`); allocated at construction and filled in place by an
-    op's `out=` on every load that runs the step, the first included (`out`); or
-    `rebuild`, a new object each time."""
+    op's `out=` on every load that runs the step, the first included (`out`); `rebuild`,
+    a new object each time; or `lazy`: packed by the forward on first use (a warm-up
+    before the first capture), then re-derived in place by `copy_` as `copy` does.
+
+    The other styles derive no packed copy. `float` and `item` keep a Python number taken
+    from a weight (`float(emb.weight.abs().max())`, `proj.abs().amax().item()`) that the
+    forward multiplies by: a captured graph bakes it. `fold` and `affine` rewrite `proj`
+    in place (`proj.mul_(blocks[0].scale)`, `proj.copy_(1 + proj)`): the weight holds
+    derived state itself."""
 
     proj_t: torch.Tensor
     emb_half: torch.Tensor
@@ -173,6 +204,7 @@ class Net(nn.Module):
         self.kernel_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
         if style == "out":  # allocated at startup, filled by every post-load step
             self._hold(torch.empty(C + MIX, C))
+        self.amax: float | None = None  # the scalar styles' number
         self.loads = 0  # loader bodies run: tells a load refused at its start from one
         # refused at its end
 
@@ -186,10 +218,20 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mixed = _mixed(self.blocks, x)  # [T, MIX]
+        return mixed @ self.proj_t + x @ self.emb_half + self._engine(x, mixed)  # [T, C]
+
+    def _engine(self, x: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor | int:
+        """The term of what the post-load step (or the first forward) derived."""
+        if self.style in SCALARS:
+            assert self.amax is not None, "the post-load step ran on the first load"
+            return x * self.amax  # [T, C]: the number is an argument of the kernel
+        if self.style == "lazy" and self.packed() is None:
+            with torch.no_grad():  # packed on first use, cached on the module
+                self._hold(torch.cat([self.emb.weight.t(), self.proj.t()]))
         fused = torch.cat([x, mixed], dim=1)  # [T, C + MIX]
-        engine = self.kernel.run(fused) if self.kernel is not None else (
-            self.kernel_fn(fused) if self.kernel_fn is not None else 0)
-        return mixed @ self.proj_t + x @ self.emb_half + engine  # [T, C]
+        if self.kernel is not None:
+            return self.kernel.run(fused)
+        return self.kernel_fn(fused) if self.kernel_fn is not None else 0
 
     def packed(self) -> torch.Tensor | None:
         """The packed copy the post-load step made (None before the first)."""
@@ -205,16 +247,29 @@ class Net(nn.Module):
 
     def post_load(self) -> None:
         """The engine's post-load step (runs inside the tracked load that calls it)."""
-        held = self.packed()
-        if held is not None and self.style == "once":
+        if self.style in SCALARS:
+            with torch.no_grad():
+                self.amax = _amax(self.style, self.emb.weight, self.proj)
             return
+        if self.style in REWRITES:
+            with torch.no_grad():
+                if self.style == "fold":
+                    scale = self.blocks[0].scale
+                    assert isinstance(scale, torch.Tensor)
+                    self.proj.mul_(scale)  # a per-column scale folded into the weight
+                else:
+                    self.proj.copy_(1 + self.proj)
+            return
+        held = self.packed()
+        if (held is not None and self.style == "once") or (held is None and self.style == "lazy"):
+            return  # `lazy`: the first forward packs it
         with torch.no_grad():
             if self.style == "out":
                 assert held is not None
                 torch.cat([self.emb.weight.t(), self.proj.t()], out=held)
                 return
             packed = torch.cat([self.emb.weight.t(), self.proj.t()])  # [C + MIX, C]
-            if held is not None and self.style == "copy":
+            if held is not None and self.style in ("copy", "lazy"):
                 held.copy_(packed)
                 return
         self._hold(packed)
@@ -287,19 +342,29 @@ class ReferenceBlock(nn.Module):
 
 
 class ReferenceNet(nn.Module):
-    def __init__(self) -> None:
+    """`Net` of one post-load style, computed from its weights alone (`proj` is what a
+    fresh net loaded with the same weights holds: rewritten, for the rewriting styles)."""
+
+    def __init__(self, style: Style = "copy") -> None:
         super().__init__()
         self.blocks = nn.ModuleList([ReferenceBlock(), ReferenceBlock()])
         self.proj = nn.Parameter(torch.empty(C, MIX))
         self.emb = nn.Linear(C, C, bias=False)
+        self.style = style
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mixed = _mixed(self.blocks, x)  # [T, MIX]
         half = x @ (self.emb.weight.t() * 0.5)  # [T, C]
+        return mixed @ self.proj.t() + half + self._engine(x, mixed)  # [T, C]
+
+    def _engine(self, x: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor | int:
+        if self.style in SCALARS:  # the number from the weights now
+            return x * _amax(self.style, self.emb.weight, self.proj)  # [T, C]
+        if self.style in REWRITES:
+            return 0
         # The packed copy's term, packed from the weights now (the same ops: same rounding)
         packed = torch.cat([self.emb.weight.t(), self.proj.t()])  # [C + MIX, C]
-        engine = torch.cat([x, mixed], dim=1) @ packed  # [T, C]
-        return mixed @ self.proj.t() + half + engine  # [T, C]
+        return torch.cat([x, mixed], dim=1) @ packed  # [T, C]
 
 
 class ReferenceDraft(nn.Module):
@@ -312,11 +377,16 @@ class ReferenceDraft(nn.Module):
         return torch.tanh(x @ (self.emb.weight @ self.head.weight))  # [T, MIX]
 
 
-def _eager_reference(model: nn.Module, reference: type[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """An eager forward of a `reference` model built from scratch from `model`'s weights."""
+def _eager_reference(
+    model: nn.Module, reference: Callable[[], nn.Module], x: torch.Tensor,
+    given: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """An eager forward of a `reference` model built from scratch from `model`'s weights
+    (those in `given` instead: what a fresh model given the same weights holds)."""
     with torch.device("meta"):
         ref = reference()
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    weights.update((name, t.clone()) for name, t in (given or {}).items())
     ref.load_state_dict(weights, assign=True)
     with torch.no_grad():
         out: torch.Tensor = ref(x)
@@ -388,6 +458,12 @@ def _closure(names: Iterable[str]) -> set[str]:
     return found
 
 
+def _refused_rewrite(exc: BaseException) -> bool:
+    """Whether a load raised for a weight the post-load step rewrites in place, which it
+    left otherwise than loaded then rewritten (the load is complete otherwise)."""
+    return isinstance(exc, gs.StaleError) and "rewrites in place" in str(exc)
+
+
 def _written_before_failing(weights: Weights, params: dict[str, nn.Parameter]) -> set[int]:
     """Storages a loader wrote before the entry it raised at."""
     written = set()
@@ -431,7 +507,8 @@ class Side:
     """One guarded model, its graph, and what the machine knows of its derived buffers."""
 
     def __init__(
-        self, model: nn.Module, reference: type[nn.Module], sites: dict[str, tuple[str, ...]]
+        self, model: nn.Module, reference: Callable[[], nn.Module],
+        sites: dict[str, tuple[str, ...]],
     ) -> None:
         self.model = model
         self.reference = reference
@@ -447,6 +524,9 @@ class Side:
         load wrote their inputs)."""
         self.moved: set[str] = set()
         """What moved since the graph was captured ("module emb", "tensor proj")."""
+        self.given: Callable[[], dict[str, torch.Tensor]] = dict
+        """Weights a fresh model given the same weights holds otherwise than this one (a
+        weight its post-load step rewrites in place)."""
 
     def readers(self, storages: set[int]) -> set[str]:
         """The derivations reading or writing any of `storages`, and what is downstream."""
@@ -462,7 +542,7 @@ class Side:
         return {_storage(p) for p in self.model.parameters()}
 
     def expected_output(self) -> torch.Tensor:
-        return _eager_reference(self.model, self.reference, self.x)
+        return _eager_reference(self.model, self.reference, self.x, self.given())
 
 
 class RefitMachine(RuleBasedStateMachine):
@@ -476,14 +556,31 @@ class RefitMachine(RuleBasedStateMachine):
     )
     def setup(self, seed: int, mode: OnStale, dmode: OnStale, style: Style,
               holder: Holder) -> None:
+        self._setup(seed, mode, dmode, style, holder)
+
+    def _setup(self, seed: int, mode: OnStale, dmode: OnStale, style: Style,
+               holder: Holder) -> None:
         gc.collect(1)  # the last example's models go now, not in the middle of this one
         torch.manual_seed(seed)
         net = Net(style, holder)
-        net.load_weights(_checkpoint(seed))  # its post-load step makes the packed copy
+        first = _checkpoint(seed)
+        net.load_weights(first)  # its post-load step makes the packed copy
+        if style == "lazy":
+            with torch.no_grad():
+                net(torch.randn(4, C))  # the warm-up: the forward packs the copy
         draft = Draft(net)
         draft.load_weights([])  # materializes draft.mix
-        self.net = Side(net, ReferenceNet, NET_SITES)
+        self.net = Side(net, functools.partial(ReferenceNet, style), NET_SITES)
+        self.net.given = self._given
         self.draft = Side(draft, ReferenceDraft, DRAFT_SITES)
+        # The scalar styles: the number the net's graph baked in at its capture.
+        self.amax_captured: float | None = None
+        # The rewriting styles: what the last load gave `proj` (before any rewrite), and
+        # whether what graphsafe holds of the rewrite is not known (`unsure`: after a
+        # write outside a load, a load that raised, a replaced block): then a replay may be
+        # refused, and one that runs is checked against the weights the model holds.
+        self.raw = dict(first)["proj"].clone()
+        self.unsure = False
         # Storages poisoned by a failed load of the net (held, so no address is reused),
         # and the net's weights it may have written that no completed load wrote since.
         self.poisoned: dict[int, torch.UntypedStorage] = {}
@@ -526,6 +623,16 @@ class RefitMachine(RuleBasedStateMachine):
 
     def _allowed(self, side: Side) -> set[str]:
         """What a guarded replay of `side` may do now: "ok", "stale", "moved"."""
+        allowed = self._allowed_but_values(side)
+        if side is self.net and side.graph is not None and self.netm.style in SCALARS and (
+                self.netm.amax != self.amax_captured):
+            # The graph baked another number than the net holds now (the post-load step
+            # ran again): StorageMovedError, unless a check before it refuses.
+            return {"moved"} | (allowed - {"ok"})
+        return allowed
+
+    def _allowed_but_values(self, side: Side) -> set[str]:
+        """`_allowed`, but for a number the graph baked that changed since."""
         if side.moved:
             # A moved tensor the graph reads is StorageMovedError, and so is a replaced
             # module or a rebuilt holder it reads through (a new kernel object or closure).
@@ -549,11 +656,24 @@ class RefitMachine(RuleBasedStateMachine):
         return {"ok"}
 
     def _engine_allows(self, side: Side) -> set[str]:
-        """What the net's packed copy allows a guarded replay of `side`."""
-        if side is not self.net or self.engine == "fresh":
+        """What the net's packed copy (its number, its rewritten `proj`) allows a guarded
+        replay of `side`."""
+        if side is not self.net:
+            return {"ok"}
+        net = self.netm
+        if net.style in REWRITES:
+            if self.unsure:
+                return {"ok", "stale"}
+            return {"ok"} if torch.equal(net.proj, self._intended()) else {"stale"}
+        if self.engine == "fresh":
             return {"ok"}
         if self.engine == "maybe":
             return {"ok", "stale"}
+        if net.style in SCALARS:
+            # Stale: a source was written since. A number the weights now give as it was
+            # is no alarm (graphsafe may not tell after a write outside a load).
+            same = net.amax == _amax(net.style, net.emb.weight, net.proj)
+            return {"ok", "stale"} if same else {"stale"}
         if side.mode == "refresh" and self.adopted:
             return {"ok"}  # a repairing guard recomputes an adopted copy in place
         if side.mode == "refresh" and self.adopted is None:
@@ -562,9 +682,23 @@ class RefitMachine(RuleBasedStateMachine):
 
     # -- the packed copy ------------------------------------------------------------------
 
-    def _engine_sources(self) -> set[int]:
+    def _path(self) -> str:
+        """Where the net keeps what its post-load step (or first forward) derives."""
         net = self.netm
-        return {_storage(net.emb.weight), _storage(net.proj)}
+        if net.style in SCALARS:
+            return "amax"
+        return "proj" if net.style in REWRITES else ENGINE_PATHS[net.holder]
+
+    def _sources(self) -> tuple[str, ...]:
+        return STYLE_SOURCES.get(self.netm.style, ENGINE_SOURCES)
+
+    def _engine_sources(self) -> set[int]:
+        """The storages the packed copy or the number is computed from (none for a
+        rewritten weight: the machine follows it by value)."""
+        net = self.netm
+        if net.style in REWRITES:
+            return set()
+        return {_storage(net.get_parameter(n)) for n in self._sources()}
 
     def _engine_wrote(self, storages: set[int]) -> None:
         """Storages were written without the post-load step (so far): the copy reading
@@ -576,11 +710,14 @@ class RefitMachine(RuleBasedStateMachine):
         """The post-load step ran in a load that completed (`settled`: the load ended
         normally, so graphsafe took its lineage), after its writes."""
         net = self.netm
-        if net.style == "once":
-            return  # made on the first load only: nothing is re-derived
+        if net.style == "once" or net.style in REWRITES:
+            return  # made on the first load only (`once`); a rewrite is followed by value
+        if net.style == "lazy" and net.packed() is None:
+            return  # the first forward packs it
         self.engine = "fresh" if settled else "maybe"
         if settled:
-            self.adopted = None  # found again: a new entry, or the adopted one
+            # Found again: a new entry, or the adopted one (a number is never adopted).
+            self.adopted = False if net.style in SCALARS else None
         if net.style == "rebuild" and self.net.graph is not None:
             self.net.moved.add(f"holder {'kernel' if net.holder == 'kernel' else 'kernel_fn'}")
 
@@ -593,6 +730,65 @@ class RefitMachine(RuleBasedStateMachine):
         self._engine_wrote(storages)
         if post:
             self._engine_derived(settled=False)
+
+    # -- the rewritten weight ------------------------------------------------------------
+
+    def _intended(self) -> torch.Tensor:
+        """What a fresh net given the same weights holds in `proj`: the raw values the
+        last load gave it, rewritten once with the weights as they are now."""
+        net = self.netm
+        scale = net.blocks[0].scale
+        assert isinstance(scale, torch.Tensor)
+        return _rewrite(net.style, self.raw, scale.detach())
+
+    def _given(self) -> dict[str, torch.Tensor]:
+        if self.netm.style not in REWRITES or self.unsure:
+            return {}
+        return {"proj": self._intended()}
+
+    def _judged(self, names: Iterable[str], *, post: bool) -> bool:
+        """Whether graphsafe judges a load of the net that wrote `names` (with the
+        post-load step if `post`) by the rewrite: it wrote the rewritten weight or one of
+        its sources, or re-ran the rewrite."""
+        return post or not set(names).isdisjoint(STYLE_SOURCES.get(self.netm.style, ()))
+
+    def _rewrite_loaded(
+        self, raw: torch.Tensor | None, *, judged: bool, refused: bool, rebound: bool = False,
+    ) -> None:
+        """A load of the net completed (`refused`: but for the rewritten weight it left
+        wrong), having given `proj` the values `raw` (None: not written); `rebound`: in
+        new memory, where graphsafe cannot tell whether the rewrite followed (it fails
+        closed)."""
+        net = self.netm
+        if net.style not in REWRITES:
+            assert not refused, "a load was refused for a weight rewritten in place"
+            return
+        if raw is not None:
+            self.raw = raw.clone()
+        if rebound:
+            assert refused, "a load that bound proj to new memory was not refused"
+            self.unsure = True
+            return
+        whole = torch.equal(net.proj, self._intended())
+        if self.unsure:
+            self.unsure = not (raw is not None and whole and not refused)
+            return
+        if not judged:
+            return
+        if whole:
+            assert not refused, "the guard refused a healthy load: it ran the whole post-load step"
+        else:
+            assert refused, (
+                "a load that left proj otherwise than loaded then rewritten once was not "
+                "refused (the rewrite skipped, or re-run over what no load wrote)")
+
+    def _rewrite_unknown(self, raw: torch.Tensor | None = None) -> None:
+        """A load of the net raised, or a source of the rewritten weight was written or
+        replaced outside a load: what graphsafe holds of it is not known."""
+        if self.netm.style in REWRITES:
+            self.unsure = True
+            if raw is not None:
+                self.raw = raw.clone()
 
     def _draft_poisoned(self) -> bool:
         # The net's failed load poisons its tensors, shared ones included: the draft's guard
@@ -686,23 +882,32 @@ class RefitMachine(RuleBasedStateMachine):
         net = self.netm
         params = dict(net.named_parameters())
         written = {n: params[n] for n, _ in weights if n in params}
+        if post and net.style in REWRITES:
+            written["proj"] = params["proj"]  # the post-load step rewrites it
         before = {n: _storage(p) for n, p in written.items()}
         readers = self._readers(set(before.values()))
         draft_storages = self.draft.storages()
         loads = self.netm.loads
+        raw = dict(weights).get("proj")
+        refused = False
         try:
             net.load_weights(weights, rebind=rebind, post=post)
         except gs.GraphSafetyError as exc:
-            # After pin, a rebinding loader (or any load into a swapped tree) is refused.
-            self._rebound(written, before, draft_storages)
-            assert self.net.moved, f"a load was refused: {exc}"
-            self._touched(self.draft, readers[id(self.draft)])
-            self._loader_ran(loads, {*before.values(), *(_storage(p) for p in written.values())},
-                             post=post)
-            return
+            refused = _refused_rewrite(exc)
+            if not refused:
+                # After pin, a rebinding loader (or any load into a swapped tree) is refused.
+                self._rebound(written, before, draft_storages)
+                assert self.net.moved, f"a load was refused: {exc}"
+                self._touched(self.draft, readers[id(self.draft)])
+                self._loader_ran(
+                    loads, {*before.values(), *(_storage(p) for p in written.values())},
+                    post=post)
+                self._rewrite_unknown(raw)
+                return
         except (ValueError, RuntimeError, KeyboardInterrupt):
             assert should_fail
             self._failed_load(readers, _written_before_failing(weights, params))
+            self._rewrite_unknown()
             return
         assert not should_fail, "a load that should have failed completed"
         self._rebound(written, before, draft_storages)
@@ -710,6 +915,8 @@ class RefitMachine(RuleBasedStateMachine):
                      written={*before.values(), *(_storage(p) for p in written.values())})
         if post:
             self._engine_derived(settled=True)
+        self._rewrite_loaded(raw, judged=self._judged(written, post=post), refused=refused,
+                             rebound=rebind and raw is not None)
 
     def _rebound(
         self, written: dict[str, nn.Parameter], before: dict[str, int], draft_storages: set[int]
@@ -758,20 +965,29 @@ class RefitMachine(RuleBasedStateMachine):
         self._net_used()
         net = self.netm
         loads = net.loads
+        refused = False
         try:
             with gs.weight_update(net):
                 for a, b in pairwise(edges):
                     net.load_weights(ck[a:b], post=post == "each")
                 if post == "end":
                     net.post_load()
-        except gs.GraphSafetyError:
-            assert self.net.moved
-            self._touched(self.draft, readers[id(self.draft)])
-            self._loader_ran(loads, self.net.storages(), post=post != "none")
-            return
+        except gs.GraphSafetyError as exc:
+            refused = _refused_rewrite(exc)
+            if not refused:
+                assert self.net.moved, f"a load was refused: {exc}"
+                self._touched(self.draft, readers[id(self.draft)])
+                self._loader_ran(loads, self.net.storages(), post=post != "none")
+                self._rewrite_unknown(dict(ck)["proj"])
+                return
         self._loaded(self.net, readers, everything=True, written=self.net.storages())
         if post != "none":
             self._engine_derived(settled=True)
+        # `copy_(1 + w)` after each bucket: told from the load's own `copy_` by name only,
+        # graphsafe refuses more than one write before the last rewrite (fails closed).
+        ambiguous = net.style == "affine" and post == "each" and len(edges) > 2
+        self._rewrite_loaded(dict(ck)["proj"], judged=True, refused=refused,
+                             rebound=ambiguous and refused)
 
     @rule(seed=st.integers(0, 2**16), at=st.integers(0, len(NAMES)))
     def load_wrong_shape(self, seed: int, at: int) -> None:
@@ -800,15 +1016,21 @@ class RefitMachine(RuleBasedStateMachine):
         readers = self._readers(self.net.storages())
         self._net_used()
         versions = [net.emb.weight._version, net.proj._version]
+        ck = dict(_checkpoint(seed))
+        refused = False
         try:
-            net.load_state_dict(dict(_checkpoint(seed)))
-        except gs.GraphSafetyError:
-            assert self.net.moved
-            self._touched(self.draft, readers[id(self.draft)])
-            if versions != [net.emb.weight._version, net.proj._version]:
-                self._engine_wrote(self._engine_sources())
-            return
+            net.load_state_dict(ck)
+        except gs.GraphSafetyError as exc:
+            refused = _refused_rewrite(exc)
+            if not refused:
+                assert self.net.moved, f"a load was refused: {exc}"
+                self._touched(self.draft, readers[id(self.draft)])
+                if versions != [net.emb.weight._version, net.proj._version]:
+                    self._engine_wrote(self._engine_sources())
+                self._rewrite_unknown(ck["proj"])
+                return
         self._loaded(self.net, readers, everything=True, written=self.net.storages())
+        self._rewrite_loaded(ck["proj"], judged=True, refused=refused)
 
     @rule(
         seed=st.integers(0, 2**16), keep=st.sets(st.sampled_from(NAMES), min_size=1),
@@ -823,7 +1045,8 @@ class RefitMachine(RuleBasedStateMachine):
         moved_before, loads = bool(side.moved), self.netm.loads
         before = side.expected_output() if "ok" in self._allowed(side) else None
         weights = [e for e in _checkpoint(seed) if e[0] in keep]
-        storages = {_storage(side.model.get_parameter(n)) for n, _ in weights}
+        rewritten = {"proj"} if post and self.netm.style in REWRITES else set()
+        storages = {_storage(side.model.get_parameter(n)) for n in {*keep, *rewritten}}
         readers = self._readers(storages)
         errors: list[BaseException] = []
 
@@ -842,14 +1065,18 @@ class RefitMachine(RuleBasedStateMachine):
             replayed = exc
         runner.join(timeout=10.0)
         assert not runner.is_alive(), "a load racing a replay deadlocked"
-        if errors:
+        raw = dict(weights).get("proj")
+        if errors and not _refused_rewrite(errors[0]):
             assert isinstance(errors[0], gs.GraphSafetyError) and side.moved, errors[0]
             self._touched(self.draft, readers[id(self.draft)])
             self._loader_ran(loads, storages, post=post)
+            self._rewrite_unknown(raw)
         else:
             self._loaded(side, readers, written=storages)
             if post:
                 self._engine_derived(settled=True)
+            self._rewrite_loaded(raw, judged=self._judged(keep, post=post),
+                                 refused=bool(errors))
         if moved_before:
             # StaleError where the graph reads the moved tensor only through a buffer.
             assert isinstance(replayed, (gs.StorageMovedError, gs.StaleError)), (
@@ -877,6 +1104,8 @@ class RefitMachine(RuleBasedStateMachine):
     def write_in_place(self, how: str, name: str, seed: int) -> None:
         _write_in_place(self.net.model, name, how, seed)
         self._written_outside({_storage(self.net.model.get_parameter(name))})
+        if name in STYLE_SOURCES.get(self.netm.style, ()):
+            self._rewrite_unknown()
 
     @rule(
         how=st.sampled_from(WRITES), name=st.sampled_from(DRAFT_NAMES), seed=st.integers(0, 2**16)
@@ -884,6 +1113,8 @@ class RefitMachine(RuleBasedStateMachine):
     def write_in_place_through_the_draft(self, how: str, name: str, seed: int) -> None:
         _write_in_place(self.draft.model, name, how, seed)
         self._written_outside({_storage(self.draft.model.get_parameter(name))})
+        if name == "head.weight":  # the net's proj
+            self._rewrite_unknown()
 
     @rule(name=st.sampled_from([*NET_BUFFERS, "draft.mix"]))
     def zero_a_derived_buffer(self, name: str) -> None:
@@ -905,23 +1136,33 @@ class RefitMachine(RuleBasedStateMachine):
             p.data.numpy()[...] = new.numpy()
             gs.mark_written(p)
 
+        raw = new if name == "proj" else None
         if not inside:
             write()
             self._written_outside(storages)
+            if name in STYLE_SOURCES.get(self.netm.style, ()):
+                self._rewrite_unknown()
             return
         readers = self._readers(storages)
         self._net_used()
         loads = self.netm.loads
+        refused = False
         try:
             with gs.weight_update(self.net.model):
                 self.netm.loads += 1  # the block's body ran
                 write()
-        except gs.GraphSafetyError:
-            assert self.net.moved
-            self._touched(self.draft, readers[id(self.draft)])
-            self._loader_ran(loads, storages, post=False)
-            return
+        except gs.GraphSafetyError as exc:
+            refused = _refused_rewrite(exc)
+            if not refused:
+                assert self.net.moved, f"a load was refused: {exc}"
+                self._touched(self.draft, readers[id(self.draft)])
+                self._loader_ran(loads, storages, post=False)
+                self._rewrite_unknown(raw)
+                return
         self._loaded(self.net, readers, everything=True, written=storages)
+        # A write declared with `gs.mark_written` is no op graphsafe's write trackers keep:
+        # whether the rewritten weight is judged by it is not modeled (left open).
+        self._rewrite_unknown(raw)
 
     # -- the module tree changes ----------------------------------------------------------
 
@@ -936,15 +1177,19 @@ class RefitMachine(RuleBasedStateMachine):
         if path == "emb":
             assert isinstance(new, nn.Linear)
             net.emb = new
-            # The packed copy was made from the replaced module's weight: a fresh module
-            # holds other values; a copy the same ones, in a tensor the copy was not made
-            # from (graphsafe may take that for stale).
-            if fresh:
+            # The packed copy (or number) was made from the replaced module's weight: a
+            # fresh module holds other values; a copy the same ones, in a tensor the copy
+            # was not made from (graphsafe may take that for stale).
+            if "emb.weight" not in self._sources():
+                pass
+            elif fresh:
                 self.engine = "stale"
             elif self.engine == "fresh":
                 self.engine = "maybe"
         else:
             net.blocks[int(path.rpartition(".")[2])] = new
+            if f"{path}.scale" in self._sources():
+                self._rewrite_unknown()  # the scale the rewrite folded in is replaced
         if self.net.graph is not None:
             self.net.moved.add(f"module {path}")
         # Unpinned, the net's next load or refresh re-binds it (a capture refreshes first).
@@ -981,6 +1226,7 @@ class RefitMachine(RuleBasedStateMachine):
             if during != "refresh":  # the loader completed: the refresh at its end raised
                 self._rewritten(self.net.storages())
                 self._engine_derived(settled=False)  # its post-load step ran
+                self._rewrite_unknown(dict(ck)["proj"])
             self._net_ran()  # the plan ran up to the interrupt (the rest is marked failed)
             self.net.dirty.clear()
             self.net.maybe.clear()
@@ -992,6 +1238,7 @@ class RefitMachine(RuleBasedStateMachine):
             assert self.net.moved, "a load or refresh was refused"
             self._touched(self.draft, readers[id(self.draft)])
             self._loader_ran(loads, self.net.storages(), post=during != "refresh")
+            self._rewrite_unknown(dict(ck)["proj"] if during != "refresh" else None)
             return
         finally:
             target.fault = None
@@ -1055,6 +1302,8 @@ class RefitMachine(RuleBasedStateMachine):
         with torch.no_grad(), graph.capture():
             side.out = side.model(side.x)
         side.graph, side.mode = graph, mode
+        if side is self.net:
+            self.amax_captured = self.netm.amax
         side.moved.clear()
         self._refreshed(side)
 
@@ -1098,6 +1347,9 @@ class RefitMachine(RuleBasedStateMachine):
         readers = self._readers(storages)
         draft.load_weights(weights)
         self._loaded(self.draft, readers, written=storages)
+        if "head.weight" in keep and self.netm.style in REWRITES and not self.unsure:
+            # The draft wrote the net's proj raw: a fresh net given it holds it rewritten.
+            self.raw = dict(weights)["head.weight"].clone()
 
     # -- the packed copy, adopted ---------------------------------------------------------
 
@@ -1109,7 +1361,17 @@ class RefitMachine(RuleBasedStateMachine):
             return
         net = self.netm
         found = {d.path: d for d in gs.runtime(net).adopt()}
-        d = found[ENGINE_PATHS[net.holder]]
+        d = found.get(self._path())
+        if d is None:
+            # Packed by the first forward, and no guarded capture ended the bring-up.
+            assert net.style == "lazy" and not self.guarded, sorted(found)
+            return
+        if net.style in (*SCALARS, *REWRITES):
+            # A number a graph bakes in, a weight whose loaded values are gone: neither
+            # can be recomputed in place.
+            assert not d.adopted and d.refused is not None, d
+            self.adopted = False
+            return
         if self.engine == "fresh":
             assert d.adopted, f"a fresh packed copy was refused for adoption: {d.refused}"
         if not torch.equal(_held(net), _pack(net)):
@@ -1139,9 +1401,11 @@ class RefitMachine(RuleBasedStateMachine):
             drifts = [d for d in exc.drifts if isinstance(d, gs.Drift)]
             assert drifts and len(drifts) == len(exc.drifts), exc.drifts
             swapped = {m.removeprefix("module ") for m in side.moved if m.startswith("module ")}
-            if swapped == {m.removeprefix("module ") for m in side.moved}:
+            if not side.moved:  # a number the graph baked changed since
+                assert [d.what for d in drifts] == ["value"] and drifts[0].path == "amax", drifts
+            if swapped and swapped == {m.removeprefix("module ") for m in side.moved}:
                 assert any(d.what == "module" and d.path in swapped for d in drifts), drifts
-            if all(m.startswith("holder ") for m in side.moved):
+            if side.moved and all(m.startswith("holder ") for m in side.moved):
                 rebuilt = {m.removeprefix("holder ") for m in side.moved}
                 assert any(d.what == "holder" and d.path in rebuilt for d in drifts), drifts
             return
@@ -1171,7 +1435,7 @@ class RefitMachine(RuleBasedStateMachine):
             side.dirty.clear()
         if side is self.net and self.interrupted == "maybe":
             self.interrupted = "no"  # the net redid what it held failed (else it refuses)
-        if side is self.net and self.engine == "stale":
+        if side is self.net and self.engine == "stale" and self.netm.style not in SCALARS:
             # It replayed, so the guard repaired the adopted copy; racing a load, it may
             # have replayed before the load left the copy stale again.
             self.engine = "maybe" if racing else "fresh"
@@ -1202,9 +1466,14 @@ class RefitMachine(RuleBasedStateMachine):
     def the_machine_knows_the_packed_copy(self) -> None:
         """The machine's own bookkeeping: a copy it holds fresh is what packing the
         current weights gives."""
-        if self.engine == "fresh":
-            net = self.netm
-            assert torch.equal(_held(net), _pack(net)), "the machine lost track of the copy"
+        net = self.netm
+        if self.engine != "fresh" or net.style in REWRITES:
+            return
+        if net.style in SCALARS:
+            assert net.amax == _amax(net.style, net.emb.weight, net.proj), (
+                "the machine lost track of the number")
+            return
+        assert torch.equal(_held(net), _pack(net)), "the machine lost track of the copy"
 
     @invariant()
     def discovered_lists_the_packed_copy(self) -> None:
@@ -1214,11 +1483,28 @@ class RefitMachine(RuleBasedStateMachine):
             return
         net = self.netm
         rt = gs.runtime(net)
-        path = ENGINE_PATHS[net.holder]
+        path = self._path()
         found = {d.path: d for d in rt.discovered}
         assert set(found) == {path}, sorted(found)
         d = found[path]
-        assert set(d.sources) == set(ENGINE_SOURCES) and not d.opaque, d
+        assert set(d.sources) == set(self._sources()) and not d.opaque, d
+        if net.style in REWRITES:
+            assert d.kind == "rewritten", d
+            if not self.unsure:
+                whole = torch.equal(net.proj, self._intended())
+                assert (d.stale is None) == whole, (
+                    f"proj is {'' if whole else 'not '}what loading then rewriting gives, "
+                    f"and rt.discovered lists it {'stale' if d.stale else 'whole'}: {d.stale}")
+            return
+        if net.style in SCALARS:
+            assert d.kind == "scalar", d
+            if net.amax != _amax(net.style, net.emb.weight, net.proj):
+                assert d.stale is not None, (
+                    "the number the post-load step took is not what the weights give now, "
+                    "and rt.discovered lists it fresh")
+            elif self.engine == "fresh":
+                assert d.stale is None, f"a fresh number is listed stale: {d.stale}"
+            return
         if self.engine == "maybe":
             return
         (item,) = [i for i in rt.audit_items() if i.path == path]
@@ -1282,11 +1568,40 @@ class BlindMachine(RefitMachine):
     provenance = False
 
 
+class PostLoadMachine(RefitMachine):
+    """The same machine, the net's post-load step drawn among the other styles: a number
+    taken from a weight (`float`, `item`), `proj` rewritten in place (`fold`, `affine`),
+    or a copy the forward packs on first use, in a warm-up before the first capture
+    (`lazy`)."""
+
+    @initialize(
+        seed=st.integers(0, 2**16), mode=st.sampled_from(MODES), dmode=st.sampled_from(MODES),
+        style=st.sampled_from(POST_LOAD_STYLES), holder=st.sampled_from(HOLDERS),
+    )
+    def setup(self, seed: int, mode: OnStale, dmode: OnStale, style: Style,
+              holder: Holder) -> None:
+        self._setup(seed, mode, dmode, style, holder)
+
+
+class UnguardedPostLoadMachine(PostLoadMachine, UnguardedMachine):
+    pass
+
+
+class OverCautiousPostLoadMachine(PostLoadMachine, OverCautiousMachine):
+    pass
+
+
+class BlindPostLoadMachine(PostLoadMachine, BlindMachine):
+    pass
+
+
 # Stateful examples are long: the profile's examples, of 50 steps each.
 STEPS = settings(settings(), stateful_step_count=50, max_examples=settings().max_examples,
                  report_multiple_bugs=False)
 TestRefitMachine = RefitMachine.TestCase
 TestRefitMachine.settings = STEPS
+TestPostLoadMachine = PostLoadMachine.TestCase
+TestPostLoadMachine.settings = STEPS
 # A control stops at the first failure it finds: no database, no shrinking; the same
 # examples on every run, so that CI sees what a developer saw.
 CONTROL = settings(
@@ -1300,8 +1615,13 @@ CONTROL = settings(
         (UnguardedMachine, r"stale replay was not refused|not close|matches neither"),
         (OverCautiousMachine, r"refused a healthy replay"),
         (BlindMachine, r"stale replay was not refused|not close|matches neither"),
+        (UnguardedPostLoadMachine, r"stale replay was not refused|not close|matches neither"),
+        (OverCautiousPostLoadMachine, r"refused a healthy replay"),
+        (BlindPostLoadMachine,
+         r"stale replay was not refused|not close|matches neither|load .* was not refused"),
     ],
-    ids=["unguarded", "over-cautious", "provenance-off"],
+    ids=["unguarded", "over-cautious", "provenance-off", "post-load-unguarded",
+         "post-load-over-cautious", "post-load-provenance-off"],
 )
 def test_control_the_machine_catches_a_broken_guard(
     machine: type[RefitMachine], message: str

@@ -193,20 +193,42 @@ class Discovery:
         return frozenset(k for r in self._rewritten.values() if (k := r.key()))
 
     def judge_rewrites(
-        self, written: set[int], ops: Mapping[int, Sequence[str]]
+        self, written: set[int], ops: Mapping[int, Sequence[str]],
+        before: Mapping[str, int] | None = None,
     ) -> list[Rewritten]:
         """A load ended that wrote `written` (storage keys), each rewritten weight by
         `ops[key]`: every weight it left wrong (not exempted); one written the way the
-        recorded load did is whole again."""
+        recorded load did is whole again. `before`: the storage key of each path when the
+        load began; a rewritten weight the load bound to new memory is left wrong (its
+        writes there are not kept: whether the rewrite was re-applied is not known)."""
         broken = []
         for r in self._rewritten.values():
             key = r.key()
-            if key not in written:
-                continue
-            r.broken = r.judge(ops.get(key, ()))
+            was = None if before is None else before.get(r.path)
+            if was is not None and was != key:
+                r.broken = ("bound to new memory by the load (`p.data = ...`): whether the "
+                            "post-load rewrite was re-applied there is not known (load it "
+                            "in place, with `copy_`)")
+            elif key not in written:
+                why = r.input_written(written)
+                if why is None:
+                    continue
+                r.broken = why
+            else:
+                r.broken = r.judge(ops.get(key, ()))
             if r.broken is not None and r.path not in self._exempt:
                 broken.append(r)
         return broken
+
+    def written_elsewhere(self, keys: set[int]) -> None:
+        """A load of another model (a tied weight) wrote the storages `keys`: each weight
+        rewritten in place among them holds raw values now, until a load of this model
+        writes it whole again."""
+        for r in self._rewritten.values():
+            if r.key() in keys:
+                r.elsewhere = True
+                r.broken = ("written by a load of another model that shares it, which does "
+                            "not re-apply this model's post-load rewrite")
 
     def after_load(self, model: nn.Module, written: set[int],
                    tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
@@ -327,8 +349,12 @@ class Discovery:
         for i, e in enumerate(self._entries):
             now = read_place(e.site)
             if e.kind == "scalar":
-                if not written.isdisjoint(e.source_keys()) and e.scalar_holds():
-                    e.tensor = e.seen = ref_to(now)  # the value its sources give now
+                # Its sources written, or the number taken again (the post-load step
+                # re-ran over sources this load did not write): the value they give now.
+                again_taken = now is not e.seen()
+                if (again_taken or not written.isdisjoint(e.source_keys())) and (
+                        e.scalar_holds()):
+                    e.tensor = e.seen = ref_to(now)
                     again.extend(rows.get(i, []))
             elif e.kind == "handle":
                 if now is not e.seen():  # made anew where it was, by this load

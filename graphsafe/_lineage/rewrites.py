@@ -23,12 +23,16 @@ from graphsafe._memory.walk import storage_key
 
 __all__ = ["Rewritten", "rewritten_error"]
 
+_LOAD_OPS = frozenset({"aten::copy_"})
+"""The ops a load writes loaded values with."""
+
 
 class Rewritten:
     """A weight the recorded load rewrote in place (`Rewrite`), and whether a later load
     broke it (`broken`: why)."""
 
-    __slots__ = ("broken", "chain", "module_class", "ops", "path", "site", "sources")
+    __slots__ = ("broken", "chain", "elsewhere", "inputs", "module_class", "ops", "path",
+                 "site", "sources")
 
     def __init__(self, rewrite: Rewrite, module_class: str) -> None:
         self.path = rewrite.weight.path
@@ -36,8 +40,14 @@ class Rewritten:
         self.module_class = module_class
         self.ops = rewrite.ops
         self.sources = tuple(dict.fromkeys(s.path for s in rewrite.sources))
+        self.inputs = tuple((s.path, s.holder, s.key) for s in rewrite.sources
+                            if s.path != self.path)
+        """The other weights the rewrite reads (a scale folded in), where they are held."""
         self.chain = " -> ".join(rewrite.chain)
         self.broken: str | None = None
+        self.elsewhere = False
+        """Whether a load of another model (a tied weight) wrote raw values into it since
+        a load of this model last did: the rewrite alone over them makes it whole."""
 
     def key(self) -> int:
         holder, key = self.site
@@ -45,16 +55,38 @@ class Rewritten:
             t = holder.get(key)
             return storage_key(t) if isinstance(t, torch.Tensor) else 0
 
+    def input_written(self, written: set[int]) -> str | None:
+        """Why a load that wrote `written` (storage keys) and not the weight left it
+        wrong: it wrote another weight the rewrite reads (a new scale, not folded in)."""
+        with PLAIN():
+            for path, holder, key in self.inputs:
+                t = holder.get(key)
+                if isinstance(t, torch.Tensor) and storage_key(t) in written:
+                    return (f"{path}, which the post-load rewrite ({self.chain}) reads, was "
+                            "written by a load that did not write the weight and rewrite it "
+                            "again")
+        return None
+
     def judge(self, ops: Sequence[str]) -> str | None:
         """Why a load whose writes into the weight were `ops` (in order) left it wrong,
         or None: loaded, then rewritten the way the recorded load did."""
+        elsewhere, self.elsewhere = self.elsewhere, False
         mine = list(self.ops)
         done = " -> ".join(mine)
+        if elsewhere and list(ops) == mine:
+            return None  # loaded raw by another model's load, rewritten once by this one
         if not ops:
             return (f"written by a load graphsafe saw no op of (load_state_dict, a write "
                     f"it tracks by versions): the post-load rewrite ({done}) not re-applied")
-        if len(ops) > len(mine) and list(ops[-len(mine):]) == mine:
-            return None
+        n = len(mine)
+        if len(ops) > n and list(ops[-n:]) == mine:
+            before = list(ops[:-n])
+            if before[-n:] != mine or (len(before) == n and set(mine) <= _LOAD_OPS):
+                return None  # loaded, then rewritten once (a rewrite by `copy_`: exactly so)
+            return (f"written by {' -> '.join(ops)}: the post-load rewrite ({done}) applied "
+                    "again over its own output after the weight was loaded (a fold applied "
+                    "twice; a rewrite by the op a load writes with is told from the load by "
+                    "name only, so it must follow exactly one write)")
         if list(ops) == mine:
             return (f"written only by {done}: either loaded raw with the post-load rewrite "
                     f"not re-applied, or the rewrite re-applied over its own output (a fold "

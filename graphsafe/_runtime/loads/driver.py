@@ -270,7 +270,7 @@ class LoadDriver:
                 self._discovery.failed()  # what it rebuilt is not taken for fresh
             self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
-            broken = self._discovery.judge_rewrites(written, load.write_ops())
+            broken = self._discovery.judge_rewrites(written, load.write_ops(), before)
             if load.record:  # what it made; its forwards until the capture are recorded on
                 self._discovery.take(load.lineage, self._binder.model,
                                      lambda: self._binder.walked().sites,
@@ -326,6 +326,7 @@ class LoadDriver:
         parameters): pay what this model owed there, and refresh their readers, if this
         runtime is free right now (one busy in another thread is skipped: its witnesses
         still see the write, and what it owes stays owed)."""
+        self._discovery.written_elsewhere(keys)  # weights it rewrote in place: raw now
         if not self._lock.acquire(blocking=False):
             return
         try:

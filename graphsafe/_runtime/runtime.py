@@ -30,6 +30,7 @@ from graphsafe._runtime.freshness import (
     in_update_error,
     unmaterialized_error,
 )
+from graphsafe._runtime.frozen import refuse_frozen
 from graphsafe._runtime.loads.driver import LoadDriver
 from graphsafe._runtime.refresh.binder import Binder, tensor_at
 from graphsafe._runtime.refresh.engine import Engine
@@ -418,10 +419,12 @@ class Runtime(metaclass=_OnePerModel):
         A graph pins with itself as `holder`; `pin()` is the manual pin `unpin()` releases.
         While pinned, writes into what the derivations read or write, outside any tracked
         load and in any thread, are seen (`gs.observe_writes`; the compiled build).
-        Raises `StaleError` if the derived buffers were never materialized.
+        Raises `StaleError` if the derived buffers were never materialized, and
+        `FrozenWeightsError` if compiled code froze weights of the model into constants.
         """
         with self._lock:
             self.check_pinnable()
+            refuse_frozen(self.model)  # compiled code no load reaches
             if not self._holders:
                 self._bound_engine().refresh_readers(False, ())
             self._discovery.rehome(self.model)  # a module replaced before the capture

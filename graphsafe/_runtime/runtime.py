@@ -270,7 +270,7 @@ class Runtime(metaclass=_OnePerModel):
                     or engine.reads_poisoned(self._pinned_keys)):
                 keys = engine.watch.storage_keys() | self._pinned_keys
                 check_fresh(engine, keys, type(self.model), repair=repair, owed=owed)
-            tie = self._binder.ties.error(type(self.model).__name__)
+            tie = self._binder.tie_error()
             if tie is not None:  # a load broke a tie, or wrote one side of a broken one
                 raise tie
             if self._discovery:

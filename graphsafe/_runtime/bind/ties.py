@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from graphsafe._errors import StaleError
+from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key
 
 __all__ = ["Ties"]
@@ -81,20 +82,22 @@ class Ties:
             model.named_parameters(remove_duplicate=False),
             ((p, t) for p, t in model.named_buffers(remove_duplicate=False) if p in persistent),
         )
-        for path, t in weights:
-            region = _region(t)
-            if region is not None:
-                found.setdefault(region, []).append(path)
+        with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+            for path, t in weights:
+                region = _region(t)
+                if region is not None:
+                    found.setdefault(region, []).append(path)
         return cls(tuple(tuple(paths) for paths in found.values() if len(paths) > 1))
 
     def broken(self, model: nn.Module) -> frozenset[tuple[str, ...]]:
         """The ties whose sides no longer cover one memory."""
         out = []
-        for group in self.groups:
-            regions = {_region(t) if (t := _at(model, p)) is not None else None
-                       for p in group}
-            if len(regions) > 1 or None in regions:
-                out.append(group)
+        with PLAIN():
+            for group in self.groups:
+                regions = {_region(t) if (t := _at(model, p)) is not None else None
+                           for p in group}
+                if len(regions) > 1 or None in regions:
+                    out.append(group)
         return frozenset(out)
 
     def judge(

@@ -20,7 +20,7 @@ from torch import nn
 from graphsafe._declare.decorators import class_registries
 from graphsafe._declare.registry import Registry, default_registry
 from graphsafe._declare.spec import Derivation, Drift
-from graphsafe._errors import GraphSafetyError, RegistrationError, StorageMovedError
+from graphsafe._errors import GraphSafetyError, RegistrationError, StaleError, StorageMovedError
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import Reach, storage_paths, walk, walk_tensors
 from graphsafe._runtime.bind.binding import Binding, bind
@@ -96,6 +96,10 @@ class Binder:
         if self._ties is None:
             self._ties = Ties.record(self.model)
         return self._ties
+
+    def tie_error(self) -> StaleError | None:
+        """The refusal of the ties loads broke (None: none, or no load recorded them)."""
+        return None if self._ties is None else self._ties.error(self._model_class)
 
     @property
     def strict(self) -> bool:

@@ -3,6 +3,7 @@
 from graphsafe._declare.decorators import derive
 from graphsafe._errors import CaptureError
 from graphsafe._errors import DerivationDriftError
+from graphsafe._errors import FrozenWeightsError
 from graphsafe._errors import GraphSafetyError
 from graphsafe._errors import GraphSafetyWarning
 from graphsafe._errors import ImpureDerivationError
@@ -39,6 +40,7 @@ __all__ = [
     "CaptureError",
     "Derivation",
     "DerivationDriftError",
+    "FrozenWeightsError",
     "DerivationInfo",
     "DerivationReport",
     "Discovered",

@@ -10,6 +10,7 @@ from typing import Any
 __all__ = [
     "CaptureError",
     "DerivationDriftError",
+    "FrozenWeightsError",
     "GraphSafetyError",
     "GraphSafetyWarning",
     "ImpureDerivationError",
@@ -177,6 +178,20 @@ class WeightLoadError(GraphSafetyError):
         super().__init__(summary, **kwargs)
 
 
+class FrozenWeightsError(GraphSafetyError):
+    """Compiled code holds weights of the model as constants (`torch.compile` with
+    inductor's `freezing`): a load writes the weights and the compiled code keeps the old
+    values. Raised at the pin: a graph's capture, or an engine's pin.
+
+    Args:
+        paths: Dotted paths of the weights frozen.
+    """
+
+    def __init__(self, summary: str, *, paths: Sequence[str] = (), **kwargs: Any) -> None:
+        self.paths = tuple(paths)
+        super().__init__(summary, **kwargs)
+
+
 class GraphSafetyWarning(UserWarning):
     """A guarantee graphsafe cannot give here, and how to get it: e.g. no process-wide
     write observer without the compiled build (`graphsafe native build`)."""
@@ -193,6 +208,7 @@ for _cls in (
     NotMaterializedError,
     CaptureError,
     WeightLoadError,
+    FrozenWeightsError,
     GraphSafetyWarning,
 ):
     _cls.__module__ = "graphsafe"

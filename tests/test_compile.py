@@ -498,3 +498,51 @@ def test_control_graph_cuda_over_the_compiled_naive_model_replays_stale() -> Non
     assert old_ws is not model.ws
     assert torch.allclose(out, expected(checkpoint(0, "cuda"), x), atol=1e-5)
     assert not torch.allclose(out, expected(checkpoint(1, "cuda"), x), atol=1e-3)
+
+
+# -----------------------------------------------------------------------------
+# inductor's freezing: the weights folded into the compiled code as constants
+
+
+def frozen_compile(model: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`model` compiled with freezing on, called once (inference: freezing needs no grad)."""
+    compiled = torch.compile(model)
+    with torch._inductor.config.patch(freezing=True):
+        first_call(lambda: compiled(x))
+    return lambda: compiled(x)
+
+
+def test_control_frozen_compiled_code_keeps_the_old_weights_after_a_refit() -> None:
+    model, x = small(Small), torch.randn(3, C)
+    run = frozen_compile(model, x)
+    refit(model, checkpoint(1))  # weights and the derived buffer refreshed in place
+    with torch.no_grad():
+        assert torch.allclose(model(x), expected(checkpoint(1), x), atol=1e-6)  # eager
+        assert torch.allclose(run(), expected(checkpoint(0), x), atol=1e-6)  # frozen
+        assert not torch.allclose(run(), expected(checkpoint(1), x), atol=1e-6)
+    gs.runtime(model).assert_fresh()  # nothing graphsafe watches is stale
+
+
+def test_frozen_compiled_code_is_refused_at_the_pin_naming_the_weights() -> None:
+    model, x = small(Small), torch.randn(3, C)
+    run = frozen_compile(model, x)
+    with pytest.raises(gs.FrozenWeightsError, match=r"freezing = False") as info:
+        capture(model, run, guard=True)
+    assert info.value.paths == ("ws",)  # what the forward reads: the derived buffer
+    message = str(info.value)
+    assert "expected:" in message and "got:" in message and "`_is_frozen_param`" in message
+    assert not gs.runtime(model).pinned  # the failed capture released its pin
+    with pytest.raises(gs.FrozenWeightsError, match=r"ws"):
+        gs.runtime(model).pin()  # an engine's pin, once its own graphs are captured
+    assert not gs.runtime(model).pinned
+
+
+def test_compiled_code_that_reads_the_weights_as_inputs_is_no_false_alarm() -> None:
+    model, x = small(Small), torch.randn(3, C)
+    compiled = torch.compile(model)
+    with torch._inductor.config.patch(freezing=False):
+        first_call(lambda: compiled(x))
+        g, out = capture(model, lambda: compiled(x), guard=True)
+    refit(model, checkpoint(1))
+    g.replay()
+    assert torch.allclose(out, expected(checkpoint(1), x), atol=1e-6)

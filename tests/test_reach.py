@@ -359,3 +359,58 @@ def test_control_a_rebound_closure_cell_is_read_stale_unguarded() -> None:
     g.replay()
     with torch.no_grad():
         assert not torch.allclose(y, m(x))
+
+
+class OnParameter(nn.Module):
+    """Keeps its kernel-layout copy on the parameter object, as engines keep quantization
+    state, next to a loader function and plain numbers (vLLM's `weight_loader`,
+    `output_dim`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(C, C))
+        self.weight.weight_loader = self.load_one  # type: ignore[attr-defined]
+        self.weight.output_dim = 0  # type: ignore[attr-defined]
+        self.weight.packed = self.weight.detach().t().contiguous()  # type: ignore[attr-defined]
+
+    def load_one(self, param: torch.Tensor, w: torch.Tensor) -> None:
+        param.data.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, C]
+        return x @ self.weight.packed  # type: ignore[no-any-return]
+
+
+def test_a_parameters_own_attributes_are_walked_and_a_rebound_one_is_refused() -> None:
+    torch.manual_seed(0)
+    m, x = OnParameter(), torch.randn(2, C)
+    assert [s.path for s in walk_tensors(m)] == ["weight", "weight.packed"]
+    g, _ = _capture(m, x, guard=True)
+    m.weight.packed = m.weight.detach().t().contiguous() * 2  # type: ignore[attr-defined]
+    with pytest.raises(gs.StorageMovedError, match=r"weight\.packed") as info:
+        g.replay()
+    assert [(d.path, d.what) for d in info.value.drifts] == [("weight.packed", "storage")]
+
+
+def test_control_a_rebound_attribute_of_a_parameter_is_read_stale_unguarded() -> None:
+    torch.manual_seed(0)
+    m, x = OnParameter(), torch.randn(2, C)
+    g, y = _capture(m, x, guard=False)
+    m.weight.packed = m.weight.detach().t().contiguous() * 2  # type: ignore[attr-defined]
+    g.replay()
+    with torch.no_grad():
+        assert not torch.allclose(y, m(x))
+
+
+def test_the_model_map_of_parameters_holding_attributes_holds_until_one_is_rebound() -> None:
+    from graphsafe._runtime.bind.model_map import ModelMap
+
+    m = OnParameter()
+    found = ModelMap(m)
+    assert found.holds()  # no walk again before each load: nothing changed
+    assert found.by_path.keys() == {"weight", "weight.packed"}
+    assert found.weights == ("weight",)  # what the parameter holds is no weight
+    m.weight.scale = torch.ones(1)  # type: ignore[attr-defined]  # a new attribute
+    assert not found.holds()
+    again = ModelMap(m)
+    m.weight.packed = torch.zeros(C, C)  # type: ignore[attr-defined]
+    assert not again.holds()

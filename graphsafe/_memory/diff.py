@@ -54,7 +54,10 @@ def _describe(obj: object) -> str:
 def holder_drift(r: Ref) -> Drift | None:
     """A `holder` drift when the object at `r.path` is no longer the one pinned."""
     try:
-        value = vars(r.module)[r.key]
+        attrs = vars(r.module)
+        slot = next((n for n in ("_parameters", "_buffers") if attrs.get(n) is r.container),
+                    None)  # a parameter holding attributes is held in its module's table
+        value = (attrs if slot is None else attrs[slot])[r.key]
         for k in r.chain:
             value = step(value, k)
     except (*CHECK_ERRORS, ValueError):

@@ -343,6 +343,8 @@ class Ledger:
         for r in self._refs:
             if id(r.module) not in live or any(r.path.startswith(f"{n}.") for n in named):
                 continue
+            if isinstance(r.obj, torch.Tensor) and r.path in pinned_paths:
+                continue  # a parameter holding attributes: its own pin names its drift
             head = f"{r.path}."
             below = [t for t in tensor_drifts if t.path.startswith(head)]
             entered = any(p.startswith(head) for p in pinned_paths)

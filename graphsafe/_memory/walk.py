@@ -14,8 +14,11 @@ so that a rebuilt object (a new kernel object with new tensors) shows.
 What the walk leaves out, and where it stops:
 - Each object is entered once (cycles end); every further reference to it is recorded
   as a ref all the same, and every reference to a tensor is a site (tied weights).
-- It reads `__dict__` entries and slots directly: it never calls a property, and never
-  enters a tensor's own attributes (a parameter's `weight_loader`).
+- It reads `__dict__` entries and slots directly: it never calls a property.
+- It enters the attributes of a parameter or a plain tensor (engines stash a packed copy
+  or scales on the `nn.Parameter` itself, and attach loaders to it): `lin.weight.packed`.
+  Tensor subclasses of other kinds (wrappers that keep their parts in attributes) are not
+  entered: their parts are theirs.
 - Atoms (numbers, strings, dtypes, devices, classes, Python modules, builtins), sets,
   NumPy arrays and other objects with nothing to enter hold no tensor it could find.
 - It stops at what is not the model's own state: graphsafe's own objects (a runtime, an
@@ -229,10 +232,10 @@ def walk(model: nn.Module) -> Reach:
 
 
 def walk_values(model: nn.Module, wanted: Callable[[Any], bool]) -> list[ValueSite]:
-    """Every place reachable from `model` as `walk` reaches tensors (attributes, and what
-    they hold at any depth) that holds a value for which `wanted(value)` is true: numbers
-    and other atoms included, tensors and the tree's own modules not. A shared object is
-    entered once.
+    """Every place reachable from `model` as `walk` reaches tensors (attributes, a
+    parameter's own attributes, and what they hold at any depth) that holds a value for
+    which `wanted(value)` is true: numbers and other atoms included, tensors and the
+    tree's own modules not. A shared object is entered once.
 
     Examples:
         >>> m = nn.Linear(2, 2)
@@ -246,16 +249,25 @@ def walk_values(model: nn.Module, wanted: Callable[[Any], bool]) -> list[ValueSi
     entered: set[int] = set()
     for head, module in each:
         attrs = module.__dict__
-        for name, top in tuple(attrs.items()):
-            if name in _MODULE_INTERNALS:
-                continue
+        tops = [(attrs, name, top) for name, top in tuple(attrs.items())
+                if name not in _MODULE_INTERNALS]
+        for table in (module._parameters, module._buffers):  # a parameter's own attributes
+            tops += [(table, name, t) for name, t in tuple(table.items())
+                     if isinstance(t, torch.Tensor) and t.__dict__]
+        for container, name, top in tops:
             stack: list[tuple[Any, str, tuple[Any, ...]]] = [(top, head + name, ())]
             while stack:
                 value, path, chain = stack.pop()
-                if isinstance(value, torch.Tensor) or id(value) in tree:
+                if isinstance(value, torch.Tensor):
+                    if value.__dict__ and _enterable(value) and id(value) not in entered:
+                        entered.add(id(value))
+                        for k, child in reversed(_attrs(value)):
+                            stack.append((child, f"{path}.{k.name}", (*chain, k)))
+                    continue
+                if id(value) in tree:
                     continue
                 if wanted(value):
-                    found.append(ValueSite(path, module, attrs, name, chain, value))
+                    found.append(ValueSite(path, module, container, name, chain, value))
                 if type(value) in _ATOMS or id(value) in entered:
                     continue
                 entered.add(id(value))
@@ -344,7 +356,11 @@ class _Walker:
         for head, module in each:
             for container in (module._parameters, module._buffers):
                 for name, value in tuple(container.items()):
-                    if isinstance(value, torch.Tensor):
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    if value.__dict__ and _enterable(value):  # most hold nothing at all
+                        self._visit(module, container, name, head + name, value)
+                    else:
                         self.sites.append(Site(head + name, module, container, name, (), value))
             attrs = module.__dict__
             for name, value in tuple(attrs.items()):
@@ -359,6 +375,17 @@ class _Walker:
             value, path, chain, via = stack.pop()
             if isinstance(value, torch.Tensor):
                 self.sites.append(Site(path, module, container, key, chain, value, via))
+                if not value.__dict__ or not _enterable(value):
+                    continue
+                # A parameter's own attributes: entered once, every reference recorded.
+                index = len(self.refs)
+                self.refs.append(Ref(path, module, container, key, chain, value, via))
+                if id(value) in self.entered:
+                    continue
+                self.entered.add(id(value))
+                for k, child in reversed(_attrs(value)):
+                    if type(child) not in _ATOMS:
+                        stack.append((child, f"{path}.{k.name}", (*chain, k), index))
                 continue
             if type(value) in _ATOMS or id(value) in self.tree:
                 continue  # the tree's own modules are walked as the tree
@@ -442,6 +469,12 @@ def _children(value: Any) -> list[tuple[Any, Any]] | None:
         ]
     found = _attrs(value) + _slots(value)
     return found or None
+
+
+def _enterable(t: torch.Tensor) -> bool:
+    """Whether the walk enters `t`'s own attributes: a parameter (of any class: vLLM's
+    derive from `nn.Parameter`) or a plain tensor, not a wrapper subclass."""
+    return isinstance(t, nn.Parameter) or type(t) is torch.Tensor
 
 
 def _attrs(value: Any) -> list[tuple[Any, Any]]:

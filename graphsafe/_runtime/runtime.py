@@ -32,6 +32,7 @@ from graphsafe._runtime.freshness import (
     in_update_error,
     unmaterialized_error,
 )
+from graphsafe._runtime.frozen import refuse_frozen
 from graphsafe._runtime.loads.driver import LoadDriver
 from graphsafe._runtime.refresh.binder import Binder, tensor_at
 from graphsafe._runtime.refresh.engine import Engine
@@ -271,6 +272,9 @@ class Runtime(metaclass=_OnePerModel):
                     or engine.reads_poisoned(self._pinned_keys)):
                 keys = engine.watch.storage_keys() | self._pinned_keys
                 check_fresh(engine, keys, type(self.model), repair=repair, owed=owed)
+            tie = self._binder.tie_error()
+            if tie is not None:  # a load broke a tie, or wrote one side of a broken one
+                raise tie
             if self._discovery:
                 if not self._holders:  # pinned, the ledger sees a replaced module
                     self._discovery.rehome(self.model)
@@ -420,10 +424,12 @@ class Runtime(metaclass=_OnePerModel):
         A graph pins with itself as `holder`; `pin()` is the manual pin `unpin()` releases.
         While pinned, writes into what the derivations read or write, outside any tracked
         load and in any thread, are seen (`gs.observe_writes`; the compiled build).
-        Raises `StaleError` if the derived buffers were never materialized.
+        Raises `StaleError` if the derived buffers were never materialized, and
+        `FrozenWeightsError` if compiled code froze weights of the model into constants.
         """
         with self._lock:
             self.check_pinnable()
+            refuse_frozen(self.model)  # compiled code no load reaches
             if not self._holders:
                 self._bound_engine().refresh_readers(False, ())
             self._discovery.rehome(self.model)  # a module replaced before the capture

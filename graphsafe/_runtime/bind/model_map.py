@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from graphsafe._memory.snapshot import PLAIN, Identities
-from graphsafe._memory.walk import Reach, Site, step, storage_key, walk, walk_modules
+from graphsafe._memory.walk import Reach, Ref, Site, step, storage_key, walk, walk_modules
 
 __all__ = ["ModelMap"]
 
@@ -83,7 +83,7 @@ class ModelMap:
                 if ptr is None:
                     continue  # no storage to move (sparse, a wrapper subclass)
                 if site.chain or site.container is _DICT(site.module):  # an attribute
-                    nested.append((at[id(site.module)], site.key, site.chain, id(t), ptr))
+                    nested.append((at[id(site.module)], *_from_dict(site), id(t), ptr))
                 else:  # a module's parameters or buffers: tables that hold no module
                     direct.append((site.container, site.key, t, ptr, ()))
         self.weights: tuple[str, ...] = tuple(weights)
@@ -113,7 +113,7 @@ class ModelMap:
         self._ids = _ids_at([*dicts, *tables], self._holders, self._names)
         # Where each object on the way to tensors is, by id: nothing the model drops is
         # kept alive by this record.
-        self._refs = [(at[id(r.module)], r.key, r.chain, id(r.obj)) for r in reach.refs]
+        self._refs = [(at[id(r.module)], *_from_dict(r), id(r.obj)) for r in reach.refs]
         self._lens = self._sizes(dicts, tables)
 
     def holds(self) -> bool:
@@ -156,6 +156,16 @@ class ModelMap:
         """Every path whose storage is among `keys`."""
         wanted = set(keys)
         return [p for p, k in self.by_path.items() if k and k in wanted]
+
+
+def _from_dict(site: Site | Ref) -> tuple[Any, tuple[Any, ...]]:
+    """The key and chain of `site` from its module's `__dict__`: what a parameter holds
+    (`lin.weight.packed`) is reached through the module's `_parameters` table."""
+    module = site.module
+    for table in ("_parameters", "_buffers"):
+        if site.container is vars(module).get(table):
+            return table, (site.key, *site.chain)
+    return site.key, site.chain
 
 
 def _is_weight(site: Site) -> bool:

@@ -229,6 +229,7 @@ class LoadDriver:
         engine = self._bound_engine()
         before = self._binder.model_map()
         outside = self._discovery.outside_keys()  # caches the graphs read, no model holds
+        untied = self._binder.ties.broken(self._binder.model)  # ties a load must not break
         load = self._load = Load.begin(
             engine, self._journal, pinned=self._pinned(),
             everything={**before.keys, **outside} if outside else before.keys,
@@ -249,14 +250,16 @@ class LoadDriver:
             if refused is not None:
                 raise refused from exc
             raise
-        self._end(load, what, None, witnesses=witnesses, before=before.by_path)
+        self._end(load, what, None, witnesses=witnesses, before=before.by_path,
+                  untied=untied)
 
     def _end(
         self, load: Load, what: str, exc: BaseException | None, *, witnesses: bool = False,
-        before: dict[str, int] | None = None,
+        before: dict[str, int] | None = None, untied: frozenset[tuple[str, ...]] = frozenset(),
     ) -> None:
         """End `load` (`exc`: what it raised), then settle what the model owes; `before`:
-        the storage key of each path when it began (a tensor rebound since was written)."""
+        the storage key of each path when it began (a tensor rebound since was written),
+        `untied`: the ties broken then."""
         ended = False
         try:
             written = load.end(what, exc, pinned=self._pinned(),
@@ -281,8 +284,12 @@ class LoadDriver:
             _tell_others(self, written)
             for check in self._load_checks:
                 check()
+            tie = None if before is None else self._binder.ties.judge(  # not load_state_dict
+                self._binder.model, untied, written, before, what)
             if broken:  # the weights stay refused until a load writes them whole again
                 raise rewritten_error(broken)
+            if tie is not None:  # refused until a load writes every side, or re-tied
+                raise tie
 
     # -- load_state_dict (hooks installed on the model) --------------------------------
 

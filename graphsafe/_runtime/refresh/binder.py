@@ -20,11 +20,12 @@ from torch import nn
 from graphsafe._declare.decorators import class_registries
 from graphsafe._declare.registry import Registry, default_registry
 from graphsafe._declare.spec import Derivation, Drift
-from graphsafe._errors import GraphSafetyError, RegistrationError, StorageMovedError
+from graphsafe._errors import GraphSafetyError, RegistrationError, StaleError, StorageMovedError
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import Reach, storage_paths, walk, walk_tensors
 from graphsafe._runtime.bind.binding import Binding, bind
 from graphsafe._runtime.bind.model_map import ModelMap
+from graphsafe._runtime.bind.ties import Ties
 from graphsafe._runtime.refresh.engine import Engine
 
 __all__ = ["Binder", "derivations_for", "swapped_modules", "tensor_at"]
@@ -44,7 +45,7 @@ class Binder:
     """
 
     __slots__ = ("_engine", "_journal", "_map", "_model_class", "_model_ref", "_on_bind",
-                 "_own", "_strict", "registries")
+                 "_own", "_strict", "_ties", "registries")
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class Binder:
         self._on_bind: Final = on_bind
         self._engine: Engine | None = None
         self._map: ModelMap | None = None
+        self._ties: Ties | None = None
 
     @property
     def alive(self) -> bool:
@@ -87,6 +89,17 @@ class Binder:
                 "`model = M(); gs.runtime(model)` rather than `gs.runtime(M())`",
             )
         return model
+
+    @property
+    def ties(self) -> Ties:
+        """The model's ties, recorded when first asked for (before its first load)."""
+        if self._ties is None:
+            self._ties = Ties.record(self.model)
+        return self._ties
+
+    def tie_error(self) -> StaleError | None:
+        """The refusal of the ties loads broke (None: none, or no load recorded them)."""
+        return None if self._ties is None else self._ties.error(self._model_class)
 
     @property
     def strict(self) -> bool:

@@ -1,0 +1,179 @@
+"""Ties: weights of one model held at several paths over one memory (an LM head tied to
+the embedding), recorded when the model is first bound, and the loads that break them.
+
+A checkpoint of a tied model carries the shared tensor once, under one of its names. A
+load that unties it (binds one side to a new tensor, or repacks the weights into a flat
+buffer where the head owns a copy) leaves the other side to be written by nobody, so the
+next sync that sends the one name leaves the other stale. graphsafe refuses, naming both
+paths: the load that breaks a tie, and, once a tie is broken (by a load, or outside any
+load), every load that writes a side and leaves the sides different (writes are seen by
+storage, so the values tell which sides were all written: a tie's sides hold the same
+values). The refusal stands, and every freshness check (a guarded replay,
+`assert_fresh`) repeats it, until a load leaves every side equal or the sides share
+their memory again.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Set
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe._errors import StaleError
+from graphsafe._memory.snapshot import PLAIN
+from graphsafe._memory.walk import storage_key
+
+__all__ = ["Ties"]
+
+_Region = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _region(t: torch.Tensor) -> _Region | None:
+    """The memory `t` covers: storage, offset, shape, stride, dtype (None: no bytes)."""
+    key = storage_key(t)
+    if not key:
+        return None
+    return key, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _at(model: nn.Module, path: str) -> torch.Tensor | None:
+    obj: Any = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+class Ties:
+    """The ties of one model, and the ones loads broke (what is refused until healed).
+
+    Build it with `Ties.record(model)` before the first load. `refused` is written by
+    `judge` alone.
+
+    Examples:
+        >>> m = nn.ModuleDict({"emb": nn.Embedding(4, 2), "head": nn.Linear(2, 4)})
+        >>> m.head.weight = m.emb.weight
+        >>> Ties.record(m).groups
+        (('emb.weight', 'head.weight'),)
+    """
+
+    __slots__ = ("groups", "refused")
+
+    def __init__(self, groups: tuple[tuple[str, ...], ...]) -> None:
+        self.groups = groups
+        """Each tie: the paths of the weights over one memory, in tree order."""
+        self.refused: dict[tuple[str, ...], str] = {}
+        """Tie -> why the last load that touched it was refused (until healed)."""
+
+    @classmethod
+    def record(cls, model: nn.Module) -> Ties:
+        """The ties of `model` now: parameters and persistent buffers at several paths
+        over the same memory (the same object, or views of one region); weights that only
+        share a storage at other offsets (a flat buffer of many weights) are no tie."""
+        found: dict[_Region, list[str]] = {}
+        persistent = {
+            f"{prefix}{'.' if prefix else ''}{name}"
+            for prefix, m in model.named_modules(remove_duplicate=False)
+            for name in m._buffers if name not in m._non_persistent_buffers_set
+        }
+        weights = itertools.chain(
+            model.named_parameters(remove_duplicate=False),
+            ((p, t) for p, t in model.named_buffers(remove_duplicate=False) if p in persistent),
+        )
+        with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+            for path, t in weights:
+                region = _region(t)
+                if region is not None:
+                    found.setdefault(region, []).append(path)
+        return cls(tuple(tuple(paths) for paths in found.values() if len(paths) > 1))
+
+    def broken(self, model: nn.Module) -> frozenset[tuple[str, ...]]:
+        """The ties whose sides no longer cover one memory."""
+        out = []
+        with PLAIN():
+            for group in self.groups:
+                regions = {_region(t) if (t := _at(model, p)) is not None else None
+                           for p in group}
+                if len(regions) > 1 or None in regions:
+                    out.append(group)
+        return frozenset(out)
+
+    def judge(
+        self,
+        model: nn.Module,
+        before: frozenset[tuple[str, ...]],
+        written: Set[int],
+        keys_before: Mapping[str, int],
+        what: str,
+    ) -> StaleError | None:
+        """What a load that ended did to the ties: the error refusing it, or None.
+
+        Args:
+            model: The root module.
+            before: `broken(model)` when the load began.
+            written: The storage keys the load wrote.
+            keys_before: The storage key of each path when the load began (a side bound
+                to another tensor since counts as written).
+            what: The load, for messages (`Model.load_weights`).
+        """
+        if not self.groups:
+            return None
+        now = self.broken(model)
+        for group in self.groups:
+            if group not in now:
+                self.refused.pop(group, None)  # one memory again
+                continue
+            tensors = {p: _at(model, p) for p in group}
+            sides = [p for p, t in tensors.items() if t is not None and (
+                storage_key(t) in written or keys_before.get(p) != storage_key(t))]
+            if group not in before:
+                self.refused[group] = f"{what} broke the tie: " + _apart(tensors)
+            elif sides and not _equal(tensors.values()):
+                # Writes are seen by storage: both sides of a flat buffer count as written.
+                self.refused[group] = (f"{what} wrote {', '.join(sides)}, untied since the "
+                                       f"model was bound, and the sides now differ")
+            elif sides:
+                self.refused.pop(group, None)  # every side holds what the load wrote
+        return self.error(type(model).__name__)
+
+    def error(self, model_class: str) -> StaleError | None:
+        """The refusal of every tie broken and not healed, or None."""
+        if not self.refused:
+            return None
+        groups = list(self.refused)
+        paths = tuple(p for g in groups for p in g)
+        return StaleError(
+            f"{len(groups)} tie(s) of {model_class} broken: "
+            + "; ".join(" and ".join(g) for g in groups),
+            paths=paths,
+            module_class=model_class,
+            path=", ".join(paths),
+            expected="tied weights over one memory, as when the model was bound (a "
+            "checkpoint carries the shared tensor once)",
+            got="; ".join(self.refused.values()),
+            fix="write every side of a broken tie in the same load, or re-tie them (bind "
+            "the same parameter at both paths, e.g. `model.lm_head.weight = "
+            "model.embed_tokens.weight`) and load again",
+        )
+
+
+def _equal(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """Whether every side holds the same values (a tie's invariant)."""
+    first, *rest = tensors
+    try:
+        return first is not None and all(t is not None and torch.equal(first, t) for t in rest)
+    except RuntimeError:  # other devices, dtypes or shapes: they differ
+        return False
+
+
+def _apart(tensors: Mapping[str, torch.Tensor | None]) -> str:
+    """Where each side of a broken tie lives now."""
+    parts = []
+    for path, t in tensors.items():
+        if t is None:
+            parts.append(f"{path} holds no tensor")
+        else:
+            parts.append(f"{path} at storage 0x{storage_key(t):x} offset {t.storage_offset()}")
+    return ", ".join(parts)

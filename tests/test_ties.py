@@ -1,0 +1,195 @@
+"""Ties a reload breaks: an LM head tied to the embedding, recorded when the model is bound.
+
+A tied checkpoint carries the shared tensor once (`emb.weight`). A load that unties the
+head (binds it to a parameter of its own, or repacks the weights into one flat buffer
+where the head owns a copy) is refused naming both paths, and so is every later sync
+that writes one side of the broken tie: the head would keep the old values. Each control
+shows the head really is stale; the no-false-alarm cases keep the tie (a load writing the
+shared storage once, a `.data` rebinding of the shared parameter, a draft sharing the
+target's submodules).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphsafe as gs
+from graphsafe._runtime.bind.ties import Ties
+
+V, C = 6, 4  # vocabulary, width
+
+
+def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    return {"emb.weight": torch.randn(V, C, generator=torch.Generator().manual_seed(seed))}
+
+
+def _reference(ck: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    w = ck["emb.weight"]  # the head is the embedding
+    return (w[x] @ w.t()).softmax(-1)  # [T, V]
+
+
+@gs.graphsafe
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, C)
+        self.head = nn.Linear(C, V, bias=False)
+        self.head.weight = self.emb.weight  # tied, as tie_word_embeddings does
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T] token ids
+        return self.head(self.emb(x)).softmax(-1)  # [T, V]
+
+    def load_weights(self, weights: dict[str, torch.Tensor], how: str = "copy") -> None:
+        with torch.no_grad():
+            if how == "untie":  # the head gets a parameter of its own
+                self.head.weight = nn.Parameter(weights["emb.weight"].clone())
+            if how == "repack":  # one flat buffer, a slot per name: the head owns a copy
+                _repack(self)
+            if how == "both":  # every side written
+                self.head.weight.copy_(weights["emb.weight"])
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+
+
+def _repack(m: nn.Module) -> None:
+    named = list(m.named_parameters(remove_duplicate=False))
+    flat = torch.empty(sum(p.numel() for _, p in named))
+    at = 0
+    for name, p in named:
+        owner, _, leaf = name.rpartition(".")
+        view = flat[at:at + p.numel()].view(p.shape)
+        view.copy_(p.detach())
+        m.get_submodule(owner)._parameters[leaf] = nn.Parameter(view)
+        at += p.numel()
+
+
+def _loaded() -> TiedLM:
+    torch.manual_seed(0)
+    m = TiedLM()
+    m.load_weights(_checkpoint(0))
+    return m
+
+
+X = torch.tensor([0, 3, 5])
+
+
+def test_the_tie_is_recorded_at_bind() -> None:
+    m = _loaded()
+    assert gs.runtime(m)._binder.ties.groups == (("emb.weight", "head.weight"),)
+
+
+def test_weights_that_share_a_flat_buffer_at_other_offsets_are_no_tie() -> None:
+    m = nn.Module()
+    flat = torch.zeros(8)
+    m.a = nn.Parameter(flat[:4])
+    m.b = nn.Parameter(flat[4:])
+    assert Ties.record(m).groups == ()
+
+
+def test_a_load_that_keeps_the_tie_is_no_false_alarm() -> None:
+    m = _loaded()
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        y = m(X)
+    m.load_weights(_checkpoint(1))  # the shared storage, written once
+    g.replay()
+    assert torch.allclose(y, _reference(_checkpoint(1), X))
+
+
+def test_a_data_rebinding_of_the_shared_parameter_keeps_the_tie() -> None:
+    m = _loaded()
+    m.emb.weight.data = torch.zeros(V, C)  # one object at both paths: still tied
+    m.load_weights(_checkpoint(1))
+    gs.runtime(m).assert_fresh()
+    with torch.no_grad():
+        assert torch.allclose(m(X), _reference(_checkpoint(1), X))
+
+
+@pytest.mark.parametrize("how", ["untie", "repack"])
+def test_a_load_that_breaks_the_tie_is_refused_naming_both_paths(how: str) -> None:
+    m = _loaded()
+    with pytest.raises(gs.StaleError, match=r"broke the tie") as info:
+        m.load_weights(_checkpoint(1), how=how)
+    assert info.value.paths == ("emb.weight", "head.weight")
+    message = str(info.value)
+    assert "expected:" in message and "got:" in message and "re-tie" in message
+    with pytest.raises(gs.StaleError, match=r"emb\.weight and head\.weight"):
+        gs.runtime(m).assert_fresh()  # refused until healed
+    m.load_weights(_checkpoint(2), how="both")  # every side written
+    gs.runtime(m).assert_fresh()
+    with torch.no_grad():
+        assert torch.allclose(m(X), _reference(_checkpoint(2), X))
+
+
+@pytest.mark.parametrize("how", ["untie", "repack"])
+def test_control_after_the_tie_broke_a_sync_of_the_one_name_leaves_the_head_stale(
+    how: str,
+) -> None:
+    m = _loaded()
+    with pytest.raises(gs.StaleError):
+        m.load_weights(_checkpoint(1), how=how)
+    with pytest.raises(gs.StaleError, match=r"wrote emb\.weight.*the sides now differ"):
+        m.load_weights(_checkpoint(2))  # the checkpoint carries the tied tensor once
+    with torch.no_grad():  # what the refusals guard against: the head kept old values
+        assert not torch.allclose(m(X), _reference(_checkpoint(2), X))
+        assert not torch.equal(m.head.weight, m.emb.weight)
+
+
+def test_a_tie_broken_outside_any_load_then_a_sync_of_one_side_refuses_the_replay() -> None:
+    m = _loaded()
+    m.head.weight = nn.Parameter(m.emb.weight.detach().clone())  # untied by hand
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        m(X)
+    with pytest.raises(gs.StaleError, match=r"wrote emb\.weight.*the sides now differ"):
+        m.load_weights(_checkpoint(1))
+    with pytest.raises(gs.StaleError, match=r"tie"):
+        g.replay()
+
+
+def test_control_unguarded_the_same_replay_reads_the_stale_head() -> None:
+    m = _loaded()
+    m.head.weight = nn.Parameter(m.emb.weight.detach().clone())
+    g = gs.Graph(backend="cpu")
+    with torch.no_grad(), g.capture():
+        y = m(X)
+    with pytest.raises(gs.StaleError):
+        m.load_weights(_checkpoint(1))
+    g.replay()
+    assert not torch.allclose(y, _reference(_checkpoint(1), X))
+
+
+@gs.graphsafe
+class Draft(nn.Module):
+    """A draft sharing the target's embedding submodule, its head tied to it."""
+
+    def __init__(self, target: TiedLM) -> None:
+        super().__init__()
+        self.emb = target.emb
+        self.head = nn.Linear(C, V, bias=False)
+        self.head.weight = target.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x)).softmax(-1)  # [T, V]
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+
+
+def test_a_draft_sharing_the_targets_submodule_is_no_false_alarm() -> None:
+    target = _loaded()
+    draft = Draft(target)
+    draft.load_weights({})
+    g = gs.Graph(backend="cpu", guard=draft)
+    with torch.no_grad(), g.capture():
+        y = draft(X)
+    target.load_weights(_checkpoint(1))  # the target's sync writes the shared storage
+    g.replay()
+    assert torch.allclose(y, _reference(_checkpoint(1), X))
+    draft.load_weights(_checkpoint(2))
+    g.replay()
+    assert torch.allclose(y, _reference(_checkpoint(2), X))

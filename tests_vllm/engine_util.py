@@ -111,13 +111,13 @@ def default_run() -> str:
     return "compiled" if cuda else "eager"
 
 
-def engine(path: Path, *, run: str | None = None, **kw: Any) -> Any:
+def engine(path: Path, *, run: str | None = None, dtype: str = "float32", **kw: Any) -> Any:
     """vLLM's offline engine, as small and fast to start as it goes on a CPU.
 
     `run`: "eager" (no torch.compile, no graphs), "compiled" (vLLM's default compilation,
     and its graphs where the platform has them), "dynamo" (torch.compile's dynamo with its
     eager backend, as vLLM's CPU CI runs it: compiled, and fast to start), or None:
-    `default_run()`.
+    `default_run()`. `dtype`: what vLLM casts the checkpoint to.
     """
     from vllm import LLM
 
@@ -130,7 +130,7 @@ def engine(path: Path, *, run: str | None = None, **kw: Any) -> Any:
     return LLM(
         model=str(path),
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=dtype,
         enforce_eager=run == "eager",
         compilation_config=compilation,
         max_model_len=128,

@@ -144,6 +144,16 @@ def engine(path: Path, *, run: str | None = None, dtype: str = "float32", **kw: 
     )
 
 
+def hold_graphs(monkeypatch: Any) -> None:
+    """Tell graphsafe's vLLM integration that engines started from now on (in this
+    process) capture graphs that read the model by address, as vLLM's CUDA graphs do: a
+    moved tensor is then a fault, refused. vLLM's CPU engine captures none, so without
+    this its moves are followed."""
+    from graphsafe.integrations.vllm import _worker
+
+    monkeypatch.setattr(_worker, "captures_graphs", lambda worker: True)
+
+
 def generate(llm: Any) -> list[int]:
     from vllm import SamplingParams
 

@@ -21,7 +21,6 @@ import torch
 
 import graphsafe as gs
 from graphsafe.integrations import vllm as gsv
-from graphsafe.integrations.vllm import _worker
 
 HEAD = "lm_head.weight"
 PACKED = "lm_head.cpu_linear.<closure packed_weight>"
@@ -40,7 +39,26 @@ pytestmark = pytest.mark.skipif(
 def hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("ckpt")
     return {"path": root / "s0", "base": eu.hf_model(root / "s0", 0),
-            "other": eu.hf_model(root / "s1", 1)}
+            "other_path": root / "s1", "other": eu.hf_model(root / "s1", 1)}
+
+
+def fresh_tokens(path: Any, run: str) -> list[int]:
+    """What an engine started from `path` (as `start` starts them) serves: what a reload
+    to it must serve."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(gsv.ENV, "")
+        gsv.enable()
+        llm = eu.engine(path, run=run, dtype="bfloat16")
+        try:
+            return eu.generate(llm)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def new_tokens(hf: dict[str, Any]) -> list[int]:
+    """What an eager engine started from the second checkpoint serves."""
+    return fresh_tokens(hf["other_path"], "eager")
 
 
 def model_of(llm: Any) -> Any:
@@ -66,19 +84,21 @@ def head_error(llm: Any) -> float:
         return float((out - (hidden @ head.weight.T).float()).abs().max())
 
 
-def start(hf: dict[str, Any], monkeypatch: pytest.MonkeyPatch, *, graphs: bool | None) -> Any:
+def start(
+    hf: dict[str, Any], monkeypatch: pytest.MonkeyPatch, *, graphs: bool, run: str = "eager"
+) -> Any:
     """A bf16 engine (eager: no torch.compile, no graphs), the plugin on and no registry;
-    `graphs`: what the integration is told the engine captures (None: what it finds)."""
+    `graphs`: the integration is told that graphs hold the addresses (else it finds none)."""
     monkeypatch.setenv(gsv.ENV, "")
-    if graphs is not None:
-        monkeypatch.setattr(_worker, "captures_graphs", lambda worker: graphs)
+    if graphs:
+        eu.hold_graphs(monkeypatch)
     gsv.enable()
-    return eu.engine(hf["path"], run="eager", dtype="bfloat16")
+    return eu.engine(hf["path"], run=run, dtype="bfloat16")
 
 
 @pytest.fixture
 def eager(hf: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    llm = start(hf, monkeypatch, graphs=None)
+    llm = start(hf, monkeypatch, graphs=False)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -99,21 +119,40 @@ def test_the_bf16_engine_packs_its_linears_for_amx(eager: Any) -> None:
 
 
 def test_reload_weights_rebuilds_the_packed_copies_and_is_followed(
-    eager: Any, hf: dict[str, Any]
+    new_tokens: list[int], eager: Any, hf: dict[str, Any]
 ) -> None:
     first = eu.generate(eager)
     old = model_of(eager).lm_head.cpu_linear
     reload(eager, hf["other"])
     assert model_of(eager).lm_head.cpu_linear is not old  # rebuilt at a new address
     assert head_error(eager) < 0.1  # the new packed copy is the new weight's
-    other = eu.generate(eager)  # served: not refused
-    assert other != first
+    other = eu.generate(eager)  # served: not refused, the new weights exactly
+    assert other == new_tokens != first
     s = status(eager)
     assert s["graphs"] is False and s["faults"] == {} and s["stale"] == []
-    assert PACKED in s["moved"] and len(s["moved"]) > 1
-    print(f"followed {len(s['moved'])} moved paths, e.g. {PACKED}: {s['moved'][PACKED]}")
+    assert s["moved"][PACKED] == ["storage"] and s["moved"]["lm_head.cpu_linear"] == ["holder"]
+    assert len(s["moved"]) == 18  # a closure and a packed copy per linear layer and LM head
+    print(f"followed {len(s['moved'])} moved paths: {s['moved']}")
     reload(eager, hf["base"])  # and back: exactly the first weights' tokens
     assert eu.generate(eager) == first
+
+
+def test_a_compiled_engine_follows_the_reload_and_serves_the_new_weights_exactly(
+    hf: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU build compiles by default (here dynamo, as its CPU CI runs it): its
+    compiled code takes the rebuilt packed copies as inputs at each step, so it serves
+    exactly what an engine started from the new weights serves."""
+    want = fresh_tokens(hf["other_path"], "dynamo")
+    llm = start(hf, monkeypatch, graphs=False, run="dynamo")
+    try:
+        assert llm.llm_engine.vllm_config.compilation_config.mode.name == "DYNAMO_TRACE_ONCE"
+        first = eu.generate(llm)
+        reload(llm, hf["other"])
+        assert eu.generate(llm) == want != first
+        assert PACKED in status(llm)["moved"]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_a_bare_load_after_the_followed_reload_is_refused_as_stale(

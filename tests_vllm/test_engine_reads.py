@@ -1,6 +1,10 @@
 """An engine that captures no graphs takes the guard's read set from its first forward: from
 then on the step and load checks cover only the model's tensors that forward read.
 
+A rebinding is a fault only where graphs hold the addresses (`test_engine_moves.py`): the
+engines here are told they do (`eu.hold_graphs`), so that what the read set leaves out of
+the check shows.
+
 The worker extension keeps a copy of the embedding on the model (`STASH`, as an RL
 framework may keep a reference for a KL penalty) and then attaches graphsafe
 (`graphsafe_attach`): the copy is pinned with the rest, and no forward reads it. The
@@ -46,6 +50,7 @@ def status(llm: Any) -> dict[str, Any]:
 @pytest.fixture
 def ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("GRAPHSAFE_VLLM_REGISTRIES")  # the engines start without graphsafe
+    eu.hold_graphs(monkeypatch)
     eu.hf_model(tmp_path / "ckpt", 0)
     return tmp_path / "ckpt"
 

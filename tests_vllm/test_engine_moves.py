@@ -138,7 +138,7 @@ def test_reload_weights_rebuilds_the_packed_copies_and_is_followed(
 
 
 def test_a_compiled_engine_follows_the_reload_and_serves_the_new_weights_exactly(
-    hf: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    hf: dict[str, Any], monkeypatch: pytest.MonkeyPatch, compiled_env: None
 ) -> None:
     """vLLM's CPU build compiles by default (here dynamo, as its CPU CI runs it): its
     compiled code takes the rebuilt packed copies as inputs at each step, so it serves

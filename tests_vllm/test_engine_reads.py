@@ -107,20 +107,6 @@ def test_control_before_the_first_forward_the_same_rebinding_refuses(eager: Any)
         eu.generate(eager)
 
 
-@pytest.fixture
-def compiled_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """An environment where vLLM compiles. Building a config for an architecture that
-    defaults to breakable CUDA graphs (test_deepseek_v4 builds DeepSeek V4's) sets
-    VLLM_USE_BREAKABLE_CUDAGRAPH=1 for the whole process, and every engine started after
-    it then runs uncompiled; vLLM caches its environment once an engine has started."""
-    from vllm import envs
-
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
-    envs.disable_envs_cache()
-    yield
-    envs.disable_envs_cache()  # later engines read the environment restored
-
-
 def test_a_compiled_engine_is_not_recorded_and_keeps_the_whole_model_checked(
     ckpt: Path, compiled_env: None
 ) -> None:

@@ -22,7 +22,8 @@ import graphsafe as gs
 from graphsafe._graphs.reads import ReadTracker
 from graphsafe._memory.walk import storage_key
 from graphsafe.integrations import vllm as gsv
-from graphsafe.integrations.vllm._reads import StepReadTracker, runs_op_by_op
+from graphsafe.integrations.vllm import _worker
+from graphsafe.integrations.vllm._reads import StepReadTracker, captures_graphs, runs_op_by_op
 
 registry = gs.Registry()
 
@@ -92,6 +93,9 @@ def test_attach_materializes_and_load_weights_is_one_update_each() -> None:
         "read_set": False,  # pinned without recording: the whole model is checked
         "checked": 4,
         "inputs": 0,
+        "graphs": True,  # pinned as after a graph capture: a move would be a fault
+        "moved": {},
+        "faults": {},
     }
 
 
@@ -306,10 +310,34 @@ def test_control_uninstrumented_the_failed_transfer_serves_on() -> None:
 
 
 # -- the read set of an engine without graphs --------------------------------------------
+# A rebinding is a fault only where graphs hold the addresses: the controls below that
+# refuse one pin as after a graph capture (`hold_graphs`), to show what the read set
+# leaves out of the check.
 
 
 def rebind(t: torch.Tensor) -> None:
     t.data = t.data.clone()
+
+
+@pytest.fixture
+def hold_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_worker, "captures_graphs", lambda worker: True)
+
+
+def test_an_engine_without_graphs_follows_a_moved_tensor_and_lists_it() -> None:
+    worker = started()
+    att = gsv.attachment(worker.model)
+    assert att is not None and att.guard is not None and not att.guard.holds_addresses
+    worker.execute_model()
+    rebind(worker.model.lin.bias)  # read by every forward: the next reads the new one
+    worker.execute_model()
+    with gs.weight_update(worker.model):
+        rebind(worker.model.lin.weight)  # an input: its derived buffer is refreshed
+    assert torch.equal(worker.model.lin.weight_t, worker.model.lin.weight.t())
+    worker.execute_model()
+    status = att.status()
+    assert status["graphs"] is False and status["faults"] == {} and status["stale"] == []
+    assert status["moved"] == {"lin.bias": ["storage"], "lin.weight": ["storage"]}
 
 
 def test_an_eager_engine_checks_only_what_its_first_forward_read() -> None:
@@ -330,6 +358,7 @@ def test_an_eager_engine_checks_only_what_its_first_forward_read() -> None:
     worker.execute_model()
 
 
+@pytest.mark.usefixtures("hold_graphs")
 def test_control_a_tensor_the_first_forward_read_still_refuses() -> None:
     worker = started()
     worker.execute_model()
@@ -342,6 +371,7 @@ def test_control_a_tensor_the_first_forward_read_still_refuses() -> None:
         rebind(worker.model.lin.bias)  # the load check reads the narrowed ledger too
 
 
+@pytest.mark.usefixtures("hold_graphs")
 def test_control_before_the_first_forward_the_same_rebinding_refuses() -> None:
     worker = started()
     rebind(worker.model.emb)
@@ -368,6 +398,7 @@ def test_a_step_that_schedules_no_tokens_is_not_recorded() -> None:
     assert isinstance(worker.seen[-1][0], StepReadTracker) and att.status()["read_set"]
 
 
+@pytest.mark.usefixtures("hold_graphs")
 @pytest.mark.parametrize(
     "kw", [{"mode": Mode.VLLM_COMPILE}, {"traced": True}], ids=["compiled by config", "fx code"]
 )
@@ -395,6 +426,16 @@ def test_the_worker_config_decides_whether_the_forward_is_recorded() -> None:
     graphs.vllm_config.compilation_config.cudagraph_mode = Mode.VLLM_COMPILE
     assert not runs_op_by_op(graphs)
     assert not runs_op_by_op(SimpleNamespace())  # no config: not known, not recorded
+
+
+def test_the_worker_config_decides_whether_graphs_hold_the_addresses() -> None:
+    assert not captures_graphs(Worker())  # cudagraph_mode NONE (enforce_eager)
+    assert not captures_graphs(Worker(mode=Mode.VLLM_COMPILE))  # compiled, no graphs
+    graphs = Worker()
+    graphs.vllm_config.compilation_config.cudagraph_mode = Mode.VLLM_COMPILE
+    # CUDA graphs on, and no vLLM platform to say it is the CPU build: assumed held.
+    assert captures_graphs(graphs)
+    assert captures_graphs(SimpleNamespace())  # no config: assumed held, moves refused
 
 
 # A vLLM-style opaque op: one op to the dispatcher, whose kernel reaches a model tensor by

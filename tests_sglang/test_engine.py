@@ -63,6 +63,7 @@ def test_llama_engine_matches_hugging_face_across_updates(root: Path) -> None:
     with eu.engine(eu.save("llama", 0, root), root / "llama.json", graphsafe=True) as eng:
         start = eu.probed(eng)
         assert start["attached"] and start["status"]["pinned"]
+        assert start["status"]["graphs"] is False  # SGLang's CPU engine captures none
         assert eu.generate(eng) == eu.hf_generate("llama", 0)
 
         eu.update(eng, sm.checkpoint("llama", 1))  # load_format None: SGLang's loader
@@ -88,7 +89,7 @@ def test_llama_engine_matches_hugging_face_across_updates(root: Path) -> None:
 
         end = eu.probed(eng)
         assert end["addresses"] == start["addresses"]  # no weight moved
-        assert end["status"]["stale"] == []
+        assert end["status"]["stale"] == [] and end["status"]["moved"] == {}
         # Each probe and each update above is one graphsafe update.
         assert end["status"]["updates"] == start["status"]["updates"] + 7
 

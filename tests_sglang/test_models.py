@@ -20,11 +20,14 @@ pytestmark = pytest.mark.usefixtures("patched")
 KINDS = ["llama", "deepseek", "deepseek_dense"]
 
 
-def loaded(kind: str, *, graphsafe: bool, registry: bool = True) -> tuple[nn.Module, Any]:
+def loaded(
+    kind: str, *, graphsafe: bool, registry: bool = True, graphs: bool = True
+) -> tuple[nn.Module, Any]:
     """SGLang's model of `kind`, loaded from seed 0's checkpoint as SGLang's start-up loads
     it (`load_weights`, which ends in `post_load_weights`), and graphsafe attached after
     that load (with the shipped MLA registry, or only what it discovers) and pinned, as
-    the plugin does in an engine; or not attached."""
+    the plugin does in an engine (`graphs`: one that captured CUDA graphs); or not
+    attached."""
     model = sm.sglang_model(kind)
     with gs.record_lineage() as lineage:
         model.load_weights(sm.checkpoint(kind, 0))
@@ -32,7 +35,7 @@ def loaded(kind: str, *, graphsafe: bool, registry: bool = True) -> tuple[nn.Mod
         return model, None
     names = [gss.DEEPSEEK_MLA] if registry else []
     att = gss.attach(model, *names, lineage=lineage)
-    att.pin()
+    att.pin(graphs=graphs)
     return model, att
 
 
@@ -247,6 +250,26 @@ def test_rebinding_is_caught_by_the_guard() -> None:
     model2, _ = loaded("deepseek", graphsafe=True)
     with pytest.raises(gs.StorageMovedError, match=r"self_attn\.w_kc"):
         model2.load_weights(sm.checkpoint("deepseek", 1))
+
+
+@pytest.mark.usefixtures("rebinding")
+@pytest.mark.parametrize("registry", [True, False], ids=["registry", "discovered"])
+def test_without_graphs_the_rebinding_is_followed(registry: bool) -> None:
+    """An engine that captured no CUDA graphs (SGLang's CPU engine, `disable_cuda_graph`)
+    reads what is bound at each forward: the same rebinding is followed and listed, and
+    `w_kc`/`w_vc` are those of the new weights. Its control is the test above: pinned as
+    under graphs, the same update is refused."""
+    model, att = loaded("deepseek", graphsafe=True, registry=registry, graphs=False)
+    before = sm.mla_addresses(model)
+    ok, message = sm.updater(model).update_weights_from_tensor(sm.checkpoint("deepseek", 1))
+    assert ok, message
+    assert all(a != b for a, b in zip(before, sm.mla_addresses(model)))  # they moved
+    assert sm.mla_fresh(model)
+    forward_allowed(att)
+    s = att.status()
+    assert s["graphs"] is False and s["faults"] == {} and s["stale"] == []
+    mla = {f"model.layers.{i}.self_attn.{w}" for i in range(2) for w in ("w_kc", "w_vc")}
+    assert mla <= set(s["moved"])
 
 
 # -- refusals: SGLang's own, and a failed SGLang update --------------------------------

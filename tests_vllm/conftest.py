@@ -7,6 +7,9 @@ derived buffers on vLLM's classes that the engine tests use.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
 
 # vLLM starts subprocesses (model inspection) that load the plugin too: the registry's
 # module must be importable there, so this folder goes on their path.
@@ -32,3 +35,17 @@ if not PLUGIN_INSTALLED:
     from graphsafe.integrations import vllm as gsv
 
     gsv.plugin()
+
+
+@pytest.fixture
+def compiled_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An environment where vLLM compiles. Building a config for an architecture that
+    defaults to breakable CUDA graphs (test_deepseek_v4 builds DeepSeek V4's) sets
+    VLLM_USE_BREAKABLE_CUDAGRAPH=1 for the whole process, and every engine started after
+    it then runs uncompiled; vLLM caches its environment once an engine has started."""
+    from vllm import envs
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    envs.disable_envs_cache()
+    yield
+    envs.disable_envs_cache()  # later engines read the environment restored

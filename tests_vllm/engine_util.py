@@ -111,13 +111,13 @@ def default_run() -> str:
     return "compiled" if cuda else "eager"
 
 
-def engine(path: Path, *, run: str | None = None, **kw: Any) -> Any:
+def engine(path: Path, *, run: str | None = None, dtype: str = "float32", **kw: Any) -> Any:
     """vLLM's offline engine, as small and fast to start as it goes on a CPU.
 
     `run`: "eager" (no torch.compile, no graphs), "compiled" (vLLM's default compilation,
     and its graphs where the platform has them), "dynamo" (torch.compile's dynamo with its
     eager backend, as vLLM's CPU CI runs it: compiled, and fast to start), or None:
-    `default_run()`.
+    `default_run()`. `dtype`: what vLLM casts the checkpoint to.
     """
     from vllm import LLM
 
@@ -130,7 +130,7 @@ def engine(path: Path, *, run: str | None = None, **kw: Any) -> Any:
     return LLM(
         model=str(path),
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=dtype,
         enforce_eager=run == "eager",
         compilation_config=compilation,
         max_model_len=128,
@@ -142,6 +142,16 @@ def engine(path: Path, *, run: str | None = None, **kw: Any) -> Any:
         worker_extension_cls="vllm_ext.Extension",
         **kw,
     )
+
+
+def hold_graphs(monkeypatch: Any) -> None:
+    """Tell graphsafe's vLLM integration that engines started from now on (in this
+    process) capture graphs that read the model by address, as vLLM's CUDA graphs do: a
+    moved tensor is then a fault, refused. vLLM's CPU engine captures none, so without
+    this its moves are followed."""
+    from graphsafe.integrations.vllm import _worker
+
+    monkeypatch.setattr(_worker, "captures_graphs", lambda worker: True)
 
 
 def generate(llm: Any) -> list[int]:

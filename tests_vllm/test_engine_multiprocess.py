@@ -33,8 +33,14 @@ def test_the_plugin_follows_a_worker_in_another_process(llm: Any, tmp_path: Path
     (status,) = llm.collective_rpc("graphsafe_status")
     assert status["updates"] == 1 and not status["stale"]
     assert eu.generate(llm) == eu.hf_greedy(new)
-    with pytest.raises(Exception, match=r"model\.embed_tokens\.weight was rebound") as e:
-        llm.collective_rpc("t_rebind_in_update", args=("model.embed_tokens.weight",))
+    # No graphs on the CPU engine: a rebinding is followed, and the status says so ...
+    llm.collective_rpc("t_rebind_in_update", args=("model.embed_tokens.weight",))
+    (status,) = llm.collective_rpc("graphsafe_status")
+    assert status["graphs"] is False
+    assert status["moved"] == {"model.embed_tokens.weight": ["storage"]}
+    # ... and a refusal crosses the process boundary with graphsafe's text.
+    with pytest.raises(Exception, match=r"module model\.norm was replaced") as e:
+        llm.collective_rpc("t_replace_module_in_update", args=("model.norm",))
     assert "fix:" in str(e.value)
 
 

@@ -1,6 +1,10 @@
 """An engine that captures no graphs takes the guard's read set from its first forward: from
 then on the step and load checks cover only the model's tensors that forward read.
 
+A rebinding is a fault only where graphs hold the addresses (`test_engine_moves.py`): the
+engines here are told they do (`eu.hold_graphs`), so that what the read set leaves out of
+the check shows.
+
 The worker extension keeps a copy of the embedding on the model (`STASH`, as an RL
 framework may keep a reference for a KL penalty) and then attaches graphsafe
 (`graphsafe_attach`): the copy is pinned with the rest, and no forward reads it. The
@@ -46,6 +50,7 @@ def status(llm: Any) -> dict[str, Any]:
 @pytest.fixture
 def ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("GRAPHSAFE_VLLM_REGISTRIES")  # the engines start without graphsafe
+    eu.hold_graphs(monkeypatch)
     eu.hf_model(tmp_path / "ckpt", 0)
     return tmp_path / "ckpt"
 
@@ -100,20 +105,6 @@ def test_control_before_the_first_forward_the_same_rebinding_refuses(eager: Any)
     eager.collective_rpc("t_rebind_stash", args=(STASH,))
     with pytest.raises(gs.StorageMovedError, match=STASH):
         eu.generate(eager)
-
-
-@pytest.fixture
-def compiled_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """An environment where vLLM compiles. Building a config for an architecture that
-    defaults to breakable CUDA graphs (test_deepseek_v4 builds DeepSeek V4's) sets
-    VLLM_USE_BREAKABLE_CUDAGRAPH=1 for the whole process, and every engine started after
-    it then runs uncompiled; vLLM caches its environment once an engine has started."""
-    from vllm import envs
-
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
-    envs.disable_envs_cache()
-    yield
-    envs.disable_envs_cache()  # later engines read the environment restored
 
 
 def test_a_compiled_engine_is_not_recorded_and_keeps_the_whole_model_checked(

@@ -177,8 +177,11 @@ def test_control_an_engine_weight_changed_after_the_load_is_one_fingerprint_mism
 
 
 def test_control_a_rebinding_inside_the_sync_fails_the_training_step(
-    ckpt: Path, tmp_path: Path
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Where the engine's graphs hold the addresses (vLLM's CPU engine captures none: it
+    would follow the rebinding)."""
+    eu.hold_graphs(monkeypatch)
     assert gs_trl.enable(REGISTRY)
     trainer = tu.trainer(ckpt, tmp_path)
     engine = _engine_model(trainer.vllm_generation)

@@ -8,6 +8,7 @@ and `nccl` backends need CUDA): the tensors travel by reference.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,13 @@ class Extension(gsv.WorkerExtension):
         with gs.weight_update(model):
             p = model.get_parameter(name)
             p.data = p.data.clone()
+
+    def t_replace_module_in_update(self, name: str) -> None:
+        """Bind a copy of the submodule `name` in its place, inside an update."""
+        model = self.model_runner.get_model()
+        parent, _, key = name.rpartition(".")
+        with gs.weight_update(model):
+            setattr(model.get_submodule(parent), key, copy.deepcopy(model.get_submodule(name)))
 
     def t_stash(self, name: str, source: str) -> None:
         """Keep a copy of a parameter on the model as a plain attribute, as an RL

@@ -100,6 +100,7 @@ class Ledger:
         "_geometry",
         "_held",
         "_holders",
+        "_keep",
         "_keys",
         "_label",
         "_native",
@@ -124,9 +125,11 @@ class Ledger:
         held: tuple[torch.UntypedStorage, ...],
         label: str,
         refs: tuple[Ref, ...] = (),
+        keep: Callable[[Site], bool] | None = None,
     ) -> None:
         """Internal: use `Ledger.snapshot`."""
         self._root = root
+        self._keep = keep
         self._pins = pins
         self._bindings = bindings
         self._held = held
@@ -216,7 +219,7 @@ class Ledger:
         ordered = tuple(p for p in pins if not p.site.chain) + tuple(
             p for p in pins if p.site.chain
         )
-        return cls._of(model, ordered, bindings, label, tuple(reach.refs))
+        return cls._of(model, ordered, bindings, label, tuple(reach.refs), keep)
 
     @classmethod
     def _of(
@@ -226,12 +229,13 @@ class Ledger:
         bindings: tuple[SubmodulePin, ...],
         label: str,
         refs: tuple[Ref, ...],
+        keep: Callable[[Site], bool] | None,
     ) -> Ledger:
         held: dict[int, torch.UntypedStorage] = {}
         for p in pins:
             if p.storage:  # 0: no bytes, so no address to hold on to
                 held.setdefault(p.storage, p.site.tensor.untyped_storage())
-        return cls(model, pins, bindings, tuple(held.values()), label, refs)
+        return cls(model, pins, bindings, tuple(held.values()), label, refs, keep)
 
     def restricted(self, storages: Set[int]) -> Ledger:
         """This snapshot, keeping only the tensors in `storages` (what a graph reads), the
@@ -247,7 +251,7 @@ class Ledger:
         # Every submodule binding stays: derivations are bound through the module tree, so
         # a module replaced under a graph leaves buffers it reads computed from the old one.
         bindings = self._bindings
-        return Ledger._of(self._root, pins, bindings, self._label, self._all_refs)
+        return Ledger._of(self._root, pins, bindings, self._label, self._all_refs, self._keep)
 
     @property
     def storages(self) -> frozenset[int]:
@@ -396,7 +400,35 @@ class Ledger:
                     p = p._replace(site=p.site._replace(tensor=now))
             pins.append(p)
         return Ledger._of(self._root, tuple(pins), self._bindings, self._label,
-                          self._all_refs)
+                          self._all_refs, self._keep)
+
+    def followed(self) -> tuple[Ledger, tuple[Drift, ...]]:
+        """`checked` for a holder that reads no address (an engine that captures no
+        graphs and runs the model's code at each step): a tensor rebound to new memory or
+        geometry, an object on the way replaced, a tensor removed are no fault there, since
+        the next step reads whatever is bound. The ledger returned pins, at every path this
+        one pins, what is bound there now (nothing, where it was removed); the drifts are
+        what moved (a tensor object rebound over the same memory and geometry is left
+        out). A replaced submodule is still refused: what was derived from the old one
+        was bound through it.
+
+        Raises:
+            StorageMovedError: A submodule was replaced.
+        """
+        if self._unchanged():
+            return self, ()
+        drifts = self.verify()
+        modules = tuple(d for d in drifts if d.what == "module")
+        if modules:
+            raise moved_error(modules, self._label)
+        moved = tuple(d for d in drifts if d.what != "object")
+        if not moved:
+            return (self._rebased({d.path for d in drifts}) if drifts else self), ()
+        now = Ledger.snapshot(self._root, label=self._label, keep=self._keep)
+        paths = set(self.paths)
+        pins = tuple(p for p in now._pins if p.site.path in paths)
+        return Ledger._of(self._root, pins, now._bindings, self._label, now._all_refs,
+                          self._keep), moved
 
 
 

@@ -103,12 +103,16 @@ class Runtime(metaclass=_OnePerModel):
         self._binder: Final = Binder(model, registry, strict=strict, journal=JOURNAL, own=self._own,
                               on_bind=self._on_bind)
         self._holders: Final[dict[object, int]] = {}
+        # The holders among them whose graphs read no address (an engine that captures no
+        # graphs): moved tensors are followed for them, not refused.
+        self._followers: Final[set[object]] = set()
         self._capturing = 0  # graphs capturing now (the bring-up ends when they end)
         # Every model storage while pinned: poison on any refuses the graphs' replays.
         self._pinned_keys: frozenset[int] = frozenset()
         self._discovery: Final = Discovery(JOURNAL, others=_bound_models)
         self._loads: Final = LoadDriver(self._lock, JOURNAL, self._binder,
-                                 pinned=lambda: bool(self._holders), discovery=self._discovery)
+                                 pinned=lambda: self.holds_addresses,
+                                 discovery=self._discovery)
 
     # -- binding ---------------------------------------------------------------------
 
@@ -132,7 +136,7 @@ class Runtime(metaclass=_OnePerModel):
         self._binder.set_strict(value)
 
     def _bound_engine(self) -> Engine:
-        return self._binder.engine(self.pinned)
+        return self._binder.engine(self.holds_addresses)
 
     def _on_bind(self, model: nn.Module, engine: Engine) -> None:
         self._loads.hook_state_dict(model, engine)
@@ -149,11 +153,12 @@ class Runtime(metaclass=_OnePerModel):
 
     def add_registry(self, registry: Registry) -> None:
         """Also bind the derivations of `registry` (rebinding if already bound); refused
-        with `RegistrationError` once pinned (new buffers no captured graph knows)."""
+        with `RegistrationError` once a graph holds addresses (new buffers no captured graph
+        knows)."""
         with self._lock:
             if self._binder.consults(registry):
                 return
-            if self.pinned:
+            if self.holds_addresses:
                 raise pinned_registry_error(type(self.model))
             self._binder.add(registry)
 
@@ -218,8 +223,14 @@ class Runtime(metaclass=_OnePerModel):
 
     @property
     def pinned(self) -> bool:
-        """Whether any graph (or a manual `pin()`) holds the storage fixed."""
+        """Whether any graph (or a manual `pin()`) holds the model pinned."""
         return bool(self._holders)
+
+    @property
+    def holds_addresses(self) -> bool:
+        """Whether a holder of the pin reads the model's memory by address (a captured
+        graph, a manual `pin()`): then a rebound tensor is refused, not followed."""
+        return any(h not in self._followers for h in self._holders)
 
     @property
     def stale(self) -> tuple[str, ...]:
@@ -395,16 +406,16 @@ class Runtime(metaclass=_OnePerModel):
         with self._lock:
             engine = self._bound_engine()
             if changed is None:
-                return engine.refresh(self.pinned)
+                return engine.refresh(self.holds_addresses)
             paths = list(changed)
             keys = [storage_key(tensor_at(self.model, path)) for path in paths]
-            return engine.refresh(self.pinned, keys, paths=paths)
+            return engine.refresh(self.holds_addresses, keys, paths=paths)
 
     def refresh_stale(self) -> RefreshReport:
         """Recompute exactly what is stale: never materialized, failed, or whose inputs
         were written (by any path the witnesses see) since their last refresh."""
         with self._lock:
-            return self._bound_engine().refresh(self.pinned, ())
+            return self._bound_engine().refresh(self.holds_addresses, ())
 
     # -- pins --------------------------------------------------------------------------
 
@@ -415,7 +426,7 @@ class Runtime(metaclass=_OnePerModel):
             if missing:
                 raise unmaterialized_error(type(self.model), missing)
 
-    def pin(self, holder: object = _MANUAL) -> None:
+    def pin(self, holder: object = _MANUAL, *, addresses: bool = True) -> None:
         """Declare storage addresses fixed from now on, as a captured graph requires.
 
         Derivations whose inputs moved since the last refresh (e.g. after `.to()`) are
@@ -426,6 +437,12 @@ class Runtime(metaclass=_OnePerModel):
         load and in any thread, are seen (`gs.observe_writes`; the compiled build).
         Raises `StaleError` if the derived buffers were never materialized, and
         `FrozenWeightsError` if compiled code froze weights of the model into constants.
+
+        `addresses=False`: the holder reads no address (an engine that captures no graphs
+        and runs the model's code at each step): writes are still seen and stale state
+        refused, but a rebound input or buffer is taken as before a pin (its derivations
+        are stale until refreshed), and the scalars and handles the model derived are not
+        held at their value.
         """
         with self._lock:
             self.check_pinnable()
@@ -435,7 +452,10 @@ class Runtime(metaclass=_OnePerModel):
             self._discovery.rehome(self.model)  # a module replaced before the capture
             if not self._capturing:  # an engine pins once its own graphs are captured
                 self._discovery.close_window(self.model, lambda: self._binder.walked().sites)
-            self._discovery.pin()  # the numbers and handles a graph holds from now on
+            if addresses:
+                self._discovery.pin()  # the numbers and handles a graph holds from now on
+            elif holder not in self._holders:
+                self._followers.add(holder)
             self._holders[holder] = self._holders.get(holder, 0) + 1
             self._pinned_keys = frozenset(self._binder.model_tensors())
             # A write declared through another storage object of their memory finds them.
@@ -473,11 +493,13 @@ class Runtime(metaclass=_OnePerModel):
             count = self._holders.get(holder, 0)
             if count <= 1:
                 self._holders.pop(holder, None)
+                self._followers.discard(holder)
             else:
                 self._holders[holder] = count - 1
+            if not self.holds_addresses:
+                self._discovery.unpin()
             if not self._holders:
                 self._pinned_keys = frozenset()
-                self._discovery.unpin()
                 OBSERVER.unwatch(self)
 
 

@@ -223,6 +223,12 @@ class EngineAttachment:
             "discovered": {d.path: list(d.sources) for d in found},
             "last_refresh_bytes": None if report is None else report.bytes_written,
             **checks,
+            # Whether the engine's captured graphs read the pinned tensors by address; then
+            # a moved one is a fault (`faults`: refused at the next step), else it is
+            # followed (`moved`: every move since the pin, the step reads what is bound).
+            "graphs": guard is not None and guard.holds_addresses,
+            "moved": {} if guard is None else {p: list(w) for p, w in guard.followed.items()},
+            "faults": {} if guard is None else {p: list(w) for p, w in guard.faults().items()},
         }
 
     def fingerprint(self, names: Iterable[str] | None = None) -> dict[str, str]:

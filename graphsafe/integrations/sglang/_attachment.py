@@ -101,13 +101,22 @@ class Attachment(EngineAttachment):
 
     # -- pin and guard -----------------------------------------------------------
 
-    def pin(self) -> None:
+    def pin(self, *, graphs: bool = True) -> None:
         """Pin the model as SGLang's graphs saw it (after capture, or where none are
         captured, after start-up). Every parameter, buffer, derived buffer and tensor
         attribute is pinned except host scalars kept as plain attributes: kernels take
-        them by value."""
+        them by value.
+
+        Args:
+            graphs: SGLang captured CUDA graphs that read the model by address: a moved
+                tensor is refused. False (`disable_cuda_graph`, the CPU engine): each
+                forward reads what is bound, so a tensor rebound to new memory is
+                followed and listed in the status (`moved`); stale content is refused
+                either way.
+        """
         if self.guard is None:
-            guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address)
+            guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address,
+                                       holds_addresses=graphs)
             # A rebinding raises through the update that made it, not only at the next
             # forward.
             self.runtime.add_load_check(guard.assert_stable)

@@ -109,6 +109,18 @@ def _load_in_the_calling_thread() -> None:
             setattr(mod, "maybe_executor_submit", maybe_executor_submit)  # noqa: B010
 
 
+def captures_graphs(runner: Any) -> bool:
+    """Whether SGLang's `ModelRunner` captured CUDA graphs that read the model by address:
+    not with `disable_cuda_graph`, nor on a CPU (`device="cpu"`, where SGLang captures no
+    CUDA graph). Where its server arguments cannot be read, graphs are assumed (a moved
+    tensor is refused)."""
+    args = getattr(runner, "server_args", None)
+    if args is None:
+        return True
+    return not (getattr(args, "device", None) == "cpu"
+                or getattr(args, "disable_cuda_graph", False) is True)
+
+
 def _wrap(cls: type, name: str, make: Callable[[_Fn], _Fn]) -> None:
     fn = getattr(cls, name, None)
     if fn is not None:
@@ -150,8 +162,8 @@ def _patch_runner(cls: type, registries: str) -> None:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             ret = fn(self, *args, **kwargs)
             a = attachment(self.model)
-            if a is not None:
-                a.pin()  # as the graphs (if any) were captured
+            if a is not None:  # as the graphs (if any) were captured
+                a.pin(graphs=captures_graphs(self))
             return ret
 
         return run

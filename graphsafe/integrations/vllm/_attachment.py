@@ -45,7 +45,7 @@ class Attachment(EngineAttachment):
 
     # -- pin and guard -----------------------------------------------------------
 
-    def pin(self, *, record_reads: bool = False) -> None:
+    def pin(self, *, record_reads: bool = False, graphs: bool = True) -> None:
         """Pin the model as the engine's graphs saw it (after capture or warm-up).
 
         Every parameter, buffer, derived buffer and tensor attribute is pinned except
@@ -57,9 +57,15 @@ class Attachment(EngineAttachment):
             record_reads: The engine captures no graphs and runs op by op: its first
                 guarded forward (`recorded`) is recorded, and from then on the guard
                 checks only what that forward read.
+            graphs: The engine captured graphs that read the model by address: a moved
+                tensor is refused. False (vLLM's CPU engine, `enforce_eager`): each step
+                reads what is bound, so a tensor rebound to new memory (a packed copy
+                vLLM's post-load step rebuilt) is followed and listed in the status
+                (`moved`); stale content is refused either way.
         """
         if self.guard is None:
-            guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address)
+            guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address,
+                                       holds_addresses=graphs)
             self.recording = record_reads
             # Every pinned tensor the guard checks, not only derivation inputs, is checked
             # when a load or update ends, so a rebinding raises through the call that made

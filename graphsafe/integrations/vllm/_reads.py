@@ -1,6 +1,7 @@
 """The read set of an engine that captures no graphs, taken from the first forward after the
-pin: which engines run op by op (`runs_op_by_op`), which steps run a forward
-(`runs_forward`), and the recorder for a vLLM forward (`StepReadTracker`)."""
+pin: which engines run op by op (`runs_op_by_op`), which capture graphs that read the model
+by address (`captures_graphs`), which steps run a forward (`runs_forward`), and the
+recorder for a vLLM forward (`StepReadTracker`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,25 @@ def runs_op_by_op(worker: Any) -> bool:
         getattr(getattr(config, field, None), "name", None) == "NONE"
         for field in ("mode", "cudagraph_mode")
     )
+
+
+def captures_graphs(worker: Any) -> bool:
+    """Whether `worker`'s engine captures graphs that read the model by address: CUDA
+    graphs on (`cudagraph_mode` not NONE) on a platform that has them. vLLM's CPU build
+    captures none (it empties `cudagraph_capture_sizes`; its compiled code reads the
+    model's tensors as inputs at each step), nor does `enforce_eager`. Where the config
+    cannot be read, graphs are assumed (a moved tensor is refused)."""
+    config = getattr(getattr(worker, "vllm_config", None), "compilation_config", None)
+    mode = getattr(getattr(config, "cudagraph_mode", None), "name", None)
+    if mode is None:
+        return True
+    if mode == "NONE":
+        return False
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return True
+    return not current_platform.is_cpu()
 
 
 def runs_forward(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:

@@ -18,7 +18,7 @@ from graphsafe._lineage import Lineage, record
 from graphsafe.integrations._engine import attach_once
 from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
 from graphsafe.integrations.vllm._patches import _abort_refused_steps, _on, _patch_layerwise
-from graphsafe.integrations.vllm._reads import runs_forward, runs_op_by_op
+from graphsafe.integrations.vllm._reads import captures_graphs, runs_forward, runs_op_by_op
 from graphsafe.integrations.vllm._registries import LAZY_REFRESH, registries_from
 
 EXTENSION = "graphsafe.integrations.vllm.WorkerExtension"
@@ -149,7 +149,8 @@ class _Hooks:
             ret = fn(*args, **kwargs)
             a = self.att()
             if a is not None:
-                a.pin(record_reads=runs_op_by_op(self.worker))
+                a.pin(record_reads=runs_op_by_op(self.worker),
+                      graphs=captures_graphs(self.worker))
             return ret
 
         return compile_or_warm_up_model
@@ -295,5 +296,5 @@ class WorkerExtension:
             instrument(self, registries)
             state = self._graphsafe  # type: ignore[attr-defined]
             state["model"] = attach(self.model_runner.get_model(), *registries)  # type: ignore[attr-defined]
-        state["model"].pin(record_reads=runs_op_by_op(self))
+        state["model"].pin(record_reads=runs_op_by_op(self), graphs=captures_graphs(self))
         return self.graphsafe_status()

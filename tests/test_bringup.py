@@ -420,6 +420,20 @@ def test_the_rewrite_re_run_over_a_weight_no_load_wrote_is_refused() -> None:
     assert not torch.allclose(y, _expected(_fold_scale, _folded_weights(0)))  # folded twice
 
 
+def test_the_rewrite_alone_over_raw_values_a_refused_load_left_makes_the_weight_whole() -> None:
+    """A raw sync is refused and leaves the loaded values; the post-load step run alone
+    afterwards folds them once: whole, not "applied twice" (found by the state machine).
+    The control is the test above: the rewrite alone over a rewritten weight is refused."""
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    g, y = _capture(m, guard=True)
+    with pytest.raises(gs.StaleError, match=r"not re-apply"):
+        m.load_weights(_folded_weights(1), post=False)
+    gs.runtime(m).run_load(lambda mod: _fold_scale(mod), m, (), {})  # the rewrite alone
+    g.replay()
+    assert torch.allclose(y, _expected(_fold_scale, _folded_weights(1)))
+
+
 def test_a_rewritten_weight_a_load_binds_to_new_memory_is_refused() -> None:
     m = Folded(_fold_scale)
     m.load_weights(_folded_weights(0))

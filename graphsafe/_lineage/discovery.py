@@ -226,7 +226,7 @@ class Discovery:
         writes it whole again."""
         for r in self._rewritten.values():
             if r.key() in keys:
-                r.elsewhere = True
+                r.raw = True
                 r.broken = ("written by a load of another model that shares it, which does "
                             "not re-apply this model's post-load rewrite")
 

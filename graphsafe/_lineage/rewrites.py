@@ -31,8 +31,8 @@ class Rewritten:
     """A weight the recorded load rewrote in place (`Rewrite`), and whether a later load
     broke it (`broken`: why)."""
 
-    __slots__ = ("broken", "chain", "elsewhere", "inputs", "module_class", "ops", "path",
-                 "site", "sources")
+    __slots__ = ("broken", "chain", "inputs", "module_class", "ops", "path", "raw", "site",
+                 "sources")
 
     def __init__(self, rewrite: Rewrite, module_class: str) -> None:
         self.path = rewrite.weight.path
@@ -45,9 +45,10 @@ class Rewritten:
         """The other weights the rewrite reads (a scale folded in), where they are held."""
         self.chain = " -> ".join(rewrite.chain)
         self.broken: str | None = None
-        self.elsewhere = False
-        """Whether a load of another model (a tied weight) wrote raw values into it since
-        a load of this model last did: the rewrite alone over them makes it whole."""
+        self.raw = False
+        """Whether it holds loaded values the rewrite was not applied to (a load that did
+        not re-apply it, or a load of another model sharing it, a tied weight): the
+        rewrite alone over them makes it whole."""
 
     def key(self) -> int:
         holder, key = self.site
@@ -70,12 +71,13 @@ class Rewritten:
     def judge(self, ops: Sequence[str]) -> str | None:
         """Why a load whose writes into the weight were `ops` (in order) left it wrong,
         or None: loaded, then rewritten the way the recorded load did."""
-        elsewhere, self.elsewhere = self.elsewhere, False
+        raw, self.raw = self.raw, False
         mine = list(self.ops)
         done = " -> ".join(mine)
-        if elsewhere and list(ops) == mine:
-            return None  # loaded raw by another model's load, rewritten once by this one
+        if raw and list(ops) == mine:
+            return None  # raw values left by an earlier load, rewritten once by this one
         if not ops:
+            self.raw = True
             return (f"written by a load graphsafe saw no op of (load_state_dict, a write "
                     f"it tracks by versions): the post-load rewrite ({done}) not re-applied")
         n = len(mine)
@@ -91,6 +93,7 @@ class Rewritten:
             return (f"written only by {done}: either loaded raw with the post-load rewrite "
                     f"not re-applied, or the rewrite re-applied over its own output (a fold "
                     f"applied twice)")
+        self.raw = ops[-1] in _LOAD_OPS  # loaded values, not rewritten
         return (f"written by {' -> '.join(ops)}: raw values where the model reads the output "
                 f"of the post-load rewrite ({done}), which this load did not re-apply")
 

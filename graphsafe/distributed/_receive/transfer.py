@@ -266,7 +266,8 @@ class _InFlight:
         """Wait for the oldest bucket in flight, segment by segment, each one given to
         `on_segment` as it arrives; check its trailer if it has one (a trailer that says
         the sender aborted sets `aborted`)."""
-        b, slot, segments = self.works.popleft()
+        b, slot, segments = self.works[0]  # held until every segment arrived: a failure
+        # before that leaves the rest in flight, and `works` says so (`_drop_busy`)
         for lo, hi, work in segments:
             try:
                 self.channel.wait(work, f"receiving bucket {b}")
@@ -276,6 +277,7 @@ class _InFlight:
                 raise self.lost(b, exc) from exc
             if self.on_segment is not None:
                 self.on_segment(b, slot, lo, hi)
+        self.works.popleft()
         if not self.plan.direct[b]:  # a direct bucket has none: the next trailer tells
             self.aborted = _check_trailer(slot, self.plan.sizes[b], self.plan, b, self.src,
                                           self.channel)

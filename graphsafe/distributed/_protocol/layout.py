@@ -10,9 +10,11 @@ holds one bucket slot, or two when the transfer overlaps the copies (`_slots`, `
 A verified sync (the default) sends every entry's fingerprint after the last bucket
 (`_FINGERPRINT_WORDS` int64 per entry, in the plan's order).
 
-A bucket travels in segments of at most `segment_bytes` (`_segments`), one broadcast
-each, so that a receiver fingerprints each segment as it arrives, while the next ones
-are on the way, and only the last segment's fingerprint waits after the last byte.
+The last bucket that carries entries travels in segments that halve toward its end,
+down to `segment_bytes` (`_segments`), one broadcast each, so that a receiver
+fingerprints each segment as it arrives, while the next ones are on the way, and only
+the last segment's fingerprint waits after the last byte. Every other bucket is one
+broadcast: a receiver fingerprints it while the next bucket arrives.
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ import torch
 from graphsafe._fingerprint.digest import Digest
 from graphsafe.distributed._reports import WeightSyncError
 
-_PROTOCOL = 5  # 5: buckets travel in segments (4: one broadcast per bucket)
+_PROTOCOL = 5  # 5: the last bucket travels in segments (4: one broadcast per bucket)
 _MAGIC = 0x6773_5359_4E43  # "gsSYNC"
 _ALIGN = 64
 _TRAILER = 32  # four int64: magic, sync id, bucket index, status
 _DATA, _ABORT = 1, 2
 _FINGERPRINT_WORDS = 2  # a fingerprint on the wire: its two 64-bit words
-_SEGMENT = 4 << 20  # bytes per broadcast of a bucket, a multiple of _ALIGN: a receiver
-# fingerprints each one while its L2-sized successors arrive, and a broadcast's own
-# cost (tens of microseconds) stays small against its transfer
+_SEGMENT = 1 << 20  # the last segment's bytes, a multiple of _ALIGN: its fingerprint
+# is what waits after the last byte (tens of microseconds), and a broadcast's own cost
+# (about 0.1 ms on loopback) is paid once per halving
 
 
 class _Entry(NamedTuple):
@@ -65,7 +67,7 @@ class _Plan:
     """Every entry's fingerprint, taken by the sender from the tensor it was given,
     follows the last bucket, for the receivers to compare with theirs."""
     segment_bytes: int = _SEGMENT
-    """Bytes per broadcast of a bucket (the last one of a bucket may be shorter)."""
+    """The size of the last bucket's last segments (its earlier ones halve down to it)."""
 
     @property
     def wires(self) -> tuple[int, ...]:
@@ -76,7 +78,11 @@ class _Plan:
         return tuple(e for e in self.entries if e.bucket == index)
 
     def segments(self, index: int) -> list[tuple[int, int]]:
-        """Bucket `index`'s segments on the wire: `(start, end)` byte ranges, in order."""
+        """Bucket `index`'s segments on the wire: `(start, end)` byte ranges, in order;
+        one unless it is the last bucket that carries entries."""
+        last = self.entries[-1].bucket if self.entries else -1
+        if index != last:
+            return [(0, self.wires[index])]
         return _segments(self.wires[index], self.segment_bytes)
 
     def record(self) -> dict[str, Any]:
@@ -115,9 +121,16 @@ def _fingerprints_read(wire: torch.Tensor) -> list[Digest]:
 
 
 def _segments(wire: int, segment: int) -> list[tuple[int, int]]:
-    """`[0, wire)` cut in segments of `segment` bytes, the last one shorter (one empty
-    segment for an empty bucket: its broadcast still takes place)."""
-    return [(lo, min(lo + segment, wire)) for lo in range(0, wire, segment)] or [(0, 0)]
+    """`[0, wire)` cut in segments that halve toward its end (at multiples of `_ALIGN`)
+    until less than `2 * segment` bytes are left: 64 MiB in 32, 16, 8, 4, 2, 1 and 1 MiB."""
+    out: list[tuple[int, int]] = []
+    lo = 0
+    while wire - lo >= 2 * segment:
+        half = (wire - lo) // 2 // _ALIGN * _ALIGN
+        out.append((lo, lo + half))
+        lo += half
+    out.append((lo, wire))
+    return out
 
 
 def _align(n: int) -> int:
@@ -164,7 +177,7 @@ def _plan(
 ) -> _Plan:
     """Pack entries in order into buckets of at most `bucket_bytes` data bytes; entries
     of `direct_bytes` and more that can be broadcast as they are go in direct buckets.
-    Buckets travel in segments of `segment_bytes` (None: `_SEGMENT`)."""
+    The last bucket travels in segments down to `segment_bytes` (None: `_SEGMENT`)."""
     entries: list[_Entry] = []
     sizes: list[int] = []
     direct: list[bool] = []

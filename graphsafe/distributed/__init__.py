@@ -20,16 +20,17 @@ The wire protocol, in order:
    expects, is refused on every rank, naming the entries, before any data moves.
 3. **Buckets**, each a flat byte buffer: the entries of the bucket, each at an offset
    aligned to 64 bytes, then a 32-byte trailer (a magic number, the sync id, the bucket
-   index, a status). A bucket travels in segments of at most 4 MiB (the plan says how
-   many bytes), one `broadcast` each, in order: a receiver fingerprints each segment's
-   part of the entries as the segment arrives, while the next ones are on the way. A
-   bucket holds at most `bucket_bytes` of data; a tensor larger than that travels alone
-   in a bucket of its own size (never split for the loader, which always gets whole
-   tensors). The sender checks each bucket's length against the plan before posting it
-   (a bucket longer than the receivers' buffer would abort their processes inside
-   gloo). A sender that fails while packing a bucket
-   broadcasts that bucket with the status *abort* in its trailer; its error text goes
-   to the store.
+   index, a status). Each bucket is one `broadcast`, but the last bucket of entries,
+   which travels in segments that halve toward its end down to 1 MiB (the plan says
+   the size), one `broadcast` each, in order: a receiver fingerprints each bucket while
+   the next one arrives, and each segment as it arrives, so that only the last
+   segment's read follows the last byte. A bucket holds at most `bucket_bytes` of data;
+   a tensor larger than that travels alone in a bucket of its own size (never split
+   for the loader, which always gets whole tensors). The sender checks each bucket's
+   length against the plan before posting it (a bucket longer than the receivers'
+   buffer would abort their processes inside gloo). A sender that fails while packing
+   a bucket broadcasts that bucket with the status *abort* in its trailer; its error
+   text goes to the store.
 4. **Fingerprints** (`verify=True`, the default), one `broadcast` of two int64 per
    entry: each entry's `gs.fingerprint`, taken by the sender from the tensor it was
    given before packing it. Each receiver took the fingerprint of the bytes it received

@@ -35,6 +35,7 @@ from dist_worlds import (
 import graphsafe as gs
 import graphsafe.distributed as gsd
 from graphsafe.distributed import _sender
+from graphsafe.distributed._protocol import layout
 from graphsafe.distributed._protocol.layout import _TRAILER, _trailer
 from graphsafe.distributed._receive import metadata, transfer
 
@@ -303,6 +304,96 @@ def test_bytes_changed_after_the_fingerprint_fail_every_rank_by_entry_and_contro
     results = run_world(end_to_end).ok(0, 1, 2)
     wrong = {**results[1], **results[2]}  # each fault, on the stage that holds its entry
     assert wrong == {fault: True for fault in _FAULTS}
+
+
+_SEG = 1024  # the last segment of these syncs: the last bucket's entries span several
+
+
+def _spanning(ck: list[tuple[str, torch.Tensor]]) -> tuple[int, int, str]:
+    """The first segment boundary inside an entry: the sender's broadcast (its count,
+    from 1) of the segment after it, its byte there, and the entry."""
+    plan = layout._plan(ck, _BUCKET, 0, _DIRECT, torch.device("cpu"), segment_bytes=_SEG)
+    calls = 0
+    for b in range(len(plan.sizes)):
+        for lo, _ in plan.segments(b):
+            calls += 1
+            inside = [e for e in plan.bucket(b) if e.offset < lo < e.offset + e.nbytes]
+            if inside:
+                return calls, lo, inside[0].name
+    raise AssertionError("no entry spans two segments")
+
+
+def _flipped_in(call: int) -> Any:
+    """`dist.broadcast` that flips the first byte of the sender's `call`-th broadcast on
+    the way (the sender's staging intact); it counts every broadcast of the sync."""
+    real = dist.broadcast
+    calls, held = [0], []
+
+    def broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == call:
+            tensor = tensor.clone()
+            tensor.view(torch.uint8)[0] ^= 0x40
+            held.append(tensor)
+        return real(tensor, *args, **kwargs)
+
+    return real, broadcast, calls
+
+
+def in_segments(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    cks = {seed: checkpoint(seed) for seed in (2, 3, 4)}
+    call, at, entry = _spanning(cks[2])
+    if rank == 0:
+        layout._SEGMENT = _SEG  # the receivers follow the plan's segments
+        plan = layout._plan(cks[2], _BUCKET, 0, _DIRECT, torch.device("cpu"))
+        segments = sum(len(plan.segments(b)) for b in range(len(plan.sizes)))
+        real, counting, calls = _flipped_in(-1)  # counts, flips nothing
+        dist.broadcast = counting
+        try:
+            clean = gsd.send_weights(cks[2], src=0, group=group, bucket_bytes=_BUCKET,
+                                     direct_bytes=_DIRECT)
+        finally:
+            dist.broadcast = real
+        # One broadcast per segment (and the fingerprints'): the last bucket of entries
+        # in several.
+        assert calls[0] == segments + 1 and segments > clean.buckets + 2
+        for verify in (True, False):
+            real, flipping, _ = _flipped_in(call)
+            dist.broadcast = flipping
+            try:
+                if verify:
+                    err = _raises(lambda: gsd.send_weights(
+                        cks[3], src=0, group=group, bucket_bytes=_BUCKET,
+                        direct_bytes=_DIRECT), rf"'{entry}' arrived changed")
+                    assert err.mismatched == (entry,)
+                else:
+                    gsd.send_weights(cks[4], src=0, group=group, bucket_bytes=_BUCKET,
+                                     direct_bytes=_DIRECT, verify=False)
+            finally:
+                dist.broadcast = real
+        return at
+    stage = Stage.build(rank, checkpoint(1))
+    # Every entry's fingerprint, added up from the segments it arrived in, is the
+    # sender's: no entry is refused, and the stage replays the new weights.
+    got = gsd.receive_weights(stage.model, src=0, group=group)
+    assert got.verified and got.fingerprinted == len(cks[2]) and stage.replays(cks[2])
+    # A byte flipped past the entry's first segment is caught, by name, before the
+    # graph can replay it.
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group),
+                  rf"1 entry of the sync arrived other than the sender was given it: "
+                  rf"'{entry}'")
+    assert err.mismatched == (entry,) and stage.refused() == "StaleError"
+    # Control: the same flip, unverified, reaches the model unseen.
+    gsd.receive_weights(stage.model, src=0, group=group)
+    held = entry in {n for n, _ in stage.model.named_parameters()}
+    return held, held and not stage.replays(cks[4])
+
+
+def test_entries_across_segments_are_fingerprinted_piece_by_piece_and_control_unverified():
+    results = run_world(in_segments).ok(0, 1, 2)
+    assert results[0] > 0  # the flipped byte lies past the entry's first segment
+    assert sorted(results[r] for r in (1, 2)) == [(False, False), (True, True)]
 
 
 def reports_then_aborts(rank: int, ctx: dict[str, Any]) -> Any:

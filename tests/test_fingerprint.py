@@ -24,7 +24,7 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe._fingerprint import gpu
-from graphsafe._fingerprint.digest import reference_digest
+from graphsafe._fingerprint.digest import Pieces, hexdigest, reference_digest
 from graphsafe._fingerprint.torch_sums import torch_sums
 from graphsafe._native import loader
 
@@ -201,6 +201,50 @@ def test_what_has_no_fingerprint_is_named() -> None:
         gs.fingerprint([["a", torch.zeros(1)]])  # type: ignore[list-item]
 
 
+def _by_pieces(t: torch.Tensor, cuts: list[int], order: list[int],
+               at: dict[int, int] | None = None) -> str:
+    """`t`'s digest from its bytes cut at `cuts`, the pieces added in `order` (`at`: a
+    piece added at another byte than its own, the control)."""
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
+    edges = [0, *cuts, flat.numel()]
+    pieces = Pieces(1)
+    for k in order:
+        lo, hi = edges[k], edges[k + 1]
+        pieces.add(0, flat[lo:hi], (at or {}).get(k, lo))
+    return hexdigest(pieces.done([(t.dtype, tuple(t.shape))])[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**16), data=st.data())
+def test_pieces_in_any_split_and_order_give_the_digest(n: int, seed: int,
+                                                       data: st.DataObject) -> None:
+    t = _random(torch.bfloat16, (n,), seed)
+    words = -(-2 * n // 8)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, words - 1)), max_size=6)))
+    cuts = [8 * c for c in cuts if 8 * c < 2 * n]
+    order = data.draw(st.permutations(range(len(cuts) + 1)))
+    for native in _paths():
+        with loader.using(native):
+            assert _by_pieces(t, cuts, order) == _fp(t, native), (native, cuts)
+
+
+@pytest.mark.parametrize("native", _paths(), ids=lambda n: "native" if n else "torch")
+def test_pieces_are_summed_at_their_positions_and_control_a_piece_misplaced_differs(
+    native: bool,
+) -> None:
+    t = _random(torch.float32, (3 << 20,), 5)  # 12 MiB: the kernel's threads split it
+    cuts = [4 << 20, (8 << 20) + 64]
+    with loader.using(native):
+        assert _by_pieces(t, cuts, [2, 0, 1]) == _fp(t, native)
+        # Control: the same bytes, the first two pieces each summed at the other's place
+        # (or both at byte 0: no position at all), are another digest.
+        assert _by_pieces(t, [4 << 20, 8 << 20], [0, 1, 2], {0: 4 << 20, 1: 0}) != _fp(
+            t, native)
+        assert _by_pieces(t, cuts, [0, 1, 2], {1: 0, 2: 0}) != _fp(t, native)
+        with pytest.raises(ValueError, match="starts at byte 12, inside a word"):
+            Pieces(1).add(0, t.view(torch.uint8)[12:20], 12)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fingerprint_cuda_paths_equal_the_cpu_digests() -> None:
     """The Triton kernel and the torch formulation on the device give the CPU's digests
@@ -213,3 +257,6 @@ def test_fingerprint_cuda_paths_equal_the_cpu_digests() -> None:
     for t in cases:  # the torch formulation on the device: the same sums as the kernel
         flat = t.cuda().contiguous().reshape(-1).view(torch.uint8)
         assert torch_sums(flat).tolist() == gpu.sums(flat).tolist()
+        assert torch_sums(flat[8:], 1).tolist() == gpu.sums(flat[8:], 1).tolist()
+    t = cases[-3]  # pieces on the device, the Triton kernel's word offsets among them
+    assert _by_pieces(t.cuda(), [8, 4096 * 8 + 64], [2, 0, 1]) == cpu[-3]

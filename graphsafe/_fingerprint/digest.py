@@ -49,7 +49,7 @@ from graphsafe._fingerprint import gpu
 from graphsafe._fingerprint.torch_sums import torch_sums
 from graphsafe._native import loader
 
-__all__ = ["Digests", "fingerprint", "hexdigest", "reference_digest"]
+__all__ = ["Digests", "Pieces", "fingerprint", "hexdigest", "reference_digest"]
 
 P = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -176,6 +176,61 @@ class Digests:
         for sums, dtype, shape in self._items:
             s1, s2 = next(read[sums.device]) if isinstance(sums, torch.Tensor) else sums
             out.append(_finish(s1, s2, dtype, shape))
+        return out
+
+
+class Pieces:
+    """The digests of several tensors whose bytes are read in pieces, as they arrive (a
+    weight sync's segments, each fingerprinted while the next ones are on the way): each
+    piece's sums at its words' positions, added up. The sums commute, so the pieces may
+    come in any order and any split; a tensor's digest is the one `Digests` gives once
+    every piece of it was added.
+
+    Args:
+        count: How many tensors, numbered from 0.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._host = [[0, 0] for _ in range(count)]
+        self._device: list[torch.Tensor | None] = [None] * count  # sums on a GPU
+
+    def add(self, i: int, piece: torch.Tensor, at: int) -> None:
+        """Add `piece`, the bytes of tensor `i` from its byte `at` on: a flat, contiguous
+        `uint8` tensor, `at` a multiple of 8; only a tensor's last piece may end inside a
+        word (it is padded with zero bytes, as the definition pads the tensor).
+
+        Raises:
+            ValueError: `at` is no multiple of 8.
+        """
+        if at % 8:
+            raise ValueError(f"a piece of tensor {i} starts at byte {at}, inside a word; "
+                             "pieces start at multiples of 8 bytes")
+        native = loader.get() if piece.device.type == "cpu" else None
+        if native is not None and type(piece) is torch.Tensor:
+            s1, s2 = native.fingerprint_sums(piece, -1, None, at // 8)
+        elif piece.device.type == "cpu":
+            s1, s2 = _words(torch_sums(piece, at // 8))
+        else:  # summed on the device, read back once by `done`
+            sums = (gpu.sums(piece, at // 8) if piece.device.type == "cuda"
+                    and gpu.available() else torch_sums(piece, at // 8))
+            held = self._device[i]
+            self._device[i] = sums if held is None else held + sums
+            return
+        host = self._host[i]
+        host[0] += s1
+        host[1] += s2
+
+    def done(self, kinds: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[Digest]:
+        """Every tensor's digest, in order, given each one's dtype and shape."""
+        on_device = [(i, t) for i, t in enumerate(self._device) if t is not None]
+        read = dict(zip((i for i, _ in on_device),
+                        torch.stack([t.cpu() for _, t in on_device]).tolist()
+                        if on_device else []))
+        out: list[Digest] = []
+        for i, (dtype, shape) in enumerate(kinds):
+            s1, s2 = self._host[i]
+            d1, d2 = read.get(i, (0, 0))
+            out.append(_finish(s1 + d1, s2 + d2, dtype, shape))
         return out
 
 

@@ -40,14 +40,15 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def sums(flat: torch.Tensor) -> torch.Tensor:
+def sums(flat: torch.Tensor, first: int = 0) -> torch.Tensor:
     """`S1` and `S2` of a flat, contiguous `uint8` CUDA tensor, as an int64 tensor of
-    shape [2] on its device (queued on the current stream, not synchronized)."""
+    shape [2] on its device (queued on the current stream, not synchronized); `flat`
+    starting at word `first` of a larger tensor (`torch_sums`)."""
     kernel = _kernel()
     n = flat.numel()
     m = n // 8
     if kernel is None or m == 0:
-        return torch_sums(flat)
+        return torch_sums(flat, first)
     body = flat[: 8 * m]
     if body.storage_offset() % 8:
         body = body.clone()
@@ -55,8 +56,8 @@ def sums(flat: torch.Tensor) -> torch.Tensor:
     programs = -(-m // _BLOCK)
     partials = torch.empty(programs, 2, dtype=torch.int64, device=flat.device)
     with torch.cuda.device(flat.device):
-        kernel[(programs,)](words, m, partials, BLOCK=_BLOCK, num_warps=8)
+        kernel[(programs,)](words, m, first, partials, BLOCK=_BLOCK, num_warps=8)
     total = partials.sum(dim=0)  # int64 sums wrap: modulo 2**64
     if n % 8:
-        total += tail_sums(flat)
+        total += tail_sums(flat, first)
     return total

@@ -40,9 +40,10 @@ def _keys(device: torch.device, size: int) -> torch.Tensor:
     return torch.arange(1, size + 1, dtype=torch.int64, device=device).mul_(_signed(_P))
 
 
-def torch_sums(flat: torch.Tensor) -> torch.Tensor:
+def torch_sums(flat: torch.Tensor, first: int = 0) -> torch.Tensor:
     """`S1` and `S2` of a flat, contiguous `uint8` tensor, as an int64 tensor of shape [2]
-    on its device (not synchronized)."""
+    on its device (not synchronized). With `first`, `flat` is a piece of a larger tensor
+    that starts at its word `first`: its sums add up with the other pieces'."""
     n = flat.numel()
     m = n // 8
     total = torch.zeros(2, dtype=torch.int64, device=flat.device)
@@ -53,21 +54,21 @@ def torch_sums(flat: torch.Tensor) -> torch.Tensor:
     chunk = _chunk(flat.device)
     x = torch.empty(min(chunk, m), dtype=torch.int64, device=flat.device)
     hi = torch.empty_like(x)
-    for first in range(0, m, chunk):
-        total += _chunk_sums(words[first : first + chunk], first, x, hi)
+    for at in range(0, m, chunk):
+        total += _chunk_sums(words[at : at + chunk], first + at, x, hi)
     if n % 8:
-        total += tail_sums(flat)
+        total += tail_sums(flat, first)
     return total
 
 
-def tail_sums(flat: torch.Tensor) -> torch.Tensor:
+def tail_sums(flat: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Both sums of the last word of `flat` when it is partial: its bytes padded with
-    zero bytes, at its index."""
+    zero bytes, at its index (`flat` starting at word `first`)."""
     m = flat.numel() // 8
     last = torch.zeros(8, dtype=torch.uint8, device=flat.device)
     last[: flat.numel() - 8 * m] = flat[8 * m :]
     x = torch.empty(1, dtype=torch.int64, device=flat.device)
-    return _chunk_sums(last.view(torch.int64), m, x, torch.empty_like(x))
+    return _chunk_sums(last.view(torch.int64), first + m, x, torch.empty_like(x))
 
 
 def _chunk_sums(words: torch.Tensor, first: int, x: torch.Tensor, hi: torch.Tensor

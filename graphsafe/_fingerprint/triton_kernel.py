@@ -23,14 +23,15 @@ fingerprint_sums: Any = None
 if triton is not None:
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _sums(words, m, partials, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _sums(words, m, first, partials, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         """Per program of `BLOCK` 8-byte words: `S1` and `S2` of its words into
-        `partials[pid]` (`graphsafe._fingerprint.digest` defines them)."""
+        `partials[pid]` (`graphsafe._fingerprint.digest` defines them); `words` are
+        words `first, first + 1, ...` of the tensor."""
         pid = tl.program_id(0)
         i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # word indices
         live = i < m
         w = tl.load(words + i, mask=live, other=0).to(tl.uint64, bitcast=True)
-        k = (i + 1).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15  # k_i, mod 2**64
+        k = (i + first + 1).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15  # mod 2**64
         x = tl.where(live, w ^ k, tl.zeros_like(w))
         s1 = tl.sum(x, axis=0)
         s2 = tl.sum((x & 0xFFFFFFFF) * (x >> 32), axis=0)  # lo32 * hi32, mod 2**64

@@ -188,14 +188,17 @@ Loop loop_of(int level) {
 }
 
 // Both sums over `nbytes` bytes at `p` (copied to `out` on the way when it is not
-// null), the words split over torch's intra-op threads.
-Sums sums_of(const uint8_t* p, uint8_t* out, uint64_t nbytes, int level) {
+// null), the words split over torch's intra-op threads. The bytes are words `first`,
+// `first + 1`, ... of a tensor (0: the whole tensor): a piece of a tensor read as it
+// arrives, whose sums add up with its other pieces' to the tensor's.
+Sums sums_of(const uint8_t* p, uint8_t* out, uint64_t nbytes, int level, uint64_t first) {
   const Loop loop = out != nullptr ? loop_of<true>(level) : loop_of<false>(level);
   const int64_t m = static_cast<int64_t>(nbytes / 8);
   std::atomic<uint64_t> s1{0}, s2{0};
   at::parallel_for(0, m, kGrain, [&](int64_t begin, int64_t end) {
     const Sums part = loop(p + 8 * begin, out != nullptr ? out + 8 * begin : nullptr,
-                           static_cast<uint64_t>(end - begin), static_cast<uint64_t>(begin));
+                           static_cast<uint64_t>(end - begin),
+                           first + static_cast<uint64_t>(begin));
     s1.fetch_add(part.s1, std::memory_order_relaxed);  // modulo 2**64
     s2.fetch_add(part.s2, std::memory_order_relaxed);
   });
@@ -207,7 +210,7 @@ Sums sums_of(const uint8_t* p, uint8_t* out, uint64_t nbytes, int level) {
     if (out != nullptr) {
       std::memcpy(out + 8 * m, word, tail);
     }
-    const Sums last = scalar<false>(word, nullptr, 1, static_cast<uint64_t>(m));
+    const Sums last = scalar<false>(word, nullptr, 1, first + static_cast<uint64_t>(m));
     r.s1 += last.s1;
     r.s2 += last.s2;
   }
@@ -233,15 +236,18 @@ const uint8_t* cpu_bytes(PyObject* obj, at::Tensor& keep, uint64_t& nbytes) {
   return nbytes ? static_cast<const uint8_t*>(keep.const_data_ptr()) : &empty;
 }
 
-// fingerprint_sums(tensor, level: int, out: tensor | None = None) -> (s1, s2): the sums
-// over a contiguous CPU tensor's bytes; with `out` (as many bytes), the bytes are copied
-// there in the same pass. Level -1 takes the widest loop this CPU runs (the others are
-// for tests). Raises TypeError for anything else; the caller takes the torch path then.
+// fingerprint_sums(tensor, level: int, out: tensor | None = None, first: int = 0)
+// -> (s1, s2): the sums over a contiguous CPU tensor's bytes; with `out` (as many bytes),
+// the bytes are copied there in the same pass; with `first`, the bytes are words
+// `first`, `first + 1`, ... of a larger tensor (a piece of it). Level -1 takes the widest
+// loop this CPU runs (the others are for tests). Raises TypeError for anything else; the
+// caller takes the torch path then.
 PyObject* fingerprint_sums(PyObject* /*self*/, PyObject* args) {
   PyObject* obj = nullptr;
   PyObject* out_obj = Py_None;
   int level = -1;
-  if (!PyArg_ParseTuple(args, "Oi|O", &obj, &level, &out_obj)) {
+  unsigned long long first = 0;
+  if (!PyArg_ParseTuple(args, "Oi|OK", &obj, &level, &out_obj, &first)) {
     return nullptr;
   }
   at::Tensor t, out;
@@ -269,7 +275,7 @@ PyObject* fingerprint_sums(PyObject* /*self*/, PyObject* args) {
   }
   Sums r;
   Py_BEGIN_ALLOW_THREADS
-  r = sums_of(p, dst, nbytes, level < 0 ? best : level);
+  r = sums_of(p, dst, nbytes, level < 0 ? best : level, static_cast<uint64_t>(first));
   Py_END_ALLOW_THREADS
   return Py_BuildValue("(KK)", static_cast<unsigned long long>(r.s1),
                        static_cast<unsigned long long>(r.s2));

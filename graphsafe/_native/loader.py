@@ -101,7 +101,7 @@ class Native(Protocol):
     def observer_pending(self) -> bool: ...
     def observer_drain(self) -> tuple[dict[int, str], bool]: ...
     def observer_quiet(self, enter: bool, /) -> None: ...
-    def fingerprint_sums(self, tensor: Any, level: int, out: Any = None, /
+    def fingerprint_sums(self, tensor: Any, level: int, out: Any = None, first: int = 0, /
                          ) -> tuple[int, int]: ...
     def fingerprint_level(self) -> int: ...
 
@@ -399,7 +399,8 @@ _FINGERPRINT_KNOWN = (0x191C502A263F09FB, 0x3A99C44EDC285CC4)
 
 def _fingerprint_check(module: Any) -> bool:
     """Whether every loop this CPU runs gives the known answer, and the same sums as the
-    scalar loop over a buffer long enough for the vector loops, copying it or not."""
+    scalar loop over a buffer long enough for the vector loops, copying it or not, or in
+    two pieces."""
     small = torch.arange(37, dtype=torch.uint8)
     large = torch.arange(4099, dtype=torch.int64).mul_(0x5851F42D).view(torch.uint8)[3:-2]
     want = module.fingerprint_sums(large, 0)
@@ -409,8 +410,16 @@ def _fingerprint_check(module: Any) -> bool:
         and module.fingerprint_sums(large, level) == want
         and module.fingerprint_sums(large, level, copied.zero_()) == want
         and torch.equal(copied, large)
+        and _added(module.fingerprint_sums(large[:4096], level),
+                   module.fingerprint_sums(large[4096:], level, None, 512)) == want
         for level in range(module.fingerprint_level() + 1)
     )
+
+
+def _added(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """Two pieces' sums added up, modulo 2**64: the sums of both pieces together."""
+    mask = (1 << 64) - 1
+    return (a[0] + b[0]) & mask, (a[1] + b[1]) & mask
 
 
 def get() -> Native | None:

@@ -10,28 +10,34 @@ The wire protocol, in order:
 1. **Metadata**, posted to the default group's store (rank 0 serves it), not through a
    collective: a sync id, the protocol version, whether the sync is partial or verified,
    and per entry its name, shape, dtype, bucket and byte offset; the byte size of every
-   bucket. Receivers wait for it with a timeout of their own (`wait_timeout`, none by
-   default), so a train step of any length fits between syncs; the group's timeout
-   bounds only the transfer. A sender that fails before this point posts an abort
-   record instead.
+   bucket and of its segments. Receivers wait for it with a timeout of their own
+   (`wait_timeout`, none by default), so a train step of any length fits between syncs;
+   the group's timeout bounds only the transfer. A sender that fails before this point
+   posts an abort record instead.
 2. **Verdict**, one `all_gather` of one byte per entry and rank: each receiver says
    which entries it expects and whether the sync lacks any entry it expects (unless
    the sync is partial). A sync that lacks an expected entry, or carries one no receiver
    expects, is refused on every rank, naming the entries, before any data moves.
-3. **Buckets**, one `broadcast` each, of a flat byte buffer: the entries of the bucket,
-   each at an offset aligned to 64 bytes, then a 32-byte trailer (a magic number, the
-   sync id, the bucket index, a status). A bucket holds at most `bucket_bytes` of data;
-   a tensor larger than that travels alone in a bucket of its own size (never split, so
-   the loader always gets whole tensors). The sender checks each bucket's length
-   against the plan before posting it (a bucket longer than the receivers' buffer would
-   abort their processes inside gloo). A sender that fails while packing a bucket
-   broadcasts that bucket with the status *abort* in its trailer; its error text goes
-   to the store.
+3. **Buckets**, each a flat byte buffer: the entries of the bucket, each at an offset
+   aligned to 64 bytes, then a 32-byte trailer (a magic number, the sync id, the bucket
+   index, a status). Each bucket is one `broadcast`, but the last bucket of entries,
+   which travels in segments that halve toward its end down to 1 MiB (the plan says
+   the size), one `broadcast` each, in order: a receiver fingerprints each bucket while
+   the next one arrives, and each segment as it arrives, so that only the last
+   segment's read follows the last byte. A bucket holds at most `bucket_bytes` of data;
+   a tensor larger than that travels alone in a bucket of its own size (never split
+   for the loader, which always gets whole tensors). The sender checks each bucket's
+   length against the plan before posting it (a bucket longer than the receivers'
+   buffer would abort their processes inside gloo). A sender that fails while packing
+   a bucket broadcasts that bucket with the status *abort* in its trailer; its error
+   text goes to the store.
 4. **Fingerprints** (`verify=True`, the default), one `broadcast` of two int64 per
    entry: each entry's `gs.fingerprint`, taken by the sender from the tensor it was
    given before packing it. Each receiver took the fingerprint of the bytes it received
-   for the entry before its loader ran, and compares; a mismatch fails the sync on every
-   rank, naming the entry (the handshake says so, the store carries the names).
+   for the entry, segment by segment as they arrived, before its loader ran, and
+   compares (the fingerprint's sums are keyed by position and commute, so the
+   segments' sums add up to the entry's); a mismatch fails the sync on every rank,
+   naming the entry (the handshake says so, the store carries the names).
 5. **Handshake**, one `all_gather` of one integer per rank, still inside the
    receivers' update blocks: every rank says whether it applied the sync, and if any did
    not, every receiver fails closed.

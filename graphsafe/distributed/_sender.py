@@ -54,11 +54,11 @@ class _SendProgress:
     staging: torch.Tensor | None = None
     slot: torch.Tensor | None = None
     """The staging slot of the bucket being packed."""
-    pending: list[tuple[int, Any] | None] = field(default_factory=lambda: [None, None])
-    """Per slot: (bucket, work) of a broadcast not yet waited for."""
-    direct: list[tuple[int, Any]] = field(default_factory=list)
-    """(bucket, work) of direct broadcasts not yet waited for (they read the caller's
-    tensors, not staging: nothing waits for them before the end)."""
+    pending: list[tuple[int, list[Any]] | None] = field(default_factory=lambda: [None, None])
+    """Per slot: (bucket, works of its segments) of a broadcast not yet waited for."""
+    direct: list[tuple[int, list[Any]]] = field(default_factory=list)
+    """(bucket, works of its segments) of direct broadcasts not yet waited for (they read
+    the caller's tensors, not staging: nothing waits for them before the end)."""
     posted: int = -1
     """The last bucket whose broadcast was posted."""
     channel: _Channel | None = None
@@ -92,9 +92,10 @@ class _SendProgress:
         item = self.pending[slot]
         if item is None:
             return
-        self.wire, work = item
+        self.wire, works = item
         self.in_collective = True
-        self.join(work, f"sending bucket {self.wire}")
+        for work in works:
+            self.join(work, f"sending bucket {self.wire}")
         self.pending[slot] = None
         self.in_collective = False
         self.wire = -1
@@ -102,9 +103,10 @@ class _SendProgress:
     def drain(self) -> None:
         """Wait for every broadcast in flight, in bucket order."""
         works = self.direct + [item for item in self.pending if item is not None]
-        for b, work in sorted(works, key=lambda item: item[0]):
+        for b, segments in sorted(works, key=lambda item: item[0]):
             self.wire, self.in_collective = b, True
-            self.join(work, f"sending bucket {b}")
+            for work in segments:
+                self.join(work, f"sending bucket {b}")
             self.in_collective, self.wire = False, -1
         self.direct.clear()
         self.pending = [None, None]
@@ -331,8 +333,7 @@ def _send_direct(out: _Outgoing, b: int, state: _SendProgress) -> None:
         )
     state.entry = None
     state.in_collective, state.wire = True, b
-    work = dist.broadcast(wire, src=out.src, group=out.group, async_op=True)
-    state.direct.append((b, work))
+    state.direct.append((b, _post(wire, out.plan, b, out.src, out.group)))
     state.posted = b
     state.in_collective, state.wire = False, -1
     if out.plan.verify:  # the tensor given, read while the broadcast sends it
@@ -362,12 +363,18 @@ def _send_packed(out: _Outgoing, b: int, state: _SendProgress) -> None:
     state.entry = None
     _trailer(slot, plan.sizes[b]).copy_(torch.tensor([_MAGIC, plan.sync, b, _DATA]))
     state.in_collective, state.wire = True, b
-    work = dist.broadcast(slot, src=out.src, group=out.group, async_op=True)
-    state.pending[i] = (b, work)
+    state.pending[i] = (b, _post(slot, plan, b, out.src, out.group))
     state.posted = b
     state.in_collective, state.wire = False, -1
     if not out.stride:
         state.wait(0)
+
+
+def _post(wire: torch.Tensor, plan: _Plan, b: int, src: int,
+          group: dist.ProcessGroup | None) -> list[Any]:
+    """Post bucket `b`'s broadcasts from `wire`, its bytes: one per segment, in order."""
+    return [dist.broadcast(wire[lo:hi], src=src, group=group, async_op=True)
+            for lo, hi in plan.segments(b)]
 
 
 def _drop_busy_staging(state: _SendProgress, group: dist.ProcessGroup | None) -> None:
@@ -424,9 +431,9 @@ def _abort(
         while b < len(plan.sizes) and plan.direct[b]:
             # No trailer to carry the abort: the receivers take zeros into staging (the
             # sync fails anyway) and learn of it at the next trailer.
-            state.join(dist.broadcast(torch.zeros(plan.wires[b], dtype=torch.uint8,
-                                                  device=device),
-                                      src=src, group=group, async_op=True), "aborting")
+            zeros = torch.zeros(plan.wires[b], dtype=torch.uint8, device=device)
+            for work in _post(zeros, plan, b, src, group):
+                state.join(work, "aborting")
             b += 1
         if b >= len(plan.sizes):
             # Every bucket went out: the receivers wait in a later collective.
@@ -437,7 +444,8 @@ def _abort(
             slot = torch.empty(plan.wires[b], dtype=torch.uint8, device=device)
         channel.put("error", what)
         _trailer(slot, plan.sizes[b]).copy_(torch.tensor([_MAGIC, sync, b, _ABORT]))
-        state.join(dist.broadcast(slot, src=src, group=group, async_op=True), "aborting")
+        for work in _post(slot, plan, b, src, group):
+            state.join(work, "aborting")
     except Exception as failed:  # the group broke on the way: tell them through the store
         channel.abort(_recovery_of(failed), f"the sender raised {what}, and then its abort "
                       f"failed: {one_line(failed)}")

@@ -1,11 +1,13 @@
-"""The transfer on the receiving side: each bucket broadcast into staging, its trailer
-checked, its entries fingerprinted, then given to the loader; then the fingerprints
-against the sender's."""
+"""The transfer on the receiving side: each bucket broadcast into staging segment by
+segment, each segment's part of the entries fingerprinted as it arrives, the trailer
+checked, then the entries given to the loader; then the fingerprints against the
+sender's."""
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphsafe._errors import one_line
-from graphsafe._fingerprint.digest import Digests, hexdigest
+from graphsafe._fingerprint.digest import Digest, Pieces, hexdigest
 from graphsafe._memory.journal import mark_written
 from graphsafe._runtime.runtime import runtime
 from graphsafe.distributed._control.channel import _Channel, _recovery_of, _ToldError
@@ -24,12 +26,12 @@ from graphsafe.distributed._protocol.layout import (
     _DATA,
     _FINGERPRINT_WORDS,
     _MAGIC,
+    _dtype,
     _Entry,
     _fingerprints_read,
     _Plan,
     _Ring,
     _trailer,
-    _view,
 )
 from graphsafe.distributed._receive.loading import _load_run
 from graphsafe.distributed._reports import RejectedEntry, WeightSyncError
@@ -102,12 +104,12 @@ def _receive(
     loader = getattr(model, "load_weights", None)
     accepted: list[str] = []
     rejected: list[RejectedEntry] = []
-    digests = Digests()  # per entry arrived, in the plan's order, when verified
-    fingerprint_seconds = 0.0
-    flight = _InFlight(plan, wires, ring, staging, src, group, overlap, channel)
     by_bucket: list[list[_Entry]] = [[] for _ in plan.sizes]
     for e in plan.entries:
         by_bucket[e.bucket].append(e)
+    check = _Fingerprints(plan, by_bucket) if plan.verify else None
+    flight = _InFlight(plan, wires, ring, staging, src, group, overlap, channel,
+                       check.segment if check is not None else None)
     group_bytes = ring.capacity // 2  # one group loads while the next one arrives
     try:
         flight.post_ahead()
@@ -118,12 +120,8 @@ def _receive(
                 return flight.aborted
             mark_written(staging)  # c10d writes: declared, whatever the tracker saw
             flight.post_ahead()  # the next buckets arrive while the loader runs
-            if plan.verify:  # the bytes received, before the loader can touch them
-                start = time.perf_counter()
-                for b, slot in run:
-                    for e in by_bucket[b]:
-                        digests.add(_view(slot, e), e.name)
-                fingerprint_seconds += time.perf_counter() - start
+            # Every segment of the run was fingerprinted as it arrived (`_InFlight.
+            # arrived`): the bytes received, before the loader can touch them.
             loaded, refused = _load_run(model, loader, run, by_bucket)
             accepted.extend(loaded)
             rejected.extend(refused)
@@ -134,7 +132,7 @@ def _receive(
         if flight.works:  # a broadcast still writes into it: no later sync may reuse it
             _drop_busy(model, group, staging)
     mismatched: tuple[_Mismatch, ...] = ()
-    if plan.verify and plan.entries:
+    if check is not None and plan.entries:
         wire = torch.zeros(len(plan.entries), _FINGERPRINT_WORDS, dtype=torch.int64,
                            device=device)
         try:
@@ -144,9 +142,7 @@ def _receive(
             raise
         except Exception as exc:
             raise flight.lost(buckets, exc) from exc
-        start = time.perf_counter()
-        got = digests.done()
-        fingerprint_seconds += time.perf_counter() - start
+        got = check.done()
         mismatched = tuple(
             _Mismatch(e.name, e.bucket, hexdigest(mine), hexdigest(theirs))
             for e, mine, theirs in zip(plan.entries, got, _fingerprints_read(wire))
@@ -155,8 +151,48 @@ def _receive(
     return _Transfer(staging_bytes=staging.numel(), reused=reused,
                      overlap=overlap and buckets > 1, accepted=tuple(accepted),
                      rejected=tuple(rejected), mismatched=mismatched,
-                     fingerprinted=len(plan.entries) if plan.verify else 0,
-                     fingerprint_seconds=fingerprint_seconds)
+                     fingerprinted=len(plan.entries) if check is not None else 0,
+                     fingerprint_seconds=check.seconds if check is not None else 0.0)
+
+
+class _Fingerprints:
+    """The fingerprints of a verified sync's entries, taken on this rank from the bytes
+    received, segment by segment as each arrives (`segment`), so that only the last
+    segment's waits after the last byte; `done` gives each entry's, in the plan's order.
+    """
+
+    def __init__(self, plan: _Plan, by_bucket: list[list[_Entry]]) -> None:
+        self.plan: Final = plan
+        self.by_bucket: Final = [sorted(es, key=lambda e: e.offset) for es in by_bucket]
+        self.index: Final = {e.name: i for i, e in enumerate(plan.entries)}
+        self.pieces: Final = Pieces(len(plan.entries))
+        self.first = [0] * len(plan.sizes)  # per bucket: its first entry not all arrived
+        self.seconds = 0.0
+        """Time spent taking them."""
+
+    def segment(self, b: int, slot: torch.Tensor, lo: int, hi: int) -> None:
+        """Bytes `[lo, hi)` of bucket `b` arrived in `slot`: add their part of each entry
+        (segments of a bucket arrive in order, its entries lie in order of offset)."""
+        start = time.perf_counter()
+        entries = self.by_bucket[b]
+        j = self.first[b]
+        while j < len(entries) and entries[j].offset < hi:
+            e = entries[j]
+            end = e.offset + e.nbytes
+            at = max(lo, e.offset)
+            if at < min(hi, end):
+                self.pieces.add(self.index[e.name], slot[at : min(hi, end)], at - e.offset)
+            if end <= hi:
+                self.first[b] = j + 1
+            j += 1
+        self.seconds += time.perf_counter() - start
+
+    def done(self) -> list[Digest]:
+        """Every entry's fingerprint, in the plan's order."""
+        start = time.perf_counter()
+        got = self.pieces.done([(_dtype(e.dtype), e.shape) for e in self.plan.entries])
+        self.seconds += time.perf_counter() - start
+        return got
 
 
 def _sync_writes(model: nn.Module, plan: _Plan) -> list[str] | None:
@@ -181,6 +217,7 @@ class _InFlight:
     def __init__(
         self, plan: _Plan, wires: tuple[int, ...], ring: _Ring, staging: torch.Tensor,
         src: int, group: dist.ProcessGroup | None, overlap: bool, channel: _Channel,
+        on_segment: Callable[[int, torch.Tensor, int, int], None] | None = None,
     ) -> None:
         self.plan: Final = plan
         self.wires: Final = wires
@@ -190,8 +227,11 @@ class _InFlight:
         self.group: Final = group
         self.overlap: Final = overlap
         self.channel: Final = channel
-        # (bucket, its slot, its work), oldest first.
-        self.works: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
+        self.on_segment: Final = on_segment
+        """Called with (bucket, slot, start, end) as each segment arrives."""
+        # (bucket, its slot, (start, end, work) per segment), oldest first.
+        self.works: collections.deque[
+            tuple[int, torch.Tensor, list[tuple[int, int, Any]]]] = collections.deque()
         self.next = 0  # the first bucket not posted yet
         self.aborted: WeightSyncError | None = None
         """The sender's abort, once a trailer said it: nothing arrives after that bucket."""
@@ -213,23 +253,31 @@ class _InFlight:
             if not plan.direct[b]:  # a stale trailer never passes for this one
                 _trailer(slot, plan.sizes[b]).zero_()
             try:
-                work = dist.broadcast(slot, src=self.src, group=self.group, async_op=True)
+                segments = [(lo, hi, dist.broadcast(slot[lo:hi], src=self.src,
+                                                    group=self.group, async_op=True))
+                            for lo, hi in plan.segments(b)]
             except Exception as exc:
                 raise self.lost(b, exc) from exc
-            works.append((b, slot, work))
+            works.append((b, slot, segments))
             b += 1
         self.next = b
 
     def arrived(self) -> tuple[int, torch.Tensor]:
-        """Wait for the oldest bucket in flight; check its trailer if it has one (a
-        trailer that says the sender aborted sets `aborted`)."""
-        b, slot, work = self.works.popleft()
-        try:
-            self.channel.wait(work, f"receiving bucket {b}")
-        except _ToldError:
-            raise
-        except Exception as exc:
-            raise self.lost(b, exc) from exc
+        """Wait for the oldest bucket in flight, segment by segment, each one given to
+        `on_segment` as it arrives; check its trailer if it has one (a trailer that says
+        the sender aborted sets `aborted`)."""
+        b, slot, segments = self.works[0]  # held until every segment arrived: a failure
+        # before that leaves the rest in flight, and `works` says so (`_drop_busy`)
+        for lo, hi, work in segments:
+            try:
+                self.channel.wait(work, f"receiving bucket {b}")
+            except _ToldError:
+                raise
+            except Exception as exc:
+                raise self.lost(b, exc) from exc
+            if self.on_segment is not None:
+                self.on_segment(b, slot, lo, hi)
+        self.works.popleft()
         if not self.plan.direct[b]:  # a direct bucket has none: the next trailer tells
             self.aborted = _check_trailer(slot, self.plan.sizes[b], self.plan, b, self.src,
                                           self.channel)

@@ -434,6 +434,33 @@ def test_the_rewrite_alone_over_raw_values_a_refused_load_left_makes_the_weight_
     assert torch.allclose(y, _expected(_fold_scale, _folded_weights(1)))
 
 
+def test_a_scale_the_rewrite_reads_bound_to_new_memory_without_the_rewrite_is_refused(
+) -> None:
+    """A loader that binds the scale to new memory (before a pin) and does not fold it
+    in: refused naming the scale (found by the state machine); the control, the same
+    load that also loads the weight and folds, is whole."""
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    new = _folded_weights(1)
+
+    def rebind(mod: Folded) -> None:
+        mod.scale.data = new["scale"].clone()
+
+    with pytest.raises(gs.StaleError, match=r"scale, which the post-load rewrite"):
+        gs.runtime(m).run_load(rebind, m, (), {})
+
+    def rebind_and_fold(mod: Folded) -> None:
+        rebind(mod)
+        mod.load_weights({"lin.weight": new["lin.weight"]})
+
+    fresh = Folded(_fold_scale)
+    fresh.load_weights(_folded_weights(0))
+    gs.runtime(fresh).run_load(rebind_and_fold, fresh, (), {})
+    g, y = _capture(fresh, guard=True)
+    g.replay()
+    assert torch.allclose(y, _expected(_fold_scale, new))
+
+
 def test_a_rewritten_weight_a_load_binds_to_new_memory_is_refused() -> None:
     m = Folded(_fold_scale)
     m.load_weights(_folded_weights(0))

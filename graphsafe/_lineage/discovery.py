@@ -210,7 +210,7 @@ class Discovery:
                             "post-load rewrite was re-applied there is not known (load it "
                             "in place, with `copy_`)")
             elif key not in written:
-                why = r.input_written(written)
+                why = r.input_written(written, before)
                 if why is None:
                     continue
                 r.broken = why

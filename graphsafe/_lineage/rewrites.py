@@ -12,7 +12,7 @@ wrong, and it stays so until a load writes it whole again. `Discovery` keeps one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -56,13 +56,19 @@ class Rewritten:
             t = holder.get(key)
             return storage_key(t) if isinstance(t, torch.Tensor) else 0
 
-    def input_written(self, written: set[int]) -> str | None:
+    def input_written(self, written: set[int],
+                      before: Mapping[str, int] | None = None) -> str | None:
         """Why a load that wrote `written` (storage keys) and not the weight left it
-        wrong: it wrote another weight the rewrite reads (a new scale, not folded in)."""
+        wrong: it wrote another weight the rewrite reads (a new scale, not folded in), or
+        bound one to new memory (`before`: each path's storage key when it began)."""
         with PLAIN():
             for path, holder, key in self.inputs:
                 t = holder.get(key)
-                if isinstance(t, torch.Tensor) and storage_key(t) in written:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                now = storage_key(t)
+                was = None if before is None else before.get(path)
+                if now in written or (was is not None and was != now):
                     return (f"{path}, which the post-load rewrite ({self.chain}) reads, was "
                             "written by a load that did not write the weight and rewrite it "
                             "again")

@@ -781,6 +781,11 @@ class RefitMachine(RuleBasedStateMachine):
             assert refused, (
                 "a load that left proj otherwise than loaded then rewritten once was not "
                 "refused (the rewrite skipped, or re-run over what no load wrote)")
+            if net.style == "affine" and torch.equal(net.proj, self.raw):
+                # Raw values a refused load left: a rewrite by `copy_` alone over them is
+                # told from another raw load by name only, so either answer may follow
+                # until a whole load (graphsafe fails closed: it refuses).
+                self.unsure = True
 
     def _rewrite_unknown(self, raw: torch.Tensor | None = None) -> None:
         """A load of the net raised, or a source of the rewritten weight was written or

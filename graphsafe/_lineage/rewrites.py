@@ -80,8 +80,10 @@ class Rewritten:
         raw, self.raw = self.raw, False
         mine = list(self.ops)
         done = " -> ".join(mine)
-        if raw and list(ops) == mine:
-            return None  # raw values left by an earlier load, rewritten once by this one
+        if raw and list(ops) == mine and not set(mine) <= _LOAD_OPS:
+            # Raw values left by an earlier load, rewritten once by this one (a rewrite by
+            # the op a load writes with cannot be told from a raw load: not taken so).
+            return None
         if not ops:
             self.raw = True
             return (f"written by a load graphsafe saw no op of (load_state_dict, a write "

@@ -472,7 +472,7 @@ def _load(*, build_missing: bool = False) -> ModuleType | None:
     if build_missing and not lib.exists() and lib not in _failed:
         try:
             _build_saying_so(lib)
-        except (NativeBuildError, OSError) as exc:
+        except (NativeBuildError, OSError, ImportError) as exc:  # ImportError: built, unloadable
             _failed[lib] = str(exc)
     if not lib.exists() or cache.untrusted(lib) is not None:
         return None
@@ -502,7 +502,7 @@ def _build_saying_so(lib: Path) -> None:
     t0 = time.perf_counter()
     try:
         build()
-    except (NativeBuildError, OSError) as exc:
+    except (NativeBuildError, OSError, ImportError) as exc:
         _say(f"building the compiled checks failed after {time.perf_counter() - t0:.1f} s: "
              f"{str(exc).splitlines()[0]}")
         raise

@@ -23,7 +23,7 @@ built (no compiler, the compiler fails, a cache that is not trusted) or loaded, 
 Python path runs, with one `GraphSafetyWarning` per process saying what that loses (the
 process-wide write observer, speed) and how to get it; a failed build is not tried again
 in the same process. `GRAPHSAFE_NATIVE=0` turns it off: no build, no warning.
-`GRAPHSAFE_NATIVE=build` is the default's older name.
+`GRAPHSAFE_NATIVE=build` means the default.
 
 - The library's name hashes everything it is built from: the sources, the compiler (its
   path and `--version`), the compile and link flags, torch's version and git commit,
@@ -448,8 +448,8 @@ def get() -> Native | None:
 
 
 def _setting() -> str:
-    """`GRAPHSAFE_NATIVE`: "off" (0, off, false, no) or "on" (anything else; "build" was
-    the name of today's default)."""
+    """`GRAPHSAFE_NATIVE`: "off" (0, off, false, no) or "on" (anything else, "build"
+    included)."""
     value = os.environ.get("GRAPHSAFE_NATIVE", "1").strip().lower()
     return "off" if value in ("0", "off", "false", "no") else "on"
 

@@ -243,8 +243,9 @@ def test_a_failed_build_says_why_and_the_guard_keeps_its_python_path(
 
 
 # A first use of the compiled checks (a guarded capture pins the model, snapshots its
-# ledger and witnesses), a write only the observer sees, and what the process got: the
-# number of GraphSafetyWarnings and their text, then the guard's path.
+# ledger and witnesses), a write only the observer sees, then an in-place write either
+# path sees, and what the process got: the number of GraphSafetyWarnings and their text,
+# then the guard's path.
 _FIRST_USE = """
 import json, warnings
 import torch, graphsafe as gs
@@ -264,6 +265,14 @@ with warnings.catch_warnings(record=True) as caught:
     m.weight.data.copy_(torch.randn(4, 4))  # moves no version: only the observer sees it
     try:
         g.replay()
+        print('unseen')
+    except gs.StaleError as e:
+        print('observed')
+    gs.runtime(m).refresh()
+    with torch.no_grad():
+        m.weight.add_(1)  # in place: its version moves, which either path sees
+    try:
+        g.replay()
         print('replayed')
     except gs.StaleError as e:
         print('refused')
@@ -276,13 +285,14 @@ print(_native.describe())
 
 
 def _first_use(env: dict[str, str]) -> tuple[str, int, list[str], str, str]:
-    """`_FIRST_USE` in a fresh process: (replayed or refused, the number of warnings,
-    their texts, the guard's path, stderr)."""
+    """`_FIRST_USE` in a fresh process: ("observed refused" where the observer runs,
+    "unseen refused" where it does not; the number of warnings, their texts, the guard's
+    path, stderr)."""
     done = subprocess.run([sys.executable, "-c", _FIRST_USE], env=env, capture_output=True,
                           text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
-    replay, count, texts, status = done.stdout.splitlines()[-4:]
-    return replay, int(count), json.loads(texts), status, done.stderr
+    observed, replay, count, texts, status = done.stdout.splitlines()[-5:]
+    return f"{observed} {replay}", int(count), json.loads(texts), status, done.stderr
 
 
 def test_without_a_compiler_the_python_path_runs_with_one_warning_and_still_refuses(
@@ -290,7 +300,8 @@ def test_without_a_compiler_the_python_path_runs_with_one_warning_and_still_refu
 ) -> None:
     """No C++ compiler and an empty cache: nothing is built, the status names the Python
     path, the process gets one warning saying what it loses (the observer, speed) and the
-    fix, and the guard still refuses a stale replay of what its Python path sees. The
+    fix, and the guard still refuses a replay after an in-place write (what its Python path
+    sees), while a `.data` write goes unseen, as the warning says. The
     observer's own warning at pin is not given on top of it. Control: the same script
     where the compiler is (the suite's cache, built) warns nothing and runs compiled, and
     its observer sees the write the Python path missed."""
@@ -309,7 +320,7 @@ def test_without_a_compiler_the_python_path_runs_with_one_warning_and_still_refu
     assert "and speed" in texts[0]
     assert texts[0].endswith("GRAPHSAFE_NATIVE=0 takes the Python path without this warning")
     assert "\nfix: install a C++ compiler" in texts[0]
-    assert replay == "replayed"  # the loss the warning names: the observer saw nothing
+    assert replay == "unseen refused"  # the loss the warning names: no observer
     assert path.startswith("python (the build failed: no C++ compiler found")
     assert "building the compiled checks" not in stderr
     assert list(tmp_path.iterdir()) == []  # nothing built, nothing half-written
@@ -317,7 +328,7 @@ def test_without_a_compiler_the_python_path_runs_with_one_warning_and_still_refu
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler here for the control")
     replay, count, texts, path, stderr = _first_use(env)
-    assert (replay, count, path) == ("refused", 0, f"native ({_native.path()})"), texts
+    assert (replay, count, path) == ("observed refused", 0, f"native ({_native.path()})"), texts
 
 
 def _failing_compiler(at: Path, log: Path) -> str:
@@ -501,7 +512,7 @@ def test_the_first_use_builds_once_for_processes_starting_together_and_nothing_e
         assert "building" not in done.stderr, argv
     assert "python (not built yet" in done.stdout
     replay, count, _, status, stderr = _first_use({**env, "GRAPHSAFE_NATIVE": "0"})
-    assert (replay, count, status) == ("replayed", 1, "python (GRAPHSAFE_NATIVE=0)")
+    assert (replay, count, status) == ("unseen refused", 1, "python (GRAPHSAFE_NATIVE=0)")
     assert "building" not in stderr
     assert _compiler_runs(log) == [] and not (cache / "native").exists()
     both = [
@@ -512,7 +523,7 @@ def test_the_first_use_builds_once_for_processes_starting_together_and_nothing_e
     for process in both:
         out, err = process.communicate(timeout=600)
         assert process.returncode == 0, err
-        assert out.splitlines()[-4:-2] == ["refused", "0"], out
+        assert out.splitlines()[-5:-2] == ["observed", "refused", "0"], out
         assert out.splitlines()[-1].startswith(f"native ({cache}"), out
         said = [line for line in err.splitlines() if line.startswith("graphsafe:")]
         assert len(said) == 2, err

@@ -7,8 +7,10 @@ right. Each mutation below has its known verdict (the oracle); both paths are he
 it, for the ledger (rebinding, geometry, module swaps) and for the witnesses (identity,
 pointer, version, journal epoch).
 
-The build is tested here too: the library's name changes with whatever it is built from,
-builds that start together compile once, and a cache another user could write is refused.
+The build is tested here too: the first use builds it (and nothing before that use does),
+or, where it cannot, warns once and does not try again; the library's name changes with
+whatever it is built from, builds that start together compile once, and a cache another
+user could write is refused.
 """
 
 from __future__ import annotations

@@ -658,7 +658,7 @@ def _guard_preset(ctx: Ctx, fig: str, name: str, compiled: bool) -> Row:
     path (`_native.using(True)`) or on the Python one (as `GRAPHSAFE_NATIVE=0` does)."""
     if compiled and _native.get() is None:
         return Row(fig, name, skipped=(
-            "the compiled checks are not here: `graphsafe native build` has not run, or "
+            "the compiled checks are not here: no C++ compiler built them, or "
             f"GRAPHSAFE_NATIVE=0 ({_native.describe()})"
         ))
     preset = ctx.sizes.fig7_preset

@@ -226,7 +226,8 @@ def fig8(ctx: Ctx) -> list[Row]:
     guarded CUDA graph replay (8e)."""
     if _native.get() is None:  # nothing to measure: not a failure of the figure
         return [Row("8", "the process-wide write observer", skipped=(
-            "it needs the compiled build (`graphsafe native build`; not with GRAPHSAFE_NATIVE=0)"
+            "it needs the compiled build (built on first use with a C++ compiler; "
+            "not with GRAPHSAFE_NATIVE=0)"
         ))]
     quick = ctx.sizes.smoke
     hidden = (16, 32, 64) if quick else (64, 256, 1024)

@@ -14,11 +14,11 @@ registry of tests_vllm/), and alternates, in the same engine, TRL's own
    refresh, no checks);
 3. with graphsafe attached but TRL's sync unwrapped: each call an update of its own.
 
-The write tracker of graphsafe's updates is the compiled one where `graphsafe native
-build` has run in this environment, else the Python one (slower per op); the output
-says which. It reports the median of paired ratios (harness.py), and how many refreshes
-each sync ran (a refresh: a new refresh report of the model's runtime that recomputed at
-least one derived buffer).
+The write tracker of graphsafe's updates is the compiled one, as users get it (built by
+the first use where a C++ compiler is, or by `graphsafe native build`), else the Python
+one (`GRAPHSAFE_NATIVE=0`, slower per op); the output says which. It reports the median
+of paired ratios (harness.py), and how many refreshes each sync ran (a refresh: a new
+refresh report of the model's runtime that recomputed at least one derived buffer).
 """
 
 from __future__ import annotations
@@ -154,8 +154,7 @@ def main() -> None:
 
     out = {
         "parameters": n_params,
-        # The write tracker of graphsafe's updates: compiled (`graphsafe native build` in
-        # this environment) or Python.
+        # The write tracker of graphsafe's updates: compiled (built on first use) or Python.
         "tracker": "compiled" if _native.get() is not None else "python",
         "sync_ratio": paired(stats["graphsafe"], stats["detached"]),
         "sync_ratio_without_refresh": paired(own, stats["detached"]),

@@ -180,10 +180,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     native = sub.add_parser(
         "native",
         help="build the guard's compiled checks, or say which path the guard takes",
-        description="`build` compiles the guard's flat checks (C++, about half a minute) "
-        "for the installed torch and Python; the guard then costs nanoseconds per tensor "
-        "instead of about a microsecond. Without it the guard takes its Python path, with "
-        "the same answers. `status` says which path the guard takes here.",
+        description="`build` compiles the guard's flat checks, the load-time write tracker "
+        "and the process-wide write observer (C++, about a minute) for the installed torch "
+        "and Python, now (the first use that needs them builds them when missing); the "
+        "guard then costs nanoseconds per tensor instead of about a microsecond. Without "
+        "them the guard takes its Python path, with the same answers. `status` says which "
+        "path the guard takes here, and builds nothing.",
     )
     native.add_argument("action", choices=("build", "status"))
     return parser, {"verify": verify, "native": native}

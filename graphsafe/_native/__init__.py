@@ -3,6 +3,7 @@
 from graphsafe._native.loader import (
     Native,
     NativeBuildError,
+    announced,
     build,
     describe,
     get,
@@ -14,6 +15,7 @@ from graphsafe._native.loader import (
 __all__ = [
     "Native",
     "NativeBuildError",
+    "announced",
     "build",
     "describe",
     "get",

@@ -13,11 +13,17 @@
   tracked load, in every thread. No Python dispatch mode can do that: modes are per
   thread.
 
-They compile into one extension, built for the installed torch and Python by `graphsafe
-native build` (`scripts/setup` runs it; about half a minute with a C++ compiler) into
-`$GRAPHSAFE_CACHE/native` (default `~/.cache/graphsafe/native`). graphsafe loads it when
-it is there and uses the Python path when it is not. `GRAPHSAFE_NATIVE=0` turns it off;
-`GRAPHSAFE_NATIVE=build` builds it on first use when missing.
+They compile into one extension for the installed torch and Python, in
+`$GRAPHSAFE_CACHE/native` (default `~/.cache/graphsafe/native`). The first use that needs
+it (`get()`: a guard's snapshot, a tracked load, a pin, a fingerprint on the CPU; never
+`import graphsafe` nor the command line's help or status) builds it when it is missing
+and a C++ compiler is there, about a minute, saying so on stderr as it starts and ends;
+`graphsafe native build` (which `scripts/setup` runs) builds it ahead. Where it cannot be
+built (no compiler, the compiler fails, a cache that is not trusted) or loaded, the
+Python path runs, with one `GraphSafetyWarning` per process saying what that loses (the
+process-wide write observer, speed) and how to get it; a failed build is not tried again
+in the same process. `GRAPHSAFE_NATIVE=0` turns it off: no build, no warning.
+`GRAPHSAFE_NATIVE=build` means the default.
 
 - The library's name hashes everything it is built from: the sources, the compiler (its
   path and `--version`), the compile and link flags, torch's version and git commit,
@@ -46,6 +52,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -53,9 +60,13 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 
+from graphsafe._errors import GraphSafetyWarning
 from graphsafe._native import cache
 
-__all__ = ["Native", "NativeBuildError", "build", "describe", "get", "path", "timed_build", "using"]
+__all__ = [
+    "Native", "NativeBuildError", "announced", "build", "describe", "get", "path", "timed_build",
+    "using",
+]
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "checks.cpp", _HERE / "tracker.cpp", _HERE / "observer.cpp",
@@ -113,6 +124,9 @@ class NativeBuildError(RuntimeError):
 _UNSET: Any = object()
 _loaded: Any = _UNSET  # the module, None (not available), or _UNSET (not looked for yet)
 _forced: list[bool] = []  # `using(...)` overrides, innermost last
+_first_use = threading.Lock()  # threads that reach `get()` first at once build once
+_failed: dict[Path, str] = {}  # libraries whose build on first use failed here: why
+_announced: list[str] = []  # the one warning of the Python path, once given
 
 
 class _Toolchain(NamedTuple):
@@ -425,33 +439,50 @@ def _added(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 def get() -> Native | None:
     """The loaded extension, or None where the guard takes its Python path.
 
+    The first call of the process builds the extension when it is missing (see the
+    module's docstring); when it is not there after that, it warns once.
+
     Returns:
-        The module, when built for this torch and Python, not turned off with
-        `GRAPHSAFE_NATIVE=0`, in a cache only you can write, and (with
-        `GRAPHSAFE_NATIVE=build`) built now if missing.
+        The module, when built for this torch and Python (now, if it was missing), not
+        turned off with `GRAPHSAFE_NATIVE=0`, and in a cache only you can write.
     """
     global _loaded
     if _forced:
         return cast(Native, _load()) if _forced[-1] else None
     if _loaded is _UNSET:
-        _loaded = None if _setting() == "off" else _load(build_missing=_setting() == "build")
+        with _first_use:
+            if _loaded is _UNSET:
+                _loaded = _first_load()
     return cast("Native | None", _loaded)
 
 
 def _setting() -> str:
-    """`GRAPHSAFE_NATIVE`: "off" (0, off, false, no), "build", or "on" (anything else)."""
+    """`GRAPHSAFE_NATIVE`: "off" (0, off, false, no) or "on" (anything else, "build"
+    included)."""
     value = os.environ.get("GRAPHSAFE_NATIVE", "1").strip().lower()
-    return "off" if value in ("0", "off", "false", "no") else value if value == "build" else "on"
+    return "off" if value in ("0", "off", "false", "no") else "on"
 
 
 _modules: dict[Path, ModuleType | None] = {}
 
 
+def _first_load() -> ModuleType | None:
+    """What `get()` answers for the process: built now if missing, else one warning."""
+    if _setting() == "off":
+        return None
+    module = _load(build_missing=True)
+    if module is None:
+        _warn_python_path(_why_not())
+    return module
+
+
 def _load(*, build_missing: bool = False) -> ModuleType | None:
     lib = path()
-    if not lib.exists() and build_missing:
-        with contextlib.suppress(NativeBuildError, OSError):
-            build()
+    if build_missing and not lib.exists() and lib not in _failed:
+        try:
+            _build_saying_so(lib)
+        except (NativeBuildError, OSError, ImportError) as exc:  # ImportError: built, unloadable
+            _failed[lib] = str(exc)
     if not lib.exists() or cache.untrusted(lib) is not None:
         return None
     if lib not in _modules:
@@ -462,6 +493,72 @@ def _load(*, build_missing: bool = False) -> ModuleType | None:
             module = None
         _modules[lib] = module
     return _modules[lib]
+
+
+def _say(line: str) -> None:
+    print(f"graphsafe: {line}", file=sys.stderr, flush=True)
+
+
+def _build_saying_so(lib: Path) -> None:
+    """`build()` on first use, with a line on stderr as it starts and one as it ends."""
+    tools = _toolchain()
+    _refuse_untrusted_directories(lib)
+    if tools.cxx is None:
+        build()  # raises, naming the compilers it tried
+    _say(f"building the compiled checks for torch {torch.__version__} with {tools.cxx} "
+         f"into {lib.parent} (once per torch and compiler, about a minute; "
+         "GRAPHSAFE_NATIVE=0 skips it) ...")
+    t0 = time.perf_counter()
+    try:
+        build()
+    except (NativeBuildError, OSError, ImportError) as exc:
+        _say(f"building the compiled checks failed after {time.perf_counter() - t0:.1f} s: "
+             f"{str(exc).splitlines()[0]}")
+        raise
+    _say(f"compiled checks ready in {time.perf_counter() - t0:.1f} s ({lib.name})")
+
+
+def _why_not() -> str:
+    """Why the extension is not loaded (setting on): the first line of the reason."""
+    lib = path()
+    if lib in _failed:
+        return _failed[lib].splitlines()[0]
+    refusal = cache.untrusted(lib)
+    if refusal is not None:
+        return refusal.line()
+    if not lib.exists():
+        return f"{lib} is not built"
+    return f"{lib} does not load or fails its self-check"
+
+
+def _warn_python_path(reason: str) -> None:
+    """The one warning of the process that the Python path runs, what it loses, the fix."""
+    if _announced:
+        return
+    _announced.append(reason)
+    warnings.warn(
+        "graphsafe takes its Python path: its compiled checks are not available here.\n"
+        "expected: the compiled checks, built for this torch on first use\n"
+        f"got: {reason}\n"
+        "lost: the process-wide write observer (writes into pinned models outside tracked "
+        "loads that move no version counter, such as `p.data.copy_(w)` in a script, fused "
+        "optimizer steps and writes from other threads, go unseen unless declared with "
+        "gs.mark_written), and speed (the guard's checks and the load-time write tracker "
+        "run in Python, several times slower)\n"
+        "fix: install a C++ compiler (e.g. g++, or point CXX at one) and run `graphsafe "
+        "native build`; GRAPHSAFE_NATIVE=0 takes the Python path without this warning",
+        GraphSafetyWarning, stacklevel=4,
+    )
+
+
+def announced() -> bool:
+    """Whether this process was told, by the warning of `get()`, that the Python path runs.
+
+    Returns:
+        True once that warning was given (other warnings about the same loss are then
+        left out).
+    """
+    return bool(_announced)
 
 
 @contextlib.contextmanager
@@ -492,21 +589,25 @@ def using(enabled: bool) -> Iterator[None]:
 
 
 def describe() -> str:
-    """One line: which path the guard takes here, and why.
+    """One line: which path the guard takes here, and why (it builds nothing).
 
     Returns:
         E.g. `"native (~/.cache/graphsafe/native/...so)"` or `"python (not built: ...)"`.
     """
     lib = path()
-    if get() is not None:
-        return f"native ({lib})"
-    if _setting() == "off":
+    if _setting() == "off" and not _forced:
         return "python (GRAPHSAFE_NATIVE=0)"
+    module = get() if _forced or _loaded is not _UNSET else _load()
+    if module is not None:
+        return f"native ({lib})"
+    if lib in _failed:
+        return f"python (the build failed: {_failed[lib].splitlines()[0]})"
     refusal = cache.untrusted(lib)
     if refusal is not None:
         return f"python ({refusal.line()})"
     if not lib.exists():
-        return "python (not built: run `graphsafe native build`)"
+        return ("python (not built yet: the first use builds it, or run `graphsafe native "
+                "build`)")
     return f"python ({lib} does not load or fails its self-check)"
 
 

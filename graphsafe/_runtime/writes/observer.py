@@ -15,7 +15,8 @@ Since the drain runs before a refresh records its witnesses, a write seen before
 refresh is one that refresh read.
 
 `GRAPHSAFE_OBSERVER=0` (or `gs.observe_writes(False)`) turns it off. Without the compiled
-build there is none, since dispatch modes are per thread: the first pin says so, once.
+build there is none, since dispatch modes are per thread: with `GRAPHSAFE_NATIVE=0` the
+first pin says so, once; where the build failed, the loader's one warning has said it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ _UNAVAILABLE = (
     "graphsafe's process-wide write observer needs the compiled build, which is not "
     "loaded here: writes into pinned models outside tracked loads that move no version "
     "counter (`p.data.copy_(w)` in a script, fused optimizer steps, threads a loader "
-    "starts) go unseen. Run `graphsafe native build`, or declare such writes with "
-    "gs.mark_written(...)"
+    "starts) go unseen. Unset GRAPHSAFE_NATIVE (the first use then builds it, or run "
+    "`graphsafe native build`), or declare such writes with gs.mark_written(...)"
 )
 
 
@@ -220,7 +221,9 @@ class Observer:
             self._journal.set_drain(None)
 
     def _warn(self) -> None:
-        if not self._warned:
+        # Where the compiled build could not be built or loaded, the loader's one warning
+        # of the process has said this already; this one is for `GRAPHSAFE_NATIVE=0`.
+        if not self._warned and not _native.announced():
             self._warned = True
             warnings.warn(_UNAVAILABLE, GraphSafetyWarning, stacklevel=5)
 

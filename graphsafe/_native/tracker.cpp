@@ -365,9 +365,9 @@ PyObject* tracker_written(PyObject* /*self*/, PyObject* id) {
   return out;
 }
 
-// tracker_sequence((id, keys)): of the watched keys, keep the ops that write these, in
-// order (before it is pushed).
-PyObject* tracker_sequence(PyObject* /*self*/, PyObject* arg) {
+// Of `(id, keys)`: the tracker `id`, with the int keys added to its set `into` (under
+// its lock); null with a Python error set on a bad argument.
+std::shared_ptr<Tracker> add_keys(PyObject* arg, std::unordered_set<int64_t> Tracker::*into) {
   PyObject* id = nullptr;
   PyObject* keys = nullptr;
   if (!PyArg_ParseTuple(arg, "OO", &id, &keys)) {
@@ -383,11 +383,20 @@ PyObject* tracker_sequence(PyObject* /*self*/, PyObject* arg) {
   }
   std::lock_guard<std::mutex> g(tr->mu);
   while (PyObject* item = PyIter_Next(it)) {
-    tr->sequenced.insert(PyLong_AsLongLong(item));
+    ((*tr).*into).insert(PyLong_AsLongLong(item));
     Py_DECREF(item);
   }
   Py_DECREF(it);
   if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  return tr;
+}
+
+// tracker_sequence((id, keys)): of the watched keys, keep the ops that write these, in
+// order (before it is pushed).
+PyObject* tracker_sequence(PyObject* /*self*/, PyObject* arg) {
+  if (add_keys(arg, &Tracker::sequenced) == nullptr) {
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -434,26 +443,8 @@ PyObject* tracker_ops(PyObject* /*self*/, PyObject* id) {
 // tracker_taint((id, weights)): follow what the load derives from these storage keys
 // (before it is pushed).
 PyObject* tracker_taint(PyObject* /*self*/, PyObject* arg) {
-  PyObject* id = nullptr;
-  PyObject* keys = nullptr;
-  if (!PyArg_ParseTuple(arg, "OO", &id, &keys)) {
-    return nullptr;
-  }
-  std::shared_ptr<Tracker> tr = find(id);
+  std::shared_ptr<Tracker> tr = add_keys(arg, &Tracker::weights);
   if (tr == nullptr) {
-    return nullptr;
-  }
-  PyObject* it = PyObject_GetIter(keys);
-  if (it == nullptr) {
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> g(tr->mu);
-  while (PyObject* item = PyIter_Next(it)) {
-    tr->weights.insert(PyLong_AsLongLong(item));
-    Py_DECREF(item);
-  }
-  Py_DECREF(it);
-  if (PyErr_Occurred()) {
     return nullptr;
   }
   tr->taints = true;

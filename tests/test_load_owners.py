@@ -142,20 +142,24 @@ def test_deferred_leaves_a_failed_refresh_and_another_binding_to_the_freshness_c
 # -- StateDictCalls -----------------------------------------------------------------------
 
 
+def _untracked() -> tuple[dict[str, int], frozenset[tuple[str, ...]]]:
+    return {}, frozenset()  # a call outside any load: no paths, no broken ties
+
+
 def test_a_state_dict_call_outside_a_load_finds_what_torch_copied_by_versions() -> None:
     model, journal = _Two(), Journal()
     binder = _binder(model, journal)
     engine = _materialized(binder)
     calls = StateDictCalls()
     errors: list[str] = []
-    calls.begin(engine, binder.tensors, {}, "", errors, tracked=False)
+    calls.begin(engine, binder.tensors, {}, "", errors, _untracked)
     with torch.no_grad():
         model.b.bias.copy_(torch.ones(2))  # as torch's copy in load_state_dict moves versions
     begun, written, raised = calls.end(binder.tensors)
     assert begun is not None and raised is None
     assert written == {storage_key(model.b.bias)}
     # Inside a tracked load the tracker sees the copies: nothing is recorded here.
-    calls.begin(engine, binder.tensors, {}, "", [], tracked=True)
+    calls.begin(engine, binder.tensors, {}, "", [], None)
     assert calls.end(binder.tensors) == (None, set(), None)
 
 
@@ -165,7 +169,7 @@ def test_a_strict_state_dict_failure_is_settled_once() -> None:
     engine = _materialized(binder)
     calls = StateDictCalls()
     errors: list[str] = []
-    calls.begin(engine, binder.tensors, {}, "", errors, tracked=False)
+    calls.begin(engine, binder.tensors, {}, "", errors, _untracked)
     begun, _, raised = calls.end(binder.tensors)
     assert raised is None and calls.settle() is None
     errors.append('Missing key(s) in state_dict: "a.weight".')  # torch adds it after the hooks
@@ -174,7 +178,7 @@ def test_a_strict_state_dict_failure_is_settled_once() -> None:
     assert why is not None and why.startswith("load_state_dict raised RuntimeError: Missing")
     assert calls.settle() is None  # settled once
     # Control: a call that ended with every key matched leaves nothing to settle.
-    calls.begin(engine, binder.tensors, {}, "", [], tracked=False)
+    calls.begin(engine, binder.tensors, {}, "", [], _untracked)
     begun, _, _ = calls.end(binder.tensors)
     calls.ended(begun, SimpleNamespace(missing_keys=[], unexpected_keys=[]))
     assert calls.settle() is None

@@ -193,3 +193,73 @@ def test_a_draft_sharing_the_targets_submodule_is_no_false_alarm() -> None:
     draft.load_weights(_checkpoint(2))
     g.replay()
     assert torch.allclose(y, _reference(_checkpoint(2), X))
+
+
+def _state_dict(seed: int, *, head: bool) -> dict[str, torch.Tensor]:
+    """A checkpoint as a state dict; `head`: it also carries the head as a tensor of its
+    own (equal values), as a checkpoint saved without shared tensors does."""
+    sd = _checkpoint(seed)
+    if head:
+        sd["head.weight"] = sd["emb.weight"].clone()
+    return sd
+
+
+def test_load_state_dict_keeping_the_tie_is_no_false_alarm() -> None:
+    m = _loaded()
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        y = m(X)
+    m.load_state_dict(_state_dict(1, head=True))  # copies in place: one memory
+    g.replay()
+    assert torch.allclose(y, _reference(_checkpoint(1), X))
+    shared = _checkpoint(2)["emb.weight"]
+    m.load_state_dict({"emb.weight": shared, "head.weight": shared}, assign=True)
+    assert gs.runtime(m)._binder.ties.broken(m) == frozenset()  # one tensor at both paths
+    with pytest.raises(gs.StorageMovedError):
+        g.replay()  # bound anew: the graph's addresses moved (the ledger's refusal)
+    gs.runtime(m).assert_fresh()
+    with torch.no_grad():
+        assert torch.allclose(m(X), _reference(_checkpoint(2), X))
+
+
+def test_load_state_dict_that_breaks_the_tie_is_refused_naming_both_paths() -> None:
+    m = _loaded()
+    with pytest.raises(gs.StaleError, match=r"load_state_dict broke the tie") as info:
+        m.load_state_dict(_state_dict(1, head=True), assign=True)  # two tensors now
+    assert info.value.paths == ("emb.weight", "head.weight")
+    with pytest.raises(gs.StaleError, match=r"emb\.weight and head\.weight"):
+        gs.runtime(m).assert_fresh()
+    # The next sync carries the tied tensor once: refused, and the control shows why.
+    with pytest.raises(gs.StaleError, match=r"load_state_dict wrote emb\.weight.*differ"):
+        m.load_state_dict(_checkpoint(2), strict=False)
+    with torch.no_grad():
+        assert not torch.allclose(m(X), _reference(_checkpoint(2), X))  # the stale head
+    m.load_state_dict(_state_dict(3, head=True))  # every side written, equal: healed
+    gs.runtime(m).assert_fresh()
+    with torch.no_grad():
+        assert torch.allclose(m(X), _reference(_checkpoint(3), X))
+
+
+def test_untie_lets_a_model_meant_to_be_untied_load_each_side_apart() -> None:
+    m = _loaded()
+    gs.runtime(m).untie("head.weight")
+    assert gs.runtime(m)._binder.ties.groups == ()
+    m.load_weights(_checkpoint(1), how="untie")  # the head gets a parameter of its own
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        y = m(X)
+    head = torch.randn(V, C)
+    with torch.no_grad():
+        m.emb.weight.copy_(_checkpoint(2)["emb.weight"])
+        m.head.weight.copy_(head)  # sides apart, as the model means them
+    g.replay()
+    w = _checkpoint(2)["emb.weight"]
+    assert torch.allclose(y, (w[X] @ head.t()).softmax(-1))
+
+
+def test_untie_of_a_path_in_no_tie_is_refused_naming_the_ties() -> None:
+    m = _loaded()
+    with pytest.raises(gs.GraphSafetyError, match=r"emb\.bias of TiedLM is in no tie") as info:
+        gs.runtime(m).untie("emb.bias")
+    assert "emb.weight and head.weight" in str(info.value)
+    assert gs.runtime(m)._binder.ties.groups == (("emb.weight", "head.weight"),)  # kept

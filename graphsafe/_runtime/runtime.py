@@ -189,6 +189,19 @@ class Runtime(metaclass=_OnePerModel):
         with self._lock:
             self._discovery.exempt(path, why, type(self.model))
 
+    def untie(self, *paths: str) -> None:
+        """Forget the ties at `paths` (weights at several paths over one memory when the
+        model was bound, such as an LM head tied to its embedding): for a model meant to
+        be untied, whose loads bind or write each side apart. A load that breaks any
+        other tie stays refused.
+
+        Raises:
+            GraphSafetyError: A path is in no tie recorded at bind.
+        """
+        with self._lock:
+            for path in paths:
+                self._binder.ties.untie(path, type(self.model).__name__)
+
     def adopt(self, *paths: str) -> tuple[Discovered, ...]:
         """Refresh the discovered tensors at `paths` (all if none) in place when they are
         stale and a replay repairs (`on_stale="refresh"`), like declared derivations.

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._errors import StaleError
+from graphsafe._errors import GraphSafetyError, StaleError
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key
 
@@ -88,6 +88,31 @@ class Ties:
                 if region is not None:
                     found.setdefault(region, []).append(path)
         return cls(tuple(tuple(paths) for paths in found.values() if len(paths) > 1))
+
+    def untie(self, path: str, model_class: str) -> tuple[str, ...]:
+        """Take `path` out of its tie for good (a model meant to be untied: its loads
+        write every side apart); what that tie's refusal said is dropped. Returns the tie
+        as it was.
+
+        Raises:
+            GraphSafetyError: `path` is in no tie recorded at bind.
+        """
+        for i, group in enumerate(self.groups):
+            if path in group:
+                self.refused.pop(group, None)
+                rest = tuple(p for p in group if p != path)
+                self.groups = (*self.groups[:i], *((rest,) if len(rest) > 1 else ()),
+                               *self.groups[i + 1:])
+                return group
+        raise GraphSafetyError(
+            f"{path} of {model_class} is in no tie",
+            module_class=model_class,
+            path=path,
+            expected="a path of a tie recorded when the model was bound: "
+            + ("; ".join(" and ".join(g) for g in self.groups) or "none"),
+            got=path,
+            fix="name one of the paths above (the state_dict name of a tied weight)",
+        )
 
     def broken(self, model: nn.Module) -> frozenset[tuple[str, ...]]:
         """The ties whose sides no longer cover one memory."""
@@ -155,7 +180,8 @@ class Ties:
             got="; ".join(self.refused.values()),
             fix="write every side of a broken tie in the same load, or re-tie them (bind "
             "the same parameter at both paths, e.g. `model.lm_head.weight = "
-            "model.embed_tokens.weight`) and load again",
+            "model.embed_tokens.weight`) and load again; for a model meant to be untied, "
+            f"`gs.runtime(model).untie({paths[-1]!r})` once",
         )
 
 

@@ -284,7 +284,7 @@ class LoadDriver:
             _tell_others(self, written)
             for check in self._load_checks:
                 check()
-            tie = None if before is None else self._binder.ties.judge(  # not load_state_dict
+            tie = None if before is None else self._binder.ties.judge(
                 self._binder.model, untied, written, before, what)
             if broken:  # the weights stay refused until a load writes them whole again
                 raise rewritten_error(broken)
@@ -302,8 +302,16 @@ class LoadDriver:
     def _before_state_dict_load(self, module: nn.Module, state_dict: dict[str, Any],
                                 prefix: str, error_msgs: list[str]) -> None:
         if self._engine is not None and self._binder.model is module:
-            self._state_dicts.begin(self._engine, self._binder.tensors, state_dict, prefix,
-                                    error_msgs, tracked=self._load is not None)
+            with self._lock:
+                self._state_dicts.begin(
+                    self._engine, self._binder.tensors, state_dict, prefix, error_msgs,
+                    None if self._load is not None else self._state_dict_begins)
+
+    def _state_dict_begins(self) -> tuple[dict[str, int], frozenset[tuple[str, ...]]]:
+        """What a `load_state_dict` outside any load is judged against when it ends: the
+        storage key at each path, and the ties broken, now."""
+        return (self._binder.model_map().by_path,
+                self._binder.ties.broken(self._binder.model))
 
     def _after_state_dict_load(self, module: nn.Module, incompatible: Any) -> None:
         if self._engine is not None and self._binder.model is module:
@@ -317,7 +325,9 @@ class LoadDriver:
             # transient inputs the pre-hook gave memory to say what to refresh.
             begun, written, raised = self._state_dicts.end(self._binder.tensors)
             load = Load.of_state_dict(self._bound_engine(), self._journal, written)
-            self._end(load, "load_state_dict", raised, witnesses=raised is None)
+            self._end(load, "load_state_dict", raised, witnesses=raised is None,
+                      before=None if begun is None else begun.paths,
+                      untied=frozenset() if begun is None else begun.untied)
             if raised is None:  # else torch raises once the hooks ran
                 self._state_dicts.ended(begun, incompatible)
 

@@ -79,11 +79,19 @@ class StateDictCall:
         errors: The `error_msgs` list the pre-hook was given.
     """
 
-    __slots__ = ("_before", "errors")
+    __slots__ = ("_before", "errors", "paths", "untied")
 
-    def __init__(self, tensors: Iterable[torch.Tensor], errors: list[str]) -> None:
+    def __init__(
+        self, tensors: Iterable[torch.Tensor], errors: list[str], paths: dict[str, int],
+        untied: frozenset[tuple[str, ...]],
+    ) -> None:
         self._before = {id(t): (t, _version(t)) for t in tensors}
         self.errors = errors
+        self.paths = paths
+        """The storage key at each path when the call began (one rebound since, by
+        `assign=True`, was written)."""
+        self.untied = untied
+        """The model's ties broken when the call began."""
 
     def written(self, tensors: Iterable[torch.Tensor]) -> set[int]:
         """Storage keys of `tensors` (the model's, now) that torch copied into (their
@@ -141,14 +149,16 @@ class StateDictCalls:
 
     def begin(
         self, engine: Engine, tensors: Callable[[], Iterable[torch.Tensor]],
-        state_dict: dict[str, Any], prefix: str, error_msgs: list[str], *, tracked: bool,
+        state_dict: dict[str, Any], prefix: str, error_msgs: list[str],
+        begin: Callable[[], tuple[dict[str, int], frozenset[tuple[str, ...]]]] | None,
     ) -> None:
         """The pre-hook: transient inputs `state_dict` holds get their bytes back, and,
-        unless a tracked load runs (its tracker sees the copies), the versions of the
-        model's `tensors` are recorded."""
+        unless a tracked load runs (`begin` None: its tracker sees the copies), the
+        versions of the model's `tensors` are recorded, with what `begin()` says of the
+        model now: the storage key at each path and the ties broken."""
         hold_in_state_dict(engine, state_dict, prefix)
-        if not tracked:
-            self._begun = StateDictCall(tensors(), error_msgs)
+        if begin is not None:
+            self._begun = StateDictCall(tensors(), error_msgs, *begin())
 
     def end(
         self, tensors: Callable[[], Iterable[torch.Tensor]]

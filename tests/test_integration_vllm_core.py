@@ -468,3 +468,86 @@ def test_the_names_vllm_resolves_are_the_package_objects() -> None:
     if not eps:
         pytest.skip("graphsafe is not installed: no entry point to resolve")
     assert next(iter(eps)).load() is gsv.plugin
+
+
+# -- a cache outside the model, read by an engine without graphs -----------------------
+
+_PACKED: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+"""A kernel library's process-wide prepacked-weight cache, keyed by address and shape."""
+
+
+class CachedModel(Model):
+    """Its forward reads `lin`'s weight through the library's cache, packed on first use
+    (the engine's warm-up): the model holds no packed copy."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.lin.weight
+        key = (w.data_ptr(), tuple(w.shape))
+        if key not in _PACKED:
+            _PACKED[key] = w.t().contiguous()
+        return x @ _PACKED[key] + self.lin.bias
+
+
+class CachedWorker(Worker):
+    def __init__(self, *, repack: bool = False) -> None:
+        super().__init__()
+        self.model = CachedModel()
+        self.repack = repack  # the loader writes the new packing into the cache too
+
+    def compile_or_warm_up_model(self) -> None:
+        with torch.no_grad():
+            self.model(torch.zeros(4))  # the warm-up packs the weight
+
+    def reload_weights(self, seed: int) -> None:
+        super().reload_weights(seed)
+        if self.repack:
+            w = self.model.lin.weight
+            _PACKED[(w.data_ptr(), tuple(w.shape))].copy_(w.t())
+
+    def execute_model(self, scheduler_output: Any = None) -> torch.Tensor | None:
+        with torch.no_grad():
+            return self.model(self.input)
+
+
+def _cached(*, instrumented: bool = True, repack: bool = False) -> CachedWorker:
+    _PACKED.clear()
+    worker = CachedWorker(repack=repack)
+    if instrumented:
+        gsv.instrument(worker, [registry])
+    worker.load_model()
+    worker.compile_or_warm_up_model()
+    return worker
+
+
+def _served(worker: CachedWorker, seed: int) -> torch.Tensor:
+    weights = dict(checkpoint(seed))
+    return worker.input @ weights["lin.weight"].t() + weights["lin.bias"]
+
+
+def test_an_eager_engine_guards_a_cache_outside_the_model_its_first_forward_reads() -> None:
+    worker = _cached()
+    worker.execute_model()  # the first step: its reads narrow the guard
+    (found,) = gs.runtime(worker.model).discovered
+    assert found.path.startswith(f"<outside the model> {__name__}._PACKED[(")
+    assert found.sources == ("lin.weight",)
+    worker.reload_weights(1)  # in place: the cache keeps the old packing
+    with pytest.raises(gs.StaleError, match=r"_PACKED\[\([\s\S]*lin\.weight"):
+        worker.execute_model()
+
+
+def test_control_uninstrumented_the_eager_engine_serves_the_cached_old_weight() -> None:
+    worker = _cached(instrumented=False)
+    worker.execute_model()
+    worker.reload_weights(1)
+    out = worker.execute_model()
+    assert out is not None and not torch.allclose(out, _served(worker, 1))
+    assert torch.allclose(out, worker.input @ dict(checkpoint(0))["lin.weight"].t()
+                          + dict(checkpoint(1))["lin.bias"])
+
+
+def test_an_eager_engine_whose_loader_repacks_the_cache_is_no_false_alarm() -> None:
+    worker = _cached(repack=True)
+    worker.execute_model()
+    worker.reload_weights(1)
+    out = worker.execute_model()
+    assert out is not None and torch.allclose(out, _served(worker, 1))

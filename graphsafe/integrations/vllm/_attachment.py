@@ -34,6 +34,10 @@ class Attachment(EngineAttachment):
         super().__init__(model, registries)
         self.recording = False
         """Whether the next guarded forward is recorded, to narrow the guard to its reads."""
+        self._bring_up = contextlib.ExitStack()
+        """Holds the model's bring-up open from the pin of an engine that records its
+        first forward until that forward ends: a cache outside the model that it reads
+        is matched against what the bring-up computed from the weights."""
         self._read_paths: frozenset[str] = frozenset()
         """Where the discovered tensors the recorded forward read are held: a forward
         that runs op by op reads whatever is bound there, so a later load that binds a
@@ -64,6 +68,8 @@ class Attachment(EngineAttachment):
                 (`moved`); stale content is refused either way.
         """
         if self.guard is None:
+            if record_reads:  # no capture ends the bring-up: the first recorded forward does
+                self._bring_up.enter_context(self.runtime.capturing())
             guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address,
                                        holds_addresses=graphs)
             self.recording = record_reads
@@ -76,9 +82,11 @@ class Attachment(EngineAttachment):
     def recorded(self) -> Iterator[None]:
         """One forward under the guard's checks, recorded while `recording`: then the
         guard checks only the model's tensors it read, and lists what it read that the
-        model does not hold (`guard.inputs`). A forward that ran compiled code, or read
-        nothing of the model, leaves the whole model checked; either way later forwards
-        are not recorded. A forward that raises is not counted.
+        model does not hold (`guard.inputs`); those the bring-up computed from the
+        weights (a kernel library's cache of packed weights) are guarded, and the
+        bring-up ends. A forward that ran compiled code, or read nothing of the model,
+        leaves the whole model checked; either way later forwards are not recorded. A
+        forward that raises is not counted.
 
         Raises:
             StorageMovedError: A tensor or submodule the guard checks was rebound.
@@ -97,9 +105,14 @@ class Attachment(EngineAttachment):
                 yield
             self.recording = False
             reads = rec.reads
-            if reads is not None and reads & guard.ledger.storages:
-                guard.narrow(reads, rec.outside())
-                self._read_paths = frozenset(p for p, k in self._discovered() if k in reads)
+            try:
+                if reads is not None and reads & guard.ledger.storages:
+                    # What it read outside the model, computed from the weights: guarded.
+                    guard.narrow(reads, rec.outside())
+                    self._read_paths = frozenset(p for p, k in self._discovered()
+                                                 if k in reads)
+            finally:
+                self._bring_up.close()  # the bring-up ends with the first recorded forward
 
     def _discovered(self) -> list[tuple[str, int]]:
         """(path, storage key) of each discovered tensor that is checked (not exempted)."""

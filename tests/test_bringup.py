@@ -194,6 +194,116 @@ def test_control_an_equal_bool_the_load_did_not_set_is_not_discovered() -> None:
     assert torch.allclose(y, torch.ones(2, C) @ new["lin.weight"].t())
 
 
+@gs.graphsafe
+class Listed(nn.Module):
+    """Per-channel scales read once as Python numbers (`scales.tolist()`): `tolist` reads
+    the memory with no op, and the graph bakes the numbers in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+        self.scales = nn.Parameter(torch.ones(C), requires_grad=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+        if post:
+            self.host_scales = self.scales.tolist()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch.tensor(self.host_scales)
+
+
+def _listed(seed: int) -> dict[str, torch.Tensor]:
+    return _weights(seed, scales=torch.arange(1.0, C + 1) * (seed + 1))
+
+
+def _listed_reference(weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return (x @ weights["lin.weight"].t()) * weights["scales"]
+
+
+def test_the_numbers_of_tolist_are_discovered_each_with_its_element() -> None:
+    m = Listed()
+    m.load_weights(_listed(0))
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found) == {f"host_scales.{i}" for i in range(C)}
+    assert all(d.kind == "scalar" and d.sources == ("scales",) for d in found.values())
+    assert found["host_scales.2"].chain == "scales -> Tensor.tolist()[2]"
+
+
+def test_a_bare_sync_leaves_the_tolist_numbers_stale_and_the_replay_is_refused() -> None:
+    m = Listed()
+    m.load_weights(_listed(0))
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_listed(1), post=False)
+    with pytest.raises(gs.StaleError, match=r"host_scales\.0 \(from scales"):
+        g.replay()
+    with pytest.raises(gs.StaleError, match=r"host_scales\.3"):
+        gs.audit(m)  # the audit takes each number again and compares
+
+
+def test_control_unguarded_the_graph_replays_the_tolist_numbers_it_baked_in() -> None:
+    m = Listed()
+    m.load_weights(_listed(0))
+    g, y = _capture(m, guard=False)
+    new = _listed(1)
+    m.load_weights(new)  # the full load: eager reads the new numbers, the graph does not
+    g.replay()
+    x = torch.ones(2, C)
+    assert torch.allclose(m(x), _listed_reference(new, x))
+    assert not torch.allclose(y, _listed_reference(new, x))
+
+
+def test_tolist_numbers_taken_again_after_capture_are_refused_and_before_it_are_fresh(
+) -> None:
+    m = Listed()
+    m.load_weights(_listed(0))
+    m.load_weights(_listed(1))  # before any capture: taken again, fresh
+    gs.runtime(m).assert_fresh()
+    assert gs.audit(m).discovered == tuple(f"host_scales.{i}" for i in range(C))
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_listed(2))
+    with pytest.raises(gs.StorageMovedError, match=r"host_scales\.0"):
+        g.replay()  # the graph holds the numbers of capture
+
+
+@gs.graphsafe
+class ViaNumPy(Listed):
+    """The same scales read through NumPy: what is made of the array is not followed."""
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        super().load_weights(weights, post=False)
+        if post:
+            self.host_scales = [float(v) for v in self.scales.numpy()]
+
+
+def test_weights_read_as_numpy_are_warned_of_and_listed_unchecked_by_the_audit() -> None:
+    m = ViaNumPy()
+    with pytest.warns(gs.GraphSafetyWarning, match=r"ViaNumPy: .*NumPy arrays \(scales -> "
+                      r"Tensor\.numpy\(\)\).*not followed"):
+        m.load_weights(_listed(0))
+    assert gs.runtime(m).discovered == ()  # nothing it could follow
+    with pytest.warns(gs.GraphSafetyWarning, match="checked nothing"):
+        report = gs.audit(m)
+    assert [u.path for u in report.unchecked] == ["scales -> Tensor.numpy()"]
+    assert "NumPy" in report.unchecked[0].why
+
+
+def test_control_numpy_of_what_no_weight_feeds_is_not_warned_of() -> None:
+    import warnings
+
+    @gs.graphsafe
+    class Host(Listed):
+        def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+            super().load_weights(weights, post=False)
+            self.host_scales = [float(v) for v in torch.ones(C).numpy()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gs.GraphSafetyWarning)
+        Host().load_weights(_listed(0))
+
+
 # -- handles of other kinds than an int -------------------------------------------------
 
 

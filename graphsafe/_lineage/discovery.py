@@ -51,7 +51,13 @@ from graphsafe._lineage.entries import (
 from graphsafe._lineage.outside import find_outside
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Lineage
-from graphsafe._lineage.refusals import moved_error, stale_error
+from graphsafe._lineage.refusals import (
+    UNFOLLOWED,
+    moved_error,
+    stale_error,
+    unfollowed,
+    warn_unfollowed,
+)
 from graphsafe._lineage.resolve import (
     Source,
     arguments_now,
@@ -144,6 +150,7 @@ class Discovery:
         self._recorded = False
         self._rewritten: dict[str, Rewritten] = {}  # weight path -> its rewrite
         self._window: Window | None = None  # the bring-up's forwards, until the capture
+        self._unfollowed: dict[str, tuple[str, ...]] = {}  # weights read as NumPy arrays
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._rewritten)
@@ -260,7 +267,8 @@ class Discovery:
         tensors last written before the last forward, and not found already, are taken
         (what the last forward wrote again, every forward computes)."""
         alive = lineage.alive()
-        if not alive and not lineage.values and not lineage.weight_writes:
+        if (not alive and not lineage.values and not lineage.weight_writes
+                and not lineage.unfollowed):
             return
         sources = sources_of(model)
         foreign = self._foreign(model, sources)
@@ -282,6 +290,10 @@ class Discovery:
             if weight in sources and staged not in sources and staged not in foreign:
                 sources[staged] = sources[weight]._replace(sid=staged)
         sources = {**foreign, **sources}
+        reads = unfollowed(lineage, sources)
+        if reads:  # what is made of them cannot be followed: said, and listed unchecked
+            self._unfollowed.update(reads)
+            warn_unfollowed(reads, type(model).__name__)
         candidates = alive - sources.keys()
         if not candidates and not lineage.values:
             return
@@ -495,6 +507,8 @@ class Discovery:
                       "writes into it instead)")
             for r in self._rewritten.values() if r.path not in self._exempt
         ]
+        items += [AuditItem(how, torch.empty(0), lambda: None, paths, True, why=UNFOLLOWED)
+                  for how, paths in self._unfollowed.items()]
         for e in self._entries:
             if e.path in self._exempt:
                 continue

@@ -7,12 +7,14 @@ writes (a new result, or an argument the op mutates) gets the call as its latest
 a view shares its base's storage and writer. Results that leave torch (an op returning an
 int that becomes a kernel handle, as vLLM's `torch.tensor(<int from the op>)`) keep the
 call that made them: a small int64 tensor whose values an op returned is written by it.
-A Python number taken from a tensor (`.item()`, `float()`, `int()`, `bool()`, seen by the
-function mode, which returns the very object the caller keeps) and any other value an op
+A Python number taken from a tensor (`.item()`, `float()`, `int()`, `bool()`, each number
+of `.tolist()`, seen by the function mode, which returns the very object the caller
+keeps) and any other value an op
 other than aten's returns
 (a `ScriptObject` of prepacked weights, an opaque object, a list) is kept with the call
 that made it (`Lineage.values`), so that where the model keeps it can be found by
-identity once the load ends.
+identity once the load ends. A tensor read as a NumPy array (`.numpy()`) is noted
+(`Lineage.unfollowed`): what is made from the array cannot be followed.
 
 Storages are told apart by identity (`_cdata`), never by address, and each is held by a
 `StorageWeakRef` for as long as the recording lives, so an identity freed meanwhile is
@@ -144,7 +146,7 @@ class Lineage:
     values that left torch, with the call that made each."""
 
     __slots__ = ("_atoms", "_refs", "before", "copied", "epoch", "foreign", "handles",
-                 "values", "weight_writes", "writers")
+                 "unfollowed", "values", "weight_writes", "writers")
 
     def __init__(self) -> None:
         self.writers: dict[int, tuple[Call, Arg]] = {}
@@ -164,6 +166,9 @@ class Lineage:
         self.foreign: frozenset[int] = frozenset()
         """Storage keys of other models' weights: a weight copied from one is derived
         from it (a draft copying the target's head), not loaded."""
+        self.unfollowed: list[Call] = []
+        """Reads of a tensor's memory that left torch as a NumPy array (`Tensor.numpy()`):
+        what is made from the array is not followed."""
         self.before: dict[str, object] | None = None
         """Where the model kept the values that do not tell one occurrence from another
         (`bool`s, small `int`s), taken before the recording made the first of them: a
@@ -468,6 +473,21 @@ class _Functions(TorchFunctionMode):
                     rec = self.recorder
                     rec.lineage.keep(Call(func, (rec._conv(args[0]),), {}), out)
             return out
+        if func in _NUMPY:  # memory that leaves torch: what is made of it is not followed
+            if args and isinstance(args[0], torch.Tensor):
+                with _NO_FUNCTION_MODES():
+                    rec = self.recorder
+                    rec.lineage.unfollowed.append(
+                        Call(func, (rec._conv(args[0]),), {}, rec.lineage.epoch))
+            return out
+        if func is _TOLIST:  # numbers read without any op: each element the caller keeps
+            if args and isinstance(args[0], torch.Tensor):
+                with _NO_FUNCTION_MODES():
+                    rec = self.recorder
+                    arg = rec._conv(args[0])
+                    for i, number in enumerate(_leaves(out)):
+                        rec.lineage.keep(Call(Element(i), (arg,), {}), number)
+            return out
         if not isinstance(func, (OpOverload, OpOverloadPacket)) and func is not torch.tensor:
             return out  # a tensor method: the dispatch mode below sees its ops
         with _NO_FUNCTION_MODES():
@@ -489,6 +509,43 @@ class _Functions(TorchFunctionMode):
                 rec.lineage.handles[out] = call
             elif id(out) not in rec.lineage.values:  # the dispatch mode may have kept it
                 rec.lineage.keep(call, out)
+
+
+_TOLIST = torch.Tensor.tolist
+_NUMPY: frozenset[object] = frozenset(
+    getattr(torch.Tensor, name) for name in ("numpy", "__array__"))
+"""How a tensor's memory leaves torch as a NumPy array (`np.asarray` calls `__array__`)."""
+
+
+class Element:
+    """`Tensor.tolist()`'s `index`-th number (in the tensor's row-major order), as a call
+    that takes it again from the tensor."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, t: torch.Tensor) -> object:
+        return t.reshape(-1)[self.index].item()
+
+    def __str__(self) -> str:
+        return f"Tensor.tolist()[{self.index}]"
+
+
+def _leaves(value: object) -> list[object]:
+    """The numbers of `tolist()`'s nested lists, in order (one for a 0-d tensor)."""
+    if not isinstance(value, list):
+        return [value]
+    out: list[object] = []
+    stack = [value]
+    while stack:
+        top = stack.pop()
+        if isinstance(top, list):
+            stack.extend(reversed(top))
+        else:
+            out.append(top)
+    return out
 
 
 _SCALARS = frozenset({

@@ -1,19 +1,22 @@
 """The refusals of what a model derived undeclared: stale since its sources were written
 (`StaleError`), or, for a number or a handle a graph holds, changed since the capture
 (`StorageMovedError`). Each names where the state is kept, its sources and how it was
-computed, and the fix.
+computed, and the fix. And the warning for what a recording could not follow: weights
+read as NumPy arrays (`warn_unfollowed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from graphsafe._declare.spec import Drift
-from graphsafe._errors import StaleError, StorageMovedError
-from graphsafe._lineage.resolve import Source
+from graphsafe._errors import GraphSafetyWarning, StaleError, StorageMovedError
+from graphsafe._lineage.recorder import Lineage
+from graphsafe._lineage.resolve import Source, trace
 
-__all__ = ["Named", "moved_error", "stale_error"]
+__all__ = ["UNFOLLOWED", "Named", "moved_error", "stale_error", "unfollowed", "warn_unfollowed"]
 
 
 class Named(Protocol):
@@ -97,3 +100,34 @@ def _declare_line(e: Named) -> str:
     return (f"; or declare it as a derivation: `@registry.derive({e.module_class}, "
             f"{site.key!r}, inputs={inputs!r})` over a function computing it")
 
+
+
+
+def unfollowed(lineage: Lineage, sources: Mapping[int, Source]) -> dict[str, tuple[str, ...]]:
+    """The reads of the weights as NumPy arrays the recording noted (taken from it once):
+    how each was read (`lin.weight -> Tensor.numpy()`) -> the weights' paths."""
+    calls, lineage.unfollowed = lineage.unfollowed, []
+    reads: dict[str, tuple[str, ...]] = {}
+    for call in calls:
+        found, chain, _ = trace(call, dict(sources))
+        if found:
+            how = " -> ".join((*chain[:-1], "Tensor.numpy()"))
+            reads[how] = tuple(dict.fromkeys(s.path for s in found))
+    return reads
+
+
+UNFOLLOWED = ("a read of the weights as a NumPy array: what was made from the array (a "
+              "number, an array) is not followed, so it cannot be recomputed or checked")
+
+
+def warn_unfollowed(reads: Mapping[str, tuple[str, ...]], model_class: str) -> None:
+    """Warn of reads of the weights as NumPy arrays (`unfollowed`): a number or an array
+    the model keeps from one goes stale after a sync, and nothing refuses."""
+    warnings.warn(
+        f"{model_class}: its bring-up read weights as NumPy arrays ({'; '.join(reads)}): "
+        "what it made from them (a number, an array) is not followed, so after a sync that "
+        "writes those weights it goes stale and no replay is refused. Take numbers with "
+        "`.item()` or `.tolist()` (followed), declare the state with `gs.derive`, or re-run "
+        "the post-load step and re-capture after each sync",
+        GraphSafetyWarning, stacklevel=2,
+    )

@@ -290,6 +290,37 @@ def test_weights_read_as_numpy_are_warned_of_and_listed_unchecked_by_the_audit()
     assert "NumPy" in report.unchecked[0].why
 
 
+@gs.graphsafe
+class Inverted(Scaled):
+    """A number computed in Python from one taken from a weight: `1.0 / k_scale.item()`."""
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        self.eps = 1e-6  # set before any number is taken: no derived state
+        super().load_weights(weights, post=post)
+        if post:
+            self.inv_scale = 1.0 / self._k_scale_float
+
+
+def test_a_number_computed_in_python_from_a_taken_one_is_warned_of_and_listed() -> None:
+    m = Inverted()
+    with pytest.warns(gs.GraphSafetyWarning, match=r"Inverted: its bring-up set inv_scale "
+                      r"to floats computed in Python from numbers it took from k_scale"):
+        m.load_weights(_scaled(0.5, 3))
+    assert {d.path for d in gs.runtime(m).discovered} == {"_k_scale_float", "zp"}
+    unchecked = {u.path: u.why for u in gs.audit(m).unchecked}
+    assert list(unchecked) == ["inv_scale"] and "in Python" in unchecked["inv_scale"]
+
+
+def test_control_numbers_taken_or_set_before_any_is_taken_are_not_warned_of() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gs.GraphSafetyWarning)
+        m = Inverted()
+        m.load_weights(_scaled(0.5, 3), post=False)  # eps only: set before any number
+        Scaled().load_weights(_scaled(0.5, 3))  # the numbers it took: followed
+
+
 def test_control_numpy_of_what_no_weight_feeds_is_not_warned_of() -> None:
     import warnings
 

@@ -53,10 +53,12 @@ from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Lineage
 from graphsafe._lineage.refusals import (
     UNFOLLOWED,
+    UNTRACED,
     moved_error,
     stale_error,
     unfollowed,
     warn_unfollowed,
+    warn_untraced,
 )
 from graphsafe._lineage.resolve import (
     Source,
@@ -68,6 +70,7 @@ from graphsafe._lineage.resolve import (
     foreign_sources,
     sources_of,
     trace,
+    untraced_numbers,
 )
 from graphsafe._lineage.rewrites import Rewritten, rewritten_error
 from graphsafe._lineage.window import Window
@@ -150,7 +153,9 @@ class Discovery:
         self._recorded = False
         self._rewritten: dict[str, Rewritten] = {}  # weight path -> its rewrite
         self._window: Window | None = None  # the bring-up's forwards, until the capture
-        self._unfollowed: dict[str, tuple[str, ...]] = {}  # weights read as NumPy arrays
+        # What a recording could not follow (weights read as NumPy arrays, numbers made
+        # in Python from taken ones) -> (the weights' paths, why), for the audit.
+        self._unfollowed: dict[str, tuple[tuple[str, ...], str]] = {}
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._rewritten)
@@ -292,7 +297,7 @@ class Discovery:
         sources = {**foreign, **sources}
         reads = unfollowed(lineage, sources)
         if reads:  # what is made of them cannot be followed: said, and listed unchecked
-            self._unfollowed.update(reads)
+            self._unfollowed.update((how, (p, UNFOLLOWED)) for how, p in reads.items())
             warn_unfollowed(reads, type(model).__name__)
         candidates = alive - sources.keys()
         if not candidates and not lineage.values:
@@ -307,6 +312,10 @@ class Discovery:
                 return
         else:
             found.update((f.site.path, f) for f in find_values(lineage, model, sources))
+            untraced = untraced_numbers(lineage, model, sources, found)
+            if untraced:  # numbers computed in Python from taken ones: said, listed
+                self._unfollowed.update((p, (s, UNTRACED)) for p, s in untraced.items())
+                warn_untraced(untraced, type(model).__name__)
         kept = [e for e in self._entries if e.path not in found and still_held(e)]
         fresh = [Entry(f) for f in found.values()]
         by_entry = self._rows_by_entry()
@@ -507,8 +516,8 @@ class Discovery:
                       "writes into it instead)")
             for r in self._rewritten.values() if r.path not in self._exempt
         ]
-        items += [AuditItem(how, torch.empty(0), lambda: None, paths, True, why=UNFOLLOWED)
-                  for how, paths in self._unfollowed.items()]
+        items += [AuditItem(what, torch.empty(0), lambda: None, paths, True, why=why)
+                  for what, (paths, why) in self._unfollowed.items()]
         for e in self._entries:
             if e.path in self._exempt:
                 continue

@@ -171,8 +171,9 @@ class Lineage:
         what is made from the array is not followed."""
         self.before: dict[str, object] | None = None
         """Where the model kept the values that do not tell one occurrence from another
-        (`bool`s, small `int`s), taken before the recording made the first of them: a
-        place that held the same value then was not set by the recording."""
+        (`bool`s, small `int`s), and floats, taken before the recording made the first
+        number: a place that held the same value then was not set by the recording (a
+        float it set that is none it took was computed in Python: not followed)."""
         self._refs: dict[int, StorageWeakRef] = {}
         self._atoms: Callable[[], dict[str, object]] | None = None
         self.epoch = 0
@@ -192,7 +193,7 @@ class Lineage:
 
     def keep(self, call: Call, value: object) -> None:
         """`value` left torch from `call` (see `values`)."""
-        if self.before is None and self._atoms is not None and ambiguous(value):
+        if self.before is None and self._atoms is not None and type(value) in _NUMBERS:
             self.before = self._atoms()
         self.values.setdefault(id(value), []).append((call, value))
 
@@ -227,6 +228,9 @@ def schema_name(func: Any) -> str:
     if schema is None:
         return str(func)
     return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+
+
+_NUMBERS = (bool, int, float)
 
 
 def ambiguous(value: object) -> bool:

@@ -1,8 +1,9 @@
 """The refusals of what a model derived undeclared: stale since its sources were written
 (`StaleError`), or, for a number or a handle a graph holds, changed since the capture
 (`StorageMovedError`). Each names where the state is kept, its sources and how it was
-computed, and the fix. And the warning for what a recording could not follow: weights
-read as NumPy arrays (`warn_unfollowed`).
+computed, and the fix. And the warnings for what a recording could not follow: weights
+read as NumPy arrays (`warn_unfollowed`), numbers computed in Python from the numbers it
+took (`warn_untraced`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from graphsafe._errors import GraphSafetyWarning, StaleError, StorageMovedError
 from graphsafe._lineage.recorder import Lineage
 from graphsafe._lineage.resolve import Source, trace
 
-__all__ = ["UNFOLLOWED", "Named", "moved_error", "stale_error", "unfollowed", "warn_unfollowed"]
+__all__ = [
+    "UNFOLLOWED", "UNTRACED", "Named", "moved_error", "stale_error", "unfollowed",
+    "warn_unfollowed", "warn_untraced",
+]
 
 
 class Named(Protocol):
@@ -129,5 +133,25 @@ def warn_unfollowed(reads: Mapping[str, tuple[str, ...]], model_class: str) -> N
         "writes those weights it goes stale and no replay is refused. Take numbers with "
         "`.item()` or `.tolist()` (followed), declare the state with `gs.derive`, or re-run "
         "the post-load step and re-capture after each sync",
+        GraphSafetyWarning, stacklevel=2,
+    )
+
+
+UNTRACED = ("a number the bring-up set in Python from numbers it took from the weights "
+            "(`1.0 / s.item()`): how it was computed is not followed, so it cannot be "
+            "recomputed or checked")
+
+
+def warn_untraced(numbers: Mapping[str, tuple[str, ...]], model_class: str) -> None:
+    """Warn of floats the bring-up set that no number it took explains (`untraced_numbers`):
+    computed in Python, they go stale after a sync, and nothing refuses."""
+    weights = ", ".join(dict.fromkeys(p for paths in numbers.values() for p in paths))
+    warnings.warn(
+        f"{model_class}: its bring-up set {', '.join(numbers)} to floats computed in Python "
+        f"from numbers it took from {weights}: that arithmetic is not followed, so after a "
+        "sync that writes those weights they go stale and no replay is refused. Compute "
+        "them in torch and take the result's number (`(1.0 / s).item()`: followed), "
+        "declare them with `gs.derive`, or re-run the post-load step and re-capture after "
+        "each sync",
         GraphSafetyWarning, stacklevel=2,
     )

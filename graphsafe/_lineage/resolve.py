@@ -27,7 +27,7 @@ from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 __all__ = [
     "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find", "find_rewrites",
     "find_tainted", "find_values", "foreign_sources", "recompute", "recompute_scalar",
-    "sources_of", "trace",
+    "sources_of", "trace", "untraced_numbers",
 ]
 
 _CHAIN = 4
@@ -209,13 +209,13 @@ def find_rewrites(lineage: Lineage, sources: dict[int, Source],
 
 
 def atoms_of(model: nn.Module) -> Callable[[], dict[str, object]]:
-    """How to read where `model` keeps `bool`s and small `int`s, by path (for
+    """How to read where `model` keeps `bool`s, small `int`s and floats, by path (for
     `Lineage.note_places`; the model is held weakly)."""
     ref = weakref.ref(model)
 
     def read() -> dict[str, object]:
         now = ref()
-        return {} if now is None else {s.path: s.value for s in walk_values(now, ambiguous)}
+        return {} if now is None else {s.path: s.value for s in walk_values(now, _atom)}
 
     return read
 
@@ -254,6 +254,36 @@ def find_values(
 
 
 _NOTHING = object()
+
+
+def _atom(value: object) -> bool:
+    return ambiguous(value) or type(value) is float
+
+
+def untraced_numbers(
+    lineage: Lineage, model: nn.Module, sources: dict[int, Source], found: Container[str]
+) -> dict[str, tuple[str, ...]]:
+    """Floats the model keeps at places the recording set (`Lineage.before`), none of
+    them a number it took or one found at `found`, when it took numbers from the weights:
+    computed in Python from them (`1.0 / s.item()`), which no recording follows. Each
+    path -> the paths of the weights numbers were taken from."""
+    before = lineage.before
+    if before is None:
+        return {}
+    taken: dict[str, None] = {}
+    for made in lineage.values.values():
+        for call, value in made:
+            if type(value) in (bool, int, float):
+                taken.update(dict.fromkeys(s.path for s in trace(call, sources)[0]))
+    if not taken:
+        return {}
+    values = lineage.values
+    return {
+        site.path: tuple(taken)
+        for site in walk_values(model, lambda v: type(v) is float)
+        if site.path not in found and id(site.value) not in values
+        and before.get(site.path, _NOTHING) is not site.value
+    }
 
 
 def recompute_scalar(call: Call, sources: Iterable[Source]) -> torch.Tensor | None:

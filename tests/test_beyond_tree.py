@@ -238,6 +238,86 @@ def test_a_cache_refreshed_in_place_by_the_load_is_no_false_alarm() -> None:
     assert torch.allclose(y, _expected(_head(1)))
 
 
+_SCALES: dict[str, float] = {}
+"""A kernel library's registry of per-layer scales, keyed by the layer's name."""
+
+
+class Kernel:
+    """A kernel class that keeps its alpha as a class attribute."""
+
+    alpha = 1.0
+
+
+@gs.graphsafe
+class Registered(nn.Module):
+    """Its post-load step keeps numbers taken from its weights outside the model: in a
+    module's registry and on a kernel class; its forward reads them there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, V, bias=False)
+        self.k_scale = nn.Parameter(torch.ones(()), requires_grad=False)
+        self.alpha = nn.Parameter(torch.ones(()), requires_grad=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+        _SCALES["eps"] = 1e-6  # a number no weight feeds
+        if post:
+            _SCALES["lin"] = self.k_scale.item()
+            Kernel.alpha = float(self.alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (_SCALES["lin"] * Kernel.alpha + _SCALES["eps"])
+
+
+def _registered(seed: int) -> dict[str, torch.Tensor]:
+    return {"lin.weight": _head(seed), "k_scale": torch.tensor(0.5 + seed),
+            "alpha": torch.tensor(2.0 + seed)}
+
+
+def _registered_expected(w: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _expected(w["lin.weight"]) * (w["k_scale"] * w["alpha"] + 1e-6)
+
+
+def test_numbers_kept_outside_the_model_are_discovered_named_where_they_are_kept() -> None:
+    m = Registered()
+    m.load_weights(_registered(0))
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found) == {f"<outside the model> {__name__}._SCALES['lin']",
+                          f"<outside the model> {__name__}.Kernel.alpha"}
+    assert found[f"<outside the model> {__name__}._SCALES['lin']"].sources == ("k_scale",)
+    assert all(d.kind == "scalar" for d in found.values())
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_registered(1), post=False)  # the weights only
+    with pytest.raises(gs.StaleError, match=r"_SCALES\['lin'\] \(from k_scale"):
+        g.replay()
+
+
+def test_numbers_kept_outside_the_model_taken_again_after_capture_are_refused() -> None:
+    m = Registered()
+    m.load_weights(_registered(0))
+    m.load_weights(_registered(1))  # before the capture: taken again, fresh
+    gs.runtime(m).assert_fresh()
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_registered(2))
+    with pytest.raises(gs.StorageMovedError, match=r"Kernel\.alpha"):
+        g.replay()  # the graph holds the numbers of capture
+
+
+def test_control_unguarded_numbers_kept_outside_the_model_replay_stale() -> None:
+    m = Registered()
+    m.load_weights(_registered(0))
+    g, y = _capture(m, guard=False)
+    new = _registered(1)
+    m.load_weights(new)
+    g.replay()
+    with torch.no_grad():
+        assert torch.allclose(m(torch.ones(2, C)), _registered_expected(new))
+    assert not torch.allclose(y, _registered_expected(new))
+
+
 def test_state_no_weight_feeds_outside_the_model_is_no_false_alarm() -> None:
     m = CachedLinear(cached=False)
     m.load_weights({"lin.weight": _head(0)})

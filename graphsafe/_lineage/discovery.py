@@ -48,7 +48,7 @@ from graphsafe._lineage.entries import (
     refusal,
     still_held,
 )
-from graphsafe._lineage.outside import find_outside
+from graphsafe._lineage.outside import find_outside, find_outside_values
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Lineage
 from graphsafe._lineage.refusals import (
@@ -76,7 +76,7 @@ from graphsafe._lineage.rewrites import Rewritten, rewritten_error
 from graphsafe._lineage.window import Window
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
-from graphsafe._memory.walk import Site, storage_key
+from graphsafe._memory.walk import Site, ValueSite, storage_key
 
 __all__ = ["AuditItem", "Discovered", "Discovery", "moved_error", "stale_error"]
 
@@ -311,7 +311,11 @@ class Discovery:
             if not found:
                 return
         else:
-            found.update((f.site.path, f) for f in find_values(lineage, model, sources))
+            values = find_values(lineage, model, sources)
+            values += find_outside_values(lineage, model, sources,
+                                          (id(f.site.value) for f in values
+                                           if isinstance(f.site, ValueSite)))
+            found.update((f.site.path, f) for f in values)
             untraced = untraced_numbers(lineage, model, sources, found)
             if untraced:  # numbers computed in Python from taken ones: said, listed
                 self._unfollowed.update((p, (s, UNTRACED)) for p, s in untraced.items())

@@ -35,16 +35,18 @@ class Place(NamedTuple):
     table: str | None
     key: Any
     chain: tuple[Any, ...]
-    outside: list[Any] | None = None
-    """For a tensor no model holds (`graphsafe._lineage.outside`): the entry's own list
-    that holds it (a graph reads it)."""
+    outside: Any = None
+    """For what no model holds (`graphsafe._lineage.outside`): the container that holds
+    it, at `key` (for a tensor a graph reads, the entry's own list; for a number, the
+    module global or dict that keeps it)."""
 
     @classmethod
     def of(cls, site: Site | ValueSite) -> Place:
         m = site.module
         table = next((n for n in ("_parameters", "_buffers")
                       if site.container is m.__dict__.get(n)), None)
-        outside = site.container if isinstance(site.container, list) else None
+        outside = (None if table is not None or site.container is m.__dict__
+                   else site.container)
         return cls(weakref.ref(m), table, site.key, site.chain, outside)
 
     def container(self) -> Any:

@@ -1,4 +1,5 @@
-"""Tensors a graph reads that no model holds, computed from a model's weights.
+"""Tensors a graph reads that no model holds, and numbers kept outside the model,
+computed from a model's weights.
 
 A kernel library may keep what it derives from a weight in a process-wide cache keyed by
 the weight's `data_ptr()` and shape, or a registry keyed by the layer's name: the model
@@ -8,6 +9,11 @@ bring-up's recording saw computed from the weights are found here (`find_outside
 guarded like what the model holds. Each is named by the cache that holds it, found once
 at the capture among what modules keep (`mylib._PACKED[(94..., (6, 4))]`), or, where no
 module keeps it, as a tensor outside the model.
+
+A number the recorded load took from the weights (`.item()`) that the model does not
+keep may be kept by a module the same way (a registry of per-layer scales, a class
+attribute): found by identity, when the load ends, among what the modules whose code took
+numbers keep (`find_outside_values`), and guarded like the numbers the model keeps.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._lineage.recorder import Lineage, sid_of
-from graphsafe._lineage.resolve import Found, Source, find
-from graphsafe._memory.walk import Site
+from graphsafe._lineage.recorder import Lineage, ambiguous, sid_of
+from graphsafe._lineage.resolve import Found, Source, find, trace
+from graphsafe._memory.walk import Site, ValueSite
 
-__all__ = ["OUTSIDE", "find_outside", "name_outside"]
+__all__ = ["OUTSIDE", "find_outside", "find_outside_values", "name_outside"]
 
 OUTSIDE = "<outside the model>"
 """The prefix of the path of a tensor no model holds."""
@@ -43,6 +49,53 @@ def find_outside(
     names = name_outside(wanted)
     sites = [Site(f"{OUTSIDE} {names[id(t)]}", model, [t], 0, (), t) for t in wanted]
     return find(lineage, sites, sources, alive - sources.keys())
+
+
+def find_outside_values(
+    lineage: Lineage, model: nn.Module, sources: dict[int, Source], kept: Iterable[int],
+) -> list[Found]:
+    """The numbers `lineage` took from `sources` that the model does not keep (`kept`:
+    the `id`s of those it does), found by identity where a module whose code took numbers
+    (`Lineage.scopes`) keeps them: a global (`mylib.ALPHA`), an item of a global dict
+    (`mylib._SCALES['layers.0']`), an attribute of a class it defines. Floats and the ints
+    Python makes anew only: a `bool` or a small `int` is one object everywhere."""
+    taken = set(kept)
+    wanted: dict[int, tuple[object, Found]] = {}
+    for vid, made in lineage.values.items():
+        call, value = made[-1]
+        if vid in taken or type(value) not in (int, float) or ambiguous(value):
+            continue
+        srcs, chain, opaque = trace(call, sources)
+        if srcs:
+            site = ValueSite("", model, None, None, (), value)
+            wanted[vid] = value, Found(site, srcs, chain, opaque, (call, None))
+    if not wanted:
+        return []
+    out = []
+    for space in list(lineage.scopes.values()):  # the modules whose code took numbers
+        for where, container, key, value in _places(space):
+            number, f = wanted.get(id(value), (None, None))
+            if f is not None and number is value:
+                site = ValueSite(f"{OUTSIDE} {where}", model, container, key, (), value)
+                out.append(f._replace(site=site))
+                del wanted[id(value)]
+                if not wanted:
+                    return out
+    return out
+
+
+def _places(space: dict[str, Any]) -> Iterable[tuple[str, Any, Any, Any]]:
+    """(name, container, key, value) of each global of a module (`space`: its globals),
+    each item of a dict it keeps as a global, and each attribute of a class it defines."""
+    prefix = str(space.get("__name__", "?"))
+    for name, value in list(space.items()):
+        yield f"{prefix}.{name}", space, name, value
+        if issubclass(type(value), dict):  # type(): a lazy module attribute is not read
+            for key, item in _items(value):
+                yield f"{prefix}.{name}[{key!r}]", value, key, item
+        elif issubclass(type(value), type) and vars(value).get("__module__") == prefix:
+            for attr, inner in list(vars(value).items()):
+                yield f"{prefix}.{name}.{attr}", vars(value), attr, inner
 
 
 def name_outside(tensors: Iterable[torch.Tensor]) -> dict[int, str]:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
@@ -146,7 +148,7 @@ class Lineage:
     values that left torch, with the call that made each."""
 
     __slots__ = ("_atoms", "_refs", "before", "copied", "epoch", "foreign", "handles",
-                 "unfollowed", "values", "weight_writes", "writers")
+                 "scopes", "unfollowed", "values", "weight_writes", "writers")
 
     def __init__(self) -> None:
         self.writers: dict[int, tuple[Call, Arg]] = {}
@@ -166,6 +168,9 @@ class Lineage:
         self.foreign: frozenset[int] = frozenset()
         """Storage keys of other models' weights: a weight copied from one is derived
         from it (a draft copying the target's head), not loaded."""
+        self.scopes: dict[int, dict[str, Any]] = {}
+        """The global namespaces of the code that took numbers from tensors (by `id`):
+        where a number the model does not keep is looked for (a module's registry)."""
         self.unfollowed: list[Call] = []
         """Reads of a tensor's memory that left torch as a NumPy array (`Tensor.numpy()`):
         what is made from the array is not followed."""
@@ -186,6 +191,18 @@ class Lineage:
         """How to read, by path, where the model keeps `bool`s and small `int`s: read
         once, just before the recording makes the first such value (`before`)."""
         self._atoms = atoms
+
+    def note_scope(self, frame: FrameType | None) -> None:
+        """The code of `frame` (or of the first caller outside torch and graphsafe) took
+        a number: its module's globals are where a number it keeps is looked for."""
+        for _ in range(8):
+            if frame is None:
+                return
+            space = frame.f_globals
+            if not str(space.get("__name__", "")).startswith(_INSIDE):
+                self.scopes.setdefault(id(space), space)
+                return
+            frame = frame.f_back
 
     def wrote_weight(self, sid: int, op: str, *, raw: bool) -> None:
         """Weight storage `sid` was written by `op` (`raw`: a copy of loaded values)."""
@@ -231,6 +248,7 @@ def schema_name(func: Any) -> str:
 
 
 _NUMBERS = (bool, int, float)
+_INSIDE = ("torch.", "graphsafe._")
 
 
 def ambiguous(value: object) -> bool:
@@ -476,6 +494,7 @@ class _Functions(TorchFunctionMode):
                 with _NO_FUNCTION_MODES():
                     rec = self.recorder
                     rec.lineage.keep(Call(func, (rec._conv(args[0]),), {}), out)
+                    rec.lineage.note_scope(sys._getframe(1))
             return out
         if func in _NUMPY:  # memory that leaves torch: what is made of it is not followed
             if args and isinstance(args[0], torch.Tensor):
@@ -491,6 +510,7 @@ class _Functions(TorchFunctionMode):
                     arg = rec._conv(args[0])
                     for i, number in enumerate(_leaves(out)):
                         rec.lineage.keep(Call(Element(i), (arg,), {}), number)
+                    rec.lineage.note_scope(sys._getframe(1))
             return out
         if not isinstance(func, (OpOverload, OpOverloadPacket)) and func is not torch.tensor:
             return out  # a tensor method: the dispatch mode below sees its ops

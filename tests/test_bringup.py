@@ -680,6 +680,96 @@ def test_a_rewritten_weight_a_tied_model_loads_raw_is_refused_until_rewritten() 
     assert torch.allclose(y, _expected(_fold_scale, {**_folded_weights(0), "lin.weight": raw}))
 
 
+def _blocked(w: torch.Tensor) -> torch.Tensor:
+    """A kernel's packed layout of the same shape: rows swapped in pairs (its own
+    inverse, so the kernel unpacks with it)."""
+    return w.reshape(C // 2, 2, C).flip(1).reshape(C, C).contiguous()
+
+
+@gs.graphsafe
+class Repacked(nn.Module):
+    """vLLM's CPU MoE experts: the post-load step binds a prepacked copy of the loaded
+    weight in its place (`replace_parameter`), the weight loader kept, so that a later
+    load writes its values raw into the packed layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+        self.lin.weight.weight_loader = _copy_loader
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        for name, w in weights.items():
+            p = self.get_parameter(name)
+            p.weight_loader(p, w)
+        if post:
+            packed = nn.Parameter(_blocked(self.lin.weight.detach()), requires_grad=False)
+            packed.weight_loader = self.lin.weight.weight_loader
+            self.lin.weight = packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ _blocked(self.lin.weight).t()  # the kernel reads the packed layout
+
+
+def _packed_weights(seed: int) -> dict[str, torch.Tensor]:
+    return {"lin.weight": _folded_weights(seed)["lin.weight"]}
+
+
+def _copy_loader(p: torch.Tensor, w: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.copy_(w)
+
+
+def test_a_weight_rebound_to_its_prepacked_copy_is_discovered_as_rewritten() -> None:
+    m = Repacked()
+    m.load_weights(_packed_weights(0))
+    (found,) = gs.runtime(m).discovered
+    assert (found.path, found.kind, found.sources) == ("lin.weight", "rewritten",
+                                                       ("lin.weight",))
+    assert found.chain.startswith("lin.weight as loaded -> aten.")
+
+
+def test_a_raw_sync_into_the_prepacked_weight_is_refused_by_name() -> None:
+    m = Repacked()
+    m.load_weights(_packed_weights(0))
+    g, _ = _capture(m, guard=True)
+    with pytest.raises(gs.StaleError, match=r"lin\.weight: written by aten::copy_: raw "
+                       r"values where the model reads the output of the post-load rewrite"):
+        m.load_weights(_packed_weights(1), post=False)  # its loader writes in place
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()
+
+
+def test_control_unguarded_a_raw_sync_into_the_prepacked_weight_serves_wrong_values() -> None:
+    m = Repacked()
+    m.load_weights(_packed_weights(0))
+    g, y = _capture(m, guard=False)
+    new = _packed_weights(1)
+    with pytest.raises(gs.StaleError):
+        m.load_weights(new, post=False)  # refused after it wrote: what it left is served
+    g.replay()
+    assert not torch.allclose(y, torch.ones(2, C) @ new["lin.weight"].t())
+
+
+def test_the_full_post_load_step_rebinding_a_new_prepacked_copy_is_no_false_alarm() -> None:
+    m = Repacked()
+    m.load_weights(_packed_weights(0))
+    gs.runtime(m).pin(addresses=False)  # an engine without graphs: it reads what is bound
+    new = _packed_weights(1)
+    m.load_weights(new)  # loaded, then packed anew and bound in its place
+    gs.runtime(m).assert_fresh()
+    assert torch.allclose(m(torch.ones(2, C)), torch.ones(2, C) @ new["lin.weight"].t())
+
+
+def test_control_a_load_binding_raw_values_at_the_prepacked_weight_is_refused() -> None:
+    m = Repacked()
+    m.load_weights(_packed_weights(0))
+    gs.runtime(m).pin(addresses=False)
+    raw = _packed_weights(1)["lin.weight"].clone()
+    with (pytest.raises(gs.StaleError, match=r"lin\.weight: bound to new memory"),
+          gs.weight_update(m), torch.no_grad()):
+        m.lin.weight.data = raw  # raw values, not packed
+
+
 # -- state made outside any load: on first use, in a warm-up ---------------------------
 
 

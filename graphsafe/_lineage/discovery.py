@@ -207,17 +207,23 @@ class Discovery:
     def judge_rewrites(
         self, written: set[int], ops: Mapping[int, Sequence[str]],
         before: Mapping[str, int] | None = None,
+        tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
     ) -> list[Rewritten]:
         """A load ended that wrote `written` (storage keys), each rewritten weight by
         `ops[key]`: every weight it left wrong (not exempted); one written the way the
         recorded load did is whole again. `before`: the storage key of each path when the
         load began; a rewritten weight the load bound to new memory is left wrong (its
-        writes there are not kept: whether the rewrite was re-applied is not known)."""
+        writes there are not kept: whether the rewrite was re-applied is not known), but
+        one the recorded load rewrote by binding a new tensor (`Rewritten.rebound`) that
+        the load bound to a tensor it computed from other weights (`tainted`, its
+        tracker's): re-applied so."""
         broken = []
         for r in self._rewritten.values():
             key = r.key()
             was = None if before is None else before.get(r.path)
-            if was is not None and was != key:
+            if was is not None and was != key and r.rebound and _computed(key, tainted):
+                r.broken, r.raw = None, False  # rebound to a transform this load computed
+            elif was is not None and was != key:
                 r.broken = ("bound to new memory by the load (`p.data = ...`): whether the "
                             "post-load rewrite was re-applied there is not known (load it "
                             "in place, with `copy_`)")
@@ -648,3 +654,10 @@ def _probing(
 
     return probe
 
+
+
+def _computed(key: int, tainted: Mapping[int, tuple[tuple[int, ...], str]] | None) -> bool:
+    """Whether the load computed storage `key` from weights other than itself (`tainted`:
+    its tracker's; a storage it overwrote with loaded values is its own source only)."""
+    sources = (tainted or {}).get(key, ((), ""))[0]
+    return any(k != key for k in sources)

@@ -183,6 +183,9 @@ class Rewrite(NamedTuple):
     ops: tuple[str, ...]
     sources: tuple[Source, ...]
     chain: tuple[str, ...]
+    rebound: bool = False
+    """Rewritten by binding a new tensor computed from the loaded one at its path (vLLM's
+    `replace_parameter` of a prepacked copy), not by writing it in place."""
 
 
 def find_rewrites(lineage: Lineage, sources: dict[int, Source],
@@ -205,6 +208,29 @@ def find_rewrites(lineage: Lineage, sources: dict[int, Source],
         srcs, chain, _ = trace(last[0], sources)
         if srcs:  # over the model's state: derived from the weight as it was loaded
             out.append(Rewrite(weight, ops, srcs, chain))
+    return out + _rebound(lineage, sources, derived)
+
+
+def _rebound(lineage: Lineage, sources: dict[int, Source],
+             derived: frozenset[int]) -> list[Rewrite]:
+    """The weights bound, in the recording, to a tensor it computed from a weight it
+    loaded that the model no longer holds (a prepacked copy put in the loaded weight's
+    place, the loader kept): a later load writes its values raw into the packed layout."""
+    loaded = {sid: Source("", {}, "", sid) for sid, writes in lineage.weight_writes.items()
+              if sid not in sources and any(w[1] for w in writes)}
+    if not loaded:
+        return []
+    out = []
+    for sid, weight in sources.items():
+        last = lineage.writers.get(sid)
+        if last is None or sid in lineage.weight_writes or sid in derived:
+            continue
+        srcs, chain, _ = trace(last[0], {**sources, **loaded})
+        if any(s.sid in loaded for s in srcs):
+            ops = chain[1:] or ("a copy",)
+            mine = tuple(s for s in srcs if s.sid not in loaded)
+            out.append(Rewrite(weight, tuple(ops), (weight, *mine),
+                               (f"{weight.path} as loaded", *ops), rebound=True))
     return out
 
 

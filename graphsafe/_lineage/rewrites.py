@@ -31,8 +31,8 @@ class Rewritten:
     """A weight the recorded load rewrote in place (`Rewrite`), and whether a later load
     broke it (`broken`: why)."""
 
-    __slots__ = ("broken", "chain", "inputs", "module_class", "ops", "path", "raw", "site",
-                 "sources")
+    __slots__ = ("broken", "chain", "inputs", "module_class", "ops", "path", "raw",
+                 "rebound", "site", "sources")
 
     def __init__(self, rewrite: Rewrite, module_class: str) -> None:
         self.path = rewrite.weight.path
@@ -44,6 +44,9 @@ class Rewritten:
                             if s.path != self.path)
         """The other weights the rewrite reads (a scale folded in), where they are held."""
         self.chain = " -> ".join(rewrite.chain)
+        self.rebound = rewrite.rebound
+        """Rewritten by binding a new tensor computed from the loaded one at its path: a
+        load re-applies it by binding another such tensor there."""
         self.broken: str | None = None
         self.raw = False
         """Whether it holds loaded values the rewrite was not applied to (a load that did

@@ -273,13 +273,15 @@ class LoadDriver:
                 self._discovery.failed()  # what it rebuilt is not taken for fresh
             self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
-            broken = self._discovery.judge_rewrites(written, load.write_ops(), before)
+            tainted = load.tracker.tainted()  # what it computed from the weights
+            broken = self._discovery.judge_rewrites(written, load.write_ops(), before,
+                                                    tainted)
             if load.record:  # what it made; its forwards until the capture are recorded on
                 self._discovery.take(load.lineage, self._binder.model,
                                      lambda: self._binder.walked().sites,
                                      bring_up=load.weights)
             else:
-                self._discovery.after_load(self._binder.model, written, load.tracker.tainted(),
+                self._discovery.after_load(self._binder.model, written, tainted,
                                            lambda: self._binder.walked().sites)
             _tell_others(self, written)
             for check in self._load_checks:

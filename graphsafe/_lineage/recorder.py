@@ -27,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
@@ -148,7 +150,7 @@ class Lineage:
     values that left torch, with the call that made each."""
 
     __slots__ = ("_atoms", "_refs", "before", "copied", "epoch", "foreign", "handles",
-                 "scopes", "unfollowed", "values", "weight_writes", "writers")
+                 "replaced", "scopes", "unfollowed", "values", "weight_writes", "writers")
 
     def __init__(self) -> None:
         self.writers: dict[int, tuple[Call, Arg]] = {}
@@ -168,6 +170,10 @@ class Lineage:
         self.foreign: frozenset[int] = frozenset()
         """Storage keys of other models' weights: a weight copied from one is derived
         from it (a draft copying the target's head), not loaded."""
+        self.replaced: dict[int, int] = {}
+        """A parameter bound in place of another (`register_parameter`, `setattr`) ->
+        the one it replaced, by storage identity: a prepacked copy put where the loaded
+        weight was."""
         self.scopes: dict[int, dict[str, Any]] = {}
         """The global namespaces of the code that took numbers from tensors (by `id`):
         where a number the model does not keep is looked for (a module's registry)."""
@@ -191,6 +197,13 @@ class Lineage:
         """How to read, by path, where the model keeps `bool`s and small `int`s: read
         once, just before the recording makes the first such value (`before`)."""
         self._atoms = atoms
+
+    def note_replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Parameter `new` was bound where `old` was (see `replaced`)."""
+        was, now = sid_of(old), sid_of(new)
+        if was and now and was != now:
+            self.hold(old, was)
+            self.replaced[now] = was
 
     def note_scope(self, frame: FrameType | None) -> None:
         """The code of `frame` (or of the first caller outside torch and graphsafe) took
@@ -409,6 +422,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._functions.__enter__()  # type: ignore[no-untyped-call]
         self._here = followed(self)  # threads and pool tasks started here follow
         self._here.__enter__()
+        _Replacements.enter(self.lineage)
         return super().__enter__()  # type: ignore[no-any-return,no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
@@ -416,6 +430,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
             try:
+                _Replacements.exit()
                 self._here.__exit__(None, None, None)
             finally:
                 self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
@@ -457,6 +472,46 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.lineage.hold(out, sid)
                 self.lineage.writers[sid] = (call, self._arg_written(out, sid))
                 return
+
+
+class _Replacements:
+    """While any thread records, `nn.Module.register_parameter` (which `setattr` of a
+    parameter calls) tells the recording of the calling thread which parameter a new one
+    replaced (`Lineage.note_replaced`); the hook is removed when the last recording ends."""
+
+    _local = threading.local()
+    _lock = threading.Lock()
+    _active = 0
+    _original: Any = None
+
+    @classmethod
+    def enter(cls, lineage: Lineage) -> None:
+        stack = cls._local.__dict__.setdefault("stack", [])
+        stack.append(lineage)
+        with cls._lock:
+            cls._active += 1
+            if cls._original is None:
+                cls._original = original = nn.Module.register_parameter
+
+                def register_parameter(module: nn.Module, name: str,
+                                       param: nn.Parameter | None) -> None:
+                    now = getattr(cls._local, "stack", None)
+                    if now and param is not None:
+                        old = module.__dict__.get("_parameters", {}).get(name)
+                        if isinstance(old, torch.Tensor) and old is not param:
+                            now[-1].note_replaced(old, param)
+                    original(module, name, param)
+
+                nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
+
+    @classmethod
+    def exit(cls) -> None:
+        cls._local.stack.pop()
+        with cls._lock:
+            cls._active -= 1
+            if not cls._active and cls._original is not None:
+                nn.Module.register_parameter = cls._original  # type: ignore[method-assign]
+                cls._original = None
 
 
 def recording(

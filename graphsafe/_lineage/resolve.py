@@ -213,24 +213,26 @@ def find_rewrites(lineage: Lineage, sources: dict[int, Source],
 
 def _rebound(lineage: Lineage, sources: dict[int, Source],
              derived: frozenset[int]) -> list[Rewrite]:
-    """The weights bound, in the recording, to a tensor it computed from a weight it
-    loaded that the model no longer holds (a prepacked copy put in the loaded weight's
-    place, the loader kept): a later load writes its values raw into the packed layout."""
-    loaded = {sid: Source("", {}, "", sid) for sid, writes in lineage.weight_writes.items()
-              if sid not in sources and any(w[1] for w in writes)}
-    if not loaded:
-        return []
+    """The weights the recording bound in place of a parameter (`Lineage.replaced`) to a
+    tensor it computed from that parameter (a prepacked copy put in the loaded weight's
+    place, the loader kept: vLLM's `replace_parameter`): a later load writes its values
+    raw into the packed layout."""
     out = []
     for sid, weight in sources.items():
+        old = lineage.replaced.get(sid)
         last = lineage.writers.get(sid)
-        if last is None or sid in lineage.weight_writes or sid in derived:
+        if old is None or last is None or sid in derived:
             continue
+        loaded: dict[int, Source] = {}
+        while old is not None and old not in loaded:  # replaced again: padded, then packed
+            loaded[old] = Source(f"{weight.path} as loaded", {}, "", old)
+            old = lineage.replaced.get(old)
         srcs, chain, _ = trace(last[0], {**sources, **loaded})
         if any(s.sid in loaded for s in srcs):
             ops = chain[1:] or ("a copy",)
             mine = tuple(s for s in srcs if s.sid not in loaded)
-            out.append(Rewrite(weight, tuple(ops), (weight, *mine),
-                               (f"{weight.path} as loaded", *ops), rebound=True))
+            out.append(Rewrite(weight, tuple(ops), (weight, *mine), (chain[0], *ops),
+                               rebound=True))
     return out
 
 

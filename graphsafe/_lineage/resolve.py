@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from graphsafe._lineage.recorder import Arg, Call, Lineage, ambiguous, sid_of
+from graphsafe._lineage.recorder import DERIVED_COPY, Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 
@@ -189,16 +189,20 @@ def find_rewrites(lineage: Lineage, sources: dict[int, Source],
                   derived: frozenset[int] = frozenset()) -> list[Rewrite]:
     """The weights whose last writes in the recording, after the last time they were
     loaded, are ops over the model's state (not a copy of loaded values); `derived`: the
-    storage identities of declared derived buffers, never weights."""
+    storage identities of declared derived buffers, never weights. A `copy_` of values
+    computed from the weights is named `DERIVED_COPY`: the write trackers tell it from a
+    load the same way."""
+    weights = {sid: s for sid, s in sources.items() if sid not in derived}
     out = []
     for sid, writes in lineage.weight_writes.items():
         weight = sources.get(sid)
         if weight is None or sid in derived:
             continue
-        after = len(writes)
-        while after and not writes[after - 1][1]:
+        named = [_written_as(op, call, weights) for op, _, call in writes]
+        after = len(named)
+        while after and named[after - 1] is not None:
             after -= 1
-        ops = tuple(op for op, _ in writes[after:])
+        ops = tuple(op for op in named[after:] if op is not None)
         last = lineage.writers.get(sid)
         if not ops or last is None:
             continue
@@ -206,6 +210,16 @@ def find_rewrites(lineage: Lineage, sources: dict[int, Source],
         if srcs:  # over the model's state: derived from the weight as it was loaded
             out.append(Rewrite(weight, ops, srcs, chain))
     return out
+
+
+def _written_as(op: str, call: Call | None, weights: dict[int, Source]) -> str | None:
+    """How a write into a weight is named to the trackers' order, or None for a load: a
+    copy of loaded values, or of values computed from no weight (a dequantized entry)."""
+    if call is None:
+        return None
+    if op == "aten::copy_":
+        return DERIVED_COPY if trace(call, weights)[0] else None
+    return op
 
 
 def atoms_of(model: nn.Module) -> Callable[[], dict[str, object]]:

@@ -210,6 +210,24 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   }
 }
 
+// How a rewritten weight's order names a copy of values computed from the weights (the
+// op's taint, `ctx`, reaches one): a post-load rewrite, not a load. The same string as
+// graphsafe/_lineage/recorder.py's DERIVED_COPY.
+const std::string kDerivedCopy = "aten::copy_ (computed from the weights)";
+
+const std::string& sequenced_name(const std::string& name, const at::ObserverContext* ctx) {
+  if (ctx == nullptr || name != "aten::copy_") {
+    return name;
+  }
+  const auto* c = static_cast<const TaintContext*>(ctx);
+  for (int64_t key : *c->sources) {
+    if (c->tracker->weights.count(key) != 0) {
+      return kDerivedCopy;
+    }
+  }
+  return name;
+}
+
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   if (active.empty()) {
     return nullptr;
@@ -232,13 +250,13 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     if (i >= inputs.size()) {
       continue;
     }
-    graphsafe_native::each_key(inputs[i], [&writes](int64_t key) {
+    graphsafe_native::each_key(inputs[i], [&writes, &ctx](int64_t key) {
       for (const auto& tr : active) {
         if (tr->watched.count(key) != 0) {
           std::lock_guard<std::mutex> g(tr->mu);
           tr->written.insert(key);
           if (tr->sequenced.count(key) != 0) {
-            tr->ops[key].push_back(writes.name);
+            tr->ops[key].push_back(sequenced_name(writes.name, ctx.get()));
           }
         }
       }

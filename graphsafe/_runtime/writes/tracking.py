@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphsafe import _native
-from graphsafe._lineage.recorder import schema_name
+from graphsafe._lineage.recorder import DERIVED_COPY, schema_name
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.transient.transients import Transient, Transients
 from graphsafe._runtime.writes.observer import Quiet
@@ -190,8 +190,18 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.on_write(key, str(func))
             self.written.add(key)
             if key in self.sequenced:
-                self.ops.setdefault(key, []).append(schema_name(func))
+                self.ops.setdefault(key, []).append(self._sequenced_name(func, args))
         return None
+
+    def _sequenced_name(self, func: Any, args: tuple[Any, ...]) -> str:
+        """The op's name in a rewritten weight's order: a `copy_` of values computed
+        from the weights is `DERIVED_COPY` (a rewrite, not a load)."""
+        name = schema_name(func)
+        taints = self._taints
+        if (name == "aten::copy_" and taints is not None and len(args) > 1
+                and isinstance(args[1], torch.Tensor) and taints.from_weights(args[1])):
+            return DERIVED_COPY
+        return name
 
 
 class Taints:
@@ -220,6 +230,10 @@ class Taints:
         if found is None or found[0].expired() or found[0].cdata != _cdata(t):  # type: ignore[no-untyped-call]
             return frozenset()
         return found[1]
+
+    def from_weights(self, t: torch.Tensor) -> bool:
+        """Whether `t` is a weight, or was computed from one in the load."""
+        return not self._reach(t).isdisjoint(self.weights)
 
     def start(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[frozenset[int], str, frozenset[int]] | None:

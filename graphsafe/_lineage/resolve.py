@@ -25,9 +25,9 @@ from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 
 __all__ = [
-    "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find", "find_rewrites",
-    "find_tainted", "find_values", "foreign_sources", "recompute", "recompute_scalar",
-    "sources_of", "trace",
+    "NOTHING", "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find",
+    "find_rewrites", "find_tainted", "find_values", "foreign_sources", "recompute",
+    "recompute_scalar", "sources_of", "trace",
 ]
 
 _CHAIN = 4
@@ -250,7 +250,7 @@ def find_values(
         if ambiguous(site.value):
             if before is None:
                 continue  # nothing tells this occurrence from one set elsewhere
-            was = before.get(site.path, _NOTHING)
+            was = before.get(site.path, NOTHING)
             if type(was) is type(site.value) and was == site.value:
                 continue  # held so before the recording made it
         found: dict[int, Source] = {}
@@ -267,7 +267,7 @@ def find_values(
     return out
 
 
-_NOTHING = object()
+NOTHING = object()
 
 
 def recompute_scalar(call: Call, sources: Iterable[Source]) -> torch.Tensor | None:

@@ -8,6 +8,8 @@ case comes with its control: the same capture replayed unguarded reads the stale
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -431,3 +433,202 @@ def test_state_a_later_load_makes_from_no_weight_is_no_false_alarm() -> None:
         m.lin.weight.copy_(_head(1))
         m.kernel["positions"] = torch.arange(4.0)  # a cache no weight feeds
     assert gs.runtime(m).discovered == ()
+
+
+# -- numbers and handles a later load creates in a new place ----------------------------
+
+
+class Attn(nn.Module):
+    """vLLM's attention keeps `_k_scale_float = k_scale.item()` for its kernels' arguments
+    (1.0 until a checkpoint brings a scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C)
+        self.k_scale = nn.Parameter(torch.ones(()), requires_grad=False)
+        self.zero_point = nn.Parameter(torch.zeros((), dtype=torch.int64), requires_grad=False)
+        self._k_scale_float = 1.0
+        self.zp = 0
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+
+
+@gs.graphsafe
+class Later(nn.Module):
+    """Its first load brings the linear only; a later one brings the KV-cache scale, and
+    its post-load step takes the number (and, `packed`, prepacks the linear into a
+    `ScriptObject` handle): both made in a new place by a load that was not recorded."""
+
+    def __init__(self, *, packed: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Layer()])
+        self.pack = packed
+
+    def attn(self) -> Attn:
+        layer = self.layers[0]
+        assert isinstance(layer, Layer)
+        return layer.attn
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        attn = self.attn()
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+            if post and "layers.0.attn.k_scale" in weights:
+                attn._k_scale_float = attn.k_scale.item()
+                attn.zp = int(attn.zero_point)
+                attn.eps = float(torch.tensor(1e-5))  # a number no weight feeds
+            if post and self.pack and "layers.0.attn.k_scale" in weights:
+                attn.packed = torch.ops.quantized.linear_prepack_fp16(attn.lin.weight,
+                                                                      attn.lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn = self.attn()
+        if self.pack and hasattr(attn, "packed"):
+            y = torch.ops.quantized.linear_dynamic_fp16(x, attn.packed)
+        else:
+            y = attn.lin(x)
+        return (y - attn.zp) * attn._k_scale_float
+
+
+def _linear(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"layers.0.attn.lin.weight": torch.randn(C, C, generator=g),
+            "layers.0.attn.lin.bias": torch.zeros(C)}
+
+
+def _scales(scale: float, zp: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    return {**_linear(seed), "layers.0.attn.k_scale": torch.tensor(scale),
+            "layers.0.attn.zero_point": torch.tensor(zp)}
+
+
+def _later_reference(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    y = torch.ones(2, C) @ weights["layers.0.attn.lin.weight"].t()
+    return (y - weights["layers.0.attn.zero_point"]) * weights["layers.0.attn.k_scale"]
+
+
+SCALE = "layers.0.attn._k_scale_float"
+
+
+def _later(*, packed: bool = False) -> Later:
+    m = Later(packed=packed)
+    m.load_weights(_linear(0))  # the first load, recorded: no scale yet
+    m.load_weights(_scales(0.5))  # a later load, not recorded: takes the numbers
+    return m
+
+
+def test_a_number_a_later_load_takes_in_a_new_place_is_found_with_its_weight() -> None:
+    m = _later()
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found) == {SCALE, "layers.0.attn.zp"}  # not `eps`: no weight feeds it
+    assert found[SCALE].kind == "scalar"
+    assert found[SCALE].sources == ("layers.0.attn.k_scale",)
+    assert found["layers.0.attn.zp"].sources == ("layers.0.attn.zero_point",)
+    assert "_local_scalar_dense" in found[SCALE].chain
+
+
+def test_a_bare_sync_leaves_a_later_loads_number_stale_and_the_replay_is_refused() -> None:
+    m = _later()
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_scales(0.25), post=False)  # the scale written, the number not retaken
+    with pytest.raises(gs.StaleError, match=r"layers\.0\.attn\._k_scale_float[\s\S]*k_scale"):
+        g.replay()
+
+
+def test_control_unguarded_a_later_loads_number_replays_stale() -> None:
+    m = _later()
+    g, y = _capture(m, guard=False)
+    m.load_weights(_scales(0.25), post=False)
+    g.replay()
+    assert torch.allclose(y, _later_reference(_scales(0.5)))
+    assert not torch.allclose(y, _later_reference(_scales(0.25)))
+
+
+def test_a_later_loads_number_changed_after_capture_is_refused_by_name() -> None:
+    m = _later()
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_scales(0.25))  # the post-load step takes the new number
+    with pytest.raises(gs.StorageMovedError, match=re.escape(SCALE)) as info:
+        g.replay()
+    assert "layers.0.attn.k_scale" in str(info.value) and "0.25" in str(info.value)
+
+
+def test_a_number_first_taken_after_the_capture_is_refused_against_what_the_graph_baked(
+) -> None:
+    """The graph baked the default 1.0; a load after the capture takes 0.5 from the new
+    scale in that place: refused. Its control: a scale of 1.0 gives what was baked."""
+    m = Later()
+    m.load_weights(_linear(0))
+    g, y = _capture(m, guard=True)
+    m.load_weights(_scales(1.0, zp=0))
+    g.replay()  # the numbers the graph baked (1.0, no zero point): no alarm
+    assert torch.allclose(y, _later_reference(_scales(1.0, zp=0)))
+    m.load_weights(_scales(0.5, zp=0))
+    with pytest.raises(gs.StorageMovedError, match=re.escape(SCALE)):
+        g.replay()
+    gs.runtime(m).exempt(SCALE, why="the control: what the graph replays")
+    g.replay()
+    assert not torch.allclose(y, _later_reference(_scales(0.5, zp=0)))
+
+
+def test_a_number_retaken_on_every_load_is_no_false_alarm() -> None:
+    m = _later()
+    g, y = _capture(m, guard=True)
+    for seed in (1, 2):  # new weights, the same scale and zero point, taken again
+        m.load_weights(_scales(0.5, seed=seed))
+        g.replay()
+        assert torch.allclose(y, _later_reference(_scales(0.5, seed=seed)))
+
+
+def test_a_later_loads_number_is_listed_unchecked_by_the_audit() -> None:
+    m = _later()
+    report = gs.audit(m)
+    unchecked = {u.path: u.why for u in report.unchecked}
+    assert SCALE in unchecked and "not recorded" in unchecked[SCALE]
+    assert SCALE not in report.checked
+
+
+def test_state_no_weight_feeds_a_later_load_keeps_is_no_false_alarm() -> None:
+    m = Later()
+    m.load_weights(_linear(0))
+    with gs.runtime(m).weight_update(), torch.no_grad():
+        m.attn().lin.weight.copy_(_linear(1)["layers.0.attn.lin.weight"])
+        m.attn().eps = torch.tensor(1e-6).item()  # taken from no weight
+        m.attn().flag = bool(torch.tensor(1.0))
+    assert gs.runtime(m).discovered == ()
+
+
+def test_a_handle_a_later_load_makes_in_a_new_place_is_found_and_guarded() -> None:
+    m = _later(packed=True)
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    packed = found["layers.0.attn.packed"]
+    assert packed.kind == "handle"
+    assert set(packed.sources) == {"layers.0.attn.lin.weight", "layers.0.attn.lin.bias"}
+    report = gs.audit(m)
+    assert "layers.0.attn.packed" in {u.path for u in report.unchecked}
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_scales(0.5, seed=1), post=False)  # the linear written, not prepacked
+    with pytest.raises(gs.StaleError, match=r"layers\.0\.attn\.packed[\s\S]*lin\.weight"):
+        g.replay()
+
+
+def test_control_unguarded_a_later_loads_handle_replays_the_old_linear() -> None:
+    m = _later(packed=True)
+    g, y = _capture(m, guard=False)
+    m.load_weights(_scales(0.5, seed=1), post=False)
+    g.replay()
+    assert torch.allclose(y, _later_reference(_scales(0.5)), atol=1e-2)
+    assert not torch.allclose(y, _later_reference(_scales(0.5, seed=1)), atol=1e-2)
+
+
+def test_a_later_loads_handle_rebuilt_after_capture_is_refused_by_name() -> None:
+    m = _later(packed=True)
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_scales(0.5, seed=1))  # prepacked anew: a new ScriptObject
+    with pytest.raises(gs.StorageMovedError, match=r"layers\.0\.attn\.packed") as info:
+        g.replay()
+    assert "ScriptObject" in str(info.value)

@@ -575,6 +575,97 @@ def test_the_rewrite_alone_over_raw_values_a_refused_load_left_makes_the_weight_
     assert torch.allclose(y, _expected(_fold_scale, _folded_weights(1)))
 
 
+def _affine(m: Folded) -> None:
+    with torch.no_grad():
+        m.lin.weight.copy_(1 + m.lin.weight)  # Gemma's `1 + w` folded into a norm weight
+
+
+@pytest.mark.parametrize("rewrite", [_affine, _negate_exp], ids=["affine", "negate-exp"])
+def test_a_rewrite_by_copy_alone_over_raw_values_a_refused_load_left_makes_it_whole(
+    rewrite: Callable[[Folded], None],
+) -> None:
+    """A rewrite written back with `copy_` is told from a load's own `copy_` by what its
+    source was computed from (the weights), so re-applied alone over the raw values a
+    refused sync left, it makes the weight whole."""
+    m = Folded(rewrite)
+    m.load_weights(_folded_weights(0))
+    (found,) = gs.runtime(m).discovered
+    assert found.chain.endswith("aten.copy_")
+    g, y = _capture(m, guard=True)
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*did not re-apply"):
+        m.load_weights(_folded_weights(1), post=False)  # raw values, refused
+    gs.runtime(m).run_load(rewrite, m, (), {})  # the rewrite alone over them
+    g.replay()
+    assert torch.allclose(y, _expected(rewrite, _folded_weights(1)))
+
+
+@pytest.mark.parametrize("rewrite", [_affine, _negate_exp], ids=["affine", "negate-exp"])
+def test_control_a_rewrite_by_copy_alone_over_its_own_output_is_refused(
+    rewrite: Callable[[Folded], None],
+) -> None:
+    """The same rewrite run alone over a weight that is already whole applies it twice:
+    refused naming the weight and the op, and what the graph would read is wrong."""
+    m = Folded(rewrite)
+    m.load_weights(_folded_weights(0))
+    g, y = _capture(m, guard=True)
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*copy_ \(computed from the "
+                       r"weights\)(.|\n)*applied twice"):
+        gs.runtime(m).run_load(rewrite, m, (), {})
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()
+    gs.runtime(m).exempt("lin.weight", why="the control: what the graph reads now")
+    g.replay()
+    assert not torch.allclose(y, _expected(rewrite, _folded_weights(0)))  # applied twice
+
+
+@pytest.mark.parametrize("rewrite", [_affine, _negate_exp], ids=["affine", "negate-exp"])
+def test_a_rewrite_by_copy_after_each_bucket_is_judged_by_where_the_weight_came(
+    rewrite: Callable[[Folded], None],
+) -> None:
+    """The post-load step after each bucket of one update: whole when the weight came in
+    the last bucket (rewritten once after it), refused when a later bucket's step
+    rewrote it again (the control: its values are wrong)."""
+    new = _folded_weights(1)
+    buckets = [{"scale": new["scale"]}, {"lin.weight": new["lin.weight"]}]
+    for order, whole in ((buckets, True), (buckets[::-1], False)):
+        m = Folded(rewrite)
+        m.load_weights(_folded_weights(0))
+        g, y = _capture(m, guard=True)
+        if whole:
+            with gs.weight_update(m):
+                for bucket in order:
+                    m.load_weights(bucket)
+            g.replay()
+            assert torch.allclose(y, _expected(rewrite, new))
+            continue
+        with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*applied again"), \
+                gs.weight_update(m):
+            for bucket in order:
+                m.load_weights(bucket)
+        assert not torch.allclose(m(torch.ones(2, C)), _expected(rewrite, new))
+
+
+def test_the_trackers_name_a_copy_of_computed_values_apart_from_a_load() -> None:
+    """Both write trackers name the rewrite's `copy_` as the recording does, and a copy of
+    loaded values plainly: the order a rewritten weight is judged by."""
+    from graphsafe._lineage.recorder import DERIVED_COPY
+    from graphsafe._memory.walk import storage_key
+    from graphsafe._runtime.writes.tracking import NativeWriteTracker, WriteTracker
+
+    w = torch.randn(C, C)
+    key = storage_key(w)
+    trackers: list[Any] = [WriteTracker({key: "w"}, sequenced=frozenset((key,)))]
+    native = _native.get()
+    if native is not None:
+        trackers.append(NativeWriteTracker({key: "w"}, native, frozenset((key,))))
+    for tracker in trackers:
+        tracker.taint(frozenset((key,)))
+        with tracker:
+            w.copy_(torch.ones(C, C))  # loaded values
+            w.copy_(1 + w)  # computed from the weight
+        assert tracker.ops[key] == ["aten::copy_", DERIVED_COPY], type(tracker)
+
+
 def test_a_scale_the_rewrite_reads_bound_to_new_memory_without_the_rewrite_is_refused(
 ) -> None:
     """A loader that binds the scale to new memory (before a pin) and does not fold it

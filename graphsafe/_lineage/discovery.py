@@ -48,6 +48,7 @@ from graphsafe._lineage.entries import (
     refusal,
     still_held,
 )
+from graphsafe._lineage.later import LaterValues, Taken, taken_again
 from graphsafe._lineage.outside import find_outside, find_outside_values
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Lineage
@@ -156,6 +157,7 @@ class Discovery:
         # What a recording could not follow (weights read as NumPy arrays, numbers made
         # in Python from taken ones) -> (the weights' paths, why), for the audit.
         self._unfollowed: dict[str, tuple[tuple[str, ...], str]] = {}
+        self._later = LaterValues()  # what a later load's numbers are told new against
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._rewritten)
@@ -179,6 +181,7 @@ class Discovery:
         (`close_window`); else it is forgotten."""
         self.settle(lineage, model, sites)
         self._recorded = True
+        self._later.walked(model)
         if bring_up is not None and self._window is None and RECORDING[0] != "off":
             ref = weakref.ref(model)
 
@@ -250,23 +253,24 @@ class Discovery:
 
     def after_load(self, model: nn.Module, written: set[int],
                    tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
-                   sites: Callable[[], Sequence[Site]] | None = None) -> None:
+                   sites: Callable[[], Sequence[Site]] | None = None,
+                   taken: Sequence[Taken] = ()) -> None:
         """A load that was not recorded completed, writing the storages `written`: each
         source is read where the model holds it now (`rehome`), and what the load
         re-derived or rebuilt is witnessed anew (`follow`). What it computed from the
         weights (`tainted`, its tracker's) that the model holds in a new place (`sites()`)
-        is taken as found, with the weights it came from (its ops are not known)."""
+        is taken as found, with the weights it came from (its ops are not known); so are
+        the numbers it took from them and the handles ops made of them (`taken`) that the
+        model keeps in a new place (`LaterValues.found`)."""
         if self._entries:
             self.rehome(model)
-            self.follow(written)
+            self.follow(written, taken)
+        known = {e.path for e in self._entries} | self._rewritten.keys()
+        if taken:
+            self._add(self._later.found(model, taken, known))
         if tainted and sites is not None:
-            known = {e.path for e in self._entries} | self._rewritten.keys()
             found = find_tainted(sites(), sources_of(model), tainted, known)
-            if found:
-                by_entry = self._rows_by_entry()
-                old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
-                self._entries = self._entries + [Entry(f) for f in found]
-                self._rebuild(old_rows)
+            self._add([Entry(f) for f in found])
 
     def settle(
         self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]], *,
@@ -327,11 +331,7 @@ class Discovery:
                 self._unfollowed.update((p, (s, UNTRACED)) for p, s in untraced.items())
                 warn_untraced(untraced, type(model).__name__)
         kept = [e for e in self._entries if e.path not in found and still_held(e)]
-        fresh = [Entry(f) for f in found.values()]
-        by_entry = self._rows_by_entry()
-        old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
-        self._entries = kept + fresh
-        self._rebuild(old_rows)
+        self._add([Entry(f) for f in found.values()], kept)
 
     def _foreign(self, model: nn.Module, own: dict[int, Source]) -> dict[int, Source]:
         return foreign_sources(self._others(), model, own)
@@ -348,11 +348,7 @@ class Discovery:
         known = {e.path for e in self._entries}
         fresh = [Entry(f) for f in find_outside(window.lineage, model, tensors, sources)
                  if f.site.path not in known]
-        if fresh:
-            by_entry = self._rows_by_entry()
-            old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
-            self._entries = self._entries + fresh
-            self._rebuild(old_rows)
+        self._add(fresh)
 
     def outside_keys(self) -> dict[int, str]:
         """Storage key -> path of each tensor held outside the model (a load watches
@@ -368,13 +364,14 @@ class Discovery:
             return frozenset(storage_key(t) for s in foreign.values()
                              if isinstance(t := s.holder.get(s.key), torch.Tensor))
 
-    def follow(self, written: set[int]) -> None:
+    def follow(self, written: set[int], taken: Sequence[Taken] = ()) -> None:
         """After a load that was not recorded: an entry it wrote (re-derived in place), or
         whose place now holds a tensor the last load that ended did not leave there
         (rebuilt by this load's post-load step, from the same sources), is witnessed
         anew; the others keep their witnesses. Told apart by the tensor objects (held
         weakly), never by address: a storage freed in the load may be reused by the new
-        one."""
+        one. A number found without its ops holds when the load took it again from its
+        sources (`taken`)."""
         rows = self._rows_by_entry()
         again: list[int] = []
         for i, e in enumerate(self._entries):
@@ -384,7 +381,8 @@ class Discovery:
                 # re-ran over sources this load did not write): the value they give now.
                 again_taken = now is not e.seen()
                 if (again_taken or not written.isdisjoint(e.source_keys())) and (
-                        e.scalar_holds()):
+                        e.scalar_holds() if e.writer is not None
+                        else taken_again(e, now, taken)):
                     e.tensor = e.seen = ref_to(now)
                     again.extend(rows.get(i, []))
             elif e.kind == "handle":
@@ -429,6 +427,16 @@ class Discovery:
             rows = list(range(len(self._owner)))
             sites = [(s.holder, s.key) for e in self._entries for s in e.sources]
             self._witnesses = self._witnesses.carried(sites, rows)
+
+    def _add(self, fresh: list[Entry], kept: list[Entry] | None = None) -> None:
+        """Entries `fresh` join those `kept` (None: all held now); each kept one keeps
+        its witnesses."""
+        if not fresh and kept is None:
+            return
+        by_entry = self._rows_by_entry()
+        old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
+        self._entries = (self._entries if kept is None else kept) + fresh
+        self._rebuild(old_rows)
 
     def _rows_by_entry(self) -> dict[int, list[int]]:
         by_entry: dict[int, list[int]] = {}
@@ -531,11 +539,16 @@ class Discovery:
         for e in self._entries:
             if e.path in self._exempt:
                 continue
+            why = "" if e.writer else UNRECORDED
             if e.kind == "scalar":
                 now = e.value()
                 if type(now) in (int, float, bool):
                     items.append(AuditItem(e.path, torch.tensor(now), e.recompute,
-                                           e.source_paths(), False))
+                                           e.source_paths(), False, why=why))
+                else:
+                    items.append(AuditItem(e.path, torch.empty(0), lambda: None,
+                                           e.source_paths(), False,
+                                           why=f"it holds {type(now).__name__} now, no number"))
                 continue
             held = e.held()
             if e.kind == "handle" and held is None:  # an object, not an int in a tensor
@@ -544,6 +557,7 @@ class Discovery:
                     e.path, torch.empty(0), e.recompute, e.source_paths(), True,
                     None if found is None else _probing(e, e.value(), found.run),
                     0.0 if found is None else found.atol, 0.0 if found is None else found.rtol,
+                    why=why,
                 ))
                 continue
             if held is None:
@@ -562,13 +576,16 @@ class Discovery:
 
     def pin(self) -> None:
         """A graph holds the model from now on: what each scalar and handle is now is what
-        it holds."""
+        it holds (and the numbers the model keeps are what a later load's are told new
+        against)."""
         for e in self._values:
             if e.pinned is None:
                 e.pinned = ref_to(e.value())
+        self._later.pin()
 
     def unpin(self) -> None:
         """No graph holds the model any more."""
+        self._later.unpin()
         for e in self._entries:
             e.pinned = None
 

@@ -21,8 +21,19 @@ from graphsafe._lineage.resolve import Found, Source, recompute, recompute_scala
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, step, storage_key
 
-__all__ = ["UNRECORDED", "Entry", "Place", "read_place", "ref_to", "refusal", "same_number",
-           "still_held"]
+__all__ = ["AFTER_CAPTURE", "UNRECORDED", "Entry", "Place", "read_place", "ref_to", "refusal",
+           "same_number", "still_held"]
+
+
+class _AfterCapture:
+    """What a graph holds of a number or handle a load made after the capture, where the
+    place held no number then: not that value (refused until captured again)."""
+
+    def __repr__(self) -> str:
+        return "made by a load after the capture"
+
+
+AFTER_CAPTURE = _AfterCapture()
 
 
 class Place(NamedTuple):
@@ -147,6 +158,9 @@ class Entry:
         if self.pinned is None:
             return None
         was, now = self.pinned(), self.value()
+        if was is AFTER_CAPTURE:
+            return (f"made by a load after the capture (the graph holds what its place "
+                    f"held then), now {type(now).__name__} {now!r}")
         if self.kind == "scalar":
             return None if same_number(was, now) else f"{was!r} at capture, now {now!r}"
         if self.kind == "handle" and now is not was:

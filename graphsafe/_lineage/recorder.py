@@ -43,8 +43,8 @@ from graphsafe._lineage.threads import followed
 from graphsafe._memory.walk import storage_key
 
 __all__ = [
-    "RECORDING", "Arg", "Call", "Lineage", "Recorder", "ambiguous", "record", "recording",
-    "schema_name", "sid_of",
+    "DERIVED_COPY", "RECORDING", "Arg", "Call", "Lineage", "Recorder", "ambiguous", "record",
+    "recording", "schema_name", "sid_of",
 ]
 
 def _mode(value: str) -> str:
@@ -164,9 +164,10 @@ class Lineage:
         self.copied: dict[int, int] = {}
         """A storage copied whole into a weight -> that weight's storage (a staging copy:
         what was computed from it was computed from the weight)."""
-        self.weight_writes: dict[int, list[tuple[str, bool]]] = {}
-        """A weight's storage -> each op that wrote it, in order (`schema_name`), and
-        whether it was a load (a copy from what the recording did not compute)."""
+        self.weight_writes: dict[int, list[tuple[str, bool, Call | None]]] = {}
+        """A weight's storage -> each op that wrote it, in order (`schema_name`), whether
+        it was a load (a copy from what the recording did not compute), and its call
+        (None for a load)."""
         self.foreign: frozenset[int] = frozenset()
         """Storage keys of other models' weights: a weight copied from one is derived
         from it (a draft copying the target's head), not loaded."""
@@ -217,9 +218,10 @@ class Lineage:
                 return
             frame = frame.f_back
 
-    def wrote_weight(self, sid: int, op: str, *, raw: bool) -> None:
-        """Weight storage `sid` was written by `op` (`raw`: a copy of loaded values)."""
-        self.weight_writes.setdefault(sid, []).append((op, raw))
+    def wrote_weight(self, sid: int, op: str, call: Call | None) -> None:
+        """Weight storage `sid` was written by `op`: by `call`, or, None, a copy of
+        loaded values."""
+        self.weight_writes.setdefault(sid, []).append((op, call is None, call))
 
     def keep(self, call: Call, value: object) -> None:
         """`value` left torch from `call` (see `values`)."""
@@ -262,6 +264,12 @@ def schema_name(func: Any) -> str:
 
 _NUMBERS = (bool, int, float)
 _INSIDE = ("torch.", "graphsafe._")
+
+DERIVED_COPY = "aten::copy_ (computed from the weights)"
+"""How the recording and both write trackers name a `copy_` into a weight of values
+computed from the model's own weights (a post-load rewrite: `w.copy_(1 + w)`), told from
+a copy of loaded values (`aten::copy_`) by what its source was computed from. The
+compiled tracker (`tracker.cpp`) spells it the same."""
 
 
 def ambiguous(value: object) -> bool:
@@ -345,7 +353,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     lineage.hold(t, sid)
                     lineage.writers[sid] = (call, self._arg_written(t, sid))
                     if self.weights and storage_key(t) in self.weights:
-                        lineage.wrote_weight(sid, schema_name(func), raw=False)
+                        lineage.wrote_weight(sid, schema_name(func), call)
         call.mutated = tuple(wrote)
         results = out if isinstance(out, (list, tuple)) else (out,)
         for i, r in enumerate(results):
@@ -405,7 +413,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:  # a weight loaded: what reads it stops there
                 written = sid_of(args[0])
                 lineage.writers.pop(written, None)
-                lineage.wrote_weight(written, _COPY_NAME, raw=True)
+                lineage.wrote_weight(written, _COPY_NAME, None)
             if sid and src.shape == args[0].shape:
                 lineage.hold(src, sid)
                 lineage.copied[sid] = sid_of(args[0])

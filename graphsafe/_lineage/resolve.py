@@ -20,14 +20,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from graphsafe._lineage.recorder import Arg, Call, Lineage, ambiguous, sid_of
+from graphsafe._lineage.recorder import DERIVED_COPY, Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 
 __all__ = [
-    "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find", "find_rewrites",
-    "find_tainted", "find_values", "foreign_sources", "recompute", "recompute_scalar",
-    "sources_of", "trace", "untraced_numbers",
+    "NOTHING", "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find",
+    "find_rewrites", "find_tainted", "find_values", "foreign_sources", "recompute",
+    "recompute_scalar", "sources_of", "trace", "untraced_numbers",
 ]
 
 _CHAIN = 4
@@ -192,16 +192,20 @@ def find_rewrites(lineage: Lineage, sources: dict[int, Source],
                   derived: frozenset[int] = frozenset()) -> list[Rewrite]:
     """The weights whose last writes in the recording, after the last time they were
     loaded, are ops over the model's state (not a copy of loaded values); `derived`: the
-    storage identities of declared derived buffers, never weights."""
+    storage identities of declared derived buffers, never weights. A `copy_` of values
+    computed from the weights is named `DERIVED_COPY`: the write trackers tell it from a
+    load the same way."""
+    weights = {sid: s for sid, s in sources.items() if sid not in derived}
     out = []
     for sid, writes in lineage.weight_writes.items():
         weight = sources.get(sid)
         if weight is None or sid in derived:
             continue
-        after = len(writes)
-        while after and not writes[after - 1][1]:
+        named = [_written_as(op, call, weights) for op, _, call in writes]
+        after = len(named)
+        while after and named[after - 1] is not None:
             after -= 1
-        ops = tuple(op for op, _ in writes[after:])
+        ops = tuple(op for op in named[after:] if op is not None)
         last = lineage.writers.get(sid)
         if not ops or last is None:
             continue
@@ -236,6 +240,16 @@ def _rebound(lineage: Lineage, sources: dict[int, Source],
     return out
 
 
+def _written_as(op: str, call: Call | None, weights: dict[int, Source]) -> str | None:
+    """How a write into a weight is named to the trackers' order, or None for a load: a
+    copy of loaded values, or of values computed from no weight (a dequantized entry)."""
+    if call is None:
+        return None
+    if op == "aten::copy_":
+        return DERIVED_COPY if trace(call, weights)[0] else None
+    return op
+
+
 def atoms_of(model: nn.Module) -> Callable[[], dict[str, object]]:
     """How to read where `model` keeps `bool`s, small `int`s and floats, by path (for
     `Lineage.note_places`; the model is held weakly)."""
@@ -264,7 +278,7 @@ def find_values(
         if ambiguous(site.value):
             if before is None:
                 continue  # nothing tells this occurrence from one set elsewhere
-            was = before.get(site.path, _NOTHING)
+            was = before.get(site.path, NOTHING)
             if type(was) is type(site.value) and was == site.value:
                 continue  # held so before the recording made it
         found: dict[int, Source] = {}
@@ -281,7 +295,7 @@ def find_values(
     return out
 
 
-_NOTHING = object()
+NOTHING = object()
 
 
 def _atom(value: object) -> bool:
@@ -310,7 +324,7 @@ def untraced_numbers(
         site.path: tuple(taken)
         for site in walk_values(model, lambda v: type(v) is float)
         if site.path not in found and id(site.value) not in values
-        and before.get(site.path, _NOTHING) is not site.value
+        and before.get(site.path, NOTHING) is not site.value
     }
 
 

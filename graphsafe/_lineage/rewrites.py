@@ -4,9 +4,11 @@ A weight the recorded load rewrote after loading it, by ops over the model's sta
 scale folded in, `1 + w`, a layout interleaved or prepacked), holds derived state in the
 parameter itself. Every later load must write it the way the first did: loaded values,
 then the same rewrite; both write trackers keep, for these weights, the ops that write
-each in order. A load whose last writes are not (raw values with the rewrite not
-re-applied, or the rewrite alone over its own output: a fold applied twice) leaves it
-wrong, and it stays so until a load writes it whole again. `Discovery` keeps one
+each in order, a `copy_` of values computed from the weights (`w.copy_(1 + w)`) named
+apart from a copy of loaded values by what its source was computed from (the trackers'
+taint). A load whose last writes are not (raw values with the rewrite not re-applied, or
+the rewrite alone over its own output: a fold applied twice) leaves it wrong, and it
+stays so until a load writes it whole again. `Discovery` keeps one
 `Rewritten` per such weight.
 """
 
@@ -17,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from graphsafe._errors import StaleError
+from graphsafe._lineage.recorder import DERIVED_COPY
 from graphsafe._lineage.resolve import Rewrite
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key
@@ -24,7 +27,8 @@ from graphsafe._memory.walk import storage_key
 __all__ = ["Rewritten", "rewritten_error"]
 
 _LOAD_OPS = frozenset({"aten::copy_"})
-"""The ops a load writes loaded values with."""
+"""The ops a load writes loaded values with (a `copy_` of values computed from the
+weights is named apart: `DERIVED_COPY`)."""
 
 
 class Rewritten:
@@ -79,34 +83,35 @@ class Rewritten:
 
     def judge(self, ops: Sequence[str]) -> str | None:
         """Why a load whose writes into the weight were `ops` (in order) left it wrong,
-        or None: loaded, then rewritten the way the recorded load did."""
+        or None: loaded, then rewritten exactly once the way the recorded load did (or,
+        over raw values an earlier load left, rewritten exactly once). A load is a copy
+        of loaded values (`aten::copy_`); a rewrite by `copy_` is `DERIVED_COPY`."""
         raw, self.raw = self.raw, False
-        mine = list(self.ops)
-        done = " -> ".join(mine)
-        if raw and list(ops) == mine and not set(mine) <= _LOAD_OPS:
-            # Raw values left by an earlier load, rewritten once by this one (a rewrite by
-            # the op a load writes with cannot be told from a raw load: not taken so).
-            return None
+        done = " -> ".join(self.ops)
+        # A rewrite by rebinding is re-applied in place by a copy of what it computes.
+        mine = [DERIVED_COPY] if self.rebound else list(self.ops)
         if not ops:
             self.raw = True
             return (f"written by a load graphsafe saw no op of (load_state_dict, a write "
                     f"it tracks by versions): the post-load rewrite ({done}) not re-applied")
-        n = len(mine)
-        if len(ops) > n and list(ops[-n:]) == mine:
-            before = list(ops[:-n])
-            if before[-n:] != mine or (len(before) == n and set(mine) <= _LOAD_OPS):
-                return None  # loaded, then rewritten once (a rewrite by `copy_`: exactly so)
-            return (f"written by {' -> '.join(ops)}: the post-load rewrite ({done}) applied "
-                    "again over its own output after the weight was loaded (a fold applied "
-                    "twice; a rewrite by the op a load writes with is told from the load by "
-                    "name only, so it must follow exactly one write)")
-        if list(ops) == mine:
-            return (f"written only by {done}: either loaded raw with the post-load rewrite "
-                    f"not re-applied, or the rewrite re-applied over its own output (a fold "
-                    f"applied twice)")
-        self.raw = ops[-1] in _LOAD_OPS  # loaded values, not rewritten
-        return (f"written by {' -> '.join(ops)}: raw values where the model reads the output "
-                f"of the post-load rewrite ({done}), which this load did not re-apply")
+        loads = [i for i, op in enumerate(ops) if op in _LOAD_OPS]
+        tail = list(ops[loads[-1] + 1:]) if loads else list(ops)
+        if tail == mine and (loads or raw):
+            return None  # loaded (by this load, or raw values an earlier one left), rewritten once
+        wrote = " -> ".join(ops)
+        if not tail:
+            self.raw = True  # loaded values, not rewritten
+            return (f"written by {wrote}: raw values where the model reads the output of "
+                    f"the post-load rewrite ({done}), which this load did not re-apply")
+        if tail == mine:
+            again = " -> ".join(mine)
+            return (f"written only by {again}, which no load wrote before: the post-load "
+                    "rewrite re-applied over its own output (a fold applied twice)")
+        if tail[-len(mine):] == mine:
+            return (f"written by {wrote}: the post-load rewrite ({done}) applied again over "
+                    "its own output after the weight was loaded (a fold applied twice)")
+        return (f"written by {wrote}: not the post-load rewrite ({done}) applied once over "
+                "loaded values")
 
 
 def rewritten_error(broken: list[Rewritten]) -> StaleError:

@@ -17,7 +17,8 @@
 // weight reaches is its own source: a weight the load creates), so that once the load
 // ends, a tensor
 // the model holds in a new place is known to be computed from those weights
-// (`tracker_tainted`) although no op was recorded. A taint holds a weak reference to its
+// (`tracker_tainted`) although no op was recorded; and so are the numbers taken from
+// them and the handles ops made from them (`tracker_taken`). A taint holds a weak reference to its
 // storage: a storage freed in the load, and its address reused, is never taken for it.
 
 #include <Python.h>
@@ -31,6 +32,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include <ATen/core/class_type.h>
 #include <ATen/record_function.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
@@ -46,6 +48,16 @@ struct Taint {
   std::string op;
 };
 
+// A value that left torch in the load from what the weights reach: a number
+// (`aten::_local_scalar_dense`: `.item()`, `float()`, `int()`, `bool()`), or a handle a
+// non-aten op returned (a ScriptObject, by its class's qualified name; an int).
+struct Taken {
+  bool handle;
+  c10::IValue value;  // a double, int or bool; a handle's class name as a string
+  std::shared_ptr<const std::vector<int64_t>> sources;
+  std::string op;
+};
+
 struct Tracker {
   std::unordered_set<int64_t> watched;
   bool taints = false;  // follows what the load derives from `weights`
@@ -53,6 +65,7 @@ struct Tracker {
   // Touched only by the thread that pushed it (a thread a load starts gets a tracker of
   // its own), and read once it is popped: no lock.
   std::unordered_map<int64_t, Taint> tainted;
+  std::vector<Taken> taken;  // numbers and handles, in the order they were made
   std::unordered_set<int64_t> sequenced;  // of these, the ops that write each are kept
   std::mutex mu;  // `written` is read from other threads (a replay asking how far a load got)
   std::unordered_set<int64_t> written;
@@ -190,6 +203,30 @@ std::unique_ptr<at::ObserverContext> taint_start(
   return ctx;
 }
 
+// Notes the numbers and handles an op over what the weights reach returned (`taken`).
+void note_taken(Tracker& tr, const TaintContext& c, const std::vector<c10::IValue>& outputs) {
+  if (c.op == "aten::_local_scalar_dense") {
+    if (!outputs.empty() && (outputs[0].isDouble() || outputs[0].isInt() ||
+                             outputs[0].isBool())) {
+      tr.taken.push_back(Taken{false, outputs[0], c.sources, c.op});
+    }
+    return;
+  }
+  if (c.op.rfind("aten::", 0) == 0) {
+    return;
+  }
+  for (const c10::IValue& v : outputs) {
+    if (v.isObject()) {
+      auto name = v.toObjectRef().type()->name();
+      if (name) {
+        tr.taken.push_back(Taken{true, c10::IValue(name->qualifiedName()), c.sources, c.op});
+      }
+    } else if (v.isInt()) {
+      tr.taken.push_back(Taken{true, v, c.sources, c.op});
+    }
+  }
+}
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   if (ctx == nullptr) {
     return;
@@ -208,6 +245,25 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
       }
     });
   }
+  note_taken(tr, *c, fn.outputs());
+}
+
+// How a rewritten weight's order names a copy of values computed from the weights (the
+// op's taint, `ctx`, reaches one): a post-load rewrite, not a load. The same string as
+// graphsafe/_lineage/recorder.py's DERIVED_COPY.
+const std::string kDerivedCopy = "aten::copy_ (computed from the weights)";
+
+const std::string& sequenced_name(const std::string& name, const at::ObserverContext* ctx) {
+  if (ctx == nullptr || name != "aten::copy_") {
+    return name;
+  }
+  const auto* c = static_cast<const TaintContext*>(ctx);
+  for (int64_t key : *c->sources) {
+    if (c->tracker->weights.count(key) != 0) {
+      return kDerivedCopy;
+    }
+  }
+  return name;
 }
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
@@ -232,13 +288,13 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     if (i >= inputs.size()) {
       continue;
     }
-    graphsafe_native::each_key(inputs[i], [&writes](int64_t key) {
+    graphsafe_native::each_key(inputs[i], [&writes, &ctx](int64_t key) {
       for (const auto& tr : active) {
         if (tr->watched.count(key) != 0) {
           std::lock_guard<std::mutex> g(tr->mu);
           tr->written.insert(key);
           if (tr->sequenced.count(key) != 0) {
-            tr->ops[key].push_back(writes.name);
+            tr->ops[key].push_back(sequenced_name(writes.name, ctx.get()));
           }
         }
       }
@@ -489,6 +545,53 @@ PyObject* tracker_tainted(PyObject* /*self*/, PyObject* id) {
   return out;
 }
 
+// tracker_taken(id) -> list[tuple[bool, object, tuple[int, ...], str]]: each number or
+// handle the load made from what the weights reach -> (whether a handle, the number or the
+// handle's class name or int, the weights' keys, the op).
+PyObject* tracker_taken(PyObject* /*self*/, PyObject* id) {
+  std::shared_ptr<Tracker> tr = find(id);
+  if (tr == nullptr) {
+    return nullptr;
+  }
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (const Taken& t : tr->taken) {
+    PyObject* value = nullptr;
+    if (t.value.isDouble()) {
+      value = PyFloat_FromDouble(t.value.toDouble());
+    } else if (t.value.isBool()) {
+      value = PyBool_FromLong(t.value.toBool());
+    } else if (t.value.isInt()) {
+      value = PyLong_FromLongLong(t.value.toInt());
+    } else {
+      value = PyUnicode_FromString(t.value.toStringRef().c_str());
+    }
+    PyObject* keys = PyTuple_New(static_cast<Py_ssize_t>(t.sources->size()));
+    if (keys != nullptr) {
+      for (size_t i = 0; i < t.sources->size(); ++i) {
+        PyTuple_SET_ITEM(keys, static_cast<Py_ssize_t>(i), PyLong_FromLongLong((*t.sources)[i]));
+      }
+    }
+    if (value == nullptr || keys == nullptr) {
+      Py_XDECREF(value);
+      Py_XDECREF(keys);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyObject* row = Py_BuildValue("(ONNs)", t.handle ? Py_True : Py_False, value, keys,
+                                  t.op.c_str());
+    if (row == nullptr || PyList_Append(out, row) != 0) {
+      Py_XDECREF(row);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(row);
+  }
+  return out;
+}
+
 // tracker_free(id): forget it (it must not be active in any thread).
 PyObject* tracker_free(PyObject* /*self*/, PyObject* id) {
   const int64_t key = PyLong_AsLongLong(id);
@@ -513,6 +616,7 @@ PyMethodDef tracker_methods[] = {
     {"tracker_ops", tracker_ops, METH_O, "The ops that wrote each sequenced key."},
     {"tracker_taint", tracker_taint, METH_O, "Follow what is derived from these keys."},
     {"tracker_tainted", tracker_tainted, METH_O, "Storages derived from the weights."},
+    {"tracker_taken", tracker_taken, METH_O, "Numbers and handles made from the weights."},
     {"tracker_free", tracker_free, METH_O, "Forget it."},
     {"observer_watch", observer_watch, METH_O, "Storage keys the observer watches."},
     {"observer_start", observer_start, METH_NOARGS, "Observe every thread's ops."},

@@ -282,7 +282,8 @@ class LoadDriver:
                                      bring_up=load.weights)
             else:
                 self._discovery.after_load(self._binder.model, written, tainted,
-                                           lambda: self._binder.walked().sites)
+                                           lambda: self._binder.walked().sites,
+                                           load.tracker.taken())
             _tell_others(self, written)
             for check in self._load_checks:
                 check()

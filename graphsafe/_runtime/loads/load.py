@@ -33,7 +33,11 @@ from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.refresh.engine import Engine
 from graphsafe._runtime.transient.transients import Transient
-from graphsafe._runtime.writes.tracking import write_tracker
+from graphsafe._runtime.writes.tracking import (
+    NativeWriteTracker,
+    WriteTracker,
+    write_tracker,
+)
 
 __all__ = ["Load", "LoaderClosed", "awaited", "steps"]
 
@@ -143,9 +147,10 @@ class Load:
         load.writes = writes
         load.weights = weights
         load.record = record
-        if not record and RECORDING[0] != "off":
+        if sequenced or (not record and RECORDING[0] != "off"):
             # What a later load makes from the weights in a new place (a LoRA merged into
-            # a kernel's copy) is found without recording it: its tracker follows it.
+            # a kernel's copy) is found without recording it: its tracker follows it. And
+            # a weight rewritten in place by `copy_` is told from one loaded by it so.
             load.tracker.taint(weights)
         return load
 
@@ -206,7 +211,7 @@ class Load:
         The load does not end before the worker returns, so no replay can run between
         its refresh and the worker's writes.
         """
-        tracker = write_tracker(self.watch, self.engine.transients or None, self.sequenced)
+        tracker = self._worker_tracker(self.engine.transients or None)
         try:
             with tracker:
                 return fn(module, *args, **kwargs)
@@ -218,6 +223,14 @@ class Load:
                 self._transient_written |= tracker.transient_written
                 self._workers -= 1
                 self._cond.notify_all()
+
+    def _worker_tracker(self, transients: Any) -> WriteTracker | NativeWriteTracker:
+        """The tracker of a thread that joins the load: a rewrite by `copy_` it runs over
+        the weights is told from a load as in the load's own thread."""
+        tracker = write_tracker(self.watch, transients, self.sequenced)
+        if self.sequenced:
+            tracker.taint(self.weights)
+        return tracker
 
     def _close(self) -> set[int]:
         """Wait for the workers that joined, then stop; returns everything written."""
@@ -249,7 +262,7 @@ class Load:
 
     @contextlib.contextmanager
     def _tracked_thread(self) -> Iterator[None]:
-        tracker = write_tracker(self.watch, None, self.sequenced)
+        tracker = self._worker_tracker(None)
         try:
             with tracker:
                 yield

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Set
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphsafe import _native
-from graphsafe._lineage.recorder import schema_name
+from graphsafe._lineage.recorder import DERIVED_COPY, schema_name
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.transient.transients import Transient, Transients
 from graphsafe._runtime.writes.observer import Quiet
@@ -27,6 +27,7 @@ __all__ = [
     "NativeWriteTracker",
     "ReadGuard",
     "Taints",
+    "Taken",
     "WriteTracker",
     "storage_key",
     "write_tracker",
@@ -103,6 +104,11 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Each live storage the load computed from the weights -> (their keys, the op
         that made it); empty unless `taint` was called."""
         return {} if self._taints is None else self._taints.alive()
+
+    def taken(self) -> list[Taken]:
+        """The numbers taken from what the weights reach, and the handles ops made from
+        it, in order; empty unless `taint` was called."""
+        return [] if self._taints is None else list(self._taints.taken)
 
     def __enter__(self) -> WriteTracker:
         """Track this thread's ops. The process-wide observer skips them meanwhile: the
@@ -190,8 +196,30 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.on_write(key, str(func))
             self.written.add(key)
             if key in self.sequenced:
-                self.ops.setdefault(key, []).append(schema_name(func))
+                self.ops.setdefault(key, []).append(self._sequenced_name(func, args))
         return None
+
+    def _sequenced_name(self, func: Any, args: tuple[Any, ...]) -> str:
+        """The op's name in a rewritten weight's order: a `copy_` of values computed
+        from the weights is `DERIVED_COPY` (a rewrite, not a load)."""
+        name = schema_name(func)
+        taints = self._taints
+        if (name == "aten::copy_" and taints is not None and len(args) > 1
+                and isinstance(args[1], torch.Tensor) and taints.from_weights(args[1])):
+            return DERIVED_COPY
+        return name
+
+
+class Taken(NamedTuple):
+    """A value that left torch in a load from what the weights reach: a number
+    (`aten::_local_scalar_dense`: `.item()`, `float()`, `int()`, `bool()`), or a handle a
+    non-aten op returned (a `ScriptObject`, by its class's qualified name; an int)."""
+
+    handle: bool
+    value: object
+    sources: tuple[int, ...]
+    """The weights' storage keys, sorted."""
+    op: str
 
 
 class Taints:
@@ -209,6 +237,8 @@ class Taints:
     def __init__(self, weights: frozenset[int]) -> None:
         self.weights = weights
         self._tainted: dict[int, tuple[StorageWeakRef, frozenset[int], str]] = {}
+        self.taken: list[Taken] = []
+        """Numbers taken from what the weights reach, handles ops made from it."""
 
     def _reach(self, t: torch.Tensor) -> frozenset[int]:
         key = storage_key(t)
@@ -220,6 +250,10 @@ class Taints:
         if found is None or found[0].expired() or found[0].cdata != _cdata(t):  # type: ignore[no-untyped-call]
             return frozenset()
         return found[1]
+
+    def from_weights(self, t: torch.Tensor) -> bool:
+        """Whether `t` is a weight, or was computed from one in the load."""
+        return not self._reach(t).isdisjoint(self.weights)
 
     def start(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[frozenset[int], str, frozenset[int]] | None:
@@ -254,8 +288,11 @@ class Taints:
 
     def end(self, pending: tuple[frozenset[int], str, frozenset[int]], args: tuple[Any, ...],
             kwargs: dict[str, Any], out: Any) -> None:
-        """After the op: its results are tainted (named after it, unless views)."""
+        """After the op: its results are tainted (named after it, unless views); a number
+        or a handle it made from the weights is `taken`."""
         sources, name, read = pending
+        if sources:
+            self._note_taken(sources, name, out)
         for t in _tensors(out):
             key = storage_key(t)
             if key and key not in self.weights:
@@ -272,6 +309,20 @@ class Taints:
         except (RuntimeError, NotImplementedError):
             return
         self._tainted[key] = (ref, sources, op)
+
+    def _note_taken(self, sources: frozenset[int], name: str, out: Any) -> None:
+        keys = tuple(sorted(sources))
+        if name == "aten::_local_scalar_dense":
+            if type(out) in (int, float, bool):
+                self.taken.append(Taken(False, out, keys, name))
+            return
+        if name.startswith("aten::"):
+            return
+        for r in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(r, torch.ScriptObject):
+                self.taken.append(Taken(True, r._type().qualified_name(), keys, name))
+            elif type(r) is int:
+                self.taken.append(Taken(True, r, keys, name))
 
     def alive(self) -> dict[int, tuple[tuple[int, ...], str]]:
         """Each live tainted storage -> (the weights' keys, sorted; the op)."""
@@ -383,6 +434,12 @@ class NativeWriteTracker:
         if self._id is None or self._weights is None:
             return {}
         return self._native.tracker_tainted(self._id)
+
+    def taken(self) -> list[Taken]:
+        """As `WriteTracker.taken`."""
+        if self._id is None or self._weights is None:
+            return []
+        return [Taken(*row) for row in self._native.tracker_taken(self._id)]
 
     @property
     def written(self) -> set[int]:

@@ -73,7 +73,7 @@ from graphsafe._lineage.resolve import (
     trace,
     untraced_numbers,
 )
-from graphsafe._lineage.rewrites import Rewritten, rewritten_error
+from graphsafe._lineage.rewrites import Rewrites, Rewritten, rewritten_error
 from graphsafe._lineage.window import Window
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
@@ -152,7 +152,7 @@ class Discovery:
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
         self._recorded = False
-        self._rewritten: dict[str, Rewritten] = {}  # weight path -> its rewrite
+        self._rewritten = Rewrites()  # weight path -> its rewrite
         self._window: Window | None = None  # the bring-up's forwards, until the capture
         # What a recording could not follow (weights read as NumPy arrays, numbers made
         # in Python from taken ones) -> (the weights' paths, why), for the audit.
@@ -203,53 +203,20 @@ class Discovery:
             window.close(lambda lineage: self.settle(lineage, model, sites, lazily=True))
 
     def sequenced_keys(self) -> frozenset[int]:
-        """Storage keys of the weights rewritten in place: a load keeps the ops that write
-        each, in order, for `judge_rewrites`."""
-        return frozenset(k for r in self._rewritten.values() if (k := r.key()))
+        """`Rewrites.sequenced_keys`."""
+        return self._rewritten.sequenced_keys()
 
     def judge_rewrites(
         self, written: set[int], ops: Mapping[int, Sequence[str]],
         before: Mapping[str, int] | None = None,
         tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
     ) -> list[Rewritten]:
-        """A load ended that wrote `written` (storage keys), each rewritten weight by
-        `ops[key]`: every weight it left wrong (not exempted); one written the way the
-        recorded load did is whole again. `before`: the storage key of each path when the
-        load began; a rewritten weight the load bound to new memory is left wrong (its
-        writes there are not kept: whether the rewrite was re-applied is not known), but
-        one the recorded load rewrote by binding a new tensor (`Rewritten.rebound`) that
-        the load bound to a tensor it computed from other weights (`tainted`, its
-        tracker's): re-applied so."""
-        broken = []
-        for r in self._rewritten.values():
-            key = r.key()
-            was = None if before is None else before.get(r.path)
-            if was is not None and was != key and r.rebound and _computed(key, tainted):
-                r.broken, r.raw = None, False  # rebound to a transform this load computed
-            elif was is not None and was != key:
-                r.broken = ("bound to new memory by the load (`p.data = ...`): whether the "
-                            "post-load rewrite was re-applied there is not known (load it "
-                            "in place, with `copy_`)")
-            elif key not in written:
-                why = r.input_written(written, before)
-                if why is None:
-                    continue
-                r.broken = why
-            else:
-                r.broken = r.judge(ops.get(key, ()))
-            if r.broken is not None and r.path not in self._exempt:
-                broken.append(r)
-        return broken
+        """`Rewrites.judge` of a load that ended, exemptions left out."""
+        return self._rewritten.judge(written, ops, before, tainted, self._exempt)
 
     def written_elsewhere(self, keys: set[int]) -> None:
-        """A load of another model (a tied weight) wrote the storages `keys`: each weight
-        rewritten in place among them holds raw values now, until a load of this model
-        writes it whole again."""
-        for r in self._rewritten.values():
-            if r.key() in keys:
-                r.raw = True
-                r.broken = ("written by a load of another model that shares it, which does "
-                            "not re-apply this model's post-load rewrite")
+        """`Rewrites.written_elsewhere`: a load of another model wrote `keys`."""
+        self._rewritten.written_elsewhere(keys)
 
     def after_load(self, model: nn.Module, written: set[int],
                    tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
@@ -596,8 +563,7 @@ class Discovery:
 
     def broken_rewrites(self) -> list[Rewritten]:
         """The weights rewritten in place that a load left wrong, not exempted."""
-        return [r for r in self._rewritten.values()
-                if r.broken is not None and r.path not in self._exempt]
+        return self._rewritten.broken(self._exempt)
 
     def _stale_rows(
         self, reads: frozenset[int] | None, *, exempted: bool = False
@@ -672,9 +638,3 @@ def _probing(
     return probe
 
 
-
-def _computed(key: int, tainted: Mapping[int, tuple[tuple[int, ...], str]] | None) -> bool:
-    """Whether the load computed storage `key` from weights other than itself (`tainted`:
-    its tracker's; a storage it overwrote with loaded values is its own source only)."""
-    sources = (tainted or {}).get(key, ((), ""))[0]
-    return any(k != key for k in sources)

@@ -8,13 +8,13 @@ each in order, a `copy_` of values computed from the weights (`w.copy_(1 + w)`) 
 apart from a copy of loaded values by what its source was computed from (the trackers'
 taint). A load whose last writes are not (raw values with the rewrite not re-applied, or
 the rewrite alone over its own output: a fold applied twice) leaves it wrong, and it
-stays so until a load writes it whole again. `Discovery` keeps one
-`Rewritten` per such weight.
+stays so until a load writes it whole again. `Discovery` keeps one `Rewritten` per such
+weight, in its `Rewrites`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from graphsafe._lineage.resolve import Rewrite
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key
 
-__all__ = ["Rewritten", "rewritten_error"]
+__all__ = ["Rewrites", "Rewritten", "rewritten_error"]
 
 _LOAD_OPS = frozenset({"aten::copy_"})
 """The ops a load writes loaded values with (a `copy_` of values computed from the
@@ -112,6 +112,71 @@ class Rewritten:
                     "its own output after the weight was loaded (a fold applied twice)")
         return (f"written by {wrote}: not the post-load rewrite ({done}) applied once over "
                 "loaded values")
+
+
+class Rewrites(dict[str, "Rewritten"]):
+    """The weights of one model rewritten by its post-load step, by path, and how each
+    load that ends leaves them."""
+
+    def sequenced_keys(self) -> frozenset[int]:
+        """Storage keys of the weights rewritten in place: a load keeps the ops that write
+        each, in order, for `judge`."""
+        return frozenset(k for r in self.values() if (k := r.key()))
+
+    def judge(
+        self, written: set[int], ops: Mapping[int, Sequence[str]],
+        before: Mapping[str, int] | None, tainted: Mapping[int, tuple[tuple[int, ...], str]] | None,
+        exempt: Container[str],
+    ) -> list[Rewritten]:
+        """A load ended that wrote `written` (storage keys), each rewritten weight by
+        `ops[key]`: every weight it left wrong (not in `exempt`); one written the way the
+        recorded load did is whole again. `before`: the storage key of each path when the
+        load began; a rewritten weight the load bound to new memory is left wrong (its
+        writes there are not kept: whether the rewrite was re-applied is not known), but
+        one the recorded load rewrote by binding a new tensor (`Rewritten.rebound`) that
+        the load bound to a tensor it computed from other weights (`tainted`, its
+        tracker's): re-applied so."""
+        broken = []
+        for r in self.values():
+            key = r.key()
+            was = None if before is None else before.get(r.path)
+            if was is not None and was != key and r.rebound and _computed(key, tainted):
+                r.broken, r.raw = None, False  # rebound to a transform this load computed
+            elif was is not None and was != key:
+                r.broken = ("bound to new memory by the load (`p.data = ...`): whether the "
+                            "post-load rewrite was re-applied there is not known (load it "
+                            "in place, with `copy_`)")
+            elif key not in written:
+                why = r.input_written(written, before)
+                if why is None:
+                    continue
+                r.broken = why
+            else:
+                r.broken = r.judge(ops.get(key, ()))
+            if r.broken is not None and r.path not in exempt:
+                broken.append(r)
+        return broken
+
+    def written_elsewhere(self, keys: set[int]) -> None:
+        """A load of another model (a tied weight) wrote the storages `keys`: each weight
+        rewritten in place among them holds raw values now, until a load of this model
+        writes it whole again."""
+        for r in self.values():
+            if r.key() in keys:
+                r.raw = True
+                r.broken = ("written by a load of another model that shares it, which does "
+                            "not re-apply this model's post-load rewrite")
+
+    def broken(self, exempt: Container[str]) -> list[Rewritten]:
+        """The weights a load left wrong, not in `exempt`."""
+        return [r for r in self.values() if r.broken is not None and r.path not in exempt]
+
+
+def _computed(key: int, tainted: Mapping[int, tuple[tuple[int, ...], str]] | None) -> bool:
+    """Whether the load computed storage `key` from weights other than itself (`tainted`:
+    its tracker's; a storage it overwrote with loaded values is its own source only)."""
+    sources = (tainted or {}).get(key, ((), ""))[0]
+    return any(k != key for k in sources)
 
 
 def rewritten_error(broken: list[Rewritten]) -> StaleError:

@@ -332,6 +332,8 @@ class Discovery:
     def foreign_keys(self, model: nn.Module) -> frozenset[int]:
         """Storage keys of the other bound models' weights `model` does not hold (for a
         recording: a copy from one is a derivation)."""
+        if all(other is model for other in self._others()):
+            return frozenset()  # no other model: its own weights need not be read
         foreign = self._foreign(model, sources_of(model))
         with PLAIN():
             return frozenset(storage_key(t) for s in foreign.values()

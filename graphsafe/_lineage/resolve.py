@@ -160,9 +160,10 @@ def find(
     first path."""
     out: list[Found] = []
     taken: set[int] = set()
-    for site in sites:
-        with PLAIN():
-            sid = sid_of(site.tensor)
+    sites = list(sites)
+    with PLAIN():  # once, not per site
+        sids = [sid_of(site.tensor) for site in sites]
+    for site, sid in zip(sites, sids):
         if sid not in among or sid in taken or sid in sources:
             continue
         taken.add(sid)

@@ -78,7 +78,7 @@ def test_loads_of_models_that_die_leave_the_process_journal_as_it_was() -> None:
     assert len(JOURNAL) <= before
 
 
-def test_a_first_load_tracks_every_storage_it_wrote_and_walks_only_for_one_off_the_tables(
+def test_the_storages_of_a_first_load_are_found_in_the_tables_and_walked_for_only_off_them(
 ) -> None:
     from graphsafe._runtime.loads.load import _storage_finder
 
@@ -103,14 +103,19 @@ def test_a_first_load_tracks_every_storage_it_wrote_and_walks_only_for_one_off_t
     walks.clear()
     assert _storage_finder(walk, None)(storage_key(model.weight)) is not None and walks == [1]
 
-    # Through a load: both storages are known to the journal, so it forgets them as they die.
-    model.weight.requires_grad_(False)
+
+def test_a_first_load_makes_the_journal_know_every_storage_it_wrote() -> None:
+    model = nn.Linear(4, 4).requires_grad_(False)
+    model.cache = {"k": torch.zeros(8)}  # written in place, held off the tables
     with gs.weight_update(model):
         model.weight.copy_(torch.ones(4, 4))
         model.cache["k"].add_(1)
-    for t in (model.weight, model.cache["k"]):
+    for t in (model.weight, model.cache["k"]):  # known: the journal forgets each as it dies
         key = storage_key(t)
         assert key in JOURNAL.containing(key, key + t.nbytes)
+    del model, t
+    gc.collect()
+    len(JOURNAL)  # forgotten now, not in another test
 
 
 def test_the_journal_heals_only_the_storages_it_is_given() -> None:

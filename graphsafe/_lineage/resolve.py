@@ -26,8 +26,8 @@ from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 
 __all__ = [
     "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find", "find_rewrites",
-    "find_tainted", "find_values", "foreign_sources", "recompute", "recompute_scalar",
-    "sources_of", "trace",
+    "find_tainted", "find_values", "foreign_keys", "foreign_sources", "recompute",
+    "recompute_scalar", "sources_of", "trace",
 ]
 
 _CHAIN = 4
@@ -86,6 +86,18 @@ def foreign_sources(others: Iterable[nn.Module], model: nn.Module,
             if sid not in own:
                 found.setdefault(sid, src._replace(path=f"{name}:{src.path}"))
     return found
+
+
+def foreign_keys(others: Iterable[nn.Module], model: nn.Module) -> frozenset[int]:
+    """Storage keys of the weights of `others` that `model` does not hold (`model`'s own
+    are read only when there is another model)."""
+    others = [other for other in others if other is not model]
+    if not others:
+        return frozenset()
+    foreign = foreign_sources(others, model, sources_of(model))
+    with PLAIN():
+        return frozenset(storage_key(t) for s in foreign.values()
+                         if isinstance(t := s.holder.get(s.key), torch.Tensor))
 
 
 def find_tainted(

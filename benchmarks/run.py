@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="samples per case (default 21, 3 with --quick)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print cProfiles: figure 2's refresh, 4's loads, 5c's guard")
+                        help="also print cProfiles: figure 2's refresh, 4's loads, 5c's guard, "
+                        "11a/11b's recorded first loads")
     args = parser.parse_args(argv)
     device = machine(args, parser)
     if args.repeats is not None and args.repeats < 1:

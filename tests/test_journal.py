@@ -78,6 +78,46 @@ def test_loads_of_models_that_die_leave_the_process_journal_as_it_was() -> None:
     assert len(JOURNAL) <= before
 
 
+def test_the_storages_of_a_first_load_are_found_in_the_tables_and_walked_for_only_off_them(
+) -> None:
+    from graphsafe._runtime.loads.load import _storage_finder
+
+    model = nn.Linear(4, 4)
+    model.cache = {"k": torch.zeros(8)}  # held off the tables: only a walk reaches it
+    walks: list[int] = []
+
+    def walk() -> list[torch.Tensor]:
+        walks.append(1)
+        return [*model.parameters(), model.cache["k"]]
+
+    def own() -> list[torch.Tensor]:
+        return list(model.parameters())
+
+    storage_of = _storage_finder(walk, own)
+    w = storage_of(storage_key(model.weight))
+    assert w is not None and w.data_ptr() == storage_key(model.weight) and not walks
+    k = storage_of(storage_key(model.cache["k"]))  # not a parameter: one walk finds it
+    assert k is not None and k.data_ptr() == storage_key(model.cache["k"]) and walks == [1]
+    assert storage_of(12345) is None and walks == [1]  # walked once at most
+    # Control: without the tables, the first question walks the model.
+    walks.clear()
+    assert _storage_finder(walk, None)(storage_key(model.weight)) is not None and walks == [1]
+
+
+def test_a_first_load_makes_the_journal_know_every_storage_it_wrote() -> None:
+    model = nn.Linear(4, 4).requires_grad_(False)
+    model.cache = {"k": torch.zeros(8)}  # written in place, held off the tables
+    with gs.weight_update(model):
+        model.weight.copy_(torch.ones(4, 4))
+        model.cache["k"].add_(1)
+    for t in (model.weight, model.cache["k"]):  # known: the journal forgets each as it dies
+        key = storage_key(t)
+        assert key in JOURNAL.containing(key, key + t.nbytes)
+    del model, t
+    gc.collect()
+    len(JOURNAL)  # forgotten now, not in another test
+
+
 def test_the_journal_heals_only_the_storages_it_is_given() -> None:
     # A completed load heals what it wrote; every other failure's poison stays.
     journal = Journal()

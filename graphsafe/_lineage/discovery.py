@@ -68,6 +68,7 @@ from graphsafe._lineage.resolve import (
     find_rewrites,
     find_tainted,
     find_values,
+    foreign_keys,
     foreign_sources,
     sources_of,
     trace,
@@ -326,10 +327,7 @@ class Discovery:
     def foreign_keys(self, model: nn.Module) -> frozenset[int]:
         """Storage keys of the other bound models' weights `model` does not hold (for a
         recording: a copy from one is a derivation)."""
-        foreign = self._foreign(model, sources_of(model))
-        with PLAIN():
-            return frozenset(storage_key(t) for s in foreign.values()
-                             if isinstance(t := s.holder.get(s.key), torch.Tensor))
+        return foreign_keys(self._others(), model)
 
     def follow(self, written: set[int], taken: Sequence[Taken] = ()) -> None:
         """After a load that was not recorded: an entry it wrote (re-derived in place), or

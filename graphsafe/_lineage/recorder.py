@@ -300,8 +300,31 @@ def _is_view(func: Any) -> bool:
 
 _PLAIN = (int, float, bool, str, bytes, torch.dtype, torch.device, torch.Size)
 
-_MUTATED: dict[Any, tuple[int, ...]] = {}
 _VIEWS: dict[Any, bool] = {}
+
+
+class _OpInfo(NamedTuple):
+    """What the recorder needs of an op's schema, read once per op."""
+
+    view_free: bool
+    """Its result is its argument for lineage (`_VIEW_FREE`)."""
+    aten: bool
+    """An op of aten (its non-tensor results are never handles)."""
+    mutated: tuple[tuple[int, str], ...]
+    """The arguments it writes: (position, name), by its schema."""
+    schema_name: str
+    """`schema_name(func)`."""
+
+    @classmethod
+    def of(cls, func: Any) -> _OpInfo:
+        schema = getattr(func, "_schema", None)
+        name = "" if schema is None else str(schema.name)
+        mutated = tuple((pos, "" if schema is None else str(schema.arguments[pos].name))
+                        for pos in _mutated(func))
+        return cls(name in _VIEW_FREE, name.startswith("aten::"), mutated, schema_name(func))
+
+
+_INFO: dict[Any, _OpInfo] = {}
 
 
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -325,36 +348,40 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         lineage = self.lineage
-        name = func._schema.name if hasattr(func, "_schema") else ""
-        if name in _VIEW_FREE:
+        info = _INFO.get(func)
+        if info is None:
+            info = _INFO[func] = _OpInfo.of(func)
+        if info.view_free:
             self._handle_tensor(out)
             return
         # No closure here: a recursive one is a reference cycle, and would keep the
         # arguments alive (and `torch.utils.swap_tensors` refusing them) until a collection.
-        call = Call(func, tuple(self._conv(a) for a in args),
-                    {k: self._conv(v) for k, v in kwargs.items()}, lineage.epoch)
-        seen = next(call.inputs(), None) is not None
-        mutated = _MUTATED.get(func)
-        if mutated is None:
-            mutated = _MUTATED[func] = _mutated(func)
-        in_sids = {a.sid for a in call.inputs()}
+        # The arguments are converted inline (the hot path of a recorded load): `seen`
+        # and `in_sids` are gathered as they go.
+        in_sids: set[int] = set()  # of every tensor argument (0: one without storage)
+        conv = self._conv_into
+        call = Call(func, tuple([conv(a, in_sids) for a in args]),
+                    {k: conv(v, in_sids) for k, v in kwargs.items()} if kwargs else {},
+                    lineage.epoch)
+        seen = bool(in_sids)
+        writers = lineage.writers
         wrote: list[int | str] = []
-        for pos in mutated:
+        for pos, kw in info.mutated:
             where: int | str = pos
             if pos < len(args):
                 t = args[pos]
             else:  # passed by keyword, as `out=` is
-                name_ = str(func._schema.arguments[pos].name)
-                where, t = name_, kwargs.get(name_)
+                where, t = kw, kwargs.get(kw)
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 wrote.append(where)
                 sid = sid_of(t)
                 if sid:
                     lineage.hold(t, sid)
-                    lineage.writers[sid] = (call, self._arg_written(t, sid))
+                    writers[sid] = (call, self._arg_written(t, sid))
                     if self.weights and storage_key(t) in self.weights:
-                        lineage.wrote_weight(sid, schema_name(func), call)
+                        lineage.wrote_weight(sid, info.schema_name, call)
         call.mutated = tuple(wrote)
+        aten = info.aten
         results = out if isinstance(out, (list, tuple)) else (out,)
         for i, r in enumerate(results):
             if isinstance(r, torch.Tensor):
@@ -366,20 +393,21 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 arg = self._arg_written(r, sid)
                 call.outs[i] = arg
                 lineage.hold(r, sid)
-                lineage.writers[sid] = (call, arg)
-            elif (isinstance(r, int) and not isinstance(r, bool) and seen
-                  and not name.startswith("aten::")):
+                writers[sid] = (call, arg)
+            elif aten or not seen:
+                continue
+            elif isinstance(r, int) and not isinstance(r, bool):
                 call.opaque = True
                 lineage.handles[r] = call
-            elif r is not None and seen and not name.startswith("aten::") and not isinstance(
-                    r, _PLAIN):  # a handle of another kind: a ScriptObject, an object
+            elif r is not None and not isinstance(r, _PLAIN):
+                # a handle of another kind: a ScriptObject, an object
                 call.opaque = True
                 lineage.keep(call, r)
-        if (isinstance(out, (list, tuple)) and out and seen and not name.startswith("aten::")
+        if (not aten and seen and isinstance(out, (list, tuple)) and out
                 and not any(isinstance(r, torch.Tensor) for r in out)):
             call.opaque = True  # a list of handles kept as one (an op's int list)
             lineage.keep(call, out)
-        if not seen and not call.outs and not mutated:
+        if not seen and not call.outs and not info.mutated:
             return
         self._handle_tensor(out)
 
@@ -390,38 +418,45 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if _compiling():  # dynamo traces a compiled function: its ops are recorded as
             return func(*args, **kwargs)  # the compiled code runs them, not while tracing
         out = func(*args, **kwargs)
-        with _NO_FUNCTION_MODES():  # what the recorder reads of tensors is not recorded
-            return self._after(func, args, kwargs, out)
-
-    def _after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         view = _VIEWS.get(func)
         if view is None:
             view = _VIEWS[func] = _is_view(func)
+        if view and not self.lineage.handles:
+            return out  # a view shares its base's storage and writer: nothing to record
+        with _NO_FUNCTION_MODES():  # what the recorder reads of tensors is not recorded
+            return self._after(func, args, kwargs, out, view)
+
+    def _after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+               view: bool) -> Any:
         if view:
-            if self.lineage.handles:
-                self._handle_tensor(out)  # `torch.tensor(<int>)` is a `lift_fresh`
+            self._handle_tensor(out)  # `torch.tensor(<int>)` is a `lift_fresh`
             return out
         weights = self.weights
         if weights and func is _COPY and storage_key(args[0]) in weights:
-            src = args[1]
-            lineage = self.lineage
-            sid = sid_of(src) if isinstance(src, torch.Tensor) else 0
-            if sid and (sid in lineage.writers  # computed here: maybe a post-load rewrite
-                        or storage_key(src) in lineage.foreign):  # another model's weight
-                with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
-                    self._note(func, args, kwargs, out)
-            else:  # a weight loaded: what reads it stops there
-                written = sid_of(args[0])
-                lineage.writers.pop(written, None)
-                lineage.wrote_weight(written, _COPY_NAME, None)
-            if sid and src.shape == args[0].shape:
-                lineage.hold(src, sid)
-                lineage.copied[sid] = sid_of(args[0])
+            self._copied_into(func, args, kwargs, out, sid_of(args[0]))
             return out
         # A tensor without a storage (a wrapper subclass) has no lineage to follow.
         with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
             self._note(func, args, kwargs, out)
         return out
+
+    def _copied_into(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     out: Any, written: int) -> None:
+        """`copy_` into the weight whose storage is `written`: a load, or a rewrite."""
+        src = args[1]
+        lineage = self.lineage
+        sid = sid_of(src) if isinstance(src, torch.Tensor) else 0
+        if sid and (sid in lineage.writers  # computed here: maybe a post-load rewrite
+                    or (lineage.foreign  # another model's weight
+                        and storage_key(src) in lineage.foreign)):
+            with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                self._note(func, args, kwargs, out)
+        else:  # a weight loaded: what reads it stops there
+            lineage.writers.pop(written, None)
+            lineage.wrote_weight(written, _COPY_NAME, None)
+        if sid and src.shape == args[0].shape:
+            lineage.hold(src, sid)
+            lineage.copied[sid] = written
 
     def __enter__(self) -> Recorder:
         # Ops registered CompositeImplicitAutograd (vLLM's `create_onednn_mm_handler`)
@@ -453,6 +488,20 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def fork(self) -> Recorder:
         """A recorder into the same lineage, for a thread this one started."""
         return Recorder(self.lineage, self.weights)
+
+    def _conv_into(self, a: Any, sids: set[int]) -> Any:
+        """`_conv`, adding the storage of each tensor argument (in a list too) to `sids`."""
+        if isinstance(a, torch.Tensor):
+            if a.device.type == "meta":
+                return None
+            arg = self._arg(a)
+            sids.add(arg.sid)
+            return arg
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            conv = type(a)(self._conv(x) for x in a)
+            sids.update(x.sid for x in conv if isinstance(x, Arg))
+            return conv
+        return a
 
     def _conv(self, a: Any) -> Any:
         """An argument as recorded: a tensor as its `Arg` (None for a meta tensor)."""

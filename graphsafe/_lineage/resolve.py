@@ -26,8 +26,8 @@ from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 
 __all__ = [
     "NOTHING", "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find",
-    "find_rewrites", "find_tainted", "find_values", "foreign_sources", "recompute",
-    "recompute_scalar", "sources_of", "trace", "untraced_numbers",
+    "find_rewrites", "find_tainted", "find_values", "foreign_keys", "foreign_sources",
+    "recompute", "recompute_scalar", "sources_of", "trace", "untraced_numbers",
 ]
 
 _CHAIN = 4
@@ -86,6 +86,18 @@ def foreign_sources(others: Iterable[nn.Module], model: nn.Module,
             if sid not in own:
                 found.setdefault(sid, src._replace(path=f"{name}:{src.path}"))
     return found
+
+
+def foreign_keys(others: Iterable[nn.Module], model: nn.Module) -> frozenset[int]:
+    """Storage keys of the weights of `others` that `model` does not hold (`model`'s own
+    are read only when there is another model)."""
+    others = [other for other in others if other is not model]
+    if not others:
+        return frozenset()
+    foreign = foreign_sources(others, model, sources_of(model))
+    with PLAIN():
+        return frozenset(storage_key(t) for s in foreign.values()
+                         if isinstance(t := s.holder.get(s.key), torch.Tensor))
 
 
 def find_tainted(
@@ -160,9 +172,10 @@ def find(
     first path."""
     out: list[Found] = []
     taken: set[int] = set()
-    for site in sites:
-        with PLAIN():
-            sid = sid_of(site.tensor)
+    sites = list(sites)
+    with PLAIN():  # once, not per site
+        sids = [sid_of(site.tensor) for site in sites]
+    for site, sid in zip(sites, sids):
         if sid not in among or sid in taken or sid in sources:
             continue
         taken.add(sid)

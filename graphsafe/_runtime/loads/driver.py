@@ -263,7 +263,8 @@ class LoadDriver:
         ended = False
         try:
             written = load.end(what, exc, pinned=self._pinned(),
-                               model_tensors=self._binder.tensors, witnesses=witnesses,
+                               model_tensors=self._binder.tensors,
+                               own_tensors=self._binder.own_tensors, witnesses=witnesses,
                                lazy=self._deferred.lazy)
             ended = True
             self._deferred.take(load)

@@ -319,6 +319,7 @@ class Load:
         *,
         pinned: bool,
         model_tensors: Callable[[], Iterable[torch.Tensor]],
+        own_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
         witnesses: bool = False,
         lazy: bool = False,
     ) -> set[int]:
@@ -326,6 +327,10 @@ class Load:
         the buffers up to date (or fail them, if it raised `exc`); returns the keys written.
 
         Args:
+            model_tensors: Every tensor of the model (a walk).
+            own_tensors: Its parameters and buffers, looked in first (the journal asks
+                for the storage of each storage it has not seen: a first load asks for
+                all it wrote, and walks the model only for one not found there).
             witnesses: Also refresh what the witnesses see changed (update blocks, where
                 `gs.mark_written` and in-place writes count).
             lazy: Leave what it made dirty stale (`deferred`) for the next replay to
@@ -337,7 +342,7 @@ class Load:
             Exception: Whatever a derivation raised (the rest is marked stale).
         """
         written = self._close()
-        self.journal.advance(written, what, _storage_finder(model_tensors))
+        self.journal.advance(written, what, _storage_finder(model_tensors, own_tensors))
         # Those refreshed and released in the middle of the load are done with.
         touched = {tr for tr in self.transients_written() if tr.held}
         if exc is not None:
@@ -411,16 +416,26 @@ def _consumers(engine: Engine, written: set[int]) -> set[int]:
 
 def _storage_finder(
     model_tensors: Callable[[], Iterable[torch.Tensor]],
+    own_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
 ) -> Callable[[int], torch.UntypedStorage | None]:
-    """Key -> the model's live storage there; walks the model once, only if asked (the
-    journal asks once per storage it has not seen)."""
+    """Key -> the model's live storage there, looked for only if asked (the journal asks
+    once per storage it has not seen): among `own_tensors` first, then, for a key not
+    found there, in a walk of the model (once)."""
     found: dict[int, torch.UntypedStorage] | None = None
+    walked = own_tensors is None
 
     def storage_of(key: int) -> torch.UntypedStorage | None:
-        nonlocal found
+        nonlocal found, walked
         if found is None:
-            found = {storage_key(t): t.untyped_storage() for t in model_tensors()}
-        return found.get(key)
+            found = {storage_key(t): t.untyped_storage()
+                     for t in (model_tensors if own_tensors is None else own_tensors)()}
+        storage = found.get(key)
+        if storage is None and not walked:
+            walked = True
+            for t in model_tensors():
+                found.setdefault(storage_key(t), t.untyped_storage())
+            storage = found.get(key)
+        return storage
 
     return storage_of
 

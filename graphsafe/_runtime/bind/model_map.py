@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphsafe import _native
 from graphsafe._memory.snapshot import PLAIN, Identities
 from graphsafe._memory.walk import Reach, Ref, Site, step, storage_key, walk, walk_modules
 
@@ -49,11 +50,13 @@ class ModelMap:
         "_lens",
         "_modules",
         "_names",
+        "_native",
         "_nested",
         "_refs",
         "_table_ids",
         "_tables",
         "by_path",
+        "key_set",
         "keys",
         "weight_keys",
         "weights",
@@ -92,6 +95,9 @@ class ModelMap:
         inputs), zero-size ones left out."""
         self.weight_keys = frozenset(self.by_path[p] for p in weights) - {0}
         """Storage keys of the weights."""
+        self.key_set = frozenset(self.keys)
+        """The storage keys of `keys`, as one set kept with the walk: every load watches
+        it (the compiled tracker reads a set it was given before once)."""
         self._identities = Identities(direct, 0)
         self._nested = nested
         # The modules, their dicts and tables are read through weak references each time:
@@ -115,9 +121,43 @@ class ModelMap:
         # kept alive by this record.
         self._refs = [(at[id(r.module)], *_from_dict(r), id(r.obj)) for r in reach.refs]
         self._lens = self._sizes(dicts, tables)
+        self._native = _native.get()
 
     def holds(self) -> bool:
         """Whether the model still has exactly the tensors and storages walked."""
+        native = self._native
+        if native is not None:  # the pass over the modules compiled: one call
+            n = len(self._modules) + len(self._table_ids)
+            try:
+                same = (
+                    native.same_tree(self._modules, *self._tables, self._table_ids,
+                                     self._holders, self._names, self._ids, self._lens[:n])
+                    and self._identities.unchanged()
+                    and self._off_modules_hold(self._lens[n:])
+                )
+            except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+                same = False
+            finally:
+                self._identities.take_read()
+            if same:
+                return True
+            # Something changed, or could not be read: the Python pass answers.
+        return self._holds()
+
+    def _off_modules_hold(self, ref_sizes: list[int]) -> bool:
+        """The objects on the way to tensors, and the tensors held through them, as walked
+        (`ref_sizes`: what `_sizes` recorded of those objects)."""
+        if not self._refs and not self._nested:
+            return True
+        at = {row[0] for row in self._refs} | {row[0] for row in self._nested}
+        dicts = {i: _DICT(self._modules[i]()) for i in at}
+        for (i, key, chain, obj), size in zip(self._refs, ref_sizes, strict=True):
+            now = _resolve(dicts[i], key, chain)
+            if (_size(now) if id(now) == obj else -1) != size:
+                return False
+        return all(_still_tensor(dicts[i], *rest) for i, *rest in self._nested)
+
+    def _holds(self) -> bool:
         # Flat passes (maps of C calls): this runs before every load.
         modules = list(map(_CALL, self._modules))
         if None in modules:  # a module was dropped

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
 from typing import Any, Final
 
 import torch
@@ -41,7 +41,7 @@ __all__ = ["Load", "LoaderClosed", "awaited", "steps"]
 class Load:
     """One load or `weight_update` block in progress: what it has written so far.
 
-    `watch` maps the storage keys to track to anything (e.g. paths); `taken` holds the
+    `watch` holds the storage keys to track; `taken` holds the
     derivations whose inputs were found rebound (and taken) when it began; `writes` the
     paths an update named as all it writes (None: it may write any tensor).
     """
@@ -74,7 +74,7 @@ class Load:
     def __init__(
         self,
         engine: Engine,
-        watch: Mapping[int, Any],
+        watch: frozenset[int],
         journal: Journal,
         taken: set[int] | None = None,
         sequenced: frozenset[int] = frozenset(),
@@ -123,23 +123,20 @@ class Load:
         journal: Journal,
         *,
         pinned: bool,
-        everything: Mapping[int, str],
+        everything: frozenset[int],
         writes: frozenset[str] | None = None,
         weights: frozenset[int] = frozenset(),
         record: bool = False,
         sequenced: frozenset[int] = frozenset(),
     ) -> Load:
         """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
-        all of `everything` (`{storage key: path}` of every model tensor), the
-        derivations' inputs and their buffers; `writes`: see the class."""
+        all of `everything` (the storage key of every model tensor), the derivations'
+        inputs and their buffers; `writes`: see the class."""
         # Watch where the inputs are now: one rebound (before pin) through another model
         # sharing it is taken here, so that this load's writes into it are seen. The
         # inputs and buffers are watched whatever `everything` missed.
         taken = engine.scan_moved(pinned)
-        watch: dict[int, Any] = {**everything, **engine.watch.by_storage()}
-        for key in engine.watch.storage_keys():
-            watch.setdefault(key, "a derived buffer")
-        load = cls(engine, watch, journal, taken, sequenced)
+        load = cls(engine, engine.watch.watched_with(everything), journal, taken, sequenced)
         load.writes = writes
         load.weights = weights
         load.record = record
@@ -153,7 +150,7 @@ class Load:
     def of_state_dict(cls, engine: Engine, journal: Journal, written: set[int]) -> Load:
         """The load `load_state_dict` made: its writes (`written`) are seen by versions,
         and the transient inputs its pre-hook held were written whole."""
-        load = cls(engine, {}, journal)
+        load = cls(engine, frozenset(), journal)
         load._written = written
         load._transient_written = {tr for tr in engine.transients if tr.held}
         return load
@@ -336,10 +333,9 @@ class Load:
         # Anything recorded since the load began (a `gs.mark_written` in the loader), or
         # a write into a derived buffer itself: the witnesses are checked too.
         if (witnesses or self.journal.clock != self.clock + 1
-                or not written.isdisjoint(
-                    engine.watch.storage_keys().difference(engine.watch.by_storage()))):
+                or not written.isdisjoint(engine.watch.buffer_keys())):
             dirty.update(engine.witness_dirty())
-        dirty.update(b.index for b in engine.bound if b.buffers is None)
+        dirty.update(engine.watch.unmade())
         dirty, incomplete = self._sort_transients(dirty, touched, what)
         kept = []
         for i, at in self._early.items():  # refreshed mid-load: stale only if written since

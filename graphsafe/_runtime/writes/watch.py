@@ -33,12 +33,15 @@ class Watch:
     __slots__ = (
         "_buffer_sites",
         "_by_key",
+        "_free_keys",
         "_identities",
         "_input_site",
         "_keys",
         "_site_owner",
         "_site_paths",
         "_transient",
+        "_unmade",
+        "_with",
         "binding",
         "witnesses",
     )
@@ -50,6 +53,9 @@ class Watch:
         self._by_key: dict[int, list[Input]] | None = None
         self._identities: Identities | None = None
         self._keys: frozenset[int] | None = None
+        self._free_keys: frozenset[int] | None = None
+        self._unmade: list[int] | None = None
+        self._with: tuple[frozenset[int], frozenset[int]] | None = None
         self._transient = [inp for inp in binding.inputs if inp.transient]
         sites = self._sites()
         self.witnesses = (
@@ -119,6 +125,9 @@ class Watch:
         """A derivation's buffers were recorded: the rebinding check reads them anew."""
         self._identities = None
         self._keys = None
+        self._free_keys = None
+        self._unmade = None
+        self._with = None
 
     def take_read(self) -> SitesRead | None:
         """What the last passing rebinding check read (once), for a full rewitness."""
@@ -159,6 +168,31 @@ class Watch:
             keys.discard(0)
             self._keys = frozenset(keys)
         return self._keys
+
+    def unmade(self) -> list[int]:
+        """Indices of the derivations that have no buffers (never made, or dropped: a
+        watch is renewed when buffers are dropped, told when they are recorded)."""
+        if self._unmade is None:
+            self._unmade = [b.index for b in self.binding.bound if b.buffers is None]
+        return self._unmade
+
+    def buffer_keys(self) -> frozenset[int]:
+        """Of `storage_keys`, those no resident input lives in (the buffers, transient
+        inputs): a write there makes the witnesses worth a look."""
+        if self._free_keys is None:
+            self._free_keys = self.storage_keys().difference(self.by_storage())
+        return self._free_keys
+
+    def watched_with(self, others: frozenset[int]) -> frozenset[int]:
+        """`others` with `storage_keys`: what a load watches (the union is kept while
+        `others` is the same set, as a model's walk keeps its own)."""
+        kept = self._with
+        if kept is not None and kept[0] is others:
+            return kept[1]
+        keys = self.storage_keys()
+        union = others if keys <= others else others | keys
+        self._with = (others, union)
+        return union
 
     def _identity_rows(self) -> Identities:
         # Resident inputs (stride checked too), then buffers: derived buffers are

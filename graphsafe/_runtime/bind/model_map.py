@@ -4,7 +4,9 @@ Every tracked load watches every storage of its model, so that what it writes re
 the journal whoever else reads it. Walking a model of thousands of tensors costs more
 than tracking a load of them, so the binder keeps the walk's `ModelMap` and asks it,
 before each load, whether it still holds (`ModelMap.holds`): a flat check of what could
-change it. It sees a tensor rebound or moved where the walk found one (`.to()`,
+change it, one compiled call where the compiled checks are built (`same_tree`; on any
+change the Python pass answers, so both paths agree). Loads share the walk's set of
+storage keys (`key_set`) while it holds. It sees a tensor rebound or moved where the walk found one (`.to()`,
 `share_memory_()`, `p.data = w`, a new parameter object), any entry added to, removed
 from or replaced in a module's parameters, buffers, submodules or attributes, and an
 object on the way to tensors (a list, a kernel object, a closure) replaced, grown or

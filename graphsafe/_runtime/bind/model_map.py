@@ -5,14 +5,15 @@ the journal whoever else reads it. Walking a model of thousands of tensors costs
 than tracking a load of them, so the binder keeps the walk's `ModelMap` and asks it,
 before each load, whether it still holds (`ModelMap.holds`): a flat check of what could
 change it, one compiled call where the compiled checks are built (`same_tree`; on any
-change the Python pass answers, so both paths agree). Loads share the walk's set of
-storage keys (`key_set`) while it holds. It sees a tensor rebound or moved where the walk found one (`.to()`,
-`share_memory_()`, `p.data = w`, a new parameter object), any entry added to, removed
-from or replaced in a module's parameters, buffers, submodules or attributes, and an
-object on the way to tensors (a list, a kernel object, a closure) replaced, grown or
-shrunk. It cannot see a tensor put into an object that held none when it was walked
-(the watch of the derivations' own inputs and buffers, taken by the engine, never
-depends on it).
+change the Python pass answers, so both paths agree). It sees a tensor rebound or moved
+where the walk found one (`.to()`, `share_memory_()`, `p.data = w`, a view at another
+stride, a new parameter object), any entry added to, removed from or replaced in a
+module's parameters, buffers, submodules or attributes, and an object on the way to
+tensors (a list, a kernel object, a closure) replaced, grown or shrunk. It cannot see a
+tensor put into an object that held none when it was walked (the watch of the
+derivations' own inputs and buffers, taken by the engine, never depends on it). While it
+holds, loads share its set of storage keys (`key_set`), and an engine whose rebinding
+check reads what it recorded (`rows`) skips that check as a load begins.
 """
 
 from __future__ import annotations
@@ -87,10 +88,11 @@ class ModelMap:
                 ptr = _data_ptr(t)
                 if ptr is None:
                     continue  # no storage to move (sparse, a wrapper subclass)
-                if site.chain or site.container is _DICT(site.module):  # an attribute
+                stride = _stride(t)
+                if site.chain or site.container is _DICT(site.module) or stride is None:
                     nested.append((at[id(site.module)], *_from_dict(site), id(t), ptr))
                 else:  # a module's parameters or buffers: tables that hold no module
-                    direct.append((site.container, site.key, t, ptr, ()))
+                    direct.append((site.container, site.key, t, ptr, stride))
         self.weights: tuple[str, ...] = tuple(weights)
         """Paths of the model's weights: parameters and persistent buffers (what a
         checkpoint holds), those on the meta device included (released transient
@@ -100,7 +102,7 @@ class ModelMap:
         self.key_set = frozenset(self.keys)
         """The storage keys of `keys`, as one set kept with the walk: every load watches
         it (the compiled tracker reads a set it was given before once)."""
-        self._identities = Identities(direct, 0)
+        self._identities = Identities(direct, len(direct))
         self._nested = nested
         # The modules, their dicts and tables are read through weak references each time:
         # a record that held them would keep a dropped model (and its runtime) alive.
@@ -194,6 +196,12 @@ class ModelMap:
             sizes.append(_size(now) if id(now) == obj else -1)
         return sizes
 
+    @property
+    def rows(self) -> Identities:
+        """What the walk found in the parameter and buffer tables (identity, pointer,
+        stride): its check holding proves a watch recorded the same unmoved."""
+        return self._identities
+
     def paths_of(self, keys: Iterable[int]) -> list[str]:
         """Every path whose storage is among `keys`."""
         wanted = set(keys)
@@ -224,6 +232,13 @@ def _is_weight(site: Site) -> bool:
 def _data_ptr(t: torch.Tensor) -> int | None:
     try:
         return int(t.data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _stride(t: torch.Tensor) -> tuple[int, ...] | None:
+    try:
+        return tuple(t.stride())
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -233,7 +233,7 @@ class LoadDriver:
             engine, self._journal, pinned=self._pinned(),
             everything=before.key_set.union(outside) if outside else before.key_set,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
-            sequenced=self._discovery.sequenced_keys(),
+            sequenced=self._discovery.sequenced_keys(), walked=before.rows,
         )
         if load.record:  # where the model keeps bools and small ints, read when needed
             load.lineage.note_places(atoms_of(self._binder.model))

@@ -30,6 +30,7 @@ from graphsafe._errors import one_line
 from graphsafe._lineage.recorder import RECORDING, Lineage, recording
 from graphsafe._lineage.threads import followed
 from graphsafe._memory.journal import Journal
+from graphsafe._memory.snapshot import Identities
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.refresh.engine import Engine
 from graphsafe._runtime.transient.transients import Transient
@@ -128,14 +129,19 @@ class Load:
         weights: frozenset[int] = frozenset(),
         record: bool = False,
         sequenced: frozenset[int] = frozenset(),
+        walked: Identities | None = None,
     ) -> Load:
         """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
         all of `everything` (the storage key of every model tensor), the derivations'
-        inputs and their buffers; `writes`: see the class."""
+        inputs and their buffers; `writes`: see the class. `walked`: the rows of a walk
+        whose check held just now (`ModelMap.rows`): where they record every input and
+        buffer as the engine does, nothing was rebound and the engine's own pass is not
+        run again."""
         # Watch where the inputs are now: one rebound (before pin) through another model
         # sharing it is taken here, so that this load's writes into it are seen. The
         # inputs and buffers are watched whatever `everything` missed.
-        taken = engine.scan_moved(pinned)
+        unmoved = walked is not None and engine.watch.recorded_in(walked)
+        taken = set() if unmoved else engine.scan_moved(pinned)
         load = cls(engine, engine.watch.watched_with(everything), journal, taken, sequenced)
         load.writes = writes
         load.weights = weights

@@ -33,6 +33,7 @@ class Watch:
     __slots__ = (
         "_buffer_sites",
         "_by_key",
+        "_covered",
         "_free_keys",
         "_identities",
         "_input_site",
@@ -52,6 +53,7 @@ class Watch:
         self.binding = binding
         self._by_key: dict[int, list[Input]] | None = None
         self._identities: Identities | None = None
+        self._covered: tuple[Identities, Identities, bool] | None = None
         self._keys: frozenset[int] | None = None
         self._free_keys: frozenset[int] | None = None
         self._unmade: list[int] | None = None
@@ -120,6 +122,31 @@ class Watch:
             or buf.stride() != stride
         ]
         return moved_inputs, moved_buffers
+
+    def recorded_in(self, rows: Identities) -> bool:
+        """Whether `rows` (a walk's, see `ModelMap.rows`) record every input and buffer
+        this watch checks for rebinding, with the same identity, pointer and stride: a
+        walk whose check holds then proves that none was rebound. False with transient
+        inputs (released and held again: `moved` looks at each)."""
+        if self._transient:
+            return False
+        if self._identities is None:
+            self._identities = self._identity_rows()
+        mine = self._identities
+        kept = self._covered
+        if kept is not None and kept[0] is mine and kept[1] is rows:
+            return kept[2]
+        at = {(id(h), k): i for i, (h, k) in enumerate(zip(rows.holders, rows.keys))}
+        covered = True
+        for j, (h, k) in enumerate(zip(mine.holders, mine.keys)):
+            i = at.get((id(h), k))
+            if (i is None or i >= rows.n_strided or rows.ids[i] != mine.ids[j]
+                    or rows.ptrs[i] != mine.ptrs[j]
+                    or (j < mine.n_strided and rows.strides[i] != mine.strides[j])):
+                covered = False
+                break
+        self._covered = (mine, rows, covered)
+        return covered
 
     def buffers_changed(self) -> None:
         """A derivation's buffers were recorded: the rebinding check reads them anew."""

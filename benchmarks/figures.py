@@ -522,7 +522,7 @@ def fig4(ctx: Ctx) -> list[Row]:
     if ctx.wants("4a"):
         rows.append(_load_rows(ctx, s.fig4_layers, s.fig4_hidden, s.fig4_inter, "4a", 1.10, host))
     if ctx.wants("4b"):
-        rows.append(_load_rows(ctx, s.fig4_small_layers, 32, 32, "4b", 1.5, host))
+        rows.append(_load_rows(ctx, s.fig4_small_layers, 32, 32, "4b", 1.3, host))
     # RL weight sync: the new weights are already on the GPU.
     if ctx.device.type == "cuda" and ctx.wants("4c"):
         rows.append(

@@ -95,7 +95,7 @@ def test_a_failed_update_that_named_its_writes_owes_only_those() -> None:
 def _lazy_load(binder: Binder, journal: Journal, write: torch.Tensor) -> Load:
     """A load that writes `write` in place of a.weight and defers its refresh."""
     engine = binder.engine(False)
-    load = Load.begin(engine, journal, pinned=False, everything=binder.model_map().keys)
+    load = Load.begin(engine, journal, pinned=False, everything=binder.model_map().key_set)
     with load.running():
         binder.model.a.weight.data.copy_(write)
     load.end("test load", None, pinned=False, model_tensors=binder.tensors, lazy=True)

@@ -228,16 +228,18 @@ class Witnesses(Sites):
         self.journal.sync()  # writes seen before this refresh are in the epochs it records
         indices = list(indices)
         holders, keys, plain = self.holders, self.keys, self.plain
-        skeys = self._skeys
+        ids, ptrs, versions, skeys = self._ids, self._ptrs, self._versions, self._skeys
         for i in indices:
             t = holders[i].get(keys[i]) if plain else self.read_one(i)
-            self._ids[i] = id(t)
             if isinstance(t, torch.Tensor):
-                self._ptrs[i] = _ptr(t)
-                self._versions[i] = _version(t)
-                skeys[i] = storage_key(t)
+                ptr = _ptr(t)
+                if id(t) != ids[i] or ptr != ptrs[i]:  # as in `record_all`: else the same
+                    skeys[i] = storage_key(t)
+                ptrs[i] = ptr
+                versions[i] = _version(t)
             else:
-                self._ptrs[i] = self._versions[i] = skeys[i] = 0
+                ptrs[i] = versions[i] = skeys[i] = 0
+            ids[i] = id(t)
         for i, epoch in zip(indices, self.journal.epochs_of([skeys[i] for i in indices])):
             self._epochs[i] = epoch  # key 0 (no tensor) is never written: epoch 0
 

@@ -1,6 +1,7 @@
 // The guard's flat checks in C++: the same comparisons as the Python path in
 // graphsafe/_memory/ledger.py (geometry, same_geometry, same_items) and
-// graphsafe/_memory/snapshot.py (same_witnesses, same_bindings), without a Python call
+// graphsafe/_memory/snapshot.py (same_witnesses, same_bindings) and the module pass of
+// graphsafe/_runtime/bind/model_map.py (same_tree), without a Python call
 // per field. This file also creates the module; tracker.cpp adds the write tracker's
 // functions to it, fingerprint.cpp gs.fingerprint's kernel.
 //
@@ -304,12 +305,111 @@ PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
   return out;
 }
 
+// The module a weak reference points to, as a new reference (nullptr: it is gone).
+PyObject* referent(PyObject* ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* obj = nullptr;
+  if (PyWeakref_GetRef(ref, &obj) < 0) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  return obj;
+#else
+  PyObject* obj = PyWeakref_GetObject(ref);
+  if (obj == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  if (obj == Py_None) {
+    return nullptr;
+  }
+  Py_INCREF(obj);
+  return obj;
+#endif
+}
+
+// same_tree(modules, table_of, table_names, table_ids, holders, names, ids, sizes: list)
+// -> bool: graphsafe/_runtime/bind/model_map.py's ModelMap.holds, its pass over the
+// modules. Every weakly held module of `modules` is alive; table j is
+// `modules[table_of[j]].__dict__[table_names[j]]`, a dict of id `table_ids[j]`; with `at`
+// the modules' dicts then the tables, `at[holders[i]].get(names[i])` is of id `ids[i]`;
+// `sizes` are the lengths of the dicts, then of the tables.
+PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
+  PyObject* l[8] = {};
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!", &PyList_Type, &l[0], &PyList_Type, &l[1],
+                        &PyList_Type, &l[2], &PyList_Type, &l[3], &PyList_Type, &l[4],
+                        &PyList_Type, &l[5], &PyList_Type, &l[6], &PyList_Type, &l[7])) {
+    return nullptr;
+  }
+  const Py_ssize_t n_mod = PyList_GET_SIZE(l[0]);
+  const Py_ssize_t n_tab = PyList_GET_SIZE(l[1]);
+  const Py_ssize_t n_ent = PyList_GET_SIZE(l[4]);
+  if (PyList_GET_SIZE(l[2]) != n_tab || PyList_GET_SIZE(l[3]) != n_tab ||
+      PyList_GET_SIZE(l[5]) != n_ent || PyList_GET_SIZE(l[6]) != n_ent ||
+      PyList_GET_SIZE(l[7]) != n_mod + n_tab) {
+    PyErr_SetString(PyExc_TypeError, "tree lists differ in length");
+    return nullptr;
+  }
+  std::vector<PyObject*> at;  // the dicts (owned), then the tables (borrowed from them)
+  at.reserve(static_cast<size_t>(n_mod + n_tab));
+  auto size_is = [&l](Py_ssize_t i, Py_ssize_t size) {
+    return PyLong_AsSsize_t(PyList_GET_ITEM(l[7], i)) == size;
+  };
+  bool same = true;
+  for (Py_ssize_t i = 0; same && i < n_mod; ++i) {
+    PyObject* module = referent(PyList_GET_ITEM(l[0], i));
+    PyObject* dict = module == nullptr ? nullptr : PyObject_GenericGetDict(module, nullptr);
+    Py_XDECREF(module);
+    if (dict == nullptr) {
+      same = false;
+      break;
+    }
+    at.push_back(dict);
+    same = PyDict_CheckExact(dict) && size_is(i, PyDict_GET_SIZE(dict));
+  }
+  for (Py_ssize_t j = 0; same && j < n_tab; ++j) {
+    const Py_ssize_t of = PyLong_AsSsize_t(PyList_GET_ITEM(l[1], j));
+    PyObject* table = of >= 0 && of < n_mod
+                          ? PyDict_GetItemWithError(at[of], PyList_GET_ITEM(l[2], j))
+                          : nullptr;
+    same = table != nullptr && PyDict_Check(table) &&
+           PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[3], j)) ==
+               reinterpret_cast<uintptr_t>(table) &&
+           size_is(n_mod + j, PyDict_GET_SIZE(table));
+    at.push_back(table);
+  }
+  const Py_ssize_t n_at = static_cast<Py_ssize_t>(at.size());
+  for (Py_ssize_t k = 0; same && k < n_ent; ++k) {
+    const Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(l[4], k));
+    if (h < 0 || h >= n_at) {
+      same = false;
+      break;
+    }
+    PyObject* value = PyDict_GetItemWithError(at[h], PyList_GET_ITEM(l[5], k));
+    if (value == nullptr) {
+      PyErr_Clear();
+      value = Py_None;  // as dict.get reads a missing entry
+    }
+    same = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[6], k)) ==
+           reinterpret_cast<uintptr_t>(value);
+  }
+  for (Py_ssize_t i = 0; i < n_mod && i < n_at; ++i) {
+    Py_DECREF(at[i]);
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    same = false;
+  }
+  return PyBool_FromLong(same);
+}
+
 PyMethodDef methods[] = {
     {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
     {"same_items", same_items, METH_VARARGS, "Whether holders[i][keys[i]] is objects[i]."},
     {"same_witnesses", same_witnesses, METH_VARARGS, "Whether the witnessed tensors hold."},
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
+    {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -48,6 +48,14 @@ struct Taint {
   std::string op;
 };
 
+using Keys = std::unordered_set<int64_t>;
+
+// An empty set: what a tracker watches before it is given keys.
+const std::shared_ptr<const Keys>& no_keys() {
+  static const std::shared_ptr<const Keys> none = std::make_shared<const Keys>();
+  return none;
+}
+
 // A value that left torch in the load from what the weights reach: a number
 // (`aten::_local_scalar_dense`: `.item()`, `float()`, `int()`, `bool()`), or a handle a
 // non-aten op returned (a ScriptObject, by its class's qualified name; an int).
@@ -59,9 +67,9 @@ struct Taken {
 };
 
 struct Tracker {
-  std::unordered_set<int64_t> watched;
+  std::shared_ptr<const Keys> watched = no_keys();  // never changed once pushed
   bool taints = false;  // follows what the load derives from `weights`
-  std::unordered_set<int64_t> weights;
+  std::shared_ptr<const Keys> weights = no_keys();
   // Touched only by the thread that pushed it (a thread a load starts gets a tracker of
   // its own), and read once it is popped: no lock.
   std::unordered_map<int64_t, Taint> tainted;
@@ -156,7 +164,7 @@ std::unique_ptr<at::ObserverContext> taint_start(
       if (key == 0) {
         return;
       }
-      if (tr.weights.count(key) != 0) {
+      if (tr.weights->count(key) != 0) {
         found.push_back(key);
         return;
       }
@@ -178,7 +186,7 @@ std::unique_ptr<at::ObserverContext> taint_start(
     }
     each_tensor(inputs[i], [&](const at::Tensor& t) {
       const int64_t key = graphsafe_native::storage_key(t);
-      if (key == 0 || tr.weights.count(key) != 0) {
+      if (key == 0 || tr.weights->count(key) != 0) {
         return;  // a weight is a source, never derived (its rewrites are judged apart)
       }
       if (sources) {
@@ -237,7 +245,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   for (const c10::IValue& v : fn.outputs()) {
     each_tensor(v, [&](const at::Tensor& t) {
       const int64_t key = graphsafe_native::storage_key(t);
-      if (key != 0 && tr.weights.count(key) == 0) {
+      if (key != 0 && tr.weights->count(key) == 0) {
         // The op that returned it names it (an outer op ends after the ops it ran),
         // unless it only viewed an argument.
         const bool view = std::find(read.begin(), read.end(), key) != read.end();
@@ -259,7 +267,7 @@ const std::string& sequenced_name(const std::string& name, const at::ObserverCon
   }
   const auto* c = static_cast<const TaintContext*>(ctx);
   for (int64_t key : *c->sources) {
-    if (c->tracker->weights.count(key) != 0) {
+    if (c->tracker->weights->count(key) != 0) {
       return kDerivedCopy;
     }
   }
@@ -290,7 +298,7 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     }
     graphsafe_native::each_key(inputs[i], [&writes, &ctx](int64_t key) {
       for (const auto& tr : active) {
-        if (tr->watched.count(key) != 0) {
+        if (tr->watched->count(key) != 0) {
           std::lock_guard<std::mutex> g(tr->mu);
           tr->written.insert(key);
           if (tr->sequenced.count(key) != 0) {
@@ -337,19 +345,63 @@ std::shared_ptr<Tracker> find(PyObject* id) {
   return it->second;
 }
 
-// tracker_new(watched: iterable of int) -> int
-PyObject* tracker_new(PyObject* /*self*/, PyObject* watched) {
-  auto tr = std::make_shared<Tracker>();
-  PyObject* it = PyObject_GetIter(watched);
+// Sets of storage keys read from frozensets, by the frozenset, most recent last: a load
+// watches the same model storages and weights as the load before it (graphsafe keeps
+// each set as one frozenset while the model's tree holds), so a tracker shares the set
+// read once instead of reading thousands of keys per load. Each frozenset is held (its
+// identity cannot be reused while cached; a frozenset never changes).
+struct CachedKeys {
+  PyObject* set;
+  std::shared_ptr<const Keys> keys;
+};
+constexpr size_t kCachedKeys = 8;
+std::vector<CachedKeys> cached_keys;  // guarded by the GIL (only tracker_* touch it)
+
+// The int keys of `keys` (any iterable; a frozenset is read once, then shared), or null
+// with a Python error set.
+std::shared_ptr<const Keys> read_keys(PyObject* keys) {
+  const bool frozen = PyFrozenSet_CheckExact(keys);
+  if (frozen) {
+    for (auto it = cached_keys.begin(); it != cached_keys.end(); ++it) {
+      if (it->set == keys) {
+        CachedKeys hit = *it;
+        cached_keys.erase(it);
+        cached_keys.push_back(hit);
+        return hit.keys;
+      }
+    }
+  }
+  auto read = std::make_shared<Keys>();
+  PyObject* it = PyObject_GetIter(keys);
   if (it == nullptr) {
     return nullptr;
   }
   while (PyObject* item = PyIter_Next(it)) {
-    tr->watched.insert(PyLong_AsLongLong(item));
+    read->insert(PyLong_AsLongLong(item));
     Py_DECREF(item);
   }
   Py_DECREF(it);
   if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  std::shared_ptr<const Keys> out = std::move(read);
+  if (frozen) {
+    Py_INCREF(keys);
+    cached_keys.push_back({keys, out});
+    if (cached_keys.size() > kCachedKeys) {
+      PyObject* oldest = cached_keys.front().set;
+      cached_keys.erase(cached_keys.begin());
+      Py_DECREF(oldest);
+    }
+  }
+  return out;
+}
+
+// tracker_new(watched: iterable of int) -> int
+PyObject* tracker_new(PyObject* /*self*/, PyObject* watched) {
+  auto tr = std::make_shared<Tracker>();
+  tr->watched = read_keys(watched);
+  if (tr->watched == nullptr) {
     return nullptr;
   }
   std::lock_guard<std::mutex> g(registry_mu);
@@ -499,10 +551,21 @@ PyObject* tracker_ops(PyObject* /*self*/, PyObject* id) {
 // tracker_taint((id, weights)): follow what the load derives from these storage keys
 // (before it is pushed).
 PyObject* tracker_taint(PyObject* /*self*/, PyObject* arg) {
-  std::shared_ptr<Tracker> tr = add_keys(arg, &Tracker::weights);
+  PyObject* id = nullptr;
+  PyObject* keys = nullptr;
+  if (!PyArg_ParseTuple(arg, "OO", &id, &keys)) {
+    return nullptr;
+  }
+  std::shared_ptr<Tracker> tr = find(id);
   if (tr == nullptr) {
     return nullptr;
   }
+  std::shared_ptr<const Keys> weights = read_keys(keys);
+  if (weights == nullptr) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(tr->mu);
+  tr->weights = std::move(weights);
   tr->taints = true;
   Py_RETURN_NONE;
 }

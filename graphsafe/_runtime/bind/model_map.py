@@ -4,13 +4,16 @@ Every tracked load watches every storage of its model, so that what it writes re
 the journal whoever else reads it. Walking a model of thousands of tensors costs more
 than tracking a load of them, so the binder keeps the walk's `ModelMap` and asks it,
 before each load, whether it still holds (`ModelMap.holds`): a flat check of what could
-change it. It sees a tensor rebound or moved where the walk found one (`.to()`,
-`share_memory_()`, `p.data = w`, a new parameter object), any entry added to, removed
-from or replaced in a module's parameters, buffers, submodules or attributes, and an
-object on the way to tensors (a list, a kernel object, a closure) replaced, grown or
-shrunk. It cannot see a tensor put into an object that held none when it was walked
-(the watch of the derivations' own inputs and buffers, taken by the engine, never
-depends on it).
+change it, one compiled call where the compiled checks are built (`same_tree`; on any
+change the Python pass answers, so both paths agree). It sees a tensor rebound or moved
+where the walk found one (`.to()`, `share_memory_()`, `p.data = w`, a view at another
+stride, a new parameter object), any entry added to, removed from or replaced in a
+module's parameters, buffers, submodules or attributes, and an object on the way to
+tensors (a list, a kernel object, a closure) replaced, grown or shrunk. It cannot see a
+tensor put into an object that held none when it was walked (the watch of the
+derivations' own inputs and buffers, taken by the engine, never depends on it). While it
+holds, loads share its set of storage keys (`key_set`), and an engine whose rebinding
+check reads what it recorded (`rows`) skips that check as a load begins.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphsafe import _native
 from graphsafe._memory.snapshot import PLAIN, Identities
 from graphsafe._memory.walk import Reach, Ref, Site, step, storage_key, walk, walk_modules
 
@@ -49,11 +53,13 @@ class ModelMap:
         "_lens",
         "_modules",
         "_names",
+        "_native",
         "_nested",
         "_refs",
         "_table_ids",
         "_tables",
         "by_path",
+        "key_set",
         "keys",
         "weight_keys",
         "weights",
@@ -82,17 +88,21 @@ class ModelMap:
                 ptr = _data_ptr(t)
                 if ptr is None:
                     continue  # no storage to move (sparse, a wrapper subclass)
-                if site.chain or site.container is _DICT(site.module):  # an attribute
+                stride = _stride(t)
+                if site.chain or site.container is _DICT(site.module) or stride is None:
                     nested.append((at[id(site.module)], *_from_dict(site), id(t), ptr))
                 else:  # a module's parameters or buffers: tables that hold no module
-                    direct.append((site.container, site.key, t, ptr, ()))
+                    direct.append((site.container, site.key, t, ptr, stride))
         self.weights: tuple[str, ...] = tuple(weights)
         """Paths of the model's weights: parameters and persistent buffers (what a
         checkpoint holds), those on the meta device included (released transient
         inputs), zero-size ones left out."""
         self.weight_keys = frozenset(self.by_path[p] for p in weights) - {0}
         """Storage keys of the weights."""
-        self._identities = Identities(direct, 0)
+        self.key_set = frozenset(self.keys)
+        """The storage keys of `keys`, as one set kept with the walk: every load watches
+        it (the compiled tracker reads a set it was given before once)."""
+        self._identities = Identities(direct, len(direct))
         self._nested = nested
         # The modules, their dicts and tables are read through weak references each time:
         # a record that held them would keep a dropped model (and its runtime) alive.
@@ -115,9 +125,43 @@ class ModelMap:
         # kept alive by this record.
         self._refs = [(at[id(r.module)], *_from_dict(r), id(r.obj)) for r in reach.refs]
         self._lens = self._sizes(dicts, tables)
+        self._native = _native.get()
 
     def holds(self) -> bool:
         """Whether the model still has exactly the tensors and storages walked."""
+        native = self._native
+        if native is not None:  # the pass over the modules compiled: one call
+            n = len(self._modules) + len(self._table_ids)
+            try:
+                same = (
+                    native.same_tree(self._modules, *self._tables, self._table_ids,
+                                     self._holders, self._names, self._ids, self._lens[:n])
+                    and self._identities.unchanged()
+                    and self._off_modules_hold(self._lens[n:])
+                )
+            except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+                same = False
+            finally:
+                self._identities.take_read()
+            if same:
+                return True
+            # Something changed, or could not be read: the Python pass answers.
+        return self._holds()
+
+    def _off_modules_hold(self, ref_sizes: list[int]) -> bool:
+        """The objects on the way to tensors, and the tensors held through them, as walked
+        (`ref_sizes`: what `_sizes` recorded of those objects)."""
+        if not self._refs and not self._nested:
+            return True
+        at = {row[0] for row in self._refs} | {row[0] for row in self._nested}
+        dicts = {i: _DICT(self._modules[i]()) for i in at}
+        for (i, key, chain, obj), size in zip(self._refs, ref_sizes, strict=True):
+            now = _resolve(dicts[i], key, chain)
+            if (_size(now) if id(now) == obj else -1) != size:
+                return False
+        return all(_still_tensor(dicts[i], *rest) for i, *rest in self._nested)
+
+    def _holds(self) -> bool:
         # Flat passes (maps of C calls): this runs before every load.
         modules = list(map(_CALL, self._modules))
         if None in modules:  # a module was dropped
@@ -152,6 +196,12 @@ class ModelMap:
             sizes.append(_size(now) if id(now) == obj else -1)
         return sizes
 
+    @property
+    def rows(self) -> Identities:
+        """What the walk found in the parameter and buffer tables (identity, pointer,
+        stride): its check holding proves a watch recorded the same unmoved."""
+        return self._identities
+
     def paths_of(self, keys: Iterable[int]) -> list[str]:
         """Every path whose storage is among `keys`."""
         wanted = set(keys)
@@ -182,6 +232,13 @@ def _is_weight(site: Site) -> bool:
 def _data_ptr(t: torch.Tensor) -> int | None:
     try:
         return int(t.data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _stride(t: torch.Tensor) -> tuple[int, ...] | None:
+    try:
+        return tuple(t.stride())
     except (RuntimeError, NotImplementedError):
         return None
 

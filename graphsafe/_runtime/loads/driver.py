@@ -226,15 +226,14 @@ class LoadDriver:
         self.settle_state_dict()
         # A later load ends the bring-up: forwards after it are no warm-up.
         self._discovery.close_window(self._binder.model, lambda: self._binder.walked().sites)
-        engine = self._bound_engine()
-        before = self._binder.model_map()
+        engine, before = self._binder.bound(self._pinned())
         outside = self._discovery.outside_keys()  # caches the graphs read, no model holds
         untied = self._binder.ties.broken(self._binder.model)  # ties a load must not break
         load = self._load = Load.begin(
             engine, self._journal, pinned=self._pinned(),
-            everything={**before.keys, **outside} if outside else before.keys,
+            everything=before.key_set.union(outside) if outside else before.key_set,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
-            sequenced=self._discovery.sequenced_keys(),
+            sequenced=self._discovery.sequenced_keys(), walked=before.rows,
         )
         if load.record:  # where the model keeps bools and small ints, read when needed
             load.lineage.note_places(atoms_of(self._binder.model))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
 from typing import Any, Final
 
 import torch
@@ -30,6 +30,7 @@ from graphsafe._errors import one_line
 from graphsafe._lineage.recorder import RECORDING, Lineage, recording
 from graphsafe._lineage.threads import followed
 from graphsafe._memory.journal import Journal
+from graphsafe._memory.snapshot import Identities
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.refresh.engine import Engine
 from graphsafe._runtime.transient.transients import Transient
@@ -45,7 +46,7 @@ __all__ = ["Load", "LoaderClosed", "awaited", "steps"]
 class Load:
     """One load or `weight_update` block in progress: what it has written so far.
 
-    `watch` maps the storage keys to track to anything (e.g. paths); `taken` holds the
+    `watch` holds the storage keys to track; `taken` holds the
     derivations whose inputs were found rebound (and taken) when it began; `writes` the
     paths an update named as all it writes (None: it may write any tensor).
     """
@@ -78,7 +79,7 @@ class Load:
     def __init__(
         self,
         engine: Engine,
-        watch: Mapping[int, Any],
+        watch: frozenset[int],
         journal: Journal,
         taken: set[int] | None = None,
         sequenced: frozenset[int] = frozenset(),
@@ -127,23 +128,25 @@ class Load:
         journal: Journal,
         *,
         pinned: bool,
-        everything: Mapping[int, str],
+        everything: frozenset[int],
         writes: frozenset[str] | None = None,
         weights: frozenset[int] = frozenset(),
         record: bool = False,
         sequenced: frozenset[int] = frozenset(),
+        walked: Identities | None = None,
     ) -> Load:
         """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
-        all of `everything` (`{storage key: path}` of every model tensor), the
-        derivations' inputs and their buffers; `writes`: see the class."""
+        all of `everything` (the storage key of every model tensor), the derivations'
+        inputs and their buffers; `writes`: see the class. `walked`: the rows of a walk
+        whose check held just now (`ModelMap.rows`): where they record every input and
+        buffer as the engine does, nothing was rebound and the engine's own pass is not
+        run again."""
         # Watch where the inputs are now: one rebound (before pin) through another model
         # sharing it is taken here, so that this load's writes into it are seen. The
         # inputs and buffers are watched whatever `everything` missed.
-        taken = engine.scan_moved(pinned)
-        watch: dict[int, Any] = {**everything, **engine.watch.by_storage()}
-        for key in engine.watch.storage_keys():
-            watch.setdefault(key, "a derived buffer")
-        load = cls(engine, watch, journal, taken, sequenced)
+        unmoved = walked is not None and engine.watch.recorded_in(walked)
+        taken = set() if unmoved else engine.scan_moved(pinned)
+        load = cls(engine, engine.watch.watched_with(everything), journal, taken, sequenced)
         load.writes = writes
         load.weights = weights
         load.record = record
@@ -158,7 +161,7 @@ class Load:
     def of_state_dict(cls, engine: Engine, journal: Journal, written: set[int]) -> Load:
         """The load `load_state_dict` made: its writes (`written`) are seen by versions,
         and the transient inputs its pre-hook held were written whole."""
-        load = cls(engine, {}, journal)
+        load = cls(engine, frozenset(), journal)
         load._written = written
         load._transient_written = {tr for tr in engine.transients if tr.held}
         return load
@@ -354,10 +357,9 @@ class Load:
         # Anything recorded since the load began (a `gs.mark_written` in the loader), or
         # a write into a derived buffer itself: the witnesses are checked too.
         if (witnesses or self.journal.clock != self.clock + 1
-                or not written.isdisjoint(
-                    engine.watch.storage_keys().difference(engine.watch.by_storage()))):
+                or not written.isdisjoint(engine.watch.buffer_keys())):
             dirty.update(engine.witness_dirty())
-        dirty.update(b.index for b in engine.bound if b.buffers is None)
+        dirty.update(engine.watch.unmade())
         dirty, incomplete = self._sort_transients(dirty, touched, what)
         kept = []
         for i, at in self._early.items():  # refreshed mid-load: stale only if written since

@@ -44,8 +44,8 @@ class Binder:
         on_bind: Called with the model and the engine of each new binding.
     """
 
-    __slots__ = ("_engine", "_journal", "_map", "_model_class", "_model_ref", "_on_bind",
-                 "_own", "_strict", "_ties", "registries")
+    __slots__ = ("_agreed", "_engine", "_journal", "_map", "_model_class", "_model_ref",
+                 "_on_bind", "_own", "_strict", "_ties", "registries")
 
     def __init__(
         self,
@@ -68,6 +68,9 @@ class Binder:
         self._on_bind: Final = on_bind
         self._engine: Engine | None = None
         self._map: ModelMap | None = None
+        # Whether `_engine` and `_map` were seen together with no submodule swapped
+        # (`bound`); whatever replaces either clears it.
+        self._agreed = False
         self._ties: Ties | None = None
 
     @property
@@ -129,12 +132,30 @@ class Binder:
                 raise swapped_error(self.model, engine.binding, swapped)
         model = self.model
         self._map = None  # another tree: walked anew at the next load
+        self._agreed = False
         binding = bind(model, self._derivations_for, self._own)
         self._engine = engine = Engine(
             binding, self.model_tensors, journal=self._journal, strict=self._strict
         )
         self._on_bind(model, engine)
         return engine
+
+    def bound(self, pinned: bool) -> tuple[Engine, ModelMap]:
+        """`engine(pinned)` and `model_map()` together, as each load begins: while the
+        walk still holds, the binding's submodules are where they were when both were
+        last seen to agree, and that is not checked again.
+
+        The walk's flat check covers every `_modules` entry of every module it walked
+        (the binding's submodules among them, by identity), so a walk that holds proves
+        no submodule was swapped since the moment it agreed with the engine.
+        """
+        engine, found = self._engine, self._map
+        if self._agreed and engine is not None and found is not None and found.holds():
+            return engine, found
+        engine = self.engine(pinned)
+        walked = self.model_map()
+        self._agreed = True
+        return engine, walked
 
     def consults(self, registry: Registry) -> bool:
         """Whether `registry`'s derivations are bound already."""
@@ -147,6 +168,7 @@ class Binder:
         buffers keep their storage)."""
         self.registries.append(registry)
         self._engine = None
+        self._agreed = False
 
     def model_tensors(self) -> dict[int, str]:
         """`{storage key: path}` of every tensor of the model."""
@@ -156,6 +178,7 @@ class Binder:
         """A walk of the model now, kept as the next `model_map` (one walk for both)."""
         reach = walk(self.model)
         self._map = ModelMap(self.model, reach)
+        self._agreed = False
         return reach
 
     def model_map(self) -> ModelMap:
@@ -164,6 +187,7 @@ class Binder:
         found = self._map
         if found is None or not found.holds():
             found = self._map = ModelMap(self.model)
+            self._agreed = False
         return found
 
     def tensors(self) -> Iterator[torch.Tensor]:

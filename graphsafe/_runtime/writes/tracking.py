@@ -10,7 +10,7 @@ parameter's version counter.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Collection, Set
 from typing import Any, NamedTuple
 
 import torch
@@ -59,7 +59,8 @@ def written_args(func: Any) -> tuple[tuple[int, str], ...]:
 
 
 class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Notes writes into the `watched` storage keys (mapped to anything, e.g. a path).
+    """Notes writes into the `watched` storage keys (a set, or a mapping of them to
+    anything, e.g. paths).
 
     `on_write(key, op_name)` runs BEFORE a watched storage is written: raising there
     refuses the write, so nothing is changed. A write into one of `transients` (the model's
@@ -76,7 +77,7 @@ class WriteTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __init__(
         self,
-        watched: Mapping[int, object],
+        watched: Collection[int],
         on_write: Callable[[int, str], None] | None = None,
         transients: Transients | None = None,
         sequenced: frozenset[int] = frozenset(),
@@ -370,7 +371,7 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
 
     def __init__(
         self,
-        watched: Mapping[int, object],
+        watched: Collection[int],
         on_write: Callable[[int, str], None] | None,
         allowed: Set[int],
         on_read: Callable[[int, str], None],
@@ -410,10 +411,11 @@ class NativeWriteTracker:
     transient inputs, whose writes are redirected, keep `WriteTracker`. If torch's
     RecordFunction was turned off while it tracked, writes may have gone unseen, and it
     reports every watched storage as written (so everything is refreshed). `watched` is
-    read once, at the first entry.
+    read once, at the first entry (a frozenset passed again, as loads pass their model's,
+    is read once per process: its keys are shared).
     """
 
-    def __init__(self, watched: Mapping[int, object], native: _native.Native,
+    def __init__(self, watched: Collection[int], native: _native.Native,
                  sequenced: frozenset[int] = frozenset()) -> None:
         self.watched = watched
         self.sequenced = sequenced
@@ -475,7 +477,7 @@ class NativeWriteTracker:
 
 
 def write_tracker(
-    watched: Mapping[int, object], transients: Transients | None = None,
+    watched: Collection[int], transients: Transients | None = None,
     sequenced: frozenset[int] = frozenset(),
 ) -> WriteTracker | NativeWriteTracker:
     """The tracker of a load: the compiled one unless there are `transients` (their writes

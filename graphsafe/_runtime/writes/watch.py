@@ -33,12 +33,16 @@ class Watch:
     __slots__ = (
         "_buffer_sites",
         "_by_key",
+        "_covered",
+        "_free_keys",
         "_identities",
         "_input_site",
         "_keys",
         "_site_owner",
         "_site_paths",
         "_transient",
+        "_unmade",
+        "_with",
         "binding",
         "witnesses",
     )
@@ -49,7 +53,11 @@ class Watch:
         self.binding = binding
         self._by_key: dict[int, list[Input]] | None = None
         self._identities: Identities | None = None
+        self._covered: tuple[Identities, Identities, bool] | None = None
         self._keys: frozenset[int] | None = None
+        self._free_keys: frozenset[int] | None = None
+        self._unmade: list[int] | None = None
+        self._with: tuple[frozenset[int], frozenset[int]] | None = None
         self._transient = [inp for inp in binding.inputs if inp.transient]
         sites = self._sites()
         self.witnesses = (
@@ -115,10 +123,38 @@ class Watch:
         ]
         return moved_inputs, moved_buffers
 
+    def recorded_in(self, rows: Identities) -> bool:
+        """Whether `rows` (a walk's, see `ModelMap.rows`) record every input and buffer
+        this watch checks for rebinding, with the same identity, pointer and stride: a
+        walk whose check holds then proves that none was rebound. False with transient
+        inputs (released and held again: `moved` looks at each)."""
+        if self._transient:
+            return False
+        if self._identities is None:
+            self._identities = self._identity_rows()
+        mine = self._identities
+        kept = self._covered
+        if kept is not None and kept[0] is mine and kept[1] is rows:
+            return kept[2]
+        at = {(id(h), k): i for i, (h, k) in enumerate(zip(rows.holders, rows.keys))}
+        covered = True
+        for j, (h, k) in enumerate(zip(mine.holders, mine.keys)):
+            i = at.get((id(h), k))
+            if (i is None or i >= rows.n_strided or rows.ids[i] != mine.ids[j]
+                    or rows.ptrs[i] != mine.ptrs[j]
+                    or (j < mine.n_strided and rows.strides[i] != mine.strides[j])):
+                covered = False
+                break
+        self._covered = (mine, rows, covered)
+        return covered
+
     def buffers_changed(self) -> None:
         """A derivation's buffers were recorded: the rebinding check reads them anew."""
         self._identities = None
         self._keys = None
+        self._free_keys = None
+        self._unmade = None
+        self._with = None
 
     def take_read(self) -> SitesRead | None:
         """What the last passing rebinding check read (once), for a full rewitness."""
@@ -159,6 +195,31 @@ class Watch:
             keys.discard(0)
             self._keys = frozenset(keys)
         return self._keys
+
+    def unmade(self) -> list[int]:
+        """Indices of the derivations that have no buffers (never made, or dropped: a
+        watch is renewed when buffers are dropped, told when they are recorded)."""
+        if self._unmade is None:
+            self._unmade = [b.index for b in self.binding.bound if b.buffers is None]
+        return self._unmade
+
+    def buffer_keys(self) -> frozenset[int]:
+        """Of `storage_keys`, those no resident input lives in (the buffers, transient
+        inputs): a write there makes the witnesses worth a look."""
+        if self._free_keys is None:
+            self._free_keys = self.storage_keys().difference(self.by_storage())
+        return self._free_keys
+
+    def watched_with(self, others: frozenset[int]) -> frozenset[int]:
+        """`others` with `storage_keys`: what a load watches (the union is kept while
+        `others` is the same set, as a model's walk keeps its own)."""
+        kept = self._with
+        if kept is not None and kept[0] is others:
+            return kept[1]
+        keys = self.storage_keys()
+        union = others if keys <= others else others | keys
+        self._with = (others, union)
+        return union
 
     def _identity_rows(self) -> Identities:
         # Resident inputs (stride checked too), then buffers: derived buffers are

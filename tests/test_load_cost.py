@@ -1,0 +1,310 @@
+"""What a load reuses from the load before it, and the changes that make it look again.
+
+A load's fixed cost follows what changed, not the model's size: the walk of the model
+(`ModelMap`) is checked in one compiled pass, the binding is not checked for swapped
+submodules again while that walk holds, and the set of storage keys a load watches is
+one set kept with the walk (the compiled tracker reads it once). Each shortcut is held
+here next to the change it must not skip: the walk's check on both paths against a known
+verdict, a swap after a load that agreed, a tensor added to the model after the set was
+kept, and the compiled tracker's cache of sets against a set freed and another made.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import graphsafe as gs
+from graphsafe import _native
+from graphsafe._memory.journal import JOURNAL
+from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.bind import model_map
+from graphsafe._runtime.bind.model_map import ModelMap
+from graphsafe._runtime.refresh import binder
+from graphsafe._runtime.refresh.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def native() -> _native.Native:
+    try:
+        _native.build()
+    except _native.NativeBuildError as exc:  # no C++ compiler on this machine
+        pytest.skip(f"the compiled checks cannot be built here: {exc}")
+    found = _native.get()
+    if found is None:
+        pytest.skip("the compiled checks are turned off (GRAPHSAFE_NATIVE=0)")
+    return found
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6), requires_grad=False)
+        self.register_buffer("b", torch.randn(6))
+        self.extra = torch.randn(3)  # a plain tensor attribute
+        self.listed = [torch.randn(2), torch.randn(2)]  # tensors inside a list
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Layer() for _ in range(3)])
+
+
+def _data(make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Stack], None]:
+    def go(m: Stack) -> None:
+        w = m.layers[1].w
+        w.data = make(w.data)
+
+    return go
+
+
+def _setattr(name: str, value: Callable[[Layer], object]) -> Callable[[Stack], None]:
+    def go(m: Stack) -> None:
+        setattr(m.layers[1], name, value(m.layers[1]))
+
+    return go
+
+
+def _delattr(m: Stack) -> None:
+    del m.layers[1].extra
+
+
+def _list_item(m: Stack) -> None:
+    m.layers[1].listed[0] = torch.randn(2)
+
+
+def _list_grown(m: Stack) -> None:
+    m.layers[1].listed.append(torch.randn(2))
+
+
+def _new_dict(m: Stack) -> None:
+    m.layers[1]._parameters = dict(m.layers[1]._parameters)
+
+
+def _swap(m: Stack) -> None:
+    m.layers[1] = copy.deepcopy(m.layers[1])
+
+
+def _inplace(m: Stack) -> None:
+    with torch.no_grad():
+        m.layers[1].w.mul_(2)
+
+
+# (change, whether the walk still describes the model: the same tensors where it found
+# them, at the same pointer and stride; a write keeps everything)
+CHANGES: dict[str, tuple[Callable[[Stack], None], bool]] = {
+    "nothing": (lambda m: None, True),
+    "written in place": (_inplace, True),
+    "a transposed view of the same storage": (_data(lambda d: d.t()), False),
+    "rebound to new storage": (_data(torch.randn_like), False),
+    "an offset view of the same storage": (_data(lambda d: d.view(-1)[6:].view(3, 6)), False),
+    "emptied": (_data(lambda d: torch.empty(0)), False),
+    "a new Parameter object": (
+        _setattr("w", lambda layer: nn.Parameter(layer.w.detach().clone())), False),
+    "a buffer rebound": (_setattr("b", lambda layer: torch.randn(6)), False),
+    "a new attribute": (_setattr("scale", lambda layer: 2.0), False),
+    "an attribute replaced": (_setattr("extra", lambda layer: torch.randn(3)), False),
+    "an attribute deleted": (_delattr, False),
+    "a tensor in a list replaced": (_list_item, False),
+    "a list grown": (_list_grown, False),
+    "a new _parameters dict": (_new_dict, False),
+    "a submodule swapped": (_swap, False),
+}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_the_walk_check_gives_the_known_verdict_on_both_paths(
+    name: str, compiled: bool, request: pytest.FixtureRequest
+) -> None:
+    if compiled:
+        request.getfixturevalue("native")
+    change, holds = CHANGES[name]
+    model = Stack()
+    with _native.using(compiled):
+        found = ModelMap(model)
+    assert (found._native is not None) is compiled
+    assert found.holds()
+    change(model)
+    assert found.holds() is holds, name
+
+
+def test_the_compiled_walk_check_answers_alone_when_nothing_changed(
+    native: _native.Native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Control for the verdicts above: the compiled pass, not the Python one behind it,
+    answered them (the Python pass runs only once the compiled one saw a change)."""
+    model = Stack()
+    with _native.using(True):
+        found = ModelMap(model)
+    python_pass: list[bool] = []
+    real = ModelMap._holds
+    monkeypatch.setattr(model_map.ModelMap, "_holds",
+                        lambda self: python_pass.append(True) or real(self))
+    assert found.holds()
+    assert python_pass == []
+    _swap(model)
+    assert not found.holds()
+    assert python_pass == [True]
+
+
+@gs.graphsafe
+class Folded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+
+    @gs.derive("w_t", inputs=["w"])
+    def _t(self, w: torch.Tensor) -> torch.Tensor:
+        return w.t().contiguous()
+
+
+@gs.graphsafe
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Folded(), Folded()])
+        self.watched: list[frozenset[int]] = []
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        load = gs.runtime(self)._loads.current
+        assert load is not None
+        self.watched.append(load.watch)
+        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        for name, w in weights:
+            gs.load_into(tensors[name], w, name=name)
+
+
+def test_a_load_does_not_check_for_swaps_again_while_the_walk_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = Model()
+    model.load_weights([])  # the first load, recorded: the walk is taken anew at its end
+    model.load_weights([])
+    checked: list[bool] = []
+    real = binder.swapped_modules
+    monkeypatch.setattr(binder, "swapped_modules",
+                        lambda binding: checked.append(True) or real(binding))
+    model.load_weights([("layers.0.w", torch.ones(4, 6))])
+    assert checked == []  # the walk held: the binding's submodules are where they were
+    assert torch.equal(model.layers[0].w_t, torch.ones(6, 4))
+
+
+def test_control_a_swap_after_a_load_that_agreed_is_bound_at_the_next_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The case the shortcut must not skip: the walk no longer holds, the binding is
+    checked, the new submodule bound and its buffer made from what the load wrote."""
+    model = Model()
+    model.load_weights([])  # the first load, recorded: the walk is taken anew at its end
+    model.load_weights([])
+    checked: list[bool] = []
+    real = binder.swapped_modules
+    monkeypatch.setattr(binder, "swapped_modules",
+                        lambda binding: checked.append(True) or real(binding))
+    model.layers[1] = Folded()  # never loaded: no derived buffer yet
+    model.load_weights([("layers.1.w", torch.full((4, 6), 3.0))])
+    assert checked  # the swap check ran, and found the swap
+    assert torch.equal(model.layers[1].w_t, torch.full((6, 4), 3.0))
+
+
+def _count_scans(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    scans: list[bool] = []
+    real = Engine.scan_moved
+    monkeypatch.setattr(Engine, "scan_moved",
+                        lambda self, pinned: scans.append(True) or real(self, pinned))
+    return scans
+
+
+def test_a_load_scans_for_rebinding_once_when_the_walk_recorded_every_input(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = Model()
+    model.load_weights([])
+    model.load_weights([])
+    scans = _count_scans(monkeypatch)
+    model.load_weights([("layers.0.w", torch.ones(4, 6))])
+    assert scans == [True]  # at its end (the loader may rebind); not as it began
+    assert torch.equal(model.layers[0].w_t, torch.ones(6, 4))
+
+
+REBINDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "new storage": lambda d: torch.full_like(d, 5.0),
+    "a view of the same storage at another stride": lambda d: d.as_strided(d.shape, (1, 4)),
+}
+
+
+@pytest.mark.parametrize("make", list(REBINDINGS.values()), ids=list(REBINDINGS))
+def test_control_an_input_rebound_between_loads_is_taken_by_the_next(
+    make: Callable[[torch.Tensor], torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The case the shortcut must not skip: the walk no longer holds, the engine's pass
+    runs as the load begins and takes the new tensor, whose writes are then seen."""
+    model = Model()
+    model.load_weights([])
+    model.load_weights([])
+    scans = _count_scans(monkeypatch)
+    w = model.layers[1].w
+    w.data = make(w.data)
+    model.load_weights([("layers.1.w", torch.full((4, 6), 7.0))])
+    assert scans == [True, True]
+    assert torch.equal(model.layers[1].w_t, torch.full((6, 4), 7.0))
+
+
+def test_a_load_watches_the_set_the_last_load_watched_while_the_model_is_unchanged() -> None:
+    model = Model()
+    model.load_weights([])
+    model.load_weights([])
+    model.load_weights([])
+    assert model.watched[1] is model.watched[2]  # one set, not one per load
+    assert {storage_key(p) for p in model.parameters()} <= model.watched[2]
+
+
+def test_control_a_tensor_added_after_the_set_was_kept_is_watched_by_the_next_load() -> None:
+    """A buffer registered between loads is no storage of the set the loads shared: the
+    walk no longer holds, the next load watches it, and its write reaches the journal."""
+    model = Model()
+    model.load_weights([])
+    model.load_weights([])
+    kept = model.watched[-1]
+    model.layers[0].register_buffer("scale", torch.zeros(3))
+    key = storage_key(model.layers[0].scale)
+    assert key not in kept
+    clock = JOURNAL.clock
+    model.load_weights([("layers.0.scale", torch.ones(3))])
+    assert key in model.watched[-1]
+    assert key in JOURNAL.written_since(clock)
+
+
+def test_the_compiled_tracker_watches_each_set_it_is_given(native: _native.Native) -> None:
+    """It reads a frozenset once and shares it with later trackers given the same set;
+    a set freed and another made (perhaps at the same address) is read anew."""
+    a, b = torch.zeros(2), torch.zeros(2)
+    ka, kb = storage_key(a), storage_key(b)
+
+    def written(watched: frozenset[int]) -> set[int]:
+        tracker = native.tracker_new(watched)
+        native.tracker_push(tracker)
+        try:
+            a.add_(1)
+            b.add_(1)
+        finally:
+            native.tracker_pop(tracker)
+        found = native.tracker_written(tracker)
+        native.tracker_free(tracker)
+        return found
+
+    only_a = frozenset({ka})
+    assert written(only_a) == {ka}
+    assert written(only_a) == {ka}  # the same set again: shared
+    for _ in range(20):  # many sets made and freed: none is taken for another
+        assert written(frozenset({kb})) == {kb}
+        gc.collect()
+    assert written(frozenset()) == set()
+    assert written(only_a) == {ka}

@@ -391,6 +391,34 @@ def test_each_of_many_watched_storages_is_seen_and_no_other() -> None:
 
 
 @needs_native
+def test_the_benchmarks_floor_callback_notes_nothing_and_leaves_the_observer_be() -> None:
+    """`observer_floor` (figure 8's do-nothing callback, with inputs or without) sees no
+    write, and the observer beside it still does. Control: the same write with the
+    observer on instead is noted."""
+    layer, x = _loaded()
+    graph, _ = _captured(layer, x)
+    native = _native.get()
+    assert native is not None
+    JOURNAL.sync()
+    was = gs.observe_writes(False)
+    try:
+        for inputs in (True, False):
+            native.observer_floor(True, inputs)
+            layer.w.data.add_(1.0)
+            assert not native.observer_pending()  # the floor noted nothing
+            native.observer_floor(False, False)
+        gs.observe_writes(True)
+        native.observer_floor(True, True)
+        layer.w.data.add_(1.0)  # control: the observer, beside the floor, notes it
+        assert native.observer_pending()
+    finally:
+        native.observer_floor(False, False)
+        gs.observe_writes(was)
+    with pytest.raises(gs.StaleError, match=rf"w written by aten::add_\S* {SEEN}"):
+        graph.replay()
+
+
+@needs_native
 def test_writes_record_function_cannot_see_fail_closed() -> None:
     layer, x = _loaded()
     graph, out = _captured(layer, x)

@@ -1,7 +1,8 @@
 // The process-wide write observer: writes into watched storages made outside any tracked
 // load, in any thread (graphsafe/_runtime/writes/observer.py drives it: observer_watch,
 // observer_start, observer_stop, observer_running, observer_pending, observer_drain,
-// observer_quiet; tracker.cpp lists them in the module's method table).
+// observer_quiet; observer_floor is the benchmarks'; tracker.cpp lists them in the
+// module's method table).
 //
 // A global RecordFunction callback sees every dispatcher op of every thread before it
 // runs. For each argument the op's schema marks written (as the load tracker reads it:
@@ -189,6 +190,7 @@ std::atomic<bool> blind{false};
 
 std::mutex callback_mu;
 at::CallbackHandle callback = 0;  // guarded by callback_mu
+at::CallbackHandle floor_callback = 0;  // guarded by callback_mu
 std::atomic<bool> running{false};
 
 OpWrites compute_writes(const at::RecordFunction& fn) {
@@ -370,6 +372,37 @@ PyObject* observer_stop(PyObject* /*self*/, PyObject* /*unused*/) {
     at::removeCallback(callback);
     callback = 0;
     running.store(false, std::memory_order_release);
+  }
+  Py_RETURN_NONE;
+}
+
+namespace {
+
+std::unique_ptr<at::ObserverContext> nothing(const at::RecordFunction& /*fn*/) {
+  return nullptr;
+}
+
+}  // namespace
+
+// observer_floor(on: bool, inputs: bool): add (on) or remove a global callback like the
+// observer's that does nothing, with every op's inputs or without: what a callback of its
+// kind costs before it does any work (figure 8 of the benchmarks times the observer
+// against it). A second add replaces the first.
+PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
+  int on = 0;
+  int inputs = 0;
+  if (!PyArg_ParseTuple(args, "pp", &on, &inputs)) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(callback_mu);
+  if (floor_callback != 0) {
+    at::removeCallback(floor_callback);
+    floor_callback = 0;
+  }
+  if (on != 0) {
+    floor_callback = at::addGlobalCallback(at::RecordFunctionCallback(nothing)
+                                               .needsInputs(inputs != 0)
+                                               .scopes({at::RecordScope::FUNCTION}));
   }
   Py_RETURN_NONE;
 }

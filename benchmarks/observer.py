@@ -17,6 +17,11 @@ the synchronized wall time, the models and their data on the GPU.
 - 8e: CUDA only: a guarded CUDA graph replay of 8c's pinned MLP's inference forward. A
   replay dispatches no op, so the callback never runs: the ratio should be 1.
 
+Rows 8a-8d also time two floors, alternated with the rest: a global callback of the
+observer's kind that does nothing, with every op's inputs (`floor_ratio`: the observer
+needs them, to see which storages an op writes) and without (`bare_floor_ratio`: what
+RecordFunction alone costs every op); `on_over_floor` is the observer's own work.
+
 Without the compiled build there is no observer: the figure is one SKIP row saying so.
 """
 
@@ -106,25 +111,44 @@ def _thread_seconds(step: Callable[[], Any], number: int) -> float:
     return (time.thread_time() - start) / number
 
 
-def _on_off(ctx: Ctx, step: Callable[[], Any], seconds: float) -> tuple[Any, Any, float, int]:
+def _on_off(
+    ctx: Ctx, step: Callable[[], Any], seconds: float, floors: bool = True
+) -> tuple[Any, Any, float, int, dict[str, float]]:
     """Stats of `step` with the observer on and off, alternated (twice the usual repeats:
-    the effect is small next to the noise); their paired ratio."""
+    the effect is small next to the noise); their paired ratio; and with `floors`, the
+    paired ratios of the floors (see `_floors`)."""
     number = _per_sample(ctx, step, seconds)
     was = OBSERVER.enabled
     sample = _sampler(ctx)
+    native = _native.get()
+    assert native is not None
 
-    def timed(enabled: bool) -> Callable[[], float]:
+    def timed(enabled: bool, floor: bool | None = None) -> Callable[[], float]:
         def case() -> float:
             gs.observe_writes(enabled)  # outside the timed loop
             assert OBSERVER.running == enabled
-            return sample(step, number)
+            native.observer_floor(floor is not None, bool(floor))
+            try:
+                return sample(step, number)
+            finally:
+                native.observer_floor(False, False)
         return case
 
+    cases = {"on": timed(True), "off": timed(False)}
+    if floors:
+        cases |= {"floor": timed(False, True), "bare": timed(False, False)}
     try:
-        stats = interleave({"on": timed(True), "off": timed(False)}, 2 * ctx.sizes.repeats)
+        stats = interleave(cases, 2 * ctx.sizes.repeats)
     finally:
         gs.observe_writes(was)
-    return stats["on"], stats["off"], paired(stats["on"], stats["off"]), number
+    found = {}
+    if floors:
+        found = {
+            "floor_ratio": round(paired(stats["floor"], stats["off"]), 3),
+            "bare_floor_ratio": round(paired(stats["bare"], stats["off"]), 3),
+            "on_over_floor": round(paired(stats["on"], stats["floor"]), 3),
+        }
+    return stats["on"], stats["off"], paired(stats["on"], stats["off"]), number, found
 
 
 def _seconds(ctx: Ctx) -> float:
@@ -157,14 +181,14 @@ def _training_row(ctx: Ctx, fig: str, hidden: int, target: float | None) -> Row:
         loss.backward()
         opt.step()
 
-    on, off, ratio, number = _on_off(ctx, step, _seconds(ctx))
+    on, off, ratio, number, floors = _on_off(ctx, step, _seconds(ctx))
     graph.reset()
     return Row(
         fig, f"training step, MLP {_LAYERS} x hidden {hidden}, observer on", on.median,
         off.median, baseline_name="observer off", ratio=ratio, ratio_def="on / off",
         op="<=" if target else "", target=target,
         details={"steps_per_sample": number, "added_per_step_s": on.median - off.median,
-                 "clock": _clock_name(ctx),
+                 "clock": _clock_name(ctx), **floors,
                  "spread": [round(on.spread, 3), round(off.spread, 3)]},
     )
 
@@ -189,14 +213,14 @@ def _decode_row(ctx: Ctx, fig: str, quick: bool) -> Row:
         with torch.no_grad():
             model(tokens)
 
-    on, off, ratio, number = _on_off(ctx, step, _seconds(ctx))
+    on, off, ratio, number, floors = _on_off(ctx, step, _seconds(ctx))
     graph.reset()
     return Row(
         fig, f"vLLM-style step: eager forward of 16 tokens, Llama {config.num_hidden_layers} "
         f"x hidden {config.hidden_size}, observer on", on.median, off.median,
-        baseline_name="observer off", ratio=ratio, ratio_def="on / off",
+        baseline_name="observer off", ratio=ratio, ratio_def="on / off", op="<=", target=1.03,
         details={"steps_per_sample": number, "added_per_step_s": on.median - off.median,
-                 "clock": _clock_name(ctx),
+                 "clock": _clock_name(ctx), **floors,
                  "spread": [round(on.spread, 3), round(off.spread, 3)]},
     )
 
@@ -210,7 +234,7 @@ def _replay_row(ctx: Ctx, fig: str, hidden: int) -> Row:
     model, x, _ = _mlp(ctx, hidden)
     graph = _pinned(ctx, model, lambda: model.infer(x))
     graph.replay()  # the first replay uploads the graph
-    on, off, ratio, number = _on_off(ctx, graph.replay, _seconds(ctx))
+    on, off, ratio, number, _ = _on_off(ctx, graph.replay, _seconds(ctx), floors=False)
     graph.reset()
     return Row(
         fig, name, on.median, off.median, baseline_name="observer off", ratio=ratio,
@@ -232,7 +256,7 @@ def fig8(ctx: Ctx) -> list[Row]:
     quick = ctx.sizes.smoke
     hidden = (16, 32, 64) if quick else (64, 256, 1024)
     rows: list[Row] = []
-    for fig, h, target in zip(("8a", "8b", "8c"), hidden, (None, None, 1.05)):
+    for fig, h, target in zip(("8a", "8b", "8c"), hidden, (1.10, None, 1.05)):
         name = f"training step, MLP {_LAYERS} x hidden {h}, observer on"
         rows += ctx.attempt(fig, name, lambda f=fig, h=h, t=target: _training_row(ctx, f, h, t))
     rows += ctx.attempt("8d", "vLLM-style step, observer on", lambda: _decode_row(ctx, "8d", quick))

@@ -1,8 +1,9 @@
 """The process-wide write observer (`graphsafe._runtime.writes.observer`).
 
 Writes into a pinned model outside any tracked load that move no version counter:
-`p.data.copy_(w)` in a script, a raw storage copy, fused optimizer steps, writes in a
-thread a loader starts or in any other thread. Each is refused by name by a guarded
+`p.data.copy_(w)` in a script, a raw storage copy, fused optimizer steps, an `out=`
+write, a write through a view, writes in a thread a loader starts or in any other
+thread. Each is refused by name by a guarded
 graph and repaired with `on_stale="refresh"`; its controls replay the same write
 silently stale, under an unguarded graph (the write really bypasses the graph) and
 under a guarded one with the observer off (what the guard did before it existed). A
@@ -115,6 +116,14 @@ def _fused_sgd(layer: Layer) -> None:
     torch.optim.SGD([layer.w], lr=0.1, fused=True).step()
 
 
+def _out_write(layer: Layer) -> None:
+    torch.add(torch.randn(4, 6), torch.randn(4, 6), out=layer.w.data)
+
+
+def _view_write(layer: Layer) -> None:
+    layer.w.data.t()[2:].mul_(2.0)  # a strided view at an offset into w's storage
+
+
 def _loader_thread(layer: Layer) -> None:
     layer.load_weights([("w", torch.randn(4, 6))], worker="direct")
 
@@ -131,6 +140,8 @@ WRITES: dict[str, tuple[Callable[[Layer], None], str]] = {
     "fused_adamw_step": (_fused_adamw, "aten::_fused_adamw_"),
     "fused_sgd_step": (_fused_sgd, "aten::_fused_sgd_"),
     "plain_thread": (_plain_thread, "aten::copy_"),
+    "out_write": (_out_write, "aten::add"),
+    "view_write": (_view_write, "aten::mul_"),
 }
 
 
@@ -304,6 +315,107 @@ def test_the_observer_stays_on_while_another_model_is_pinned() -> None:
     gs.runtime(b).refresh()
     graph_b.replay()
     assert torch.equal(out_b, _expected(b, x))
+
+
+@needs_native
+def test_ops_seen_to_write_nothing_hide_no_write() -> None:
+    """The callback rejects an op it has seen write nothing before reading anything else,
+    from a table every thread shares: the overload of the same op that writes (`out=`),
+    the same ops in another thread, and an op that writes registered after the table
+    filled are still seen. Control: the ops that write nothing are never noted."""
+    layer, x = _loaded()
+    graph, _ = _captured(layer, x)
+    native = _native.get()
+    assert native is not None and OBSERVER.running
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    JOURNAL.sync()
+    for _ in range(3):  # aten::add.Tensor and aten::mul.Tensor: in the table now
+        torch.mul(torch.add(a, b), b)
+    assert not native.observer_pending()  # control: nothing they did is noted
+    torch.add(a, b, out=layer.w.data)
+    with pytest.raises(gs.StaleError, match=rf"w written by aten::add\.out {SEEN}"):
+        graph.replay()
+    gs.runtime(layer).refresh_stale()
+
+    def in_a_thread() -> None:
+        for _ in range(3):
+            torch.mul(torch.add(a, b), b)
+        torch.mul(a, b, out=layer.w.data)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    with pytest.raises(gs.StaleError, match=rf"w written by aten::mul\.out {SEEN}"):
+        graph.replay()
+    gs.runtime(layer).refresh_stale()
+
+    # An op registered now (the table is emptied) that writes its argument.
+    lib = torch.library.Library("graphsafe_test_observer", "FRAGMENT")
+    lib.define("scale_(Tensor(a!) x, float s) -> ()")
+
+    def scale_(t: torch.Tensor, s: float) -> None:
+        t.mul_(s)
+
+    lib.impl("scale_", scale_, "CompositeExplicitAutograd")
+    try:
+        torch.mul(a, b)
+        torch.ops.graphsafe_test_observer.scale_(layer.w.data, 3.0)
+        with pytest.raises(gs.StaleError, match=rf"w written by graphsafe_test_observer::"
+                           rf"scale_ {SEEN}"):
+            graph.replay()
+    finally:
+        lib._destroy()
+
+
+@needs_native
+def test_each_of_many_watched_storages_is_seen_and_no_other() -> None:
+    """The watched storages are a flat hash set, probed once per written storage: with
+    many of them watched, a write into any one is seen. Control: writes into the storages
+    beside them, which no derivation reads, are not."""
+    layers = [_loaded()[0] for _ in range(48)]
+    x = torch.randn(2, 6)
+    graphs = [_captured(layer, x)[0] for layer in layers]  # each pins its layer
+    watched = [storage_key(layer.w) for layer in layers]
+    apart = [storage_key(layer.bias) for layer in layers]
+    JOURNAL.sync()
+    before = JOURNAL.epochs_of(watched + apart)
+    for layer in layers:
+        layer.w.data.add_(1.0)
+        layer.bias.data.add_(1.0)
+    JOURNAL.sync()
+    after = JOURNAL.epochs_of(watched + apart)
+    seen = [b != a for a, b in zip(before, after)]
+    assert seen == [True] * len(watched) + [False] * len(apart)
+    for graph in graphs:
+        graph.reset()
+
+
+@needs_native
+def test_the_benchmarks_floor_callback_notes_nothing_and_leaves_the_observer_be() -> None:
+    """`observer_floor` (figure 8's do-nothing callback, with inputs or without) sees no
+    write, and the observer beside it still does. Control: the same write with the
+    observer on instead is noted."""
+    layer, x = _loaded()
+    graph, _ = _captured(layer, x)
+    native = _native.get()
+    assert native is not None
+    JOURNAL.sync()
+    was = gs.observe_writes(False)
+    try:
+        for inputs in (True, False):
+            native.observer_floor(True, inputs)
+            layer.w.data.add_(1.0)
+            assert not native.observer_pending()  # the floor noted nothing
+            native.observer_floor(False, False)
+        gs.observe_writes(True)
+        native.observer_floor(True, True)
+        layer.w.data.add_(1.0)  # control: the observer, beside the floor, notes it
+        assert native.observer_pending()
+    finally:
+        native.observer_floor(False, False)
+        gs.observe_writes(was)
+    with pytest.raises(gs.StaleError, match=rf"w written by aten::add_\S* {SEEN}"):
+        graph.replay()
 
 
 @needs_native

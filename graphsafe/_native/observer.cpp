@@ -1,7 +1,8 @@
 // The process-wide write observer: writes into watched storages made outside any tracked
 // load, in any thread (graphsafe/_runtime/writes/observer.py drives it: observer_watch,
 // observer_start, observer_stop, observer_running, observer_pending, observer_drain,
-// observer_quiet; tracker.cpp lists them in the module's method table).
+// observer_quiet; observer_floor is the benchmarks'; tracker.cpp lists them in the
+// module's method table).
 //
 // A global RecordFunction callback sees every dispatcher op of every thread before it
 // runs. For each argument the op's schema marks written (as the load tracker reads it:
@@ -9,10 +10,12 @@
 // pending set that `observer_drain` empties. Ops of a thread inside a tracked load
 // (their load records them) or a quiet scope (graphsafe's own writes) are skipped.
 //
-// The callback runs for every op while it is on, so the common path is short: a
-// thread-local depth, a thread-local cache of what the op writes keyed by a pointer,
-// and, only for ops that write, one atomic load to see whether the watched set changed
-// and a hash lookup per written storage. Ops that write nothing watched take no lock.
+// The callback runs for every op while it is on, and most ops write nothing, so it
+// rejects those first with one load from a table every thread shares (`quiet_ops`:
+// the ops seen to write nothing, by address), before any thread-local state is read.
+// An op that writes takes the thread's cache of what it writes, one atomic load to see
+// whether the watched set changed, and one probe of a flat hash set per written storage
+// (`Watched`). Ops that write nothing watched take no lock and allocate nothing.
 
 #include <Python.h>
 
@@ -24,7 +27,6 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -39,20 +41,118 @@ namespace graphsafe_native {
 namespace {
 
 // Bumped by every op registration or deregistration: a schema's address may then be
-// another op's, so every thread empties its cache of what ops write.
+// another op's, so every thread empties its cache of what ops write, and `quiet_ops`
+// is emptied.
 std::atomic<uint64_t> op_generation{0};
+
+// The ops seen to write nothing, by the address of their schema name (see `writes_in`),
+// one per slot of a hash of it, shared by every thread: a slot holds the last such op
+// that hashed there. An op found here is rejected with one load; any other takes the
+// thread's cache. Filled by `remember_quiet`, emptied by `forget_quiet_ops`.
+constexpr size_t kQuietBits = 12;
+std::array<std::atomic<const void*>, size_t{1} << kQuietBits> quiet_ops{};
+
+size_t quiet_slot(const void* key) {
+  // Fibonacci hashing: the high bits of the product mix every bit of the address.
+  return static_cast<size_t>((reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ULL) >>
+                             (64 - kQuietBits));
+}
+
+// Whether a slot of `quiet_ops` may hold an op: registrations (thousands at an import,
+// or at exit) then skip emptying a table that is empty.
+std::atomic<bool> quiet_filled{false};
+
+// Called with the generation moved: no slot keeps an op seen before it. The fences pair
+// with `remember_quiet`'s: an op it adds that this misses sees the new generation.
+void forget_quiet_ops() {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!quiet_filled.exchange(false, std::memory_order_relaxed)) {
+    return;
+  }
+  for (std::atomic<const void*>& slot : quiet_ops) {
+    slot.store(nullptr, std::memory_order_relaxed);
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+// `key` writes nothing, as computed under op generation `generation`; unless the
+// generation moved meanwhile (the address may be another op's by now), where the entry
+// is taken back.
+void remember_quiet(const void* key, uint64_t generation) {
+  std::atomic<const void*>& slot = quiet_ops[quiet_slot(key)];
+  slot.store(key, std::memory_order_relaxed);
+  quiet_filled.store(true, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (op_generation.load(std::memory_order_relaxed) != generation) {
+    const void* expected = key;
+    slot.compare_exchange_strong(expected, nullptr, std::memory_order_relaxed);
+  }
+}
 
 class Registrations final : public c10::OpRegistrationListener {
  public:
   void onOperatorRegistered(const c10::OperatorHandle& /*op*/) override {
     op_generation.fetch_add(1, std::memory_order_acq_rel);
+    forget_quiet_ops();
   }
   void onOperatorDeregistered(const c10::OperatorHandle& /*op*/) override {
     op_generation.fetch_add(1, std::memory_order_acq_rel);
+    forget_quiet_ops();
   }
 };
 
-using Keys = std::unordered_set<int64_t>;
+// The watched storages' keys: a flat open-addressing set, its slots a power of two at
+// most half full, probed linearly from a multiplicative hash (storage addresses are
+// aligned: their low bits say nothing). 0 marks an empty slot; no storage with bytes has
+// key 0, and one without bytes is never written.
+class Watched {
+ public:
+  explicit Watched(const std::vector<int64_t>& keys) {
+    size_t bits = 4;
+    while ((size_t{1} << bits) < 2 * keys.size()) {
+      ++bits;
+    }
+    shift_ = 64 - bits;
+    slots_.assign(size_t{1} << bits, 0);
+    for (int64_t key : keys) {
+      if (key == 0) {
+        continue;
+      }
+      size_t i = slot(key);
+      while (slots_[i] != 0 && slots_[i] != key) {
+        i = (i + 1) & (slots_.size() - 1);
+      }
+      size_ += slots_[i] == 0 ? 1 : 0;
+      slots_[i] = key;
+    }
+  }
+
+  bool contains(int64_t key) const {
+    for (size_t i = slot(key);; i = (i + 1) & (slots_.size() - 1)) {
+      const int64_t here_key = slots_[i];
+      if (here_key == key) {
+        return key != 0;
+      }
+      if (here_key == 0) {
+        return false;
+      }
+    }
+  }
+
+  bool empty() const {
+    return size_ == 0;
+  }
+
+ private:
+  size_t slot(int64_t key) const {
+    return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ULL) >> shift_);
+  }
+
+  std::vector<int64_t> slots_;
+  unsigned shift_ = 60;
+  size_t size_ = 0;
+};
+
 
 // Ops cached per thread before the cache is emptied (names of ranges that are no
 // dispatcher op, each at its own address, must not make it grow without bound).
@@ -73,13 +173,13 @@ struct ThreadState {
   std::unordered_map<const void*, OpWrites> ops;  // schema name's address -> its writes
   std::array<Recent, kRecent> recent{};
   uint64_t keys_generation = UINT64_MAX;
-  std::shared_ptr<const Keys> keys;  // the watched set as of keys_generation
+  std::shared_ptr<const Watched> keys;  // the watched set as of keys_generation
 };
 
 thread_local ThreadState here;
 
 std::mutex watched_mu;
-std::shared_ptr<const Keys> watched;  // guarded by watched_mu
+std::shared_ptr<const Watched> watched;  // guarded by watched_mu
 std::atomic<uint64_t> watched_generation{0};  // moved under watched_mu with `watched`
 
 std::mutex pending_mu;
@@ -90,6 +190,7 @@ std::atomic<bool> blind{false};
 
 std::mutex callback_mu;
 at::CallbackHandle callback = 0;  // guarded by callback_mu
+at::CallbackHandle floor_callback = 0;  // guarded by callback_mu
 std::atomic<bool> running{false};
 
 OpWrites compute_writes(const at::RecordFunction& fn) {
@@ -118,8 +219,8 @@ OpWrites compute_writes(const at::RecordFunction& fn) {
   return found;
 }
 
-void note(int64_t key, const Keys& keys, const std::string& op) {
-  if (keys.count(key) == 0) {
+void note(int64_t key, const Watched& keys, const std::string& op) {
+  if (!keys.contains(key)) {
     return;
   }
   std::lock_guard<std::mutex> g(pending_mu);
@@ -152,12 +253,17 @@ const OpWrites& writes_in(ThreadState& state, const at::RecordFunction& fn) {
 }
 
 std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& fn) {
-  ThreadState& state = here;
-  if (state.unobserved != 0) {
-    return nullptr;
+  const void* op = fn.name();
+  if (op != nullptr && quiet_ops[quiet_slot(op)].load(std::memory_order_relaxed) == op) {
+    return nullptr;  // writes nothing: most ops leave here
   }
+  ThreadState& state = here;
   const OpWrites& writes = writes_in(state, fn);
   if (writes.args.empty()) {
+    remember_quiet(op, state.op_generation);
+    return nullptr;
+  }
+  if (state.unobserved != 0) {
     return nullptr;
   }
   if (state.keys_generation != watched_generation.load(std::memory_order_acquire)) {
@@ -165,7 +271,7 @@ std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& fn) {
     state.keys = watched;
     state.keys_generation = watched_generation.load(std::memory_order_relaxed);
   }
-  const Keys* keys = state.keys.get();
+  const Watched* keys = state.keys.get();
   if (keys == nullptr || keys->empty()) {
     return nullptr;
   }
@@ -220,7 +326,7 @@ void unobserved_exit() {
 
 // observer_watch(keys: iterable of int): the storages to watch, replacing the last set.
 PyObject* observer_watch(PyObject* /*self*/, PyObject* keys) {
-  auto next = std::make_shared<Keys>();
+  std::vector<int64_t> taken;
   PyObject* it = PyObject_GetIter(keys);
   if (it == nullptr) {
     return nullptr;
@@ -231,12 +337,13 @@ PyObject* observer_watch(PyObject* /*self*/, PyObject* keys) {
     if (key == -1 && PyErr_Occurred()) {
       break;
     }
-    next->insert(key);
+    taken.push_back(key);
   }
   Py_DECREF(it);
   if (PyErr_Occurred()) {
     return nullptr;
   }
+  auto next = std::make_shared<const Watched>(taken);
   std::lock_guard<std::mutex> g(watched_mu);
   watched = std::move(next);
   watched_generation.fetch_add(1, std::memory_order_acq_rel);
@@ -265,6 +372,37 @@ PyObject* observer_stop(PyObject* /*self*/, PyObject* /*unused*/) {
     at::removeCallback(callback);
     callback = 0;
     running.store(false, std::memory_order_release);
+  }
+  Py_RETURN_NONE;
+}
+
+namespace {
+
+std::unique_ptr<at::ObserverContext> nothing(const at::RecordFunction& /*fn*/) {
+  return nullptr;
+}
+
+}  // namespace
+
+// observer_floor(on: bool, inputs: bool): add (on) or remove a global callback like the
+// observer's that does nothing, with every op's inputs or without: what a callback of its
+// kind costs before it does any work (figure 8 of the benchmarks times the observer
+// against it). A second add replaces the first.
+PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
+  int on = 0;
+  int inputs = 0;
+  if (!PyArg_ParseTuple(args, "pp", &on, &inputs)) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(callback_mu);
+  if (floor_callback != 0) {
+    at::removeCallback(floor_callback);
+    floor_callback = 0;
+  }
+  if (on != 0) {
+    floor_callback = at::addGlobalCallback(at::RecordFunctionCallback(nothing)
+                                               .needsInputs(inputs != 0)
+                                               .scopes({at::RecordScope::FUNCTION}));
   }
   Py_RETURN_NONE;
 }

@@ -688,6 +688,7 @@ PyMethodDef tracker_methods[] = {
     {"observer_pending", observer_pending, METH_NOARGS, "Whether a drain has anything."},
     {"observer_drain", observer_drain, METH_NOARGS, "(key -> first op, blind), cleared."},
     {"observer_quiet", observer_quiet, METH_O, "Enter (True) or leave a quiet scope."},
+    {"observer_floor", observer_floor, METH_VARARGS, "A do-nothing callback (on, inputs)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -57,6 +57,7 @@ PyObject* observer_running(PyObject* self, PyObject* unused);
 PyObject* observer_pending(PyObject* self, PyObject* unused);
 PyObject* observer_drain(PyObject* self, PyObject* unused);
 PyObject* observer_quiet(PyObject* self, PyObject* enter);
+PyObject* observer_floor(PyObject* self, PyObject* args);
 
 // Calls `f(key)` for the storage key of every tensor in `v` (a tensor, a list of them,
 // a list of optional tensors or of lists), skipping undefined tensors and key 0.

@@ -364,13 +364,31 @@ def _dict_tag_check(module: Any) -> bool:
     """Whether every way of changing a dict's item shows to a check that passed it before
     (its version tag moved): the checks skip the lookup of a dict whose tag did not."""
     old, new = torch.zeros(1), torch.zeros(1)
-    changes: tuple[Callable[[dict[str, Any]], object], ...] = (
-        lambda d: d.__setitem__("w", new),
-        lambda d: (d.__delitem__("w"), d.__setitem__("w", new)),
-        lambda d: (d.pop("w"), d.setdefault("w", new)),
-        lambda d: d.update(w=new),
-        lambda d: (d.clear(), d.update({"w": new})),
-        lambda d: (d.popitem(), d.__setitem__("w", new)),
+
+    def set_it(d: dict[str, Any]) -> None:
+        d["w"] = new
+
+    def delete_then_set(d: dict[str, Any]) -> None:
+        del d["w"]
+        d["w"] = new
+
+    def pop_then_default(d: dict[str, Any]) -> None:
+        d.pop("w")
+        d.setdefault("w", new)
+
+    def update(d: dict[str, Any]) -> None:
+        d.update(w=new)
+
+    def clear_then_merge(d: dict[str, Any]) -> None:
+        d.clear()
+        d.update({"w": new})
+
+    def popitem_then_set(d: dict[str, Any]) -> None:
+        d.popitem()
+        d["w"] = new
+
+    changes: tuple[Callable[[dict[str, Any]], None], ...] = (
+        set_it, delete_then_set, pop_then_default, update, clear_then_merge, popitem_then_set,
     )
     for change in changes:
         d: dict[str, Any] = {"w": old}

@@ -31,8 +31,10 @@ inline bool is_tensor(PyObject* obj) {
 
 // A dict's version tag (PEP 509): every change of its items gives it a new one, unique in
 // the process, so an equal tag means the dict holds what it held when the tag was read.
-// 0 where CPython keeps none (3.14 on): no cached tag is 0, so every site is looked up.
-#if PY_VERSION_HEX < 0x030E0000
+// Read up to 3.12, where every change of a dict's items goes through code that moves it;
+// 3.13 stores an object's attributes into values its materialized `__dict__` shares, and
+// 3.14 has no tag. 0 there: no remembered tag is 0, so every site is looked up.
+#if PY_VERSION_HEX < 0x030D0000
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 inline uint64_t dict_tag(PyObject* dict) {

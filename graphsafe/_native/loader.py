@@ -59,6 +59,7 @@ from types import ModuleType
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
+from torch import nn
 
 from graphsafe._errors import GraphSafetyWarning
 from graphsafe._native import cache
@@ -398,7 +399,15 @@ def _dict_tag_check(module: Any) -> bool:
         change(d)
         if module.same_items([d], ["w"], [old], seen):
             return False
-    return True
+    # An attribute set on an object whose `__dict__` the walk holds (a module's).
+    holder = nn.Module()
+    holder.w = old
+    attrs = vars(holder)
+    seen = bytearray(16)
+    if not module.same_items([attrs], ["w"], [old], seen):
+        return False
+    holder.w = new
+    return not module.same_items([attrs], ["w"], [old], seen)
 
 
 def _taint_check(module: Any, weight: torch.Tensor) -> bool:

@@ -147,16 +147,22 @@ def _both(make: Callable[[], object]) -> tuple[object, object]:
     return native, python
 
 
-@settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(sorted(MUTATIONS)), layer=st.integers(0, 2))
-def test_both_paths_give_the_known_verdict(name: str, layer: int) -> None:
-    """Ledger and witnesses, compiled and Python, against the known verdict."""
+@settings(max_examples=90, deadline=None)
+@given(name=st.sampled_from(sorted(MUTATIONS)), layer=st.integers(0, 2), primed=st.booleans())
+def test_both_paths_give_the_known_verdict(name: str, layer: int, primed: bool) -> None:
+    """Ledger and witnesses, compiled and Python, against the known verdict; `primed`:
+    after checks that passed, which the compiled checks remember (a dict that did not
+    change since is not looked up again), so each change must show through what they
+    remember."""
     mutate, ledger_holds, witnesses_hold = MUTATIONS[name]
     model = Model()
     ledgers = _both(lambda: Ledger.snapshot(model))
     witnesses = _both(lambda: Witnesses(_witness_sites(model), JOURNAL))
     assert ledgers[0]._native is not None and ledgers[1]._native is None
     assert witnesses[0]._native is not None and witnesses[1]._native is None
+    for _ in range(2 if primed else 0):
+        assert all(ledger._unchanged() for ledger in ledgers)
+        assert all(w.unchanged() for w in witnesses)
     # Rebind layer 0's weight by index; the other mutations take the drawn layer.
     mutate(model, layer)
     for ledger in ledgers:
@@ -176,6 +182,77 @@ def test_a_declared_write_shows_in_both_paths() -> None:
     assert all(w.unchanged() for w in witnesses)
     gs.mark_written(model.layers[1].b)
     assert not any(w.unchanged() for w in witnesses)
+
+
+def _declared(m: Model, i: int) -> None:
+    gs.mark_written(m.layers[i].b)
+
+
+# Changes no dict: the identity of every site holds, and only what the witnesses read of
+# the tensor itself (pointer, version) or the journal shows them.
+NO_DICT_CHANGES: dict[str, Mutation] = {
+    "in place under no_grad": _inplace,
+    ".data = new storage": _rebind(0, torch.randn_like),
+    ".data = a buffer's new storage": _buffer_rebind,
+    "an offset view of the same storage": _rebind(0, lambda d: d.view(-1)[6:].view(3, 6)),
+    "a declared write (the journal)": _declared,
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_DICT_CHANGES))
+def test_a_change_no_dict_sees_is_refused_after_the_compiled_shortcut(name: str) -> None:
+    """Once the compiled check has passed, it skips the lookup of every site whose dict
+    did not change; a change to the tensor itself or a journal write still shows on both
+    paths."""
+    model = Model()
+    witnesses = _both(lambda: Witnesses(_witness_sites(model), JOURNAL))
+    for _ in range(2):
+        assert all(w.unchanged() for w in witnesses)
+    NO_DICT_CHANGES[name](model, 1)
+    assert [w.unchanged() for w in witnesses] == [False, False], name
+
+
+@pytest.mark.parametrize("name", sorted(NO_DICT_CHANGES))
+def test_control_the_identity_shortcut_alone_passes_those_changes(name: str) -> None:
+    """The control of the test above: its changes are ones the dicts' shortcut alone
+    misses. `same_items`, which checks identity only, takes the shortcut and passes each
+    of them: the witnesses refuse them only by reading the tensors and the journal."""
+    with _native.using(True):
+        native = _native.get()
+    assert native is not None
+    model = Model()
+    sites = _witness_sites(model)
+    holders, keys = [h for h, _ in sites], [k for _, k in sites]
+    objects = [h[k] for h, k in sites]
+    looked = bytearray(16 * len(sites))
+    assert native.same_items(holders, keys, objects, looked)
+    NO_DICT_CHANGES[name](model, 1)
+    assert native.same_items(holders, keys, objects, looked)
+    model.layers[1].w = nn.Parameter(torch.randn(4, 6), requires_grad=False)
+    assert not native.same_items(holders, keys, objects, looked)  # a rebinding does show
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_pointer_moved_refreshed_and_moved_back_is_refused(native: bool) -> None:
+    """A site's new witnesses (a refresh took them) forget what the compiled check
+    remembered of the old ones: a pointer moved, witnessed there, then moved back to
+    where the remembered check saw it, is refused on both paths."""
+    model = Model()
+    w = model.layers[0].w
+    first = w.data
+    with _native.using(native):
+        witnesses = Witnesses(_witness_sites(model), JOURNAL)
+    for _ in range(2):
+        assert witnesses.unchanged()
+    second = torch.randn_like(first)
+    w.data = second
+    assert not witnesses.unchanged()
+    witnesses.record([0])  # refreshed: the new storage is the one expected
+    w.data = first  # back to the storage the first checks passed, before any check
+    assert not witnesses.unchanged()
+    assert witnesses.changed() == [(0, "rebound to new storage")]
+    w.data = second
+    assert witnesses.unchanged()
 
 
 def test_an_inference_tensor_is_left_to_the_python_path() -> None:

@@ -103,6 +103,7 @@ class Ledger:
         "_keep",
         "_keys",
         "_label",
+        "_looked",
         "_native",
         "_objects",
         "_odd",
@@ -167,6 +168,9 @@ class Ledger:
         self._holders = [holder for holder, _, _ in links.values()]
         self._keys = [key for _, key, _ in links.values()]
         self._objects = [obj for _, _, obj in links.values()]
+        # What the compiled check last found at each dict link, with the dict's version:
+        # a link whose dict did not change since is not looked up again.
+        self._looked = bytearray(16 * len(self._objects))
         self._odd = odd
         # Geometry, once per tensor object (tied weights are pinned at each path).
         tensors = list({id(p.site.tensor): p.site.tensor for p in pins}.values())
@@ -280,7 +284,7 @@ class Ledger:
         native, geometry = self._native, self._geometry
         if native is not None and geometry is not None:
             return (
-                native.same_items(self._holders, self._keys, self._objects)
+                native.same_items(self._holders, self._keys, self._objects, self._looked)
                 and self._odd_hold()
                 and native.same_geometry(self._tensors, geometry)
             )

@@ -7,7 +7,9 @@ all at once; `Identities` (identity, pointer, stride: the every-load rebinding c
 `Witnesses` (also version and journal epoch: the guard's freshness check) compare what
 they read with what they recorded. The
 compiled checks (`graphsafe native build`) read every kind of site in C++ as `read_site`
-does in Python, and compare there.
+does in Python, and compare there; a dict site whose dict has not changed since their last
+passing look (its version tag) is not looked up again, but its tensor's pointer and
+version are read every time.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ PLAIN = torch._C.DisableTorchFunctionSubclass
 DATA_PTR = torch.Tensor.data_ptr
 STRIDE = torch.Tensor.stride
 VERSION = operator.attrgetter("_version")
+_ROW = 32
+"""Bytes of one site's row in what the compiled witness check remembers (`Witnessed` in
+`checks.cpp`)."""
+_NO_ROW = bytes(_ROW)
 
 
 class SitesRead(NamedTuple):
@@ -162,8 +168,8 @@ class Witnesses(Sites):
         journal: Whose epochs the witnesses take.
     """
 
-    __slots__ = ("_clock", "_epochs", "_ids", "_native", "_ptrs", "_skeys", "_versions",
-                 "journal")
+    __slots__ = ("_clock", "_epochs", "_ids", "_looked", "_native", "_ptrs", "_skeys",
+                 "_versions", "journal")
 
     def __init__(self, sites: Sequence[tuple[Any, Any]], journal: Journal) -> None:
         super().__init__(sites)
@@ -176,7 +182,11 @@ class Witnesses(Sites):
         self._epochs = [0] * n
         self._clock = -1
         self._native = _native.get() if self.compiled else None
-        self.record(range(n))
+        # What the compiled check last passed at each dict site (the dict's version, the
+        # tensor, its pointer and version, as expected): a site whose dict did not change
+        # since is not looked up again. Rows are zeroed where the expected values change.
+        self._looked = bytearray(_ROW * n)
+        self._take(range(n))
 
     def rebuilt(self, sites: Sequence[tuple[Any, Any]]) -> Witnesses:
         """New witnesses over `sites`, keeping what was recorded for sites already here.
@@ -199,6 +209,7 @@ class Witnesses(Sites):
                 new._versions[j] = self._versions[i]
                 new._epochs[j] = self._epochs[i]
         new._clock = -1
+        new._looked = bytearray(_ROW * len(sites))  # rows of the values before this copy
         return new
 
     def carried(self, sites: Sequence[tuple[Any, Any]], rows: Sequence[int | None]) -> Witnesses:
@@ -220,13 +231,21 @@ class Witnesses(Sites):
                 new._versions[j], new._epochs[j] = self._versions[i], self._epochs[i]
                 new._skeys[j] = self._skeys[i]
         new._clock = -1
+        new._looked = bytearray(_ROW * len(sites))  # rows of the values before this copy
         return new
 
     def record(self, indices: Iterable[int]) -> None:
         """Take the witnesses of site `indices` anew, after their dependents were refreshed
         (the clock shortcut is left alone: other sites may still lag behind it)."""
-        self.journal.sync()  # writes seen before this refresh are in the epochs it records
         indices = list(indices)
+        looked = self._looked
+        for i in indices:  # their expected values change: the compiled check looks again
+            looked[_ROW * i:_ROW * (i + 1)] = _NO_ROW
+        self._take(indices)
+
+    def _take(self, indices: Sequence[int]) -> None:
+        """The expected values of sites `indices`, read now (their rows not reset)."""
+        self.journal.sync()  # writes seen before this refresh are in the epochs it records
         holders, keys, plain = self.holders, self.keys, self.plain
         ids, ptrs, versions, skeys = self._ids, self._ptrs, self._versions, self._skeys
         for i in indices:
@@ -282,6 +301,7 @@ class Witnesses(Sites):
                 )
             ]
         self._ids, self._ptrs, self._versions, self._skeys = ids, ptrs, versions, skeys
+        self._looked = bytearray(_ROW * len(ids))
         self._epochs = self.journal.epochs_of(skeys)
 
     def unchanged(self) -> bool:
@@ -290,7 +310,7 @@ class Witnesses(Sites):
         native = self._native
         if native is not None:
             if not native.same_witnesses(
-                self.holders, self.keys, self._ids, self._ptrs, self._versions
+                self.holders, self.keys, self._ids, self._ptrs, self._versions, self._looked
             ):
                 return False
             return self._epochs_hold()

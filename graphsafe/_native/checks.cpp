@@ -30,6 +30,42 @@ inline bool is_tensor(PyObject* obj) {
          PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
 }
 
+// A dict's version tag (PEP 509): every change of its items gives it a new one, unique in
+// the process, so an equal tag means the dict holds what it held when the tag was read.
+// Read up to 3.12, where every change of a dict's items goes through code that moves it;
+// 3.13 stores an object's attributes into values its materialized `__dict__` shares, and
+// 3.14 has no tag. 0 there: no remembered tag is 0, so every site is looked up.
+#if PY_VERSION_HEX < 0x030D0000
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+inline uint64_t dict_tag(PyObject* dict) {
+  return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag;
+}
+#pragma GCC diagnostic pop
+#else
+inline uint64_t dict_tag(PyObject* /*dict*/) { return 0; }
+#endif
+
+// What a check remembers of one dict site it passed: the dict's tag then, and the object
+// the site held. While the tag is unchanged the site still holds that object (and the dict
+// keeps it alive), so the next check reads it without looking the key up. Kept by the
+// caller in a bytearray of `Seen` rows, one per site, zeroed at first (no tag is 0).
+struct Seen {
+  uint64_t tag;
+  PyObject* obj;
+};
+
+// The rows of `cache` (a bytearray of `n` zeroed `Seen` rows at first), or nullptr with
+// TypeError set.
+Seen* seen_rows(PyObject* cache, Py_ssize_t n) {
+  if (!PyByteArray_Check(cache) ||
+      PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Seen))) {
+    PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 16 bytes per site");
+    return nullptr;
+  }
+  return reinterpret_cast<Seen*>(PyByteArray_AS_STRING(cache));
+}
+
 // One record per tensor: data pointer, dtype and device in one word, dimensions, sizes,
 // strides. Compared word by word, so the layout only has to agree with itself.
 bool append_geometry(PyObject* obj, std::vector<int64_t>& out) {
@@ -133,14 +169,16 @@ PyObject* item(PyObject* holder, PyObject* key, PyObject** owned) {
   return value;
 }
 
-// same_items(holders: list, keys: list, objects: list) -> bool: `holders[i][keys[i]] is
-// objects[i]` for every i.
+// same_items(holders: list, keys: list, objects: list, cache: bytearray) -> bool:
+// `holders[i][keys[i]] is objects[i]` for every i. A dict holder whose tag has not moved
+// since the check last passed that site is not looked up again (`Seen`).
 PyObject* same_items(PyObject* /*self*/, PyObject* args) {
   PyObject* holders = nullptr;
   PyObject* keys = nullptr;
   PyObject* objects = nullptr;
-  if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &holders, &PyList_Type, &keys,
-                        &PyList_Type, &objects)) {
+  PyObject* cache = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O!O", &PyList_Type, &holders, &PyList_Type, &keys,
+                        &PyList_Type, &objects, &cache)) {
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(holders);
@@ -148,13 +186,30 @@ PyObject* same_items(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_TypeError, "holders, keys and objects differ in length");
     return nullptr;
   }
+  Seen* seen = seen_rows(cache, n);
+  if (seen == nullptr) {
+    return nullptr;
+  }
   for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* holder = PyList_GET_ITEM(holders, i);
+    PyObject* want = PyList_GET_ITEM(objects, i);
+    const bool is_dict = PyDict_Check(holder);
+    const uint64_t tag = is_dict ? dict_tag(holder) : 0;
+    if (tag != 0 && seen[i].tag == tag) {
+      if (seen[i].obj != want) {
+        Py_RETURN_FALSE;
+      }
+      continue;
+    }
     PyObject* owned = nullptr;
-    PyObject* value = item(PyList_GET_ITEM(holders, i), PyList_GET_ITEM(keys, i), &owned);
-    const bool same = value == PyList_GET_ITEM(objects, i);
+    PyObject* value = item(holder, PyList_GET_ITEM(keys, i), &owned);
+    const bool same = value == want;
     Py_XDECREF(owned);
     if (!same) {
       Py_RETURN_FALSE;
+    }
+    if (is_dict) {
+      seen[i] = Seen{tag, value};
     }
   }
   Py_RETURN_TRUE;
@@ -222,14 +277,49 @@ PyObject* still_bound(PyObject* container, PyObject* key, PyObject* want_id,
   return ptr == want ? obj : nullptr;
 }
 
-// same_witnesses(containers, keys, ids, ptrs, versions: list) -> bool: each
-// `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data pointer
-// `ptrs[i]` and version `versions[i]`.
+// What `same_witnesses` remembers of one dict site it passed: the dict's tag then, the
+// tensor the site held, and its data pointer and version, which were the ones expected.
+// Kept by the caller in a bytearray of `Witnessed` rows, one per site, zeroed at first
+// and wherever the expected values change (no tag is 0).
+struct Witnessed {
+  uint64_t tag;
+  PyObject* obj;
+  uint64_t ptr;
+  uint64_t version;
+};
+
+// No data pointer or version to compare: never one a check expects (never recorded in a
+// row; the Python path records -1 for an inference tensor's version, and refuses it).
+constexpr uint64_t kUnreadable = UINT64_MAX;
+
+// A strided tensor's data pointer (0 for no bytes), and its version.
+inline uint64_t data_ptr_of(c10::TensorImpl* impl, const at::Tensor& t) {
+  if (!impl->has_storage() || impl->layout() != c10::kStrided) {
+    return kUnreadable;
+  }
+  try {
+    return reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  } catch (...) {
+    return kUnreadable;
+  }
+}
+
+inline uint64_t version_of(c10::TensorImpl* impl) {
+  return impl->is_inference() ? kUnreadable : impl->version_counter().current_version();
+}
+
+// same_witnesses(containers, keys, ids, ptrs, versions: list, cache: bytearray) -> bool:
+// each `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data
+// pointer `ptrs[i]` and version `versions[i]`. A dict site whose dict has not changed
+// since the check last passed it (`Witnessed`) is not looked up, and its expected values
+// are not read: its tensor's pointer and version are compared with the row's. They are
+// read every time: `.data =` and in-place writes change no dict.
 PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
   PyObject* lists[5] = {};
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyList_Type, &lists[0], &PyList_Type,
+  PyObject* cache = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O", &PyList_Type, &lists[0], &PyList_Type,
                         &lists[1], &PyList_Type, &lists[2], &PyList_Type, &lists[3],
-                        &PyList_Type, &lists[4])) {
+                        &PyList_Type, &lists[4], &cache)) {
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(lists[0]);
@@ -239,20 +329,46 @@ PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
       return nullptr;
     }
   }
+  if (!PyByteArray_Check(cache) ||
+      PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Witnessed))) {
+    PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 32 bytes per site");
+    return nullptr;
+  }
+  auto* rows = reinterpret_cast<Witnessed*>(PyByteArray_AS_STRING(cache));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = still_bound(PyList_GET_ITEM(lists[0], i), PyList_GET_ITEM(lists[1], i),
-                                PyList_GET_ITEM(lists[2], i), PyList_GET_ITEM(lists[3], i));
-    if (obj == nullptr) {
-      Py_RETURN_FALSE;
+    PyObject* holder = PyList_GET_ITEM(lists[0], i);
+    const uint64_t tag = PyDict_Check(holder) ? dict_tag(holder) : 0;
+    Witnessed& row = rows[i];
+    if (tag != 0 && row.tag == tag) {  // the dict holds row.obj, a tensor, still
+      const at::Tensor& t = THPVariable_Unpack(row.obj);
+      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      if (data_ptr_of(impl, t) == row.ptr && version_of(impl) == row.version) {
+        continue;
+      }
     }
-    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-    const auto want_version = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[4], i));
+    // Looked up and compared with the expected values (a row that differs may only be
+    // out of date).
+    PyObject* obj = read_site(holder, PyList_GET_ITEM(lists[1], i));
+    const uint64_t want_id = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[2], i));
+    const uint64_t want_ptr = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[3], i));
+    const uint64_t want_version = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[4], i));
     if (PyErr_Occurred()) {
       PyErr_Clear();
       Py_RETURN_FALSE;
     }
-    if (impl->is_inference() || impl->version_counter().current_version() != want_version) {
+    if (obj == nullptr || reinterpret_cast<uintptr_t>(obj) != want_id || !is_tensor(obj)) {
       Py_RETURN_FALSE;
+    }
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    const uint64_t ptr = data_ptr_of(impl, t);
+    const uint64_t version = version_of(impl);
+    if (ptr == kUnreadable || ptr != want_ptr || version == kUnreadable ||
+        version != want_version) {
+      Py_RETURN_FALSE;
+    }
+    if (tag != 0) {
+      row = Witnessed{tag, obj, ptr, version};
     }
   }
   Py_RETURN_TRUE;

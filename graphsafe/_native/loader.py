@@ -53,12 +53,13 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
+from torch import nn
 
 from graphsafe._errors import GraphSafetyWarning
 from graphsafe._native import cache
@@ -85,10 +86,12 @@ class Native(Protocol):
 
     def geometry(self, tensors: list[Any], /) -> bytes | None: ...
     def same_geometry(self, tensors: list[Any], expected: bytes, /) -> bool: ...
-    def same_items(self, holders: list[Any], keys: list[Any], objects: list[Any], /) -> bool: ...
+    def same_items(
+        self, holders: list[Any], keys: list[Any], objects: list[Any], cache: bytearray, /
+    ) -> bool: ...
     def same_witnesses(
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
-        versions: list[int], /,
+        versions: list[int], cache: bytearray, /,
     ) -> bool: ...
     def same_bindings(
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
@@ -334,10 +337,15 @@ def _check(module: Any) -> None:
     a.data = a.data.t()  # same storage, new strides: must show
     ok = ok and not module.same_geometry([a, b], geo)
     d = {"w": b}
-    ok = ok and module.same_witnesses([d], ["w"], [id(b)], [b.data_ptr()], [b._version])
+    seen = bytearray(32)
+    for _ in range(2):  # the second from what the first found
+        ok = ok and module.same_witnesses([d], ["w"], [id(b)], [b.data_ptr()], [b._version], seen)
     b.add_(1)
-    ok = ok and not module.same_witnesses([d], ["w"], [id(b)], [b.data_ptr()], [b._version - 1])
-    ok = ok and module.same_items([d], ["w"], [b]) and not module.same_items([d], ["w"], [a])
+    ok = ok and not module.same_witnesses(
+        [d], ["w"], [id(b)], [b.data_ptr()], [b._version - 1], seen)
+    ok = ok and module.same_items([d], ["w"], [b], bytearray(16))
+    ok = ok and not module.same_items([d], ["w"], [a], bytearray(16))
+    ok = ok and _dict_tag_check(module)
     got = module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [b.stride()])
     ok = ok and got == [b] and got[0] is b
     ok = ok and module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [(2,)]) is None
@@ -360,6 +368,55 @@ def _check(module: Any) -> None:
     ok = ok and _observer_check(module, b, c) and _fingerprint_check(module)
     if not ok:
         raise NativeBuildError("the built extension fails its self-check; not used")
+
+
+def _dict_tag_check(module: Any) -> bool:
+    """Whether every way of changing a dict's item shows to a check that passed it before
+    (its version tag moved): the checks skip the lookup of a dict whose tag did not."""
+    old, new = torch.zeros(1), torch.zeros(1)
+
+    def set_it(d: dict[str, Any]) -> None:
+        d["w"] = new
+
+    def delete_then_set(d: dict[str, Any]) -> None:
+        del d["w"]
+        d["w"] = new
+
+    def pop_then_default(d: dict[str, Any]) -> None:
+        d.pop("w")
+        d.setdefault("w", new)
+
+    def update(d: dict[str, Any]) -> None:
+        d.update(w=new)
+
+    def clear_then_merge(d: dict[str, Any]) -> None:
+        d.clear()
+        d.update({"w": new})
+
+    def popitem_then_set(d: dict[str, Any]) -> None:
+        d.popitem()
+        d["w"] = new
+
+    changes: tuple[Callable[[dict[str, Any]], None], ...] = (
+        set_it, delete_then_set, pop_then_default, update, clear_then_merge, popitem_then_set,
+    )
+    for change in changes:
+        d: dict[str, Any] = {"w": old}
+        seen = bytearray(16)
+        if not module.same_items([d], ["w"], [old], seen):
+            return False
+        change(d)
+        if module.same_items([d], ["w"], [old], seen):
+            return False
+    # An attribute set on an object whose `__dict__` the walk holds (a module's).
+    holder = nn.Module()
+    holder.w = old
+    attrs = vars(holder)
+    seen = bytearray(16)
+    if not module.same_items([attrs], ["w"], [old], seen):
+        return False
+    holder.w = new
+    return not module.same_items([attrs], ["w"], [old], seen)
 
 
 def _taint_check(module: Any, weight: torch.Tensor) -> bool:

@@ -632,3 +632,22 @@ def test_a_later_loads_handle_rebuilt_after_capture_is_refused_by_name() -> None
     with pytest.raises(gs.StorageMovedError, match=r"layers\.0\.attn\.packed") as info:
         g.replay()
     assert "ScriptObject" in str(info.value)
+
+
+class _LazyMapping(dict):  # type: ignore[type-arg]
+    """A module-level dict whose `items` imports what it maps and raises (as transformers'
+    lazy auto mappings do when a model class is missing)."""
+
+    def items(self):  # type: ignore[no-untyped-def,override]
+        raise ValueError("Could not find SomeModel in transformers")
+
+
+_LAZY = _LazyMapping(name="model")
+
+
+def test_a_module_dict_whose_items_raise_does_not_break_naming_a_cache() -> None:
+    m, _, _ = _cached_capture(guard=True)
+    (found,) = gs.runtime(m).discovered
+    assert found.path.startswith(f"<outside the model> {__name__}._PACKED[(")
+    with pytest.raises(ValueError, match="Could not find"):
+        _LAZY.items()  # the control: read through its own `items`, it raises

@@ -138,7 +138,9 @@ def _items(value: Any) -> Iterable[tuple[Any, Any]]:
     warning or an import)."""
     if issubclass(type(value), dict):  # type(): a lazy module attribute is not read
         try:
-            yield from list(value.items())
+            # dict's own items: a subclass's `items` may import what it maps (transformers'
+            # lazy auto mappings) and raise; what it stores is what a cache keeps.
+            yield from list(dict.items(value))
         except RuntimeError:  # changed size while read (another thread)
             return
     else:

@@ -82,11 +82,18 @@ class Ties:
             model.named_parameters(remove_duplicate=False),
             ((p, t) for p, t in model.named_buffers(remove_duplicate=False) if p in persistent),
         )
+        by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
             for path, t in weights:
-                region = _region(t)
-                if region is not None:
-                    found.setdefault(region, []).append(path)
+                key = storage_key(t)
+                if key:
+                    by_storage.setdefault(key, []).append((path, t))
+            for shared in by_storage.values():  # a tie shares a storage: only those read
+                if len(shared) > 1:
+                    for path, t in shared:
+                        region = _region(t)
+                        if region is not None:
+                            found.setdefault(region, []).append(path)
         return cls(tuple(tuple(paths) for paths in found.values() if len(paths) > 1))
 
     def untie(self, path: str, model_class: str) -> tuple[str, ...]:

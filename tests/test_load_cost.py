@@ -181,9 +181,8 @@ class Model(nn.Module):
             gs.load_into(tensors[name], w, name=name)
 
 
-def test_a_load_does_not_check_for_swaps_again_while_the_walk_holds(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _loaded_counting_swaps(monkeypatch: pytest.MonkeyPatch) -> tuple[Model, list[bool]]:
+    """A model past its first (recorded) load, and the list each swap check appends to."""
     model = Model()
     model.load_weights([])  # the first load, recorded: the walk is taken anew at its end
     model.load_weights([])
@@ -191,6 +190,13 @@ def test_a_load_does_not_check_for_swaps_again_while_the_walk_holds(
     real = binder.swapped_modules
     monkeypatch.setattr(binder, "swapped_modules",
                         lambda binding: checked.append(True) or real(binding))
+    return model, checked
+
+
+def test_a_load_does_not_check_for_swaps_again_while_the_walk_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, checked = _loaded_counting_swaps(monkeypatch)
     model.load_weights([("layers.0.w", torch.ones(4, 6))])
     assert checked == []  # the walk held: the binding's submodules are where they were
     assert torch.equal(model.layers[0].w_t, torch.ones(6, 4))
@@ -201,13 +207,7 @@ def test_control_a_swap_after_a_load_that_agreed_is_bound_at_the_next_load(
 ) -> None:
     """The case the shortcut must not skip: the walk no longer holds, the binding is
     checked, the new submodule bound and its buffer made from what the load wrote."""
-    model = Model()
-    model.load_weights([])  # the first load, recorded: the walk is taken anew at its end
-    model.load_weights([])
-    checked: list[bool] = []
-    real = binder.swapped_modules
-    monkeypatch.setattr(binder, "swapped_modules",
-                        lambda binding: checked.append(True) or real(binding))
+    model, checked = _loaded_counting_swaps(monkeypatch)
     model.layers[1] = Folded()  # never loaded: no derived buffer yet
     model.load_weights([("layers.1.w", torch.full((4, 6), 3.0))])
     assert checked  # the swap check ran, and found the swap

@@ -570,6 +570,23 @@ PyObject* tracker_taint(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// A tuple of the storage keys `keys` (a new reference; nullptr with an exception set).
+PyObject* key_tuple(const std::vector<int64_t>& keys) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(keys.size()));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    PyObject* key = PyLong_FromLongLong(keys[i]);
+    if (key == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), key);
+  }
+  return out;
+}
+
 // tracker_tainted(id) -> dict[int, tuple[tuple[int, ...], str]]: each storage still alive
 // that the load computed from the weights -> (their keys, the last op that wrote it).
 PyObject* tracker_tainted(PyObject* /*self*/, PyObject* id) {
@@ -585,14 +602,10 @@ PyObject* tracker_tainted(PyObject* /*self*/, PyObject* id) {
     if (entry.second.storage.expired()) {
       continue;
     }
-    const std::vector<int64_t>& srcs = *entry.second.sources;
-    PyObject* keys = PyTuple_New(static_cast<Py_ssize_t>(srcs.size()));
+    PyObject* keys = key_tuple(*entry.second.sources);
     if (keys == nullptr) {
       Py_DECREF(out);
       return nullptr;
-    }
-    for (size_t i = 0; i < srcs.size(); ++i) {
-      PyTuple_SET_ITEM(keys, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(srcs[i]));
     }
     PyObject* value = Py_BuildValue("(Ns)", keys, entry.second.op.c_str());
     PyObject* key = PyLong_FromLongLong(entry.first);
@@ -631,12 +644,7 @@ PyObject* tracker_taken(PyObject* /*self*/, PyObject* id) {
     } else {
       value = PyUnicode_FromString(t.value.toStringRef().c_str());
     }
-    PyObject* keys = PyTuple_New(static_cast<Py_ssize_t>(t.sources->size()));
-    if (keys != nullptr) {
-      for (size_t i = 0; i < t.sources->size(); ++i) {
-        PyTuple_SET_ITEM(keys, static_cast<Py_ssize_t>(i), PyLong_FromLongLong((*t.sources)[i]));
-      }
-    }
+    PyObject* keys = key_tuple(*t.sources);
     if (value == nullptr || keys == nullptr) {
       Py_XDECREF(value);
       Py_XDECREF(keys);

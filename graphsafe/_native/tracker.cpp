@@ -510,6 +510,19 @@ PyObject* tracker_sequence(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// out[key] = value, taking the reference to `value` (nullptr: an exception is set, as it
+// is when false is returned).
+bool set_item(PyObject* out, int64_t key, PyObject* value) {
+  if (value == nullptr) {
+    return false;
+  }
+  PyObject* k = PyLong_FromLongLong(key);
+  const bool ok = k != nullptr && PyDict_SetItem(out, k, value) == 0;
+  Py_XDECREF(k);
+  Py_DECREF(value);
+  return ok;
+}
+
 // tracker_ops(id) -> dict[int, list[str]]: the ops that wrote each sequenced key, in order.
 PyObject* tracker_ops(PyObject* /*self*/, PyObject* id) {
   std::shared_ptr<Tracker> tr = find(id);
@@ -527,23 +540,16 @@ PyObject* tracker_ops(PyObject* /*self*/, PyObject* id) {
   }
   for (const auto& entry : ops) {
     PyObject* names = PyList_New(static_cast<Py_ssize_t>(entry.second.size()));
-    if (names == nullptr) {
+    if (names != nullptr) {
+      for (size_t i = 0; i < entry.second.size(); ++i) {
+        PyList_SET_ITEM(names, static_cast<Py_ssize_t>(i),
+                        PyUnicode_FromString(entry.second[i].c_str()));
+      }
+    }
+    if (!set_item(out, entry.first, names)) {
       Py_DECREF(out);
       return nullptr;
     }
-    for (size_t i = 0; i < entry.second.size(); ++i) {
-      PyList_SET_ITEM(names, static_cast<Py_ssize_t>(i),
-                      PyUnicode_FromString(entry.second[i].c_str()));
-    }
-    PyObject* key = PyLong_FromLongLong(entry.first);
-    if (key == nullptr || PyDict_SetItem(out, key, names) != 0) {
-      Py_XDECREF(key);
-      Py_DECREF(names);
-      Py_DECREF(out);
-      return nullptr;
-    }
-    Py_DECREF(key);
-    Py_DECREF(names);
   }
   return out;
 }
@@ -607,16 +613,10 @@ PyObject* tracker_tainted(PyObject* /*self*/, PyObject* id) {
       Py_DECREF(out);
       return nullptr;
     }
-    PyObject* value = Py_BuildValue("(Ns)", keys, entry.second.op.c_str());
-    PyObject* key = PyLong_FromLongLong(entry.first);
-    if (value == nullptr || key == nullptr || PyDict_SetItem(out, key, value) != 0) {
-      Py_XDECREF(value);
-      Py_XDECREF(key);
+    if (!set_item(out, entry.first, Py_BuildValue("(Ns)", keys, entry.second.op.c_str()))) {
       Py_DECREF(out);
       return nullptr;
     }
-    Py_DECREF(value);
-    Py_DECREF(key);
   }
   return out;
 }

@@ -104,6 +104,37 @@ def test_audit_finds_a_numpy_write_into_a_derivations_input() -> None:
     assert "gs.mark_written" in message and "refresh()" in message
 
 
+def test_audit_keeps_its_host_scratch_with_the_model_and_still_finds_a_write() -> None:
+    # A fresh host block is faulted in page by page on every audit; the one kept with the
+    # model is reused, and what it held from the last audit is overwritten by the
+    # recomputation, so it cannot hide a difference.
+    from graphsafe._audit.audit import _AUDITORS
+
+    model = _loaded()
+    gs.audit(model)
+    kept = _AUDITORS[model]._scratch[torch.device("cpu")]
+    gs.audit(model)
+    assert _AUDITORS[model]._scratch[torch.device("cpu")] is kept  # reused, not reallocated
+    _numpy_write(model)  # control: the reused block holds the old sums; they must not pass
+    with pytest.raises(gs.StaleError, match=r"w_sum \(Packed._w_sum\): 6 of 6 elements differ"):
+        gs.audit(model)
+    assert _AUDITORS[model]._scratch[torch.device("cpu")] is kept
+    gs.runtime(model).refresh()
+    gs.audit(model)  # refreshed: the same block, a clean audit
+
+
+def test_the_kept_scratch_goes_with_the_model() -> None:
+    from graphsafe._audit.audit import _AUDITORS
+
+    model = _loaded()
+    gs.audit(model)
+    assert model in _AUDITORS
+    before = len(_AUDITORS)
+    del model
+    gc.collect()
+    assert len(_AUDITORS) == before - 1
+
+
 def test_audit_every_1_refuses_the_replay_a_numpy_write_would_make_stale() -> None:
     model, x = _loaded(), _x()
     g, out = _captured(model, x, audit_every=1)

@@ -92,6 +92,7 @@ def test_attach_materializes_and_load_weights_is_one_update_each() -> None:
         "last_refresh_bytes": 48,
         "read_set": False,  # pinned without recording: the whole model is checked
         "checked": 4,
+        "recording": False,
         "inputs": 0,
         "graphs": True,  # pinned as after a graph capture: a move would be a fault
         "moved": {},

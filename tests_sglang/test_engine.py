@@ -64,7 +64,9 @@ def test_llama_engine_matches_hugging_face_across_updates(root: Path) -> None:
         start = eu.probed(eng)
         assert start["attached"] and start["status"]["pinned"]
         assert start["status"]["graphs"] is False  # SGLang's CPU engine captures none
+        assert start["status"]["recording"]  # op by op: its first two forwards are recorded
         assert eu.generate(eng) == eu.hf_generate("llama", 0)
+        assert eu.probed(eng)["status"]["recording"] is False  # recorded, and no refusal
 
         eu.update(eng, sm.checkpoint("llama", 1))  # load_format None: SGLang's loader
         assert eu.generate(eng) == eu.hf_generate("llama", 1)
@@ -91,7 +93,7 @@ def test_llama_engine_matches_hugging_face_across_updates(root: Path) -> None:
         assert end["addresses"] == start["addresses"]  # no weight moved
         assert end["status"]["stale"] == [] and end["status"]["moved"] == {}
         # Each probe and each update above is one graphsafe update.
-        assert end["status"]["updates"] == start["status"]["updates"] + 7
+        assert end["status"]["updates"] == start["status"]["updates"] + 8
 
 
 def _kv_b(seed: int) -> list[tuple[str, torch.Tensor]]:

@@ -12,14 +12,16 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any, ClassVar, TypeVar
 
+import torch
 from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._fingerprint.digest import fingerprint
 from graphsafe._graphs.guard import Guard
+from graphsafe._graphs.reads import ReadTracker
 from graphsafe._lineage import Lineage
-from graphsafe._memory.walk import Site
+from graphsafe._memory.walk import Site, storage_key
 from graphsafe._runtime.freshness import in_update_error
 from graphsafe._runtime.runtime import Runtime, runtime
 
@@ -116,6 +118,13 @@ class EngineAttachment:
         registries: Where its derived buffers are declared.
     """
 
+    recorded_forwards: ClassVar[int] = 1
+    """How many forwards after a pin with `record_reads` are recorded (their reads joined)
+    before the bring-up ends: 1 where the engine runs a warm-up forward before the pin
+    (state made on first use is made there, and the first step after it reads it); 2
+    where none runs, so that the second step reads, as made before it, what the first
+    made and kept (a cache packed on first use)."""
+
     loads_tracked: ClassVar[bool] = False
     """Whether the engine's `model.load_weights` writes the model only through torch ops,
     which graphsafe's tracker sees: then a bare load that raised before writing anything
@@ -132,6 +141,16 @@ class EngineAttachment:
         """Updates completed since the attachment."""
         self._open: contextlib.ExitStack | None = None
         self._owner: object = None
+        self.recording = False
+        """Whether the next guarded forward is recorded (an engine that runs op by op)."""
+        self._reads: frozenset[int] | None = frozenset()  # what the recorded forwards read
+        self._outside: dict[int, torch.Tensor] = {}  # storage key -> a tensor read there
+        self._forwards = 0  # forwards recorded so far
+        self._bring_up = contextlib.ExitStack()
+        """Holds the model's bring-up open from the pin of an engine that records its
+        first forward until that forward ends: a cache outside the model that it reads
+        (packed on first use or before) is matched against what the bring-up computed
+        from the weights."""
 
     @property
     def model(self) -> nn.Module:
@@ -187,6 +206,89 @@ class EngineAttachment:
     def _updated(self) -> None:
         """Called after each update that completed (a hook for the engine's attachment)."""
 
+    # -- pin and guard -----------------------------------------------------------
+
+    def pin(self, *, record_reads: bool = False, graphs: bool = True) -> None:
+        """Pin the model as the engine's graphs saw it (after capture or warm-up).
+
+        Every parameter, buffer, derived buffer and tensor attribute is pinned except
+        host scalars kept as plain attributes (`read_by_address`): kernels take them by
+        value, so a graph bakes in their value at capture, never their address, and the
+        engines' own reloads bind them anew.
+
+        Args:
+            record_reads: The engine captures no graphs and runs op by op: its first
+                guarded forward (`recorded`) is recorded, and the bring-up stays open
+                until it ends; what it reads outside the model that the bring-up computed
+                from the weights is guarded from then on.
+            graphs: The engine captured graphs that read the model by address: a moved
+                tensor is refused. False (a CPU engine, an eager one): each step reads
+                what is bound, so a tensor rebound to new memory (a packed copy the
+                engine's post-load step rebuilt) is followed and listed in the status
+                (`moved`); stale content is refused either way.
+        """
+        if self.guard is not None:
+            return
+        if record_reads:  # no capture ends the bring-up: the first recorded forward does
+            self._bring_up.enter_context(self.runtime.capturing())
+        guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address,
+                                   holds_addresses=graphs)
+        self.recording = record_reads
+        # Every pinned tensor the guard checks, not only derivation inputs, is checked when
+        # a load or update ends, so a rebinding raises through the call that made it (the
+        # guard's ledger as it is then: narrowed after the first forward).
+        self.runtime.add_load_check(guard.assert_stable)
+
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[None]:
+        """One forward under the guard's checks, recorded while `recording`. Once
+        `recorded_forwards` have been: what they read that the model does not hold and
+        no op of the same forward made is listed (`guard.inputs`), those tensors the
+        bring-up computed from the weights (a kernel library's cache of packed weights)
+        are guarded, the engine's `_narrowed` hook gets the read set, and the bring-up
+        ends. Later forwards are not recorded. A forward that raises is not counted.
+
+        Raises:
+            StorageMovedError: A tensor or submodule the guard checks was rebound.
+            StaleError: Derived buffers are stale, or the last weight update failed or has
+                not ended.
+        """
+        guard = self.guard
+        if guard is None:
+            yield
+            return
+        with guard.replaying():
+            if not self.recording:
+                yield
+                return
+            with self._read_tracker() as rec:
+                yield
+            # Keys and what was read outside only: not the forward's activations.
+            reads = rec.reads
+            self._reads = None if reads is None or self._reads is None else self._reads | reads
+            for t in rec.outside():
+                self._outside.setdefault(storage_key(t), t)
+            self._forwards += 1
+            if self._forwards < self.recorded_forwards:
+                return
+            self.recording = False
+            reads, outside = self._reads, list(self._outside.values())
+            self._outside = {}
+            try:
+                self._narrowed(guard, reads, outside)
+            finally:
+                self._bring_up.close()  # the bring-up ends with the last recorded forward
+
+    def _read_tracker(self) -> ReadTracker:
+        """The recorder of a forward (an engine's own knows its opaque ops)."""
+        return ReadTracker()
+
+    def _narrowed(self, guard: Guard, reads: frozenset[int] | None,
+                  outside: list[torch.Tensor]) -> None:
+        """After the recorded forwards: take what they read outside the model (the whole
+        model stays checked: a later forward may read what these did not)."""
+        guard.narrow(None, outside)
+
     def _describe(self, *, read_set: bool = False) -> dict[str, Any]:
         """What graphsafe holds for this model, as plain data: an engine's `status()`.
 
@@ -202,7 +304,12 @@ class EngineAttachment:
         # How many of the model's tensors the guard checks; with `read_set`, whether only
         # those the first forward read, and how many tensors it read that the model does
         # not hold (input buffers, attention metadata).
-        checks: dict[str, bool | int] = {"checked": 0 if guard is None else len(guard.ledger)}
+        checks: dict[str, bool | int] = {
+            "checked": 0 if guard is None else len(guard.ledger),
+            # Whether forwards after the pin are still recorded (an engine that runs op by
+            # op: its first `recorded_forwards`, with the bring-up open until they end).
+            "recording": self.recording,
+        }
         if read_set:
             checks = {
                 "read_set": guard is not None and guard.reads is not None,

@@ -13,8 +13,7 @@ from torch import nn
 
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import GraphSafetyError
-from graphsafe._graphs.guard import Guard
-from graphsafe.integrations._engine import EngineAttachment, read_by_address
+from graphsafe.integrations._engine import EngineAttachment
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Attachment] = weakref.WeakKeyDictionary()
 
@@ -32,6 +31,8 @@ class Attachment(EngineAttachment):
         model: The loaded model (`ModelRunner.model`).
         registries: Where its derived buffers are declared.
     """
+
+    recorded_forwards = 2  # SGLang runs no warm-up forward before the pin
 
     def __init__(self, model: nn.Module, registries: Iterable[Registry]) -> None:
         super().__init__(model, registries)
@@ -101,29 +102,15 @@ class Attachment(EngineAttachment):
 
     # -- pin and guard -----------------------------------------------------------
 
-    def pin(self, *, graphs: bool = True) -> None:
-        """Pin the model as SGLang's graphs saw it (after capture, or where none are
-        captured, after start-up). Every parameter, buffer, derived buffer and tensor
-        attribute is pinned except host scalars kept as plain attributes: kernels take
-        them by value.
+    def guarded(self, *, runs_model: bool = True) -> contextlib.AbstractContextManager[None]:
+        """What a forward runs under: the guard's checks once pinned (nothing moved,
+        nothing stale, declared or discovered, the last update ended and held); the first
+        forward that runs the model after a pin with `record_reads` is recorded
+        (`recorded`).
 
         Args:
-            graphs: SGLang captured CUDA graphs that read the model by address: a moved
-                tensor is refused. False (`disable_cuda_graph`, the CPU engine): each
-                forward reads what is bound, so a tensor rebound to new memory is
-                followed and listed in the status (`moved`); stale content is refused
-                either way.
-        """
-        if self.guard is None:
-            guard = self.guard = Guard(self.model, self, repair=False, keep=read_by_address,
-                                       holds_addresses=graphs)
-            # A rebinding raises through the update that made it, not only at the next
-            # forward.
-            self.runtime.add_load_check(guard.assert_stable)
-
-    def guarded(self) -> contextlib.AbstractContextManager[None]:
-        """What a forward runs under: the guard's checks once pinned (nothing moved,
-        nothing stale, declared or discovered, the last update ended and held).
+            runs_model: The forward runs the model (not an idle batch, which reads none
+                of it and is not recorded).
 
         Raises:
             StorageMovedError: A pinned tensor or submodule was rebound.
@@ -132,6 +119,8 @@ class Attachment(EngineAttachment):
         """
         if self.guard is None:
             return contextlib.nullcontext()
+        if self.recording and runs_model:
+            return self.recorded()
         return self.guard.replaying()
 
     def status(self) -> dict[str, Any]:

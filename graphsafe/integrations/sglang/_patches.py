@@ -121,6 +121,32 @@ def captures_graphs(runner: Any) -> bool:
                 or getattr(args, "disable_cuda_graph", False) is True)
 
 
+def runs_op_by_op(runner: Any) -> bool:
+    """Whether SGLang's `ModelRunner` runs its model op by op, every op through torch's
+    dispatcher, so that a dispatch mode sees what a forward reads: no CUDA graphs
+    (`captures_graphs`), no graph runner of its own (the CPU graph runner replays
+    compiled code), and no `enable_torch_compile` (compiled code under a dispatch mode
+    is not what serves)."""
+    args = getattr(runner, "server_args", None)
+    if args is None or captures_graphs(runner):
+        return False
+    if getattr(args, "enable_torch_compile", False) is not False:
+        return False
+    if getattr(runner, "decode_cuda_graph_runner", None) is not None:
+        return False
+    prefill = getattr(runner, "prefill_cuda_graph_runner", None)
+    return prefill is None or type(prefill).__name__ == "EagerRunner"
+
+
+def runs_model(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a `ModelRunner.forward(forward_batch, ...)` call runs the model: an idle
+    batch (data parallel attention) reads none of it."""
+    batch = args[0] if args else kwargs.get("forward_batch")
+    mode = getattr(batch, "forward_mode", None)
+    is_idle = getattr(mode, "is_idle", None)
+    return not (callable(is_idle) and is_idle())
+
+
 def _wrap(cls: type, name: str, make: Callable[[_Fn], _Fn]) -> None:
     fn = getattr(cls, name, None)
     if fn is not None:
@@ -163,7 +189,7 @@ def _patch_runner(cls: type, registries: str) -> None:
             ret = fn(self, *args, **kwargs)
             a = attachment(self.model)
             if a is not None:  # as the graphs (if any) were captured
-                a.pin(graphs=captures_graphs(self))
+                a.pin(record_reads=runs_op_by_op(self), graphs=captures_graphs(self))
             return ret
 
         return run
@@ -173,7 +199,7 @@ def _patch_runner(cls: type, registries: str) -> None:
             a = attachment(self.model)
             if a is None:
                 return fn(self, *args, **kwargs)
-            with a.guarded():
+            with a.guarded(runs_model=runs_model(args, kwargs)):
                 return fn(self, *args, **kwargs)
 
         return run

@@ -651,3 +651,44 @@ def test_a_module_dict_whose_items_raise_does_not_break_naming_a_cache() -> None
     assert found.path.startswith(f"<outside the model> {__name__}._PACKED[(")
     with pytest.raises(ValueError, match="Could not find"):
         _LAZY.items()  # the control: read through its own `items`, it raises
+
+
+# -- a dtype view of a weight: the weight itself, not a derived copy ----------------------
+
+
+@gs.graphsafe
+class BitsKernel(nn.Module):
+    """Its post-load step hands the kernel the head's bits as int32: a dtype view of the
+    weight (the same memory), or, with `copy`, a packed copy of those bits."""
+
+    def __init__(self, *, copy: bool = False) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(C, V, bias=False)
+        self.copy = copy
+        self.bits = torch.zeros(V, C, dtype=torch.int32)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weights["lm_head.weight"])
+        bits = self.lm_head.weight.detach().view(torch.int32)  # [V, C]
+        self.bits = bits.clone() if self.copy else bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.bits.view(torch.float32).t()
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["view", "control-copy"])
+def test_a_dtype_view_of_a_weight_is_no_false_alarm(copy: bool) -> None:
+    model = BitsKernel(copy=copy)
+    model.load_weights({"lm_head.weight": _head(0)})
+    found = [d.path for d in gs.runtime(model).discovered]
+    assert found == (["bits"] if copy else [])  # a view is the weight, not derived from it
+    g, y = _capture(model, guard=True)
+    with torch.no_grad():  # a bare sync of the head, in place
+        gs.runtime(model).model.lm_head.weight.copy_(_head(1))
+    if copy:  # control: a packed copy of the bits is stale, and refused
+        with pytest.raises(gs.StaleError, match="bits"):
+            g.replay()
+        return
+    g.replay()  # the view reads the new weight: correct, and no alarm
+    assert torch.allclose(y, _expected(_head(1)))

@@ -396,6 +396,7 @@ def test_without_a_compiler_the_python_path_runs_with_one_warning_and_still_refu
     assert texts[0].startswith("graphsafe takes its Python path")
     assert f"got: no C++ compiler found (tried $CXX={tmp_path / 'no-c++'})" in texts[0]
     assert "\nlost: the process-wide write observer" in texts[0]
+    assert "threads a recorded bring-up does not follow" in texts[0]
     assert "and speed" in texts[0]
     assert texts[0].endswith("GRAPHSAFE_NATIVE=0 takes the Python path without this warning")
     assert "\nfix: install a C++ compiler" in texts[0]

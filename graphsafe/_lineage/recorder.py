@@ -465,6 +465,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             lineage.copied[sid] = written
 
     def __enter__(self) -> Recorder:
+        # Threads nothing here started are watched while this runs (first: the compiled
+        # build's first use checks itself with a thread of its own, which nothing follows).
+        self._strays = STRAYS.enter(self.lineage, self.weights)
         # Ops registered CompositeImplicitAutograd (vLLM's `create_onednn_mm_handler`)
         # and `torch.tensor(<int>)` never reach a dispatch mode: a function mode sees them.
         self._functions = _Functions(self)
@@ -472,8 +475,6 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._here = followed(self)  # threads and pool tasks started here follow
         self._here.__enter__()
         _Replacements.enter(self.lineage)
-        # Threads nothing here started are watched while this runs.
-        self._strays = STRAYS.enter(self.lineage, self.weights)
         return super().__enter__()  # type: ignore[no-any-return,no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
@@ -481,11 +482,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
             try:
-                STRAYS.exit(self._strays, self.lineage, self.weights)
                 _Replacements.exit()
                 self._here.__exit__(None, None, None)
             finally:
-                self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
+                try:
+                    self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
+                finally:
+                    STRAYS.exit(self._strays, self.lineage, self.weights)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

@@ -39,6 +39,7 @@ in the same process. `GRAPHSAFE_NATIVE=0` turns it off: no build, no warning.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import functools
 import hashlib
@@ -485,10 +486,15 @@ def _strays_check(module: Any, weight: torch.Tensor) -> bool:
     noted by their outermost op, and what they compute from it tainted; and a followed
     thread's ops are not."""
     key = weight.untyped_storage().data_ptr()
-    made: dict[str, torch.Tensor] = {}
+    made: dict[str, Any] = {}
+    done = threading.Event()
 
     def work() -> None:
-        made["packed"] = weight.t().contiguous()
+        try:
+            made["id"] = threading.get_native_id()
+            made["packed"] = weight.t().contiguous()
+        finally:
+            done.set()
 
     module.strays_forget()
     module.strays_watch([key])
@@ -497,9 +503,9 @@ def _strays_check(module: Any, weight: torch.Tensor) -> bool:
     try:
         with torch.no_grad():
             _ = weight * 2  # followed
-            worker = threading.Thread(target=work)
-            worker.start()
-            worker.join()
+            # A bare thread: `threading.Thread.start` may be followed by a recording here.
+            _thread.start_new_thread(work, ())
+            done.wait()
     finally:
         module.strays_follow(False)
         module.strays_stop()
@@ -507,9 +513,9 @@ def _strays_check(module: Any, weight: torch.Tensor) -> bool:
     reads, tainted = module.strays_reads(), module.strays_tainted()
     module.strays_forget()
     packed = made.get("packed")
-    return (packed is not None and worker.native_id is not None
-            and reads == [(worker.native_id, "aten::t", (key,), False),
-                          (worker.native_id, "aten::contiguous", (key,), False)]
+    return (packed is not None
+            and reads == [(made["id"], "aten::t", (key,), False),
+                          (made["id"], "aten::contiguous", (key,), False)]
             and tainted == {packed.untyped_storage().data_ptr(): ((key,), "aten::contiguous")}
             and not module.strays_reads())
 

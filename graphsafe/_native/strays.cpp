@@ -80,10 +80,14 @@ at::CallbackHandle callback = 0;
 
 std::atomic<uint64_t> watched_generation{0};
 std::atomic<bool> any_tainted{false};
+// Moved by every start: an op begun before a stop may never see its end callback, so a
+// thread's depths are counted afresh in each session.
+std::atomic<uint64_t> session{0};
 
 thread_local int followed = 0;  // recordings entered in this thread, not left
 thread_local int moded = 0;  // ops under a dispatch mode begun here, not ended
 thread_local int stray_depth = 0;  // ops over the weights begun here, not ended
+thread_local uint64_t depths_session = UINT64_MAX;  // the session `moded`, `stray_depth` count in
 thread_local uint64_t keys_generation = UINT64_MAX;
 thread_local std::shared_ptr<const Keys> keys;
 
@@ -162,6 +166,12 @@ void note_read(const std::string& op, std::vector<int64_t> touched, bool wrote) 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (followed != 0) {
     return nullptr;
+  }
+  const uint64_t now = session.load(std::memory_order_acquire);
+  if (depths_session != now) {
+    depths_session = now;
+    moded = 0;
+    stray_depth = 0;
   }
   if (moded != 0) {
     return nullptr;  // run by a dispatch mode that handles an op of this thread
@@ -261,6 +271,9 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     return;
   }
   auto* c = static_cast<Context*>(ctx);
+  if (depths_session != session.load(std::memory_order_acquire)) {
+    return;  // begun in an earlier session: its depths were counted afresh since
+  }
   if (c->marker) {
     --moded;
     return;
@@ -339,6 +352,7 @@ PyObject* strays_start(PyObject* /*self*/, PyObject* /*unused*/) {
   track_registrations();
   std::lock_guard<std::mutex> g(mu);
   if (callback == 0) {
+    session.fetch_add(1, std::memory_order_acq_rel);
     callback = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
                                          .needsInputs(true)
                                          .needsOutputs(true)

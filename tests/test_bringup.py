@@ -1172,6 +1172,38 @@ def test_a_thread_not_followed_that_packs_in_place_in_a_later_load_is_refused() 
         g.replay()
 
 
+@gs.graphsafe
+class FoldedElsewhere(nn.Module):
+    """A post-load step that has the queue's worker fold a scale into the weight in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+        _PACKER.run(lambda w: w.detach().mul_(2), self.lin.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_a_weight_a_thread_not_followed_rewrites_in_place_is_said_by_name() -> None:
+    m = FoldedElsewhere()
+    if _native.get() is None:
+        return  # not seen without the compiled build (said once per process, at the pin)
+    with pytest.warns(gs.GraphSafetyWarning, match=(
+            r"thread 'packer' \(OS thread \d+\) -> aten\.detach, aten\.mul_\.Tensor: "
+            r"lin\.weight, wrote lin\.weight\)"
+            r".*nothing the model keeps was seen made by them")):
+        m.load_weights(_weights(0))
+    report = gs.audit(m)
+    assert [u.path for u in report.unchecked if "packer" in u.path] == [
+        next(u.path for u in report.unchecked if "aten.mul_" in u.path)]
+
+
 def test_control_without_the_stray_watch_what_the_queue_worker_packs_replays_stale(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The feature broken (the watch of threads not followed never starts): the worker's

@@ -926,6 +926,38 @@ def test_state_made_on_first_use_before_capture_is_discovered_and_guarded(
         g.replay()
 
 
+class LazyElsewhere(Lazy):
+    """The kernel's first use hands the packing to the queue's worker (started long
+    before): a thread the bring-up's recording does not follow."""
+
+    def _pack(self) -> torch.Tensor:
+        if self.packed is None:
+            self.packed = _PACKER.run(_packed, self.lin.weight)
+        return self.packed
+
+
+def test_state_a_thread_not_followed_made_on_first_use_is_said_and_guarded() -> None:
+    m = LazyElsewhere()
+    if _native.get() is None:
+        return  # not seen without the compiled build (said once per process, at the pin)
+    with pytest.warns(gs.GraphSafetyWarning, match=(
+            r"LazyElsewhere: .*thread 'packer'.*: lin\.weight\).*\(packed\) is guarded")):
+        g, _ = _brought_up(m, guard=True)
+    assert [(d.path, d.sources) for d in gs.runtime(m).discovered] == [
+        ("packed", ("lin.weight",))]
+    m.load_weights(_weights(1))  # a sync: the packed copy is not made again
+    with pytest.raises(gs.StaleError, match=r"packed \(from lin\.weight"):
+        g.replay()
+
+
+def test_control_unguarded_state_a_thread_not_followed_made_replays_stale() -> None:
+    m = LazyElsewhere()
+    g, y = _brought_up(m, guard=False)
+    m.load_weights(_weights(1))
+    g.replay()
+    assert not torch.allclose(y, _lazy_reference(_weights(1), torch.ones(2, C)))
+
+
 def test_control_unguarded_state_made_on_first_use_replays_stale() -> None:
     m = Lazy()
     g, y = _brought_up(m, guard=False)

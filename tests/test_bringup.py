@@ -1145,17 +1145,30 @@ def test_a_torch_jit_fork_inside_a_script_runs_on_another_thread_and_is_recorded
 
     # The scripted fork's task runs on torch's inter-op pool, not in the caller's thread
     # (what makes following it a question); the recording's mode travels with it.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from graphsafe._lineage.recorder import Lineage, Recorder
 
+    ran: set[int] = set()
+
+    class Where(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            ran.add(threading.get_native_id())
+            return func(*args, **(kwargs or {}))
+
     w = torch.randn(C, C)
+    with Where():
+        _forked_t(w)
+    assert ran and threading.get_native_id() not in ran
     with Recorder(Lineage(), frozenset({w.untyped_storage().data_ptr()})) as rec:
         packed = _forked_t(w)
         seen.add(threading.get_native_id())
     assert packed.untyped_storage()._cdata in rec.lineage.writers
     assert rec.lineage.strays == []
-    probe = torch.jit.fork(note, w)  # eager: the caller's own thread
-    torch.jit.wait(probe)
-    assert len(seen) == 1
+    torch.jit.wait(torch.jit.fork(note, w))  # eager: the caller's own thread
+    torch.jit.wait(torch.jit._fork(note, w))
+    assert seen == {threading.get_native_id()}
 
 
 @pytest.mark.parametrize("how", ["queue"])

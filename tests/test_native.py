@@ -396,6 +396,7 @@ def test_without_a_compiler_the_python_path_runs_with_one_warning_and_still_refu
     assert texts[0].startswith("graphsafe takes its Python path")
     assert f"got: no C++ compiler found (tried $CXX={tmp_path / 'no-c++'})" in texts[0]
     assert "\nlost: the process-wide write observer" in texts[0]
+    assert "threads a recorded bring-up does not follow" in texts[0]
     assert "and speed" in texts[0]
     assert texts[0].endswith("GRAPHSAFE_NATIVE=0 takes the Python path without this warning")
     assert "\nfix: install a C++ compiler" in texts[0]
@@ -611,8 +612,9 @@ def test_the_first_use_builds_once_for_processes_starting_together_and_nothing_e
         assert re.fullmatch(r"graphsafe: compiled checks ready in \d+\.\d s \(\S+\)", said[1])
     runs = _compiler_runs(log)
     compiled = sorted(Path(run[run.index("-c") + 1]).name for run in runs if "-c" in run)
-    assert compiled == ["checks.cpp", "fingerprint.cpp", "observer.cpp", "tracker.cpp"]
-    assert len(runs) == 5  # and one link
+    assert compiled == ["checks.cpp", "fingerprint.cpp", "observer.cpp", "strays.cpp",
+                        "tracker.cpp"]
+    assert len(runs) == 6  # and one link
     assert all("-Wall" in run and "-w" not in run for run in runs if "-c" in run)
     assert "warning" not in Path(f"{log}.err").read_text()
     library, lock = sorted(p.name for p in (cache / "native").iterdir())  # nothing else

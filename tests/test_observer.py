@@ -481,6 +481,7 @@ def test_without_the_compiled_build_the_first_pin_warns_once() -> None:
     assert count == "1"
     assert "process-wide write observer needs the compiled build" in message
     assert "graphsafe native build" in message
+    assert "threads a recorded bring-up does not follow" in message  # said once, with it
     assert replay == "replayed False"  # the write went unseen, as the warning says
 
 

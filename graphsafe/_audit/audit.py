@@ -462,7 +462,8 @@ def _nothing_checked(model_class: str, unchecked: list[Unchecked]) -> str:
         f"gs.audit({model_class}) checked nothing: the model has no declared derivation and "
         f"nothing its recorded loads derived from its weights{why}. A clean report vouches "
         "only for what it checked: state made where graphsafe records nothing (after the "
-        "first capture outside any load, in threads no Python code starts) is in neither. "
+        "first capture outside any load, in threads the recording did not follow) is in "
+        "neither. "
         "Declare it with a registry, or make it inside the load"
     )
 

@@ -53,11 +53,14 @@ from graphsafe._lineage.outside import find_outside, find_outside_values
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Lineage
 from graphsafe._lineage.refusals import (
+    STRAY,
     UNFOLLOWED,
     UNTRACED,
     moved_error,
     stale_error,
+    strays,
     unfollowed,
+    warn_strays,
     warn_unfollowed,
     warn_untraced,
 )
@@ -75,6 +78,7 @@ from graphsafe._lineage.resolve import (
     untraced_numbers,
 )
 from graphsafe._lineage.rewrites import Rewrites, Rewritten, rewritten_error
+from graphsafe._lineage.threads import STRAYS
 from graphsafe._lineage.window import Window
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
@@ -251,7 +255,7 @@ class Discovery:
         (what the last forward wrote again, every forward computes)."""
         alive = lineage.alive()
         if (not alive and not lineage.values and not lineage.weight_writes
-                and not lineage.unfollowed):
+                and not lineage.unfollowed and not lineage.strays):
             return
         sources = sources_of(model)
         foreign = self._foreign(model, sources)
@@ -277,18 +281,28 @@ class Discovery:
         if reads:  # what is made of them cannot be followed: said, and listed unchecked
             self._unfollowed.update((how, (p, UNFOLLOWED)) for how, p in reads.items())
             warn_unfollowed(reads, type(model).__name__)
+        stray = strays(lineage, sources)
         candidates = alive - sources.keys()
-        if not candidates and not lineage.values:
+        if not candidates and not lineage.values and not stray:
             return
         found = {f.site.path: f for f in find(lineage, sites(), sources, candidates)}
+        if stray:  # what threads not followed made, held by the model: found by its taint
+            known = {e.path for e in self._entries} | found.keys()
+            made = find_tainted(sites(), sources, STRAYS.tainted(), known)
+            self._unfollowed.update((how, (p, STRAY)) for how, p in stray.items())
+            warn_strays(stray, [f.site.path for f in made], type(model).__name__)
+        else:
+            made = []
         if lazily:
             known = {e.path for e in self._entries}
             found = {p: f for p, f in found.items()
                      if f.writer and 1 <= f.writer[0].epoch < lineage.epoch
                      and p not in known}
+            found.update((f.site.path, f) for f in made)
             if not found:
                 return
         else:
+            found.update((f.site.path, f) for f in made)
             values = find_values(lineage, model, sources)
             values += find_outside_values(lineage, model, sources,
                                           (id(f.site.value) for f in values

@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphsafe._lineage.threads import followed
+from graphsafe._lineage.threads import STRAYS, Stray, followed
 from graphsafe._memory.walk import storage_key
 
 __all__ = [
@@ -149,8 +149,9 @@ class Lineage:
     """What a recording found: the latest writer of each storage it saw written, and the
     values that left torch, with the call that made each."""
 
-    __slots__ = ("_atoms", "_refs", "before", "copied", "epoch", "foreign", "handles",
-                 "replaced", "scopes", "unfollowed", "values", "weight_writes", "writers")
+    __slots__ = ("__weakref__", "_atoms", "_refs", "before", "copied", "epoch", "foreign",
+                 "handles", "replaced", "scopes", "strays", "unfollowed", "values",
+                 "weight_writes", "writers")
 
     def __init__(self) -> None:
         self.writers: dict[int, tuple[Call, Arg]] = {}
@@ -181,6 +182,9 @@ class Lineage:
         self.unfollowed: list[Call] = []
         """Reads of a tensor's memory that left torch as a NumPy array (`Tensor.numpy()`):
         what is made from the array is not followed."""
+        self.strays: list[Stray] = []
+        """Ops of threads the recording did not follow that read or wrote the weights
+        while it ran (`threads.Strays`): what they made is not recorded."""
         self.before: dict[str, object] | None = None
         """Where the model kept the values that do not tell one occurrence from another
         (`bool`s, small `int`s), and floats, taken before the recording made the first
@@ -251,6 +255,8 @@ class Lineage:
         self._refs.clear()
         self.before = None
         self._atoms = None
+        self.strays.clear()
+        STRAYS.release(self)
 
 
 def schema_name(func: Any) -> str:
@@ -459,6 +465,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             lineage.copied[sid] = written
 
     def __enter__(self) -> Recorder:
+        # Threads nothing here started are watched while this runs (first: the compiled
+        # build's first use checks itself with a thread of its own, which nothing follows).
+        self._strays = STRAYS.enter(self.lineage, self.weights)
         # Ops registered CompositeImplicitAutograd (vLLM's `create_onednn_mm_handler`)
         # and `torch.tensor(<int>)` never reach a dispatch mode: a function mode sees them.
         self._functions = _Functions(self)
@@ -476,7 +485,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 _Replacements.exit()
                 self._here.__exit__(None, None, None)
             finally:
-                self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
+                try:
+                    self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
+                finally:
+                    STRAYS.exit(self._strays, self.lineage, self.weights)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

@@ -3,7 +3,7 @@
 (`StorageMovedError`). Each names where the state is kept, its sources and how it was
 computed, and the fix. And the warnings for what a recording could not follow: weights
 read as NumPy arrays (`warn_unfollowed`), numbers computed in Python from the numbers it
-took (`warn_untraced`).
+took (`warn_untraced`), ops of threads it did not follow (`warn_strays`).
 """
 
 from __future__ import annotations
@@ -12,14 +12,18 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import torch
+
 from graphsafe._declare.spec import Drift
 from graphsafe._errors import GraphSafetyWarning, StaleError, StorageMovedError
 from graphsafe._lineage.recorder import Lineage
 from graphsafe._lineage.resolve import Source, trace
+from graphsafe._memory.snapshot import PLAIN
+from graphsafe._memory.walk import storage_key
 
 __all__ = [
-    "UNFOLLOWED", "UNTRACED", "Named", "moved_error", "stale_error", "unfollowed",
-    "warn_unfollowed", "warn_untraced",
+    "STRAY", "UNFOLLOWED", "UNTRACED", "Named", "moved_error", "stale_error", "strays",
+    "unfollowed", "warn_strays", "warn_unfollowed", "warn_untraced",
 ]
 
 
@@ -153,5 +157,55 @@ def warn_untraced(numbers: Mapping[str, tuple[str, ...]], model_class: str) -> N
         "them in torch and take the result's number (`(1.0 / s).item()`: followed), "
         "declare them with `gs.derive`, or re-run the post-load step and re-capture after "
         "each sync",
+        GraphSafetyWarning, stacklevel=2,
+    )
+
+
+def strays(lineage: Lineage, sources: Mapping[int, Source]) -> dict[str, tuple[str, ...]]:
+    """The ops of threads the recording did not follow that read or wrote the weights
+    (taken from it once), by thread: `thread 'w' (OS thread 7) -> aten.t, aten.contiguous`
+    -> the weights' paths (`wrote ...` before those it wrote)."""
+    noted, lineage.strays = lineage.strays, []
+    if not noted:
+        return {}
+    with PLAIN():
+        paths = {storage_key(t): s.path for s in sources.values()
+                 if isinstance(t := s.holder.get(s.key), torch.Tensor)}
+    ops: dict[str, list[str]] = {}
+    touched: dict[str, dict[str, None]] = {}
+    for stray in noted:
+        names = [paths[k] for k in stray.weights if k in paths]
+        if not names:
+            continue
+        op = stray.op.replace("::", ".")
+        if op not in ops.setdefault(stray.thread, []):
+            ops[stray.thread].append(op)
+        for name in names:
+            touched.setdefault(stray.thread, {})[f"wrote {name}" if stray.wrote else name] = None
+    return {f"{thread} -> {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}":
+            tuple(touched[thread]) for thread, names in ops.items()}
+
+
+STRAY = ("ops of a thread the recording did not follow (it existed before, or a C++ "
+         "library started it) read the weights: what it made is not recorded, so it "
+         "cannot be recomputed or checked")
+
+
+def warn_strays(found: Mapping[str, tuple[str, ...]], held: Sequence[str],
+                model_class: str) -> None:
+    """Warn of ops of threads the recording did not follow over the weights (`strays`):
+    `held`, the paths where the model keeps what they made (guarded by its sources)."""
+    kept = (f"what the model keeps of what they made ({', '.join(held)}) is guarded by the "
+            "weights it came from, but its ops are not known (the audit lists it "
+            "unchecked); anything else they derived is neither guarded nor checked"
+            if held else "nothing the model keeps was seen made by them; anything they "
+            "derived that reaches it another way is neither guarded nor checked")
+    seen = "; ".join(f"{how}: {', '.join(paths)}" for how, paths in found.items())
+    warnings.warn(
+        f"{model_class}: while its bring-up was recorded, threads the recording does not "
+        f"follow read or wrote its weights ({seen}): "
+        f"the recording follows only the threads and pool tasks the recorded code starts; "
+        f"{kept}. Run that work in a thread the post-load step starts or a "
+        "ThreadPoolExecutor task (followed), or declare what it derives with `gs.derive`",
         GraphSafetyWarning, stacklevel=2,
     )

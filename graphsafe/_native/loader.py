@@ -39,6 +39,7 @@ in the same process. `GRAPHSAFE_NATIVE=0` turns it off: no build, no warning.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import functools
 import hashlib
@@ -71,7 +72,7 @@ __all__ = [
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "checks.cpp", _HERE / "tracker.cpp", _HERE / "observer.cpp",
-            _HERE / "fingerprint.cpp")
+            _HERE / "strays.cpp", _HERE / "fingerprint.cpp")
 _HEADERS = (_HERE / "tracker.h",)
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
@@ -124,6 +125,13 @@ class Native(Protocol):
     def observer_drain(self) -> tuple[dict[int, str], bool]: ...
     def observer_quiet(self, enter: bool, /) -> None: ...
     def observer_floor(self, on: bool, inputs: bool, /) -> None: ...
+    def strays_watch(self, keys: Iterable[int], /) -> None: ...
+    def strays_start(self) -> None: ...
+    def strays_stop(self) -> None: ...
+    def strays_follow(self, enter: bool, /) -> None: ...
+    def strays_reads(self) -> list[tuple[int, str, tuple[int, ...], bool]]: ...
+    def strays_tainted(self) -> dict[int, tuple[tuple[int, ...], str]]: ...
+    def strays_forget(self) -> None: ...
     def fingerprint_sums(self, tensor: Any, level: int, out: Any = None, first: int = 0, /
                          ) -> tuple[int, int]: ...
     def fingerprint_level(self) -> int: ...
@@ -365,7 +373,8 @@ def _check(module: Any) -> None:
         b.untyped_storage().data_ptr(): ["aten::mul_.Tensor", "aten::copy_"]}
     module.tracker_free(tracker)
     ok = ok and _taint_check(module, b)
-    ok = ok and _observer_check(module, b, c) and _fingerprint_check(module)
+    ok = ok and _observer_check(module, b, c) and _strays_check(module, torch.zeros(2, 3))
+    ok = ok and _fingerprint_check(module)
     if not ok:
         raise NativeBuildError("the built extension fails its self-check; not used")
 
@@ -470,6 +479,45 @@ def _observer_check(module: Any, watched: torch.Tensor, other: torch.Tensor) -> 
     seen, blind = module.observer_drain()
     return (quiet_and_tracked and not blind and list(seen) == [key]
             and seen[key].startswith("aten::mul_") and not module.observer_running())
+
+
+def _strays_check(module: Any, weight: torch.Tensor) -> bool:
+    """Whether the ops of a thread that follows no recording over `weight` (2-d) are
+    noted by their outermost op, and what they compute from it tainted; and a followed
+    thread's ops are not."""
+    key = weight.untyped_storage().data_ptr()
+    made: dict[str, Any] = {}
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            made["id"] = threading.get_native_id()
+            made["packed"] = weight.t().contiguous()
+        finally:
+            done.set()
+
+    module.strays_forget()
+    module.strays_watch([key])
+    module.strays_start()
+    module.strays_follow(True)
+    try:
+        with torch.no_grad():
+            _ = weight * 2  # followed
+            # A bare thread: `threading.Thread.start` may be followed by a recording here.
+            _thread.start_new_thread(work, ())
+            done.wait()
+    finally:
+        module.strays_follow(False)
+        module.strays_stop()
+        module.strays_watch(())
+    reads, tainted = module.strays_reads(), module.strays_tainted()
+    module.strays_forget()
+    packed = made.get("packed")
+    return (packed is not None
+            and reads == [(made["id"], "aten::t", (key,), False),
+                          (made["id"], "aten::contiguous", (key,), False)]
+            and tainted == {packed.untyped_storage().data_ptr(): ((key,), "aten::contiguous")}
+            and not module.strays_reads())
 
 
 # gs.fingerprint's sums of bytes 0, 1, ..., 36 (four words and a padded tail), from the
@@ -609,8 +657,11 @@ def _warn_python_path(reason: str) -> None:
         "lost: the process-wide write observer (writes into pinned models outside tracked "
         "loads that move no version counter, such as `p.data.copy_(w)` in a script, fused "
         "optimizer steps and writes from other threads, go unseen unless declared with "
-        "gs.mark_written), and speed (the guard's checks and the load-time write tracker "
-        "run in Python, several times slower)\n"
+        "gs.mark_written), the ops of threads a recorded bring-up does not follow (one that "
+        "existed before it and gets work through a queue, a C++ library's own threads: what "
+        "they derive from the weights is neither discovered nor said), and speed (the "
+        "guard's checks and the load-time write tracker run in Python, several times "
+        "slower)\n"
         "fix: install a C++ compiler (e.g. g++, or point CXX at one) and run `graphsafe "
         "native build`; GRAPHSAFE_NATIVE=0 takes the Python path without this warning",
         GraphSafetyWarning, stacklevel=4,

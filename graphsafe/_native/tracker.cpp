@@ -697,6 +697,13 @@ PyMethodDef tracker_methods[] = {
     {"observer_drain", observer_drain, METH_NOARGS, "(key -> first op, blind), cleared."},
     {"observer_quiet", observer_quiet, METH_O, "Enter (True) or leave a quiet scope."},
     {"observer_floor", observer_floor, METH_VARARGS, "A do-nothing callback (on, inputs)."},
+    {"strays_watch", strays_watch, METH_O, "Storage keys of the weights being recorded."},
+    {"strays_start", strays_start, METH_NOARGS, "See every thread's ops."},
+    {"strays_stop", strays_stop, METH_NOARGS, "Stop seeing them."},
+    {"strays_follow", strays_follow, METH_O, "This thread follows a recording (True) or not."},
+    {"strays_reads", strays_reads, METH_NOARGS, "(thread, op, weights, wrote) not followed."},
+    {"strays_tainted", strays_tainted, METH_NOARGS, "Storages they derived from the weights."},
+    {"strays_forget", strays_forget, METH_NOARGS, "Drop what they noted."},
     {nullptr, nullptr, 0, nullptr},
 };
 

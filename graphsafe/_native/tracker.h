@@ -16,7 +16,7 @@
 
 namespace graphsafe_native {
 
-// tracker_* (tracker.cpp) and observer_* (observer.cpp), ended by a null entry as
+// tracker_* (tracker.cpp), observer_* (observer.cpp) and strays_* (strays.cpp), ended by a null entry as
 // PyModule_AddFunctions expects.
 extern PyMethodDef tracker_methods[];
 
@@ -58,6 +58,15 @@ PyObject* observer_pending(PyObject* self, PyObject* unused);
 PyObject* observer_drain(PyObject* self, PyObject* unused);
 PyObject* observer_quiet(PyObject* self, PyObject* enter);
 PyObject* observer_floor(PyObject* self, PyObject* args);
+
+// strays.cpp's functions, listed in tracker_methods.
+PyObject* strays_watch(PyObject* self, PyObject* keys);
+PyObject* strays_start(PyObject* self, PyObject* unused);
+PyObject* strays_stop(PyObject* self, PyObject* unused);
+PyObject* strays_follow(PyObject* self, PyObject* enter);
+PyObject* strays_reads(PyObject* self, PyObject* unused);
+PyObject* strays_tainted(PyObject* self, PyObject* unused);
+PyObject* strays_forget(PyObject* self, PyObject* unused);
 
 // Calls `f(key)` for the storage key of every tensor in `v` (a tensor, a list of them,
 // a list of optional tensors or of lists), skipping undefined tensors and key 0.

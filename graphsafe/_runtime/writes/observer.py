@@ -49,7 +49,10 @@ _UNAVAILABLE = (
     "graphsafe's process-wide write observer needs the compiled build, which is not "
     "loaded here: writes into pinned models outside tracked loads that move no version "
     "counter (`p.data.copy_(w)` in a script, fused optimizer steps, threads a loader "
-    "starts) go unseen. Unset GRAPHSAFE_NATIVE (the first use then builds it, or run "
+    "starts) go unseen; and so do the ops of threads a recorded bring-up does not follow "
+    "(one that existed before it and gets work through a queue, a C++ library's own "
+    "threads): what they derive from the weights is neither discovered nor said. Unset "
+    "GRAPHSAFE_NATIVE (the first use then builds it, or run "
     "`graphsafe native build`), or declare such writes with gs.mark_written(...)"
 )
 

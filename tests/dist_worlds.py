@@ -33,8 +33,11 @@ import graphsafe as gs
 from graphsafe._verify.pp.processes import free_port
 from graphsafe.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, random_checkpoint
 
-TIMEOUT = 3.0
-"""Seconds a collective (a transfer) may wait."""
+TIMEOUT = 30.0
+"""Seconds a collective may wait for the other ranks, and a new world for its ranks to
+join: generous, as between two collectives a rank of these tests may build a stage and a
+reference model, or start a process, seconds of work on a loaded two-core machine (a
+wait meant to time out uses a group with a short timeout of its own)."""
 WORLD = 3
 Scenario = Callable[[int, dict[str, Any]], Any]
 

@@ -1,7 +1,7 @@
 """Worlds of real processes for the weight-sync fault tests: gloo on loopback.
 
 `run_world(scenario, ...)` starts one process per rank (forkserver, torch preloaded),
-each of which initializes a gloo world on `127.0.0.1` with a short timeout and runs
+each of which initializes a gloo world on `127.0.0.1` with a timeout of `TIMEOUT` and runs
 `scenario(rank, ctx)`; what the scenario returns, or the traceback it raised, comes
 back per rank. A hard deadline kills every process left and fails: a fault test never
 hangs. A scenario may end its own process (`die`), or have gloo abort it: each rank

@@ -15,7 +15,9 @@
    data (and, for the sync, has loaded and refreshed). Every sync checks its
    completeness (the receivers' verdict on the metadata) before any data moves, and is
    fingerprinted end to end (`verify`, the default); the same syncs with `verify=False`
-   give the fingerprints' cost (the ratio of the two, and seconds per GiB).
+   give the fingerprints' cost (the ratio of the two, and seconds per GiB), in wall
+   time and in the CPU time of both processes (which the wall time follows where other
+   work keeps every core busy).
 2. A trainer and two pipeline stages of DeepSeek V4 (`--preset`, flash by default): the
    stages' refresh time against their whole sync time, and the staging memory.
 3. Faults, each in a world of its own (the tiny DeepSeek V4 on a trainer and two
@@ -73,10 +75,14 @@ class Flat(nn.Module):
         return {name for name, _ in weights}
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], Any], cpu: list[float] | None = None) -> float:
+    """Seconds from a barrier to a barrier around `fn`; with `cpu`, this process's CPU
+    seconds in `fn` (every thread's: gloo's, the kernel's socket copies) appended."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     dist.barrier()
     return time.perf_counter() - t0
 
@@ -143,18 +149,28 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
             "quarter": sync(quarter), "quarter_unverified": sync(quarter, verify=False),
             "quarter_serial": sync(quarter, overlap=False), "sixteenth": sync(sixteenth)}
     times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
         for key, run in runs.items():
-            times[key].append(_timed(run))
+            times[key].append(_timed(run, cpu[key]))
+    box: list[Any] = [cpu]
+    dist.broadcast_object_list(box, src=0)  # the sender's CPU seconds, to the receiver
     if rank == 0:
         return None
+    both = {k: [a + b for a, b in zip(box[0][k], cpu[k])] for k in runs}
     med = {k: statistics.median(v) for k, v in times.items()}
     # The fingerprints' cost: per repeat, the sync over the same sync unverified (the
     # two ran next to each other), then the median of those ratios.
     ratios = {k: statistics.median(a / b for a, b in zip(times[k], times[f"{k}_unverified"]))
               for k in ("one", "one_packed", "quarter")}
+    # The same for the CPU time both processes spent: what the wall time follows where
+    # other work keeps every core busy, and what no overlap can hide there.
+    cpu_ratios = {k: statistics.median(a / b for a, b in zip(both[k], both[f"{k}_unverified"]))
+                  for k in ("one", "one_packed", "quarter")}
     return {
         "fingerprint_ratio": ratios,
+        "fingerprint_cpu_ratio": cpu_ratios,
+        "cpu_seconds": {k: statistics.median(v) for k, v in both.items()},
         "bytes": n * tensor, "tensors": n, "tensor_bytes": tensor, "quarter_bucket": quarter,
         "sixteenth_bucket": sixteenth,
         "seconds": med,
@@ -434,6 +450,11 @@ def _table1(f1: dict[str, Any]) -> str:
                 f"ratios): {r['one']:.3f}x with one bucket, {r['one_packed']:.3f}x packed, "
                 f"{r['quarter']:.3f}x with {f1['quarter_bucket'] >> 20} MiB buckets; "
                 f"{(s['one'] - s['one_unverified']) / gib:+.3f} s/GiB with one bucket")
+    c, cs = f1["fingerprint_cpu_ratio"], f1["cpu_seconds"]
+    rows.append(f"   their CPU time (both processes, every thread; the same ratios): "
+                f"{c['one']:.3f}x with one bucket, {c['one_packed']:.3f}x packed, "
+                f"{c['quarter']:.3f}x with {f1['quarter_bucket'] >> 20} MiB buckets; "
+                f"{(cs['one'] - cs['one_unverified']) / gib:+.3f} CPU s/GiB with one bucket")
     rows.append(f"   receiver refresh (one derived buffer) {f1['refresh_seconds'] * 1e3:.2f} ms; "
                 f"staging {f1['staging_bytes'] / 2**20:.1f} MiB (the one-bucket sync's; "
                 "the smaller buckets' two slots fit in it)")

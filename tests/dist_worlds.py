@@ -1,7 +1,7 @@
 """Worlds of real processes for the weight-sync fault tests: gloo on loopback.
 
 `run_world(scenario, ...)` starts one process per rank (forkserver, torch preloaded),
-each of which initializes a gloo world on `127.0.0.1` with a short timeout and runs
+each of which initializes a gloo world on `127.0.0.1` with a timeout of `TIMEOUT` and runs
 `scenario(rank, ctx)`; what the scenario returns, or the traceback it raised, comes
 back per rank. A hard deadline kills every process left and fails: a fault test never
 hangs. A scenario may end its own process (`die`), or have gloo abort it: each rank
@@ -33,8 +33,11 @@ import graphsafe as gs
 from graphsafe._verify.pp.processes import free_port
 from graphsafe.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, random_checkpoint
 
-TIMEOUT = 3.0
-"""Seconds a collective (a transfer) may wait."""
+TIMEOUT = 30.0
+"""Seconds a collective may wait for the other ranks, and a new world for its ranks to
+join: generous, as between two collectives a rank of these tests may build a stage and a
+reference model, or start a process, seconds of work on a loaded two-core machine (a
+wait meant to time out uses a group with a short timeout of its own)."""
 WORLD = 3
 Scenario = Callable[[int, dict[str, Any]], Any]
 

@@ -40,7 +40,8 @@ from graphsafe.distributed._protocol.layout import _TRAILER, _trailer
 from graphsafe.distributed._receive import metadata, transfer
 
 _BUCKET = 16 << 10
-_STEP = TIMEOUT + 1.5  # a train step longer than the transfer timeout
+_SHORT = 2.0  # the transfer timeout of the long-step test's group
+_STEP = _SHORT + 1.5  # a train step longer than that timeout
 
 
 def _raises(fn: Any, match: str) -> gsd.WeightSyncError:
@@ -54,41 +55,50 @@ def _raises(fn: Any, match: str) -> gsd.WeightSyncError:
 
 
 def long_step(rank: int, ctx: dict[str, Any]) -> Any:
+    # Transfers on a group with a short timeout; the phases are told apart on the world's
+    # group (`TIMEOUT`), so that each train step starts when the receivers wait, however
+    # long they took to get there.
     group = ctx["group"]
+    short = dist.new_group(timeout=datetime.timedelta(seconds=_SHORT))
     if rank == 0:
-        dist.barrier(group=group)  # the stages are built: the train step starts
+        dist.barrier(group=group)  # the stages are built
         for seed in (2, 3):
+            dist.barrier(group=group)  # the receivers wait (then poll) for the sync
             time.sleep(_STEP)  # training
-            gsd.send_weights(checkpoint(seed), src=0, group=group, bucket_bytes=_BUCKET)
+            gsd.send_weights(checkpoint(seed), src=0, group=short, bucket_bytes=_BUCKET)
         # Control: the same wait inside a collective dies at the group's timeout.
+        dist.barrier(group=group)
         time.sleep(_STEP)
         with pytest.raises(RuntimeError):
-            dist.broadcast(torch.zeros(4), src=0, group=group)
+            dist.broadcast(torch.zeros(4), src=0, group=short)
         return None
     stage = Stage.build(rank, checkpoint(1))
     dist.barrier(group=group)
     # A receiver that gives up waiting leaves the model untouched and the group alive.
-    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=group,
+    err = _raises(lambda: gsd.receive_weights(stage.model, src=0, group=short,
                                               wait_timeout=0.5), "no sync began within")
     assert err.recovery == "resend"
     assert stage.replays(checkpoint(1))
-    first = gsd.receive_weights(stage.model, src=0, group=group)  # waits as long as needed
-    assert first.waited_seconds > TIMEOUT
+    dist.barrier(group=group)
+    first = gsd.receive_weights(stage.model, src=0, group=short)  # waits as long as needed
+    assert first.waited_seconds > _SHORT
     assert stage.replays(checkpoint(2))
+    dist.barrier(group=group)
     polls = 0  # the phase barrier: the rollout rank works until the sync is coming
-    while not gsd.sync_pending(src=0, group=group, timeout=0.25):
+    while not gsd.sync_pending(src=0, group=short, timeout=0.25):
         polls += 1
-    gsd.receive_weights(stage.model, src=0, group=group)
+    gsd.receive_weights(stage.model, src=0, group=short)
     assert stage.replays(checkpoint(3)) and polls > 0
+    dist.barrier(group=group)
     with pytest.raises(RuntimeError, match=r"(?i)timed out|timeout"):  # the control
-        dist.broadcast(torch.zeros(4), src=0, group=group)
+        dist.broadcast(torch.zeros(4), src=0, group=short)
     return first.waited_seconds
 
 
 def test_a_train_step_longer_than_the_transfer_timeout_syncs_and_control_a_collective_wait_dies():
     world = run_world(long_step)
     waited = world.ok(0, 1, 2)
-    assert waited[1] > TIMEOUT and waited[2] > TIMEOUT
+    assert waited[1] > _SHORT and waited[2] > _SHORT
 
 
 # -----------------------------------------------------------------------------

@@ -95,6 +95,35 @@ def test_each_update_keeps_storage_and_refreshes_once(
     assert eu.generate(llm) != old_tokens  # the new weights changed what is served
 
 
+def test_the_engines_fingerprints_equal_the_trainers_by_name_and_control_an_older_sync_differs(
+    llm: Any, hf: dict[int, Any]
+) -> None:
+    """`collective_rpc("graphsafe_fingerprint")`: the trainer compares its own
+    `gs.fingerprint` with the engine's wherever the names map one to one: the same name,
+    dtype and shape (vLLM fuses q, k, v and gate, up under other names)."""
+    import graphsafe as gs
+
+    path, m = hf[1]
+    update(llm, "collective_rpc load_weights", path, m)
+    theirs = rpc(llm, "graphsafe_fingerprint")
+    held = rpc(llm, "t_shapes")
+    sent = {n: w for n, w in eu.weights(m)
+            if n in held and held[n] == (str(w.dtype).removeprefix("torch."), list(w.shape))}
+    mine = gs.fingerprint(sent)
+    same = sorted(mine)
+    assert len(same) >= 2 * 2 + 2 and "model.embed_tokens.weight" in same, (same, held)
+    assert [n for n in same if mine[n] != theirs[n]] == [], {n: held[n] for n in same}
+    assert rpc(llm, "graphsafe_fingerprint", same[:2]) == {n: theirs[n] for n in same[:2]}
+    # Control: the trainer's fingerprints of another sync's weights differ exactly where
+    # that sync's values differ (the projections and embeddings; the norms are ones in
+    # both).
+    other = dict(eu.weights(hf[2][1]))
+    changed = [n for n in same if not torch.equal(other[n], sent[n])]
+    assert "model.embed_tokens.weight" in changed and len(changed) < len(same)
+    old = gs.fingerprint(other, same)
+    assert [n for n in same if old[n] != theirs[n]] == changed
+
+
 def test_vllm_loaded_graphsafes_plugin_from_its_entry_point() -> None:
     """CI installs graphsafe: the engine above found the plugin through the entry point."""
     import conftest

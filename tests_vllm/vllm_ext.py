@@ -50,6 +50,12 @@ class Extension(gsv.WorkerExtension):
         tensors = [*model.named_parameters(), *model.named_buffers()]
         return {n: (id(t), t.data_ptr()) for n, t in tensors}
 
+    def t_shapes(self) -> dict[str, tuple[str, list[int]]]:
+        """Dtype and shape of every parameter and buffer."""
+        model = self.model_runner.get_model()
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors}
+
     def t_derived(self) -> dict[str, torch.Tensor]:
         model = self.model_runner.get_model()
         return {

@@ -111,6 +111,17 @@ def _buffer_rebind(m: Model, i: int) -> None:
     m.layers[i].b.data = torch.randn(6)
 
 
+def _set(m: Model, i: int) -> None:
+    with torch.no_grad():
+        m.layers[i].w.set_(torch.randn(4, 6))
+
+
+def _swap_tensors(m: Model, i: int) -> None:
+    # The same object in the same dict, with another TensorImpl; the other tensor is
+    # dropped, and with it, maybe, the TensorImpl the compiled check remembered.
+    torch.utils.swap_tensors(m.layers[i].w, nn.Parameter(torch.randn(4, 6)))
+
+
 # (mutation, the ledger still holds, the witnesses of w and b still hold)
 MUTATIONS: dict[str, tuple[Mutation, bool, bool]] = {
     "nothing": (lambda m, i: None, True, True),
@@ -124,6 +135,8 @@ MUTATIONS: dict[str, tuple[Mutation, bool, bool]] = {
     "same bytes as another dtype": (_rebind(0, lambda d: d.view(torch.int32)), False, True),
     "emptied": (_rebind(0, lambda d: torch.empty(0)), False, False),
     "a buffer rebound": (_buffer_rebind, False, False),
+    "set_() to new storage": (_set, False, False),
+    "swap_tensors with another tensor": (_swap_tensors, False, False),
     "a new Parameter object": (_new_param, False, False),
     # Witnesses read the dict they were built on: a new dict or module is the ledger's.
     "a new _parameters dict": (_new_dict, False, True),
@@ -196,6 +209,9 @@ NO_DICT_CHANGES: dict[str, Mutation] = {
     ".data = a buffer's new storage": _buffer_rebind,
     "an offset view of the same storage": _rebind(0, lambda d: d.view(-1)[6:].view(3, 6)),
     "a declared write (the journal)": _declared,
+    "set_() to new storage": _set,
+    "swap_tensors with another tensor": _swap_tensors,
+    "emptied": _rebind(0, lambda d: torch.empty(0)),
 }
 
 

@@ -34,10 +34,13 @@ PLAIN = torch._C.DisableTorchFunctionSubclass
 DATA_PTR = torch.Tensor.data_ptr
 STRIDE = torch.Tensor.stride
 VERSION = operator.attrgetter("_version")
-_ROW = 32
+_ROW = 40
 """Bytes of one site's row in what the compiled witness check remembers (`Witnessed` in
 `checks.cpp`)."""
 _NO_ROW = bytes(_ROW)
+_BOUND_ROW = 72
+"""Bytes of one site's row in what the compiled rebinding check remembers (`Bound` in
+`checks.cpp`)."""
 
 
 class SitesRead(NamedTuple):
@@ -111,7 +114,7 @@ class Identities(Sites):
             same storage changes it).
     """
 
-    __slots__ = ("_seen", "ids", "n_strided", "native", "ptrs", "strides")
+    __slots__ = ("_looked", "_seen", "ids", "n_strided", "native", "ptrs", "strides")
 
     def __init__(
         self, rows: Sequence[tuple[Any, Any, object, int, tuple[int, ...]]], n_strided: int
@@ -123,12 +126,16 @@ class Identities(Sites):
         self.strides = [tuple(r[4]) for r in rows[:n_strided]]
         self._seen: SitesRead | None = None  # what the last passing check read
         self.native = _native.get() if self.compiled else None
+        # What the compiled check last passed at each dict site (the dict's version, the
+        # tensor, its pointer and strides): the expected values never change, so neither
+        # do the rows but by the check itself.
+        self._looked = bytearray(_BOUND_ROW * len(rows)) if self.native is not None else None
 
     def unchanged(self) -> bool:
         """Whether every site holds the object it held, at the same pointer and stride."""
         if self.native is not None:  # the same comparisons, compiled
             now = self.native.same_bindings(
-                self.holders, self.keys, self.ids, self.ptrs, self.strides
+                self.holders, self.keys, self.ids, self.ptrs, self.strides, self._looked
             )
             if now is None:
                 return False

@@ -277,17 +277,6 @@ PyObject* still_bound(PyObject* container, PyObject* key, PyObject* want_id,
   return ptr == want ? obj : nullptr;
 }
 
-// What `same_witnesses` remembers of one dict site it passed: the dict's tag then, the
-// tensor the site held, and its data pointer and version, which were the ones expected.
-// Kept by the caller in a bytearray of `Witnessed` rows, one per site, zeroed at first
-// and wherever the expected values change (no tag is 0).
-struct Witnessed {
-  uint64_t tag;
-  PyObject* obj;
-  uint64_t ptr;
-  uint64_t version;
-};
-
 // No data pointer or version to compare: never one a check expects (never recorded in a
 // row; the Python path records -1 for an inference tensor's version, and refuses it).
 constexpr uint64_t kUnreadable = UINT64_MAX;
@@ -305,15 +294,60 @@ inline uint64_t data_ptr_of(c10::TensorImpl* impl, const at::Tensor& t) {
 }
 
 inline uint64_t version_of(c10::TensorImpl* impl) {
-  return impl->is_inference() ? kUnreadable : impl->version_counter().current_version();
+  if (impl->is_inference()) {
+    return kUnreadable;
+  }
+  const c10::VariableVersion& counter = impl->version_counter();
+  return counter.enabled() ? counter.current_version() : kUnreadable;
 }
+
+// The TensorImpl a remembered row reads: the one `obj` (a tensor the row's dict still
+// holds) has now, when it is still `impl`; else nullptr. `torch.utils.swap_tensors`
+// gives the same Python object another TensorImpl (and may free the remembered one), so
+// the remembered pointer is only followed once the object's own is compared with it.
+inline c10::TensorImpl* still_impl(PyObject* obj, c10::TensorImpl* impl) {
+  c10::TensorImpl* now = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+  return now == impl ? impl : nullptr;
+}
+
+// The data pointer as a remembered row compares it: read from the TensorImpl and its
+// storage without the checks `const_data_ptr` makes (the row was filled only where those
+// passed), kUnreadable where it would not be the data pointer (no storage, no elements:
+// the Python path reads 0 there) or cannot be read.
+inline uint64_t raw_ptr(const c10::TensorImpl* impl) {
+  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (storage == nullptr || impl->numel() == 0) {
+    return kUnreadable;
+  }
+  try {
+    return reinterpret_cast<uintptr_t>(storage->data_ptr().get()) +
+           impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
+  } catch (...) {
+    return kUnreadable;
+  }
+}
+
+// What `same_witnesses` remembers of one dict site it passed: the dict's tag then, the
+// tensor the site held and its TensorImpl, its data pointer (as `raw_ptr` reads it) and
+// its version, which were the ones expected. Kept by the caller in a bytearray of
+// `Witnessed` rows, one per site, zeroed at first and wherever the expected values change
+// (no tag is 0).
+struct Witnessed {
+  uint64_t tag;
+  PyObject* obj;
+  c10::TensorImpl* impl;
+  uint64_t ptr;
+  uint64_t version;
+};
 
 // same_witnesses(containers, keys, ids, ptrs, versions: list, cache: bytearray) -> bool:
 // each `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data
 // pointer `ptrs[i]` and version `versions[i]`. A dict site whose dict has not changed
 // since the check last passed it (`Witnessed`) is not looked up, and its expected values
-// are not read: its tensor's pointer and version are compared with the row's. They are
-// read every time: `.data =` and in-place writes change no dict.
+// are not read: its tensor's pointer and version are read from the remembered TensorImpl
+// (the object's own still: `still_impl`) and compared with the row's. They are read every
+// time: `.data =`, `set_()` and in-place writes change no dict, and `.data =` swaps the
+// storage inside the same TensorImpl.
 PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
   PyObject* lists[5] = {};
   PyObject* cache = nullptr;
@@ -331,7 +365,7 @@ PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
   }
   if (!PyByteArray_Check(cache) ||
       PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Witnessed))) {
-    PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 32 bytes per site");
+    PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 40 bytes per site");
     return nullptr;
   }
   auto* rows = reinterpret_cast<Witnessed*>(PyByteArray_AS_STRING(cache));
@@ -340,14 +374,14 @@ PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
     const uint64_t tag = PyDict_Check(holder) ? dict_tag(holder) : 0;
     Witnessed& row = rows[i];
     if (tag != 0 && row.tag == tag) {  // the dict holds row.obj, a tensor, still
-      const at::Tensor& t = THPVariable_Unpack(row.obj);
-      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-      if (data_ptr_of(impl, t) == row.ptr && version_of(impl) == row.version) {
+      c10::TensorImpl* impl = still_impl(row.obj, row.impl);
+      if (impl != nullptr && raw_ptr(impl) == row.ptr && version_of(impl) == row.version) {
         continue;
       }
     }
     // Looked up and compared with the expected values (a row that differs may only be
     // out of date).
+    row.tag = 0;
     PyObject* obj = read_site(holder, PyList_GET_ITEM(lists[1], i));
     const uint64_t want_id = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[2], i));
     const uint64_t want_ptr = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[3], i));
@@ -367,22 +401,60 @@ PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
         version != want_version) {
       Py_RETURN_FALSE;
     }
-    if (tag != 0) {
-      row = Witnessed{tag, obj, ptr, version};
+    const uint64_t raw = raw_ptr(impl);
+    if (tag != 0 && raw != kUnreadable) {
+      row = Witnessed{tag, obj, impl, raw, version};
     }
   }
   Py_RETURN_TRUE;
 }
 
-// same_bindings(containers, keys, ids, ptrs, strides: list) -> list | None: each
-// `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data pointer
-// `ptrs[i]`, and for i < len(strides) with strides `strides[i]` (a tuple). Returns the
-// tensors read, or None when anything differs or cannot be read.
+// What `same_bindings` remembers of one dict site it passed: as `Witnessed`, with the
+// strides it checked (`dim` of them; kNoStrides where the site's strides are not
+// checked). Sites of more than kRowDims dimensions are not remembered.
+constexpr int64_t kRowDims = 4;
+constexpr int64_t kNoStrides = -1;
+
+struct Bound {
+  uint64_t tag;
+  PyObject* obj;
+  c10::TensorImpl* impl;
+  uint64_t ptr;
+  int64_t dim;
+  int64_t strides[kRowDims];
+};
+
+// Whether `impl`'s strides are the row's.
+inline bool same_strides(c10::TensorImpl* impl, const Bound& row) {
+  if (row.dim == kNoStrides) {
+    return true;
+  }
+  const c10::IntArrayRef strides = impl->strides();
+  if (static_cast<int64_t>(strides.size()) != row.dim) {
+    return false;
+  }
+  for (int64_t d = 0; d < row.dim; ++d) {
+    if (strides[d] != row.strides[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// same_bindings(containers, keys, ids, ptrs, strides: list[, cache: bytearray]) -> list |
+// None: each `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data
+// pointer `ptrs[i]`, and for i < len(strides) with strides `strides[i]` (a tuple). Returns
+// the tensors read, or None when anything differs or cannot be read. With `cache` (72
+// zeroed bytes per site at first, kept while the expected values stay), a dict site whose
+// dict has not changed since the check last passed it is not looked up and its expected
+// values are not read (`Bound`): its TensorImpl's pointer and strides are compared with
+// the row's.
 PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
   PyObject* lists[5] = {};
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyList_Type, &lists[0], &PyList_Type,
+  PyObject* cache = Py_None;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!|O", &PyList_Type, &lists[0], &PyList_Type,
                         &lists[1], &PyList_Type, &lists[2], &PyList_Type, &lists[3],
-                        &PyList_Type, &lists[4])) {
+                        &PyList_Type, &lists[4], &cache)) {
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(lists[0]);
@@ -392,17 +464,41 @@ PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_TypeError, "binding lists differ in length");
     return nullptr;
   }
+  Bound* rows = nullptr;
+  if (cache != Py_None) {
+    if (!PyByteArray_Check(cache) ||
+        PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Bound))) {
+      PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 72 bytes per site");
+      return nullptr;
+    }
+    rows = reinterpret_cast<Bound*>(PyByteArray_AS_STRING(cache));
+  }
   PyObject* out = PyList_New(n);
   if (out == nullptr) {
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = still_bound(PyList_GET_ITEM(lists[0], i), PyList_GET_ITEM(lists[1], i),
+    PyObject* holder = PyList_GET_ITEM(lists[0], i);
+    const uint64_t tag = rows != nullptr && PyDict_Check(holder) ? dict_tag(holder) : 0;
+    if (tag != 0 && rows[i].tag == tag) {  // the dict holds rows[i].obj, a tensor, still
+      Bound& row = rows[i];
+      c10::TensorImpl* impl = still_impl(row.obj, row.impl);
+      if (impl != nullptr && raw_ptr(impl) == row.ptr && same_strides(impl, row)) {
+        Py_INCREF(row.obj);
+        PyList_SET_ITEM(out, i, row.obj);
+        continue;
+      }
+    }
+    if (tag != 0) {
+      rows[i].tag = 0;
+    }
+    PyObject* obj = still_bound(holder, PyList_GET_ITEM(lists[1], i),
                                 PyList_GET_ITEM(lists[2], i), PyList_GET_ITEM(lists[3], i));
     bool same = obj != nullptr;
+    c10::IntArrayRef strides;
     if (same && i < n_strided) {
       PyObject* want = PyList_GET_ITEM(lists[4], i);
-      const c10::IntArrayRef strides = THPVariable_Unpack(obj).unsafeGetTensorImpl()->strides();
+      strides = THPVariable_Unpack(obj).unsafeGetTensorImpl()->strides();
       same = PyTuple_Check(want) &&
              PyTuple_GET_SIZE(want) == static_cast<Py_ssize_t>(strides.size());
       for (size_t d = 0; same && d < strides.size(); ++d) {
@@ -417,6 +513,16 @@ PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
     }
     Py_INCREF(obj);
     PyList_SET_ITEM(out, i, obj);
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    const uint64_t raw = tag != 0 ? raw_ptr(impl) : kUnreadable;
+    const int64_t dim = i < n_strided ? static_cast<int64_t>(strides.size()) : kNoStrides;
+    if (raw != kUnreadable && dim <= kRowDims) {
+      Bound& row = rows[i];
+      row = Bound{tag, obj, impl, raw, dim, {}};
+      for (int64_t d = 0; d < dim; ++d) {
+        row.strides[d] = strides[d];
+      }
+    }
   }
   return out;
 }

@@ -95,7 +95,7 @@ class Native(Protocol):
     ) -> bool: ...
     def same_bindings(
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
-        strides: list[tuple[int, ...]], /,
+        strides: list[tuple[int, ...]], cache: bytearray | None = None, /,
     ) -> list[Any] | None: ...
     def same_tree(
         self, modules: list[Any], table_of: list[int], table_names: list[str],
@@ -337,7 +337,7 @@ def _check(module: Any) -> None:
     a.data = a.data.t()  # same storage, new strides: must show
     ok = ok and not module.same_geometry([a, b], geo)
     d = {"w": b}
-    seen = bytearray(32)
+    seen = bytearray(40)
     for _ in range(2):  # the second from what the first found
         ok = ok and module.same_witnesses([d], ["w"], [id(b)], [b.data_ptr()], [b._version], seen)
     b.add_(1)
@@ -349,6 +349,11 @@ def _check(module: Any) -> None:
     got = module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [b.stride()])
     ok = ok and got == [b] and got[0] is b
     ok = ok and module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [(2,)]) is None
+    bound = bytearray(72)
+    for _ in range(2):  # the second from what the first found
+        ok = ok and module.same_bindings(
+            [d], ["w"], [id(b)], [b.data_ptr()], [b.stride()], bound) == [b]
+    ok = ok and _remembered_check(module)
     c = torch.zeros(4)
     tracker = module.tracker_new([b.untyped_storage().data_ptr(), c.untyped_storage().data_ptr()])
     module.tracker_sequence((tracker, [b.untyped_storage().data_ptr()]))
@@ -417,6 +422,35 @@ def _dict_tag_check(module: Any) -> bool:
         return False
     holder.w = new
     return not module.same_items([attrs], ["w"], [old], seen)
+
+
+def _remembered_check(module: Any) -> bool:
+    """What the witness and rebinding checks remember of a site they passed (its dict's
+    tag, its tensor's TensorImpl) does not hide a `.data =` view of the same storage, a
+    `set_()` or a `torch.utils.swap_tensors` that gives the object another TensorImpl."""
+    w = torch.zeros(2, 3)
+    d = {"w": w}
+    expected = ([d], ["w"], [id(w)], [w.data_ptr()])
+    strides, version = [w.stride()], [w._version]
+    bound, seen = bytearray(72), bytearray(40)
+
+    def holds() -> tuple[bool, bool]:
+        return (module.same_bindings(*expected, strides, bound) is not None,
+                module.same_witnesses(*expected, version, seen))
+
+    ok = holds() == holds() == (True, True)
+    keep = w.data
+    w.data = keep.t()  # same pointer and version: the bindings' strides show it
+    ok = ok and holds() == (False, True)
+    w.data = keep
+    ok = ok and holds() == (True, True)
+    other = torch.ones(2, 3)
+    torch.utils.swap_tensors(w, other)  # same object and dict, another TensorImpl
+    ok = ok and holds() == (False, False)
+    torch.utils.swap_tensors(w, other)
+    ok = ok and holds() == (True, True)
+    w.set_(torch.zeros(2, 3))  # another storage, and a version bump
+    return ok and holds() == (False, False)
 
 
 def _taint_check(module: Any, weight: torch.Tensor) -> bool:

@@ -550,17 +550,31 @@ PyObject* referent(PyObject* ref) {
 #endif
 }
 
-// same_tree(modules, table_of, table_names, table_ids, holders, names, ids, sizes: list)
-// -> bool: graphsafe/_runtime/bind/model_map.py's ModelMap.holds, its pass over the
-// modules. Every weakly held module of `modules` is alive; table j is
+// What `same_tree` remembers of one dict it passed (a module's `__dict__`, or one of its
+// tables): the dict's tag then, the dict, and for a table the index of its module. While a
+// module's dict keeps its tag it holds the same tables; while a dict keeps its tag its
+// size and entries are the ones checked, so neither is read again.
+struct Tree {
+  uint64_t tag;
+  PyObject* dict;
+  int64_t of;
+};
+
+// same_tree(modules, table_of, table_names, table_ids, holders, names, ids, sizes: list
+// [, cache: bytearray]) -> bool: graphsafe/_runtime/bind/model_map.py's ModelMap.holds,
+// its pass over the modules. Every weakly held module of `modules` is alive; table j is
 // `modules[table_of[j]].__dict__[table_names[j]]`, a dict of id `table_ids[j]`; with `at`
 // the modules' dicts then the tables, `at[holders[i]].get(names[i])` is of id `ids[i]`;
-// `sizes` are the lengths of the dicts, then of the tables.
+// `sizes` are the lengths of the dicts, then of the tables. With `cache` (24 zeroed bytes
+// per dict and table at first, kept while the lists stay), a dict whose tag has not moved
+// since the check last passed (`Tree`) is not looked into again.
 PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
   PyObject* l[8] = {};
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!", &PyList_Type, &l[0], &PyList_Type, &l[1],
-                        &PyList_Type, &l[2], &PyList_Type, &l[3], &PyList_Type, &l[4],
-                        &PyList_Type, &l[5], &PyList_Type, &l[6], &PyList_Type, &l[7])) {
+  PyObject* cache = Py_None;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!|O", &PyList_Type, &l[0], &PyList_Type,
+                        &l[1], &PyList_Type, &l[2], &PyList_Type, &l[3], &PyList_Type, &l[4],
+                        &PyList_Type, &l[5], &PyList_Type, &l[6], &PyList_Type, &l[7],
+                        &cache)) {
     return nullptr;
   }
   const Py_ssize_t n_mod = PyList_GET_SIZE(l[0]);
@@ -572,8 +586,25 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_TypeError, "tree lists differ in length");
     return nullptr;
   }
+  Tree* rows = nullptr;
+  if (cache != Py_None) {
+    if (!PyByteArray_Check(cache) ||
+        PyByteArray_GET_SIZE(cache) != (n_mod + n_tab) * static_cast<Py_ssize_t>(sizeof(Tree))) {
+      PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 24 bytes per dict");
+      return nullptr;
+    }
+    rows = reinterpret_cast<Tree*>(PyByteArray_AS_STRING(cache));
+  }
   std::vector<PyObject*> at;  // the dicts (owned), then the tables (borrowed from them)
   at.reserve(static_cast<size_t>(n_mod + n_tab));
+  std::vector<char> fresh(static_cast<size_t>(n_mod + n_tab), 0);  // as remembered
+  auto remembered = [rows](Py_ssize_t i, PyObject* dict) {
+    if (rows == nullptr) {
+      return false;
+    }
+    const uint64_t tag = dict_tag(dict);
+    return tag != 0 && rows[i].tag == tag && rows[i].dict == dict;
+  };
   auto size_is = [&l](Py_ssize_t i, Py_ssize_t size) {
     return PyLong_AsSsize_t(PyList_GET_ITEM(l[7], i)) == size;
   };
@@ -587,9 +618,21 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
       break;
     }
     at.push_back(dict);
-    same = PyDict_CheckExact(dict) && size_is(i, PyDict_GET_SIZE(dict));
+    fresh[i] = PyDict_CheckExact(dict) && remembered(i, dict);
+    same = fresh[i] || (PyDict_CheckExact(dict) && size_is(i, PyDict_GET_SIZE(dict)));
   }
   for (Py_ssize_t j = 0; same && j < n_tab; ++j) {
+    const Py_ssize_t row = n_mod + j;
+    if (rows != nullptr && rows[row].tag != 0 && rows[row].of >= 0 && rows[row].of < n_mod &&
+        fresh[rows[row].of]) {
+      // Its module's dict is as remembered: it holds the same table still.
+      PyObject* table = rows[row].dict;
+      at.push_back(table);
+      fresh[row] = remembered(row, table);
+      if (fresh[row]) {
+        continue;
+      }
+    }
     const Py_ssize_t of = PyLong_AsSsize_t(PyList_GET_ITEM(l[1], j));
     PyObject* table = of >= 0 && of < n_mod
                           ? PyDict_GetItemWithError(at[of], PyList_GET_ITEM(l[2], j))
@@ -597,8 +640,12 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     same = table != nullptr && PyDict_Check(table) &&
            PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[3], j)) ==
                reinterpret_cast<uintptr_t>(table) &&
-           size_is(n_mod + j, PyDict_GET_SIZE(table));
-    at.push_back(table);
+           size_is(row, PyDict_GET_SIZE(table));
+    if (static_cast<Py_ssize_t>(at.size()) == row + 1) {
+      at[row] = table;
+    } else {
+      at.push_back(table);
+    }
   }
   const Py_ssize_t n_at = static_cast<Py_ssize_t>(at.size());
   for (Py_ssize_t k = 0; same && k < n_ent; ++k) {
@@ -606,6 +653,9 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     if (h < 0 || h >= n_at) {
       same = false;
       break;
+    }
+    if (fresh[h]) {
+      continue;
     }
     PyObject* value = PyDict_GetItemWithError(at[h], PyList_GET_ITEM(l[5], k));
     if (value == nullptr) {
@@ -615,12 +665,29 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     same = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[6], k)) ==
            reinterpret_cast<uintptr_t>(value);
   }
-  for (Py_ssize_t i = 0; i < n_mod && i < n_at; ++i) {
-    Py_DECREF(at[i]);
-  }
   if (PyErr_Occurred()) {
     PyErr_Clear();
     same = false;
+  }
+  if (rows != nullptr) {  // what passed is remembered; anything else is looked at again
+    for (Py_ssize_t i = 0; i < n_mod + n_tab; ++i) {
+      if (!same || i >= n_at) {
+        rows[i] = Tree{0, nullptr, 0};
+        continue;
+      }
+      const int64_t of =
+          i < n_mod ? 0 : (fresh[i] ? rows[i].of : PyLong_AsSsize_t(PyList_GET_ITEM(l[1], i - n_mod)));
+      rows[i] = Tree{dict_tag(at[i]), at[i], of};
+    }
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      for (Py_ssize_t i = 0; i < n_mod + n_tab; ++i) {
+        rows[i] = Tree{0, nullptr, 0};
+      }
+    }
+  }
+  for (Py_ssize_t i = 0; i < n_mod && i < n_at; ++i) {
+    Py_DECREF(at[i]);
   }
   return PyBool_FromLong(same);
 }

@@ -188,6 +188,44 @@ def test_both_paths_give_the_known_verdict(name: str, layer: int, primed: bool) 
         assert ledgers[0].verify(), name
 
 
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_both_paths_take_the_same_witnesses_after_each_change(name: str) -> None:
+    """A refresh takes the witnesses of what it refreshed anew (`record`): the compiled
+    taking writes the same identity, pointer, version, storage key and epoch as the
+    Python one, whatever the change before it."""
+    model = Model()
+    witnesses = _both(lambda: Witnesses(_witness_sites(model), JOURNAL))
+    MUTATIONS[name][0](model, 1)
+    for w in witnesses:
+        w.record(range(len(w)))
+    native, python = witnesses
+    assert isinstance(native, Witnesses) and isinstance(python, Witnesses)
+    taken = [(w._ids, w._ptrs, w._versions, w._skeys, w._epochs) for w in (native, python)]
+    assert taken[0] == taken[1], name
+    assert native.unchanged() and python.unchanged(), name
+
+
+def test_control_the_compiled_taking_reads_the_tensors_anew() -> None:
+    """Control for the test above: what the compiled taking writes follows the tensors
+    (a pointer and a version that moved are taken as they are now), and sites it cannot
+    read (a non-dict holder) are left to the Python path."""
+    with _native.using(True):
+        native = _native.get()
+    assert native is not None
+    model = Model()
+    w = Witnesses(_witness_sites(model), JOURNAL)
+    before = (list(w._ptrs), list(w._versions))
+    _rebind(0, torch.randn_like)(model, 0)
+    _inplace(model, 1)
+    assert not w.unchanged()
+    w.record([0, 1])
+    assert w._ptrs[0] != before[0][0] and w._versions[1] != before[1][1]
+    assert w.unchanged()
+    holders, keys = [object(), model.layers[0]._parameters], ["w", "w"]
+    got = native.take_witnesses(holders, keys, [0, 1], [0, 0], [0, 0], [0, 0], [0, 0])
+    assert got == [0]
+
+
 def test_a_declared_write_shows_in_both_paths() -> None:
     """A write graphsafe is told about (`gs.mark_written`) moves the journal epoch."""
     model = Model()

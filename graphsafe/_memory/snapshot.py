@@ -255,7 +255,12 @@ class Witnesses(Sites):
         self.journal.sync()  # writes seen before this refresh are in the epochs it records
         holders, keys, plain = self.holders, self.keys, self.plain
         ids, ptrs, versions, skeys = self._ids, self._ptrs, self._versions, self._skeys
-        for i in indices:
+        indices = list(indices)
+        rest: Sequence[int] = indices
+        if self._native is not None and plain:  # the dict sites holding tensors, compiled
+            rest = self._native.take_witnesses(holders, keys, indices, ids, ptrs, versions,
+                                               skeys)
+        for i in rest:
             t = holders[i].get(keys[i]) if plain else self.read_one(i)
             if isinstance(t, torch.Tensor):
                 ptr = _ptr(t)

@@ -409,6 +409,104 @@ PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
+// Sets `list[i]` to `value` (an unsigned integer); false with an error set if no int
+// could be made.
+inline bool set_uint(PyObject* list, Py_ssize_t i, uint64_t value) {
+  PyObject* number = PyLong_FromUnsignedLongLong(value);
+  if (number == nullptr) {
+    return false;
+  }
+  PyList_SetItem(list, i, number);  // steals the reference
+  return true;
+}
+
+// take_witnesses(holders, keys, indices, ids, ptrs, versions, storage_keys: list) -> list:
+// graphsafe/_memory/snapshot.py's Witnesses._take for the sites of `indices` whose holder
+// is a dict holding a tensor it can read (data pointer, version, and its storage's key
+// where the tensor or its pointer changed): their expected values are written into the
+// lists. Returns the indices it left to the Python path (anything else, or unreadable).
+PyObject* take_witnesses(PyObject* /*self*/, PyObject* args) {
+  PyObject* l[7] = {};
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!", &PyList_Type, &l[0], &PyList_Type, &l[1],
+                        &PyList_Type, &l[2], &PyList_Type, &l[3], &PyList_Type, &l[4],
+                        &PyList_Type, &l[5], &PyList_Type, &l[6])) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(l[0]);
+  for (int k : {1, 3, 4, 5, 6}) {
+    if (PyList_GET_SIZE(l[k]) != n) {
+      PyErr_SetString(PyExc_TypeError, "witness lists differ in length");
+      return nullptr;
+    }
+  }
+  PyObject* left = PyList_New(0);
+  if (left == nullptr) {
+    return nullptr;
+  }
+  const Py_ssize_t count = PyList_GET_SIZE(l[2]);
+  for (Py_ssize_t j = 0; j < count; ++j) {
+    PyObject* index = PyList_GET_ITEM(l[2], j);
+    const Py_ssize_t i = PyLong_AsSsize_t(index);
+    if (i < 0 || i >= n) {
+      if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_IndexError, "witness index out of range");
+      }
+      Py_DECREF(left);
+      return nullptr;
+    }
+    PyObject* holder = PyList_GET_ITEM(l[0], i);
+    PyObject* obj = nullptr;
+    if (PyDict_CheckExact(holder)) {
+      obj = PyDict_GetItemWithError(holder, PyList_GET_ITEM(l[1], i));
+      PyErr_Clear();
+    }
+    uint64_t ptr = kUnreadable;
+    uint64_t version = kUnreadable;
+    uint64_t key = kUnreadable;
+    if (obj != nullptr && is_tensor(obj)) {
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      ptr = data_ptr_of(impl, t);
+      version = version_of(impl);
+      const bool same = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[3], i)) ==
+                            reinterpret_cast<uintptr_t>(obj) &&
+                        PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[4], i)) == ptr;
+      PyErr_Clear();
+      if (same) {  // a storage key changes only with the tensor or its pointer
+        key = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[6], i));
+        if (PyErr_Occurred()) {
+          PyErr_Clear();
+          key = kUnreadable;
+        }
+      } else if (ptr != kUnreadable) {
+        const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+        try {
+          if (storage != nullptr) {
+            key = storage->nbytes() == 0
+                      ? 0
+                      : reinterpret_cast<uintptr_t>(storage->data_ptr().get());
+          }
+        } catch (...) {
+          key = kUnreadable;
+        }
+      }
+    }
+    if (ptr == kUnreadable || version == kUnreadable || key == kUnreadable) {
+      if (PyList_Append(left, index) != 0) {
+        Py_DECREF(left);
+        return nullptr;
+      }
+      continue;
+    }
+    if (!set_uint(l[3], i, reinterpret_cast<uintptr_t>(obj)) || !set_uint(l[4], i, ptr) ||
+        !set_uint(l[5], i, version) || !set_uint(l[6], i, key)) {
+      Py_DECREF(left);
+      return nullptr;
+    }
+  }
+  return left;
+}
+
 // What `same_bindings` remembers of one dict site it passed: as `Witnessed`, with the
 // strides it checked (`dim` of them; kNoStrides where the site's strides are not
 // checked). Sites of more than kRowDims dimensions are not remembered.
@@ -697,6 +795,7 @@ PyMethodDef methods[] = {
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
     {"same_items", same_items, METH_VARARGS, "Whether holders[i][keys[i]] is objects[i]."},
     {"same_witnesses", same_witnesses, METH_VARARGS, "Whether the witnessed tensors hold."},
+    {"take_witnesses", take_witnesses, METH_VARARGS, "Take the witnesses of dict sites."},
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {nullptr, nullptr, 0, nullptr},

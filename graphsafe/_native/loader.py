@@ -93,6 +93,10 @@ class Native(Protocol):
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
         versions: list[int], cache: bytearray, /,
     ) -> bool: ...
+    def take_witnesses(
+        self, holders: list[Any], keys: list[Any], indices: list[int], ids: list[int],
+        ptrs: list[int], versions: list[int], storage_keys: list[int], /,
+    ) -> list[int]: ...
     def same_bindings(
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
         strides: list[tuple[int, ...]], cache: bytearray | None = None, /,
@@ -354,6 +358,14 @@ def _check(module: Any) -> None:
         ok = ok and module.same_bindings(
             [d], ["w"], [id(b)], [b.data_ptr()], [b.stride()], bound) == [b]
     ok = ok and _remembered_check(module)
+    lists: list[list[int]] = [[0], [0], [0], [0]]
+    ok = ok and module.take_witnesses([d, {}], ["w", "w"], [0, 1], *(x + [0] for x in lists)
+                                      ) == [1]  # site 1 holds nothing: the Python path's
+    ok = ok and [x[0] for x in lists] == [0, 0, 0, 0]  # copies were written, not these
+    ids, ptrs, versions, keys = [0], [0], [0], [0]
+    ok = ok and module.take_witnesses([d], ["w"], [0], ids, ptrs, versions, keys) == []
+    ok = ok and (ids, ptrs, versions, keys) == (
+        [id(b)], [b.data_ptr()], [b._version], [b.untyped_storage().data_ptr()])
     c = torch.zeros(4)
     tracker = module.tracker_new([b.untyped_storage().data_ptr(), c.untyped_storage().data_ptr()])
     module.tracker_sequence((tracker, [b.untyped_storage().data_ptr()]))

@@ -8,8 +8,9 @@ all at once; `Identities` (identity, pointer, stride: the every-load rebinding c
 they read with what they recorded. The
 compiled checks (`graphsafe native build`) read every kind of site in C++ as `read_site`
 does in Python, and compare there; a dict site whose dict has not changed since their last
-passing look (its version tag) is not looked up again, but its tensor's pointer and
-version are read every time.
+passing look (its version tag) is not looked up again, and its tensor's pointer, version
+and strides are read from the TensorImpl remembered with it (once the object's own is found
+to be that one), every time.
 """
 
 from __future__ import annotations

@@ -445,6 +445,7 @@ def _remembered_check(module: Any) -> bool:
     expected = ([d], ["w"], [id(w)], [w.data_ptr()])
     strides, version = [w.stride()], [w._version]
     bound, seen = bytearray(72), bytearray(40)
+    swap = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)
 
     def holds() -> tuple[bool, bool]:
         return (module.same_bindings(*expected, strides, bound) is not None,
@@ -457,11 +458,11 @@ def _remembered_check(module: Any) -> bool:
     w.data = keep
     ok = ok and holds() == (True, True)
     other = torch.ones(2, 3)
-    torch.utils.swap_tensors(w, other)  # same object and dict, another TensorImpl
+    swap(w, other)  # same object and dict, another TensorImpl
     ok = ok and holds() == (False, False)
-    torch.utils.swap_tensors(w, other)
+    swap(w, other)
     ok = ok and holds() == (True, True)
-    w.set_(torch.zeros(2, 3))  # another storage, and a version bump
+    w.set_(torch.zeros(6).untyped_storage(), 0, (2, 3), (3, 1))  # another storage
     return ok and holds() == (False, False)
 
 

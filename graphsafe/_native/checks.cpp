@@ -1,9 +1,10 @@
 // The guard's flat checks in C++: the same comparisons as the Python path in
 // graphsafe/_memory/ledger.py (geometry, same_geometry, same_items) and
-// graphsafe/_memory/snapshot.py (same_witnesses, same_bindings) and the module pass of
+// graphsafe/_memory/snapshot.py (same_bindings) and the module pass of
 // graphsafe/_runtime/bind/model_map.py (same_tree), without a Python call
-// per field. This file also creates the module; tracker.cpp adds the write tracker's
-// functions to it, fingerprint.cpp gs.fingerprint's kernel.
+// per field. This file also creates the module; witnesses.cpp adds the witnesses' check
+// and taking to it, tracker.cpp the write tracker's functions, fingerprint.cpp
+// gs.fingerprint's kernel.
 //
 // Every function answers True only when it is sure nothing changed; anything it cannot
 // read (a site that holds no tensor, a tensor without storage, an inference tensor's
@@ -19,32 +20,13 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "sites.h"
 #include "tracker.h"
 
 namespace {
 
-// A real tensor object (torch.Tensor or a subclass), without `isinstance`'s
-// `__instancecheck__` lookups: only such an object can be unpacked.
-inline bool is_tensor(PyObject* obj) {
-  return THPVariableClass != nullptr &&
-         PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
-}
+using namespace graphsafe_native;
 
-// A dict's version tag (PEP 509): every change of its items gives it a new one, unique in
-// the process, so an equal tag means the dict holds what it held when the tag was read.
-// Read up to 3.12, where every change of a dict's items goes through code that moves it;
-// 3.13 stores an object's attributes into values its materialized `__dict__` shares, and
-// 3.14 has no tag. 0 there: no remembered tag is 0, so every site is looked up.
-#if PY_VERSION_HEX < 0x030D0000
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-inline uint64_t dict_tag(PyObject* dict) {
-  return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag;
-}
-#pragma GCC diagnostic pop
-#else
-inline uint64_t dict_tag(PyObject* /*dict*/) { return 0; }
-#endif
 
 // What a check remembers of one dict site it passed: the dict's tag then, and the object
 // the site held. While the tag is unchanged the site still holds that object (and the dict
@@ -215,37 +197,6 @@ PyObject* same_items(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
-// What a snapshot site holds, borrowed, as graphsafe/_memory/snapshot.py's read_site
-// reads it: a dict's item, a closure cell's contents, or (key a one-item tuple, `Slot`)
-// the attribute of that name, which the holder keeps alive. nullptr, no error set, when
-// the site holds nothing.
-PyObject* read_site(PyObject* holder, PyObject* key) {
-  if (PyDict_Check(holder)) {
-    PyObject* value = PyDict_GetItemWithError(holder, key);
-    if (value == nullptr) {
-      PyErr_Clear();
-    }
-    return value;
-  }
-  if (PyCell_Check(holder)) {
-    return PyCell_GET(holder);
-  }
-  if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 1 ||
-      !PyUnicode_Check(PyTuple_GET_ITEM(key, 0))) {
-    return nullptr;
-  }
-  PyObject* value = PyObject_GetAttr(holder, PyTuple_GET_ITEM(key, 0));
-  if (value == nullptr) {
-    PyErr_Clear();
-    return nullptr;
-  }
-  // A slot keeps its object alive; an attribute computed on access does not, and holds
-  // nothing a graph could have read by address.
-  const bool kept = Py_REFCNT(value) > 1;
-  Py_DECREF(value);
-  return kept ? value : nullptr;
-}
-
 // What `container` holds under `key` when it is still the object of id `want_id`, a
 // strided tensor with storage at data pointer `want_ptr`; else nullptr. Leaves no error
 // set.
@@ -275,236 +226,6 @@ PyObject* still_bound(PyObject* container, PyObject* key, PyObject* want_id,
     return nullptr;
   }
   return ptr == want ? obj : nullptr;
-}
-
-// No data pointer or version to compare: never one a check expects (never recorded in a
-// row; the Python path records -1 for an inference tensor's version, and refuses it).
-constexpr uint64_t kUnreadable = UINT64_MAX;
-
-// A strided tensor's data pointer (0 for no bytes), and its version.
-inline uint64_t data_ptr_of(c10::TensorImpl* impl, const at::Tensor& t) {
-  if (!impl->has_storage() || impl->layout() != c10::kStrided) {
-    return kUnreadable;
-  }
-  try {
-    return reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  } catch (...) {
-    return kUnreadable;
-  }
-}
-
-inline uint64_t version_of(c10::TensorImpl* impl) {
-  if (impl->is_inference()) {
-    return kUnreadable;
-  }
-  const c10::VariableVersion& counter = impl->version_counter();
-  return counter.enabled() ? counter.current_version() : kUnreadable;
-}
-
-// The TensorImpl a remembered row reads: the one `obj` (a tensor the row's dict still
-// holds) has now, when it is still `impl`; else nullptr. `torch.utils.swap_tensors`
-// gives the same Python object another TensorImpl (and may free the remembered one), so
-// the remembered pointer is only followed once the object's own is compared with it.
-inline c10::TensorImpl* still_impl(PyObject* obj, c10::TensorImpl* impl) {
-  c10::TensorImpl* now = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-  return now == impl ? impl : nullptr;
-}
-
-// The data pointer as a remembered row compares it: read from the TensorImpl and its
-// storage without the checks `const_data_ptr` makes (the row was filled only where those
-// passed), kUnreadable where it would not be the data pointer (no storage, no elements:
-// the Python path reads 0 there) or cannot be read.
-inline uint64_t raw_ptr(const c10::TensorImpl* impl) {
-  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-  if (storage == nullptr || impl->numel() == 0) {
-    return kUnreadable;
-  }
-  try {
-    return reinterpret_cast<uintptr_t>(storage->data_ptr().get()) +
-           impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
-  } catch (...) {
-    return kUnreadable;
-  }
-}
-
-// What `same_witnesses` remembers of one dict site it passed: the dict's tag then, the
-// tensor the site held and its TensorImpl, its data pointer (as `raw_ptr` reads it) and
-// its version, which were the ones expected. Kept by the caller in a bytearray of
-// `Witnessed` rows, one per site, zeroed at first and wherever the expected values change
-// (no tag is 0).
-struct Witnessed {
-  uint64_t tag;
-  PyObject* obj;
-  c10::TensorImpl* impl;
-  uint64_t ptr;
-  uint64_t version;
-};
-
-// same_witnesses(containers, keys, ids, ptrs, versions: list, cache: bytearray) -> bool:
-// each `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data
-// pointer `ptrs[i]` and version `versions[i]`. A dict site whose dict has not changed
-// since the check last passed it (`Witnessed`) is not looked up, and its expected values
-// are not read: its tensor's pointer and version are read from the remembered TensorImpl
-// (the object's own still: `still_impl`) and compared with the row's. They are read every
-// time: `.data =`, `set_()` and in-place writes change no dict, and `.data =` swaps the
-// storage inside the same TensorImpl.
-PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
-  PyObject* lists[5] = {};
-  PyObject* cache = nullptr;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O", &PyList_Type, &lists[0], &PyList_Type,
-                        &lists[1], &PyList_Type, &lists[2], &PyList_Type, &lists[3],
-                        &PyList_Type, &lists[4], &cache)) {
-    return nullptr;
-  }
-  const Py_ssize_t n = PyList_GET_SIZE(lists[0]);
-  for (PyObject* list : lists) {
-    if (PyList_GET_SIZE(list) != n) {
-      PyErr_SetString(PyExc_TypeError, "witness lists differ in length");
-      return nullptr;
-    }
-  }
-  if (!PyByteArray_Check(cache) ||
-      PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Witnessed))) {
-    PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 40 bytes per site");
-    return nullptr;
-  }
-  auto* rows = reinterpret_cast<Witnessed*>(PyByteArray_AS_STRING(cache));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* holder = PyList_GET_ITEM(lists[0], i);
-    const uint64_t tag = PyDict_Check(holder) ? dict_tag(holder) : 0;
-    Witnessed& row = rows[i];
-    if (tag != 0 && row.tag == tag) {  // the dict holds row.obj, a tensor, still
-      c10::TensorImpl* impl = still_impl(row.obj, row.impl);
-      if (impl != nullptr && raw_ptr(impl) == row.ptr && version_of(impl) == row.version) {
-        continue;
-      }
-    }
-    // Looked up and compared with the expected values (a row that differs may only be
-    // out of date).
-    row.tag = 0;
-    PyObject* obj = read_site(holder, PyList_GET_ITEM(lists[1], i));
-    const uint64_t want_id = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[2], i));
-    const uint64_t want_ptr = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[3], i));
-    const uint64_t want_version = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[4], i));
-    if (PyErr_Occurred()) {
-      PyErr_Clear();
-      Py_RETURN_FALSE;
-    }
-    if (obj == nullptr || reinterpret_cast<uintptr_t>(obj) != want_id || !is_tensor(obj)) {
-      Py_RETURN_FALSE;
-    }
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    const uint64_t ptr = data_ptr_of(impl, t);
-    const uint64_t version = version_of(impl);
-    if (ptr == kUnreadable || ptr != want_ptr || version == kUnreadable ||
-        version != want_version) {
-      Py_RETURN_FALSE;
-    }
-    const uint64_t raw = raw_ptr(impl);
-    if (tag != 0 && raw != kUnreadable) {
-      row = Witnessed{tag, obj, impl, raw, version};
-    }
-  }
-  Py_RETURN_TRUE;
-}
-
-// Sets `list[i]` to `value` (an unsigned integer); false with an error set if no int
-// could be made.
-inline bool set_uint(PyObject* list, Py_ssize_t i, uint64_t value) {
-  PyObject* number = PyLong_FromUnsignedLongLong(value);
-  if (number == nullptr) {
-    return false;
-  }
-  PyList_SetItem(list, i, number);  // steals the reference
-  return true;
-}
-
-// take_witnesses(holders, keys, indices, ids, ptrs, versions, storage_keys: list) -> list:
-// graphsafe/_memory/snapshot.py's Witnesses._take for the sites of `indices` whose holder
-// is a dict holding a tensor it can read (data pointer, version, and its storage's key
-// where the tensor or its pointer changed): their expected values are written into the
-// lists. Returns the indices it left to the Python path (anything else, or unreadable).
-PyObject* take_witnesses(PyObject* /*self*/, PyObject* args) {
-  PyObject* l[7] = {};
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!", &PyList_Type, &l[0], &PyList_Type, &l[1],
-                        &PyList_Type, &l[2], &PyList_Type, &l[3], &PyList_Type, &l[4],
-                        &PyList_Type, &l[5], &PyList_Type, &l[6])) {
-    return nullptr;
-  }
-  const Py_ssize_t n = PyList_GET_SIZE(l[0]);
-  for (int k : {1, 3, 4, 5, 6}) {
-    if (PyList_GET_SIZE(l[k]) != n) {
-      PyErr_SetString(PyExc_TypeError, "witness lists differ in length");
-      return nullptr;
-    }
-  }
-  PyObject* left = PyList_New(0);
-  if (left == nullptr) {
-    return nullptr;
-  }
-  const Py_ssize_t count = PyList_GET_SIZE(l[2]);
-  for (Py_ssize_t j = 0; j < count; ++j) {
-    PyObject* index = PyList_GET_ITEM(l[2], j);
-    const Py_ssize_t i = PyLong_AsSsize_t(index);
-    if (i < 0 || i >= n) {
-      if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_IndexError, "witness index out of range");
-      }
-      Py_DECREF(left);
-      return nullptr;
-    }
-    PyObject* holder = PyList_GET_ITEM(l[0], i);
-    PyObject* obj = nullptr;
-    if (PyDict_CheckExact(holder)) {
-      obj = PyDict_GetItemWithError(holder, PyList_GET_ITEM(l[1], i));
-      PyErr_Clear();
-    }
-    uint64_t ptr = kUnreadable;
-    uint64_t version = kUnreadable;
-    uint64_t key = kUnreadable;
-    if (obj != nullptr && is_tensor(obj)) {
-      const at::Tensor& t = THPVariable_Unpack(obj);
-      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-      ptr = data_ptr_of(impl, t);
-      version = version_of(impl);
-      const bool same = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[3], i)) ==
-                            reinterpret_cast<uintptr_t>(obj) &&
-                        PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[4], i)) == ptr;
-      PyErr_Clear();
-      if (same) {  // a storage key changes only with the tensor or its pointer
-        key = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[6], i));
-        if (PyErr_Occurred()) {
-          PyErr_Clear();
-          key = kUnreadable;
-        }
-      } else if (ptr != kUnreadable) {
-        const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-        try {
-          if (storage != nullptr) {
-            key = storage->nbytes() == 0
-                      ? 0
-                      : reinterpret_cast<uintptr_t>(storage->data_ptr().get());
-          }
-        } catch (...) {
-          key = kUnreadable;
-        }
-      }
-    }
-    if (ptr == kUnreadable || version == kUnreadable || key == kUnreadable) {
-      if (PyList_Append(left, index) != 0) {
-        Py_DECREF(left);
-        return nullptr;
-      }
-      continue;
-    }
-    if (!set_uint(l[3], i, reinterpret_cast<uintptr_t>(obj)) || !set_uint(l[4], i, ptr) ||
-        !set_uint(l[5], i, version) || !set_uint(l[6], i, key)) {
-      Py_DECREF(left);
-      return nullptr;
-    }
-  }
-  return left;
 }
 
 // What `same_bindings` remembers of one dict site it passed: as `Witnessed`, with the
@@ -794,8 +515,6 @@ PyMethodDef methods[] = {
     {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
     {"same_items", same_items, METH_VARARGS, "Whether holders[i][keys[i]] is objects[i]."},
-    {"same_witnesses", same_witnesses, METH_VARARGS, "Whether the witnessed tensors hold."},
-    {"take_witnesses", take_witnesses, METH_VARARGS, "Take the witnesses of dict sites."},
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {nullptr, nullptr, 0, nullptr},
@@ -813,6 +532,7 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, GRAPHSAFE_NATIVE_NAME, nullptr, -1,
 extern "C" PyMODINIT_FUNC GRAPHSAFE_CAT(PyInit_, GRAPHSAFE_NATIVE_ID)(void) {
   PyObject* m = PyModule_Create(&module);
   if (m != nullptr && (PyModule_AddFunctions(m, graphsafe_native::tracker_methods) != 0 ||
+                       PyModule_AddFunctions(m, graphsafe_native::witness_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::fingerprint_methods) != 0)) {
     Py_DECREF(m);
     return nullptr;

@@ -594,9 +594,11 @@ def _guard_only(model: nn.Module | None) -> gs.Graph:
 
     Its replay is everything `Graph.replay()` does before the backend replays (state
     check, the model's lock, ledger check, freshness check) plus the replay of nothing:
-    the guard measured directly, with a conservative few microseconds on top. The guard
-    does not depend on the body: capture pins and snapshots the whole model either way.
-    The CPU backend on every device: the guard is the same whatever the backend.
+    the guard measured directly, with a conservative few microseconds on top. The
+    freshness check does not depend on the body (it checks every derived buffer and its
+    inputs); the ledger holds only what the capture read, nothing for an empty body (5b
+    times the ledger per pinned tensor). The CPU backend on every device: the guard is
+    the same whatever the backend.
     """
     graph = gs.Graph(backend="cpu", guard=model)
     with graph.capture():

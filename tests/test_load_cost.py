@@ -91,6 +91,17 @@ def _swap(m: Stack) -> None:
     m.layers[1] = copy.deepcopy(m.layers[1])
 
 
+def _set(m: Stack) -> None:
+    with torch.no_grad():
+        m.layers[1].w.set_(torch.randn(4, 6))
+
+
+def _swap_tensors(m: Stack) -> None:
+    # The same object in the same dict, with another TensorImpl (the other one is dropped:
+    # what the compiled rows remembered of the first may be freed).
+    torch.utils.swap_tensors(m.layers[1].w, nn.Parameter(torch.randn(4, 6)))
+
+
 def _inplace(m: Stack) -> None:
     with torch.no_grad():
         m.layers[1].w.mul_(2)
@@ -115,7 +126,17 @@ CHANGES: dict[str, tuple[Callable[[Stack], None], bool]] = {
     "a list grown": (_list_grown, False),
     "a new _parameters dict": (_new_dict, False),
     "a submodule swapped": (_swap, False),
+    "set_() to new storage": (_set, False),
+    "swap_tensors with another tensor": (_swap_tensors, False),
 }
+
+# The changes of CHANGES that leave every dict as it was: the compiled check's rows (a
+# dict's version tag, the tensor's TensorImpl) must read the tensor to see them.
+NO_DICT_CHANGES = [
+    "a transposed view of the same storage", "rebound to new storage",
+    "an offset view of the same storage", "emptied", "set_() to new storage",
+    "swap_tensors with another tensor",
+]
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
@@ -130,9 +151,33 @@ def test_the_walk_check_gives_the_known_verdict_on_both_paths(
     with _native.using(compiled):
         found = ModelMap(model)
     assert (found._native is not None) is compiled
-    assert found.holds()
+    for _ in range(2):  # the second from what the compiled check remembers of the first
+        assert found.holds()
     change(model)
     assert found.holds() is holds, name
+
+
+@pytest.mark.parametrize("name", NO_DICT_CHANGES)
+def test_control_the_dicts_alone_do_not_see_the_changes_the_rows_must_read(
+    name: str, native: _native.Native
+) -> None:
+    """Control for the verdicts above: after each of these changes every dict the walk
+    reads holds the objects it held (the identity check through the dicts' tags passes
+    them), so the compiled rebinding check sees them only by reading each remembered
+    tensor's pointer and strides from its TensorImpl, and that it does."""
+    model = Stack()
+    sites = [(layer._parameters, "w") for layer in model.layers]
+    holders, keys = [h for h, _ in sites], [k for _, k in sites]
+    objects = [h[k] for h, k in sites]
+    looked = bytearray(16 * len(sites))
+    with _native.using(True):
+        found = ModelMap(model)
+    for _ in range(2):
+        assert native.same_items(holders, keys, objects, looked)
+        assert found.holds()
+    CHANGES[name][0](model)
+    assert native.same_items(holders, keys, objects, looked), name
+    assert not found._identities.unchanged(), name
 
 
 def test_the_compiled_walk_check_answers_alone_when_nothing_changed(

@@ -111,6 +111,17 @@ def _buffer_rebind(m: Model, i: int) -> None:
     m.layers[i].b.data = torch.randn(6)
 
 
+def _set(m: Model, i: int) -> None:
+    with torch.no_grad():
+        m.layers[i].w.set_(torch.randn(4, 6))
+
+
+def _swap_tensors(m: Model, i: int) -> None:
+    # The same object in the same dict, with another TensorImpl; the other tensor is
+    # dropped, and with it, maybe, the TensorImpl the compiled check remembered.
+    torch.utils.swap_tensors(m.layers[i].w, nn.Parameter(torch.randn(4, 6)))
+
+
 # (mutation, the ledger still holds, the witnesses of w and b still hold)
 MUTATIONS: dict[str, tuple[Mutation, bool, bool]] = {
     "nothing": (lambda m, i: None, True, True),
@@ -124,6 +135,8 @@ MUTATIONS: dict[str, tuple[Mutation, bool, bool]] = {
     "same bytes as another dtype": (_rebind(0, lambda d: d.view(torch.int32)), False, True),
     "emptied": (_rebind(0, lambda d: torch.empty(0)), False, False),
     "a buffer rebound": (_buffer_rebind, False, False),
+    "set_() to new storage": (_set, False, False),
+    "swap_tensors with another tensor": (_swap_tensors, False, False),
     "a new Parameter object": (_new_param, False, False),
     # Witnesses read the dict they were built on: a new dict or module is the ledger's.
     "a new _parameters dict": (_new_dict, False, True),
@@ -175,6 +188,44 @@ def test_both_paths_give_the_known_verdict(name: str, layer: int, primed: bool) 
         assert ledgers[0].verify(), name
 
 
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_both_paths_take_the_same_witnesses_after_each_change(name: str) -> None:
+    """A refresh takes the witnesses of what it refreshed anew (`record`): the compiled
+    taking writes the same identity, pointer, version, storage key and epoch as the
+    Python one, whatever the change before it."""
+    model = Model()
+    witnesses = _both(lambda: Witnesses(_witness_sites(model), JOURNAL))
+    MUTATIONS[name][0](model, 1)
+    for w in witnesses:
+        w.record(range(len(w)))
+    native, python = witnesses
+    assert isinstance(native, Witnesses) and isinstance(python, Witnesses)
+    taken = [(w._ids, w._ptrs, w._versions, w._skeys, w._epochs) for w in (native, python)]
+    assert taken[0] == taken[1], name
+    assert native.unchanged() and python.unchanged(), name
+
+
+def test_control_the_compiled_taking_reads_the_tensors_anew() -> None:
+    """Control for the test above: what the compiled taking writes follows the tensors
+    (a pointer and a version that moved are taken as they are now), and sites it cannot
+    read (a non-dict holder) are left to the Python path."""
+    with _native.using(True):
+        native = _native.get()
+    assert native is not None
+    model = Model()
+    w = Witnesses(_witness_sites(model), JOURNAL)
+    before = (list(w._ptrs), list(w._versions))
+    _rebind(0, torch.randn_like)(model, 0)
+    _inplace(model, 1)
+    assert not w.unchanged()
+    w.record([0, 1])
+    assert w._ptrs[0] != before[0][0] and w._versions[1] != before[1][1]
+    assert w.unchanged()
+    holders, keys = [object(), model.layers[0]._parameters], ["w", "w"]
+    got = native.take_witnesses(holders, keys, [0, 1], [0, 0], [0, 0], [0, 0], [0, 0])
+    assert got == [0]
+
+
 def test_a_declared_write_shows_in_both_paths() -> None:
     """A write graphsafe is told about (`gs.mark_written`) moves the journal epoch."""
     model = Model()
@@ -196,6 +247,9 @@ NO_DICT_CHANGES: dict[str, Mutation] = {
     ".data = a buffer's new storage": _buffer_rebind,
     "an offset view of the same storage": _rebind(0, lambda d: d.view(-1)[6:].view(3, 6)),
     "a declared write (the journal)": _declared,
+    "set_() to new storage": _set,
+    "swap_tensors with another tensor": _swap_tensors,
+    "emptied": _rebind(0, lambda d: torch.empty(0)),
 }
 
 
@@ -613,8 +667,8 @@ def test_the_first_use_builds_once_for_processes_starting_together_and_nothing_e
     runs = _compiler_runs(log)
     compiled = sorted(Path(run[run.index("-c") + 1]).name for run in runs if "-c" in run)
     assert compiled == ["checks.cpp", "fingerprint.cpp", "observer.cpp", "strays.cpp",
-                        "tracker.cpp"]
-    assert len(runs) == 6  # and one link
+                        "tracker.cpp", "witnesses.cpp"]
+    assert len(runs) == 7  # and one link
     assert all("-Wall" in run and "-w" not in run for run in runs if "-c" in run)
     assert "warning" not in Path(f"{log}.err").read_text()
     library, lock = sorted(p.name for p in (cache / "native").iterdir())  # nothing else

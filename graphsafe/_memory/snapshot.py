@@ -8,8 +8,9 @@ all at once; `Identities` (identity, pointer, stride: the every-load rebinding c
 they read with what they recorded. The
 compiled checks (`graphsafe native build`) read every kind of site in C++ as `read_site`
 does in Python, and compare there; a dict site whose dict has not changed since their last
-passing look (its version tag) is not looked up again, but its tensor's pointer and
-version are read every time.
+passing look (its version tag) is not looked up again, and its tensor's pointer, version
+and strides are read from the TensorImpl remembered with it (once the object's own is found
+to be that one), every time.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ PLAIN = torch._C.DisableTorchFunctionSubclass
 DATA_PTR = torch.Tensor.data_ptr
 STRIDE = torch.Tensor.stride
 VERSION = operator.attrgetter("_version")
-_ROW = 32
+_ROW = 40
 """Bytes of one site's row in what the compiled witness check remembers (`Witnessed` in
 `checks.cpp`)."""
 _NO_ROW = bytes(_ROW)
+_BOUND_ROW = 72
+"""Bytes of one site's row in what the compiled rebinding check remembers (`Bound` in
+`checks.cpp`)."""
 
 
 class SitesRead(NamedTuple):
@@ -111,7 +115,7 @@ class Identities(Sites):
             same storage changes it).
     """
 
-    __slots__ = ("_seen", "ids", "n_strided", "native", "ptrs", "strides")
+    __slots__ = ("_looked", "_seen", "ids", "n_strided", "native", "ptrs", "strides")
 
     def __init__(
         self, rows: Sequence[tuple[Any, Any, object, int, tuple[int, ...]]], n_strided: int
@@ -123,12 +127,16 @@ class Identities(Sites):
         self.strides = [tuple(r[4]) for r in rows[:n_strided]]
         self._seen: SitesRead | None = None  # what the last passing check read
         self.native = _native.get() if self.compiled else None
+        # What the compiled check last passed at each dict site (the dict's version, the
+        # tensor, its pointer and strides): the expected values never change, so neither
+        # do the rows but by the check itself.
+        self._looked = bytearray(_BOUND_ROW * len(rows)) if self.native is not None else None
 
     def unchanged(self) -> bool:
         """Whether every site holds the object it held, at the same pointer and stride."""
         if self.native is not None:  # the same comparisons, compiled
             now = self.native.same_bindings(
-                self.holders, self.keys, self.ids, self.ptrs, self.strides
+                self.holders, self.keys, self.ids, self.ptrs, self.strides, self._looked
             )
             if now is None:
                 return False
@@ -248,7 +256,12 @@ class Witnesses(Sites):
         self.journal.sync()  # writes seen before this refresh are in the epochs it records
         holders, keys, plain = self.holders, self.keys, self.plain
         ids, ptrs, versions, skeys = self._ids, self._ptrs, self._versions, self._skeys
-        for i in indices:
+        indices = list(indices)
+        rest: Sequence[int] = indices
+        if self._native is not None and plain:  # the dict sites holding tensors, compiled
+            rest = self._native.take_witnesses(holders, keys, indices, ids, ptrs, versions,
+                                               skeys)
+        for i in rest:
             t = holders[i].get(keys[i]) if plain else self.read_one(i)
             if isinstance(t, torch.Tensor):
                 ptr = _ptr(t)

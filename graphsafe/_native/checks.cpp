@@ -1,9 +1,10 @@
 // The guard's flat checks in C++: the same comparisons as the Python path in
 // graphsafe/_memory/ledger.py (geometry, same_geometry, same_items) and
-// graphsafe/_memory/snapshot.py (same_witnesses, same_bindings) and the module pass of
+// graphsafe/_memory/snapshot.py (same_bindings) and the module pass of
 // graphsafe/_runtime/bind/model_map.py (same_tree), without a Python call
-// per field. This file also creates the module; tracker.cpp adds the write tracker's
-// functions to it, fingerprint.cpp gs.fingerprint's kernel.
+// per field. This file also creates the module; witnesses.cpp adds the witnesses' check
+// and taking to it, tracker.cpp the write tracker's functions, fingerprint.cpp
+// gs.fingerprint's kernel.
 //
 // Every function answers True only when it is sure nothing changed; anything it cannot
 // read (a site that holds no tensor, a tensor without storage, an inference tensor's
@@ -19,32 +20,13 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "sites.h"
 #include "tracker.h"
 
 namespace {
 
-// A real tensor object (torch.Tensor or a subclass), without `isinstance`'s
-// `__instancecheck__` lookups: only such an object can be unpacked.
-inline bool is_tensor(PyObject* obj) {
-  return THPVariableClass != nullptr &&
-         PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
-}
+using namespace graphsafe_native;
 
-// A dict's version tag (PEP 509): every change of its items gives it a new one, unique in
-// the process, so an equal tag means the dict holds what it held when the tag was read.
-// Read up to 3.12, where every change of a dict's items goes through code that moves it;
-// 3.13 stores an object's attributes into values its materialized `__dict__` shares, and
-// 3.14 has no tag. 0 there: no remembered tag is 0, so every site is looked up.
-#if PY_VERSION_HEX < 0x030D0000
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-inline uint64_t dict_tag(PyObject* dict) {
-  return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag;
-}
-#pragma GCC diagnostic pop
-#else
-inline uint64_t dict_tag(PyObject* /*dict*/) { return 0; }
-#endif
 
 // What a check remembers of one dict site it passed: the dict's tag then, and the object
 // the site held. While the tag is unchanged the site still holds that object (and the dict
@@ -215,37 +197,6 @@ PyObject* same_items(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
-// What a snapshot site holds, borrowed, as graphsafe/_memory/snapshot.py's read_site
-// reads it: a dict's item, a closure cell's contents, or (key a one-item tuple, `Slot`)
-// the attribute of that name, which the holder keeps alive. nullptr, no error set, when
-// the site holds nothing.
-PyObject* read_site(PyObject* holder, PyObject* key) {
-  if (PyDict_Check(holder)) {
-    PyObject* value = PyDict_GetItemWithError(holder, key);
-    if (value == nullptr) {
-      PyErr_Clear();
-    }
-    return value;
-  }
-  if (PyCell_Check(holder)) {
-    return PyCell_GET(holder);
-  }
-  if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 1 ||
-      !PyUnicode_Check(PyTuple_GET_ITEM(key, 0))) {
-    return nullptr;
-  }
-  PyObject* value = PyObject_GetAttr(holder, PyTuple_GET_ITEM(key, 0));
-  if (value == nullptr) {
-    PyErr_Clear();
-    return nullptr;
-  }
-  // A slot keeps its object alive; an attribute computed on access does not, and holds
-  // nothing a graph could have read by address.
-  const bool kept = Py_REFCNT(value) > 1;
-  Py_DECREF(value);
-  return kept ? value : nullptr;
-}
-
 // What `container` holds under `key` when it is still the object of id `want_id`, a
 // strided tensor with storage at data pointer `want_ptr`; else nullptr. Leaves no error
 // set.
@@ -277,112 +228,52 @@ PyObject* still_bound(PyObject* container, PyObject* key, PyObject* want_id,
   return ptr == want ? obj : nullptr;
 }
 
-// What `same_witnesses` remembers of one dict site it passed: the dict's tag then, the
-// tensor the site held, and its data pointer and version, which were the ones expected.
-// Kept by the caller in a bytearray of `Witnessed` rows, one per site, zeroed at first
-// and wherever the expected values change (no tag is 0).
-struct Witnessed {
+// What `same_bindings` remembers of one dict site it passed: as `Witnessed`, with the
+// strides it checked (`dim` of them; kNoStrides where the site's strides are not
+// checked). Sites of more than kRowDims dimensions are not remembered.
+constexpr int64_t kRowDims = 4;
+constexpr int64_t kNoStrides = -1;
+
+struct Bound {
   uint64_t tag;
   PyObject* obj;
+  c10::TensorImpl* impl;
   uint64_t ptr;
-  uint64_t version;
+  int64_t dim;
+  int64_t strides[kRowDims];
 };
 
-// No data pointer or version to compare: never one a check expects (never recorded in a
-// row; the Python path records -1 for an inference tensor's version, and refuses it).
-constexpr uint64_t kUnreadable = UINT64_MAX;
-
-// A strided tensor's data pointer (0 for no bytes), and its version.
-inline uint64_t data_ptr_of(c10::TensorImpl* impl, const at::Tensor& t) {
-  if (!impl->has_storage() || impl->layout() != c10::kStrided) {
-    return kUnreadable;
+// Whether `impl`'s strides are the row's.
+inline bool same_strides(c10::TensorImpl* impl, const Bound& row) {
+  if (row.dim == kNoStrides) {
+    return true;
   }
-  try {
-    return reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  } catch (...) {
-    return kUnreadable;
+  const c10::IntArrayRef strides = impl->strides();
+  if (static_cast<int64_t>(strides.size()) != row.dim) {
+    return false;
   }
+  for (int64_t d = 0; d < row.dim; ++d) {
+    if (strides[d] != row.strides[d]) {
+      return false;
+    }
+  }
+  return true;
 }
 
-inline uint64_t version_of(c10::TensorImpl* impl) {
-  return impl->is_inference() ? kUnreadable : impl->version_counter().current_version();
-}
-
-// same_witnesses(containers, keys, ids, ptrs, versions: list, cache: bytearray) -> bool:
-// each `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data
-// pointer `ptrs[i]` and version `versions[i]`. A dict site whose dict has not changed
-// since the check last passed it (`Witnessed`) is not looked up, and its expected values
-// are not read: its tensor's pointer and version are compared with the row's. They are
-// read every time: `.data =` and in-place writes change no dict.
-PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
-  PyObject* lists[5] = {};
-  PyObject* cache = nullptr;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O", &PyList_Type, &lists[0], &PyList_Type,
-                        &lists[1], &PyList_Type, &lists[2], &PyList_Type, &lists[3],
-                        &PyList_Type, &lists[4], &cache)) {
-    return nullptr;
-  }
-  const Py_ssize_t n = PyList_GET_SIZE(lists[0]);
-  for (PyObject* list : lists) {
-    if (PyList_GET_SIZE(list) != n) {
-      PyErr_SetString(PyExc_TypeError, "witness lists differ in length");
-      return nullptr;
-    }
-  }
-  if (!PyByteArray_Check(cache) ||
-      PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Witnessed))) {
-    PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 32 bytes per site");
-    return nullptr;
-  }
-  auto* rows = reinterpret_cast<Witnessed*>(PyByteArray_AS_STRING(cache));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* holder = PyList_GET_ITEM(lists[0], i);
-    const uint64_t tag = PyDict_Check(holder) ? dict_tag(holder) : 0;
-    Witnessed& row = rows[i];
-    if (tag != 0 && row.tag == tag) {  // the dict holds row.obj, a tensor, still
-      const at::Tensor& t = THPVariable_Unpack(row.obj);
-      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-      if (data_ptr_of(impl, t) == row.ptr && version_of(impl) == row.version) {
-        continue;
-      }
-    }
-    // Looked up and compared with the expected values (a row that differs may only be
-    // out of date).
-    PyObject* obj = read_site(holder, PyList_GET_ITEM(lists[1], i));
-    const uint64_t want_id = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[2], i));
-    const uint64_t want_ptr = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[3], i));
-    const uint64_t want_version = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(lists[4], i));
-    if (PyErr_Occurred()) {
-      PyErr_Clear();
-      Py_RETURN_FALSE;
-    }
-    if (obj == nullptr || reinterpret_cast<uintptr_t>(obj) != want_id || !is_tensor(obj)) {
-      Py_RETURN_FALSE;
-    }
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    const uint64_t ptr = data_ptr_of(impl, t);
-    const uint64_t version = version_of(impl);
-    if (ptr == kUnreadable || ptr != want_ptr || version == kUnreadable ||
-        version != want_version) {
-      Py_RETURN_FALSE;
-    }
-    if (tag != 0) {
-      row = Witnessed{tag, obj, ptr, version};
-    }
-  }
-  Py_RETURN_TRUE;
-}
-
-// same_bindings(containers, keys, ids, ptrs, strides: list) -> list | None: each
-// `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data pointer
-// `ptrs[i]`, and for i < len(strides) with strides `strides[i]` (a tuple). Returns the
-// tensors read, or None when anything differs or cannot be read.
+// same_bindings(containers, keys, ids, ptrs, strides: list[, cache: bytearray]) -> list |
+// None: each `containers[i].get(keys[i])` is the object of id `ids[i]`, a tensor with data
+// pointer `ptrs[i]`, and for i < len(strides) with strides `strides[i]` (a tuple). Returns
+// the tensors read, or None when anything differs or cannot be read. With `cache` (72
+// zeroed bytes per site at first, kept while the expected values stay), a dict site whose
+// dict has not changed since the check last passed it is not looked up and its expected
+// values are not read (`Bound`): its TensorImpl's pointer and strides are compared with
+// the row's.
 PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
   PyObject* lists[5] = {};
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyList_Type, &lists[0], &PyList_Type,
+  PyObject* cache = Py_None;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!|O", &PyList_Type, &lists[0], &PyList_Type,
                         &lists[1], &PyList_Type, &lists[2], &PyList_Type, &lists[3],
-                        &PyList_Type, &lists[4])) {
+                        &PyList_Type, &lists[4], &cache)) {
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(lists[0]);
@@ -392,17 +283,41 @@ PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_TypeError, "binding lists differ in length");
     return nullptr;
   }
+  Bound* rows = nullptr;
+  if (cache != Py_None) {
+    if (!PyByteArray_Check(cache) ||
+        PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Bound))) {
+      PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 72 bytes per site");
+      return nullptr;
+    }
+    rows = reinterpret_cast<Bound*>(PyByteArray_AS_STRING(cache));
+  }
   PyObject* out = PyList_New(n);
   if (out == nullptr) {
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = still_bound(PyList_GET_ITEM(lists[0], i), PyList_GET_ITEM(lists[1], i),
+    PyObject* holder = PyList_GET_ITEM(lists[0], i);
+    const uint64_t tag = rows != nullptr && PyDict_Check(holder) ? dict_tag(holder) : 0;
+    if (tag != 0 && rows[i].tag == tag) {  // the dict holds rows[i].obj, a tensor, still
+      Bound& row = rows[i];
+      c10::TensorImpl* impl = still_impl(row.obj, row.impl);
+      if (impl != nullptr && raw_ptr(impl) == row.ptr && same_strides(impl, row)) {
+        Py_INCREF(row.obj);
+        PyList_SET_ITEM(out, i, row.obj);
+        continue;
+      }
+    }
+    if (tag != 0) {
+      rows[i].tag = 0;
+    }
+    PyObject* obj = still_bound(holder, PyList_GET_ITEM(lists[1], i),
                                 PyList_GET_ITEM(lists[2], i), PyList_GET_ITEM(lists[3], i));
     bool same = obj != nullptr;
+    c10::IntArrayRef strides;
     if (same && i < n_strided) {
       PyObject* want = PyList_GET_ITEM(lists[4], i);
-      const c10::IntArrayRef strides = THPVariable_Unpack(obj).unsafeGetTensorImpl()->strides();
+      strides = THPVariable_Unpack(obj).unsafeGetTensorImpl()->strides();
       same = PyTuple_Check(want) &&
              PyTuple_GET_SIZE(want) == static_cast<Py_ssize_t>(strides.size());
       for (size_t d = 0; same && d < strides.size(); ++d) {
@@ -417,6 +332,16 @@ PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
     }
     Py_INCREF(obj);
     PyList_SET_ITEM(out, i, obj);
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    const uint64_t raw = tag != 0 ? raw_ptr(impl) : kUnreadable;
+    const int64_t dim = i < n_strided ? static_cast<int64_t>(strides.size()) : kNoStrides;
+    if (raw != kUnreadable && dim <= kRowDims) {
+      Bound& row = rows[i];
+      row = Bound{tag, obj, impl, raw, dim, {}};
+      for (int64_t d = 0; d < dim; ++d) {
+        row.strides[d] = strides[d];
+      }
+    }
   }
   return out;
 }
@@ -444,17 +369,31 @@ PyObject* referent(PyObject* ref) {
 #endif
 }
 
-// same_tree(modules, table_of, table_names, table_ids, holders, names, ids, sizes: list)
-// -> bool: graphsafe/_runtime/bind/model_map.py's ModelMap.holds, its pass over the
-// modules. Every weakly held module of `modules` is alive; table j is
+// What `same_tree` remembers of one dict it passed (a module's `__dict__`, or one of its
+// tables): the dict's tag then, the dict, and for a table the index of its module. While a
+// module's dict keeps its tag it holds the same tables; while a dict keeps its tag its
+// size and entries are the ones checked, so neither is read again.
+struct Tree {
+  uint64_t tag;
+  PyObject* dict;
+  int64_t of;
+};
+
+// same_tree(modules, table_of, table_names, table_ids, holders, names, ids, sizes: list
+// [, cache: bytearray]) -> bool: graphsafe/_runtime/bind/model_map.py's ModelMap.holds,
+// its pass over the modules. Every weakly held module of `modules` is alive; table j is
 // `modules[table_of[j]].__dict__[table_names[j]]`, a dict of id `table_ids[j]`; with `at`
 // the modules' dicts then the tables, `at[holders[i]].get(names[i])` is of id `ids[i]`;
-// `sizes` are the lengths of the dicts, then of the tables.
+// `sizes` are the lengths of the dicts, then of the tables. With `cache` (24 zeroed bytes
+// per dict and table at first, kept while the lists stay), a dict whose tag has not moved
+// since the check last passed (`Tree`) is not looked into again.
 PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
   PyObject* l[8] = {};
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!", &PyList_Type, &l[0], &PyList_Type, &l[1],
-                        &PyList_Type, &l[2], &PyList_Type, &l[3], &PyList_Type, &l[4],
-                        &PyList_Type, &l[5], &PyList_Type, &l[6], &PyList_Type, &l[7])) {
+  PyObject* cache = Py_None;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!|O", &PyList_Type, &l[0], &PyList_Type,
+                        &l[1], &PyList_Type, &l[2], &PyList_Type, &l[3], &PyList_Type, &l[4],
+                        &PyList_Type, &l[5], &PyList_Type, &l[6], &PyList_Type, &l[7],
+                        &cache)) {
     return nullptr;
   }
   const Py_ssize_t n_mod = PyList_GET_SIZE(l[0]);
@@ -466,8 +405,25 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_TypeError, "tree lists differ in length");
     return nullptr;
   }
+  Tree* rows = nullptr;
+  if (cache != Py_None) {
+    if (!PyByteArray_Check(cache) ||
+        PyByteArray_GET_SIZE(cache) != (n_mod + n_tab) * static_cast<Py_ssize_t>(sizeof(Tree))) {
+      PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 24 bytes per dict");
+      return nullptr;
+    }
+    rows = reinterpret_cast<Tree*>(PyByteArray_AS_STRING(cache));
+  }
   std::vector<PyObject*> at;  // the dicts (owned), then the tables (borrowed from them)
   at.reserve(static_cast<size_t>(n_mod + n_tab));
+  std::vector<char> fresh(static_cast<size_t>(n_mod + n_tab), 0);  // as remembered
+  auto remembered = [rows](Py_ssize_t i, PyObject* dict) {
+    if (rows == nullptr) {
+      return false;
+    }
+    const uint64_t tag = dict_tag(dict);
+    return tag != 0 && rows[i].tag == tag && rows[i].dict == dict;
+  };
   auto size_is = [&l](Py_ssize_t i, Py_ssize_t size) {
     return PyLong_AsSsize_t(PyList_GET_ITEM(l[7], i)) == size;
   };
@@ -481,9 +437,21 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
       break;
     }
     at.push_back(dict);
-    same = PyDict_CheckExact(dict) && size_is(i, PyDict_GET_SIZE(dict));
+    fresh[i] = PyDict_CheckExact(dict) && remembered(i, dict);
+    same = fresh[i] || (PyDict_CheckExact(dict) && size_is(i, PyDict_GET_SIZE(dict)));
   }
   for (Py_ssize_t j = 0; same && j < n_tab; ++j) {
+    const Py_ssize_t row = n_mod + j;
+    if (rows != nullptr && rows[row].tag != 0 && rows[row].of >= 0 && rows[row].of < n_mod &&
+        fresh[rows[row].of]) {
+      // Its module's dict is as remembered: it holds the same table still.
+      PyObject* table = rows[row].dict;
+      at.push_back(table);
+      fresh[row] = remembered(row, table);
+      if (fresh[row]) {
+        continue;
+      }
+    }
     const Py_ssize_t of = PyLong_AsSsize_t(PyList_GET_ITEM(l[1], j));
     PyObject* table = of >= 0 && of < n_mod
                           ? PyDict_GetItemWithError(at[of], PyList_GET_ITEM(l[2], j))
@@ -491,8 +459,12 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     same = table != nullptr && PyDict_Check(table) &&
            PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[3], j)) ==
                reinterpret_cast<uintptr_t>(table) &&
-           size_is(n_mod + j, PyDict_GET_SIZE(table));
-    at.push_back(table);
+           size_is(row, PyDict_GET_SIZE(table));
+    if (static_cast<Py_ssize_t>(at.size()) == row + 1) {
+      at[row] = table;
+    } else {
+      at.push_back(table);
+    }
   }
   const Py_ssize_t n_at = static_cast<Py_ssize_t>(at.size());
   for (Py_ssize_t k = 0; same && k < n_ent; ++k) {
@@ -500,6 +472,9 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     if (h < 0 || h >= n_at) {
       same = false;
       break;
+    }
+    if (fresh[h]) {
+      continue;
     }
     PyObject* value = PyDict_GetItemWithError(at[h], PyList_GET_ITEM(l[5], k));
     if (value == nullptr) {
@@ -509,12 +484,29 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     same = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[6], k)) ==
            reinterpret_cast<uintptr_t>(value);
   }
-  for (Py_ssize_t i = 0; i < n_mod && i < n_at; ++i) {
-    Py_DECREF(at[i]);
-  }
   if (PyErr_Occurred()) {
     PyErr_Clear();
     same = false;
+  }
+  if (rows != nullptr) {  // what passed is remembered; anything else is looked at again
+    for (Py_ssize_t i = 0; i < n_mod + n_tab; ++i) {
+      if (!same || i >= n_at) {
+        rows[i] = Tree{0, nullptr, 0};
+        continue;
+      }
+      const int64_t of =
+          i < n_mod ? 0 : (fresh[i] ? rows[i].of : PyLong_AsSsize_t(PyList_GET_ITEM(l[1], i - n_mod)));
+      rows[i] = Tree{dict_tag(at[i]), at[i], of};
+    }
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      for (Py_ssize_t i = 0; i < n_mod + n_tab; ++i) {
+        rows[i] = Tree{0, nullptr, 0};
+      }
+    }
+  }
+  for (Py_ssize_t i = 0; i < n_mod && i < n_at; ++i) {
+    Py_DECREF(at[i]);
   }
   return PyBool_FromLong(same);
 }
@@ -523,7 +515,6 @@ PyMethodDef methods[] = {
     {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
     {"same_items", same_items, METH_VARARGS, "Whether holders[i][keys[i]] is objects[i]."},
-    {"same_witnesses", same_witnesses, METH_VARARGS, "Whether the witnessed tensors hold."},
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {nullptr, nullptr, 0, nullptr},
@@ -541,6 +532,7 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, GRAPHSAFE_NATIVE_NAME, nullptr, -1,
 extern "C" PyMODINIT_FUNC GRAPHSAFE_CAT(PyInit_, GRAPHSAFE_NATIVE_ID)(void) {
   PyObject* m = PyModule_Create(&module);
   if (m != nullptr && (PyModule_AddFunctions(m, graphsafe_native::tracker_methods) != 0 ||
+                       PyModule_AddFunctions(m, graphsafe_native::witness_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::fingerprint_methods) != 0)) {
     Py_DECREF(m);
     return nullptr;

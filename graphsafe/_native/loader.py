@@ -5,6 +5,8 @@
   metadata read is a Python call), the C++ one a few nanoseconds. Both answer the same
   question, and only "nothing changed" is taken from the C++ one: when it says something
   changed, or cannot tell, the Python path finds and names the change.
+- `witnesses.cpp`: the witnesses' flat check and their taking (`_memory.snapshot`), the
+  same way (`sites.h`: what it and `checks.cpp` share).
 - `tracker.cpp`: the load-time write tracker (`_runtime.writes.tracking.NativeWriteTracker`), a
   RecordFunction callback instead of a Python dispatch mode, a fraction of a microsecond
   per op instead of about ten.
@@ -71,9 +73,9 @@ __all__ = [
 ]
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "checks.cpp", _HERE / "tracker.cpp", _HERE / "observer.cpp",
-            _HERE / "strays.cpp", _HERE / "fingerprint.cpp")
-_HEADERS = (_HERE / "tracker.h",)
+_SOURCES = (_HERE / "checks.cpp", _HERE / "witnesses.cpp", _HERE / "tracker.cpp",
+            _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp")
+_HEADERS = (_HERE / "sites.h", _HERE / "tracker.h")
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
 _COMPILE_FLAGS = ("-O2", "-DNDEBUG", "-std=c++17", "-fPIC", "-Wall")
@@ -82,8 +84,8 @@ _LIBS = ("-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python")
 
 
 class Native(Protocol):
-    """The compiled module's functions (see `checks.cpp`, `tracker.cpp`, `observer.cpp`,
-    `fingerprint.cpp`)."""
+    """The compiled module's functions (see `checks.cpp`, `witnesses.cpp`, `tracker.cpp`,
+    `observer.cpp`, `fingerprint.cpp`)."""
 
     def geometry(self, tensors: list[Any], /) -> bytes | None: ...
     def same_geometry(self, tensors: list[Any], expected: bytes, /) -> bool: ...
@@ -94,14 +96,18 @@ class Native(Protocol):
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
         versions: list[int], cache: bytearray, /,
     ) -> bool: ...
+    def take_witnesses(
+        self, holders: list[Any], keys: list[Any], indices: list[int], ids: list[int],
+        ptrs: list[int], versions: list[int], storage_keys: list[int], /,
+    ) -> list[int]: ...
     def same_bindings(
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
-        strides: list[tuple[int, ...]], /,
+        strides: list[tuple[int, ...]], cache: bytearray | None = None, /,
     ) -> list[Any] | None: ...
     def same_tree(
         self, modules: list[Any], table_of: list[int], table_names: list[str],
         table_ids: list[int], holders: list[int], names: list[Any], ids: list[int],
-        sizes: list[int], /,
+        sizes: list[int], cache: bytearray | None = None, /,
     ) -> bool: ...
     def tracker_new(self, watched: Iterable[int], /) -> int: ...
     def tracker_push(self, tracker: int, /) -> None: ...
@@ -345,7 +351,7 @@ def _check(module: Any) -> None:
     a.data = a.data.t()  # same storage, new strides: must show
     ok = ok and not module.same_geometry([a, b], geo)
     d = {"w": b}
-    seen = bytearray(32)
+    seen = bytearray(40)
     for _ in range(2):  # the second from what the first found
         ok = ok and module.same_witnesses([d], ["w"], [id(b)], [b.data_ptr()], [b._version], seen)
     b.add_(1)
@@ -357,6 +363,16 @@ def _check(module: Any) -> None:
     got = module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [b.stride()])
     ok = ok and got == [b] and got[0] is b
     ok = ok and module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [(2,)]) is None
+    bound = bytearray(72)
+    for _ in range(2):  # the second from what the first found
+        ok = ok and module.same_bindings(
+            [d], ["w"], [id(b)], [b.data_ptr()], [b.stride()], bound) == [b]
+    ok = ok and _remembered_check(module)
+    ids, ptrs, versions, keys = [0, 0], [0, 0], [0, 0], [0, 0]
+    ok = ok and module.take_witnesses(  # site 1 holds nothing: left to the Python path
+        [d, {}], ["w", "w"], [0, 1], ids, ptrs, versions, keys) == [1]
+    ok = ok and [ids, ptrs, versions, keys] == [
+        [id(b), 0], [b.data_ptr(), 0], [b._version, 0], [b.untyped_storage().data_ptr(), 0]]
     c = torch.zeros(4)
     tracker = module.tracker_new([b.untyped_storage().data_ptr(), c.untyped_storage().data_ptr()])
     module.tracker_sequence((tracker, [b.untyped_storage().data_ptr()]))
@@ -426,6 +442,36 @@ def _dict_tag_check(module: Any) -> bool:
         return False
     holder.w = new
     return not module.same_items([attrs], ["w"], [old], seen)
+
+
+def _remembered_check(module: Any) -> bool:
+    """What the witness and rebinding checks remember of a site they passed (its dict's
+    tag, its tensor's TensorImpl) does not hide a `.data =` view of the same storage, a
+    `set_()` or a `torch.utils.swap_tensors` that gives the object another TensorImpl."""
+    w = torch.zeros(2, 3)
+    d = {"w": w}
+    expected = ([d], ["w"], [id(w)], [w.data_ptr()])
+    strides, version = [w.stride()], [w._version]
+    bound, seen = bytearray(72), bytearray(40)
+    swap = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)
+
+    def holds() -> tuple[bool, bool]:
+        return (module.same_bindings(*expected, strides, bound) is not None,
+                module.same_witnesses(*expected, version, seen))
+
+    ok = holds() == holds() == (True, True)
+    keep = w.data
+    w.data = keep.t()  # same pointer and version: the bindings' strides show it
+    ok = ok and holds() == (False, True)
+    w.data = keep
+    ok = ok and holds() == (True, True)
+    other = torch.ones(2, 3)
+    swap(w, other)  # same object and dict, another TensorImpl
+    ok = ok and holds() == (False, False)
+    swap(w, other)
+    ok = ok and holds() == (True, True)
+    w.set_(torch.zeros(6).untyped_storage(), 0, (2, 3), (3, 1))  # another storage
+    return ok and holds() == (False, False)
 
 
 def _taint_check(module: Any, weight: torch.Tensor) -> bool:

@@ -51,6 +51,7 @@ class ModelMap:
         "_identities",
         "_ids",
         "_lens",
+        "_looked",
         "_modules",
         "_names",
         "_native",
@@ -126,6 +127,9 @@ class ModelMap:
         self._refs = [(at[id(r.module)], *_from_dict(r), id(r.obj)) for r in reach.refs]
         self._lens = self._sizes(dicts, tables)
         self._native = _native.get()
+        # What the compiled pass remembers of each module dict and table it passed (its
+        # version tag): one that kept its tag is not looked into again.
+        self._looked = bytearray(24 * (len(self._modules) + len(self._table_ids)))
 
     def holds(self) -> bool:
         """Whether the model still has exactly the tensors and storages walked."""
@@ -135,7 +139,8 @@ class ModelMap:
             try:
                 same = (
                     native.same_tree(self._modules, *self._tables, self._table_ids,
-                                     self._holders, self._names, self._ids, self._lens[:n])
+                                     self._holders, self._names, self._ids, self._lens[:n],
+                                     self._looked)
                     and self._identities.unchanged()
                     and self._off_modules_hold(self._lens[n:])
                 )

@@ -1,0 +1,123 @@
+// What the flat checks share (checks.cpp, witnesses.cpp): a site's reading, a dict's
+// version tag, a tensor's data pointer and version, and the TensorImpl a remembered row
+// reads them from; and witnesses.cpp's method table, which checks.cpp's module init adds.
+
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace graphsafe_native {
+
+// same_witnesses and take_witnesses (witnesses.cpp), ended by a null entry as
+// PyModule_AddFunctions expects.
+extern PyMethodDef witness_methods[];
+
+// A real tensor object (torch.Tensor or a subclass), without `isinstance`'s
+// `__instancecheck__` lookups: only such an object can be unpacked.
+inline bool is_tensor(PyObject* obj) {
+  return THPVariableClass != nullptr &&
+         PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
+}
+
+// A dict's version tag (PEP 509): every change of its items gives it a new one, unique in
+// the process, so an equal tag means the dict holds what it held when the tag was read.
+// Read up to 3.12, where every change of a dict's items goes through code that moves it;
+// 3.13 stores an object's attributes into values its materialized `__dict__` shares, and
+// 3.14 has no tag. 0 there: no remembered tag is 0, so every site is looked up.
+#if PY_VERSION_HEX < 0x030D0000
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+inline uint64_t dict_tag(PyObject* dict) {
+  return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag;
+}
+#pragma GCC diagnostic pop
+#else
+inline uint64_t dict_tag(PyObject* /*dict*/) { return 0; }
+#endif
+
+// What a snapshot site holds, borrowed, as graphsafe/_memory/snapshot.py's read_site
+// reads it: a dict's item, a closure cell's contents, or (key a one-item tuple, `Slot`)
+// the attribute of that name, which the holder keeps alive. nullptr, no error set, when
+// the site holds nothing.
+inline PyObject* read_site(PyObject* holder, PyObject* key) {
+  if (PyDict_Check(holder)) {
+    PyObject* value = PyDict_GetItemWithError(holder, key);
+    if (value == nullptr) {
+      PyErr_Clear();
+    }
+    return value;
+  }
+  if (PyCell_Check(holder)) {
+    return PyCell_GET(holder);
+  }
+  if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 1 ||
+      !PyUnicode_Check(PyTuple_GET_ITEM(key, 0))) {
+    return nullptr;
+  }
+  PyObject* value = PyObject_GetAttr(holder, PyTuple_GET_ITEM(key, 0));
+  if (value == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  // A slot keeps its object alive; an attribute computed on access does not, and holds
+  // nothing a graph could have read by address.
+  const bool kept = Py_REFCNT(value) > 1;
+  Py_DECREF(value);
+  return kept ? value : nullptr;
+}
+
+// No data pointer or version to compare: never one a check expects (never recorded in a
+// row; the Python path records -1 for an inference tensor's version, and refuses it).
+constexpr uint64_t kUnreadable = UINT64_MAX;
+
+// A strided tensor's data pointer (0 for no bytes), and its version.
+inline uint64_t data_ptr_of(c10::TensorImpl* impl, const at::Tensor& t) {
+  if (!impl->has_storage() || impl->layout() != c10::kStrided) {
+    return kUnreadable;
+  }
+  try {
+    return reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  } catch (...) {
+    return kUnreadable;
+  }
+}
+
+inline uint64_t version_of(c10::TensorImpl* impl) {
+  if (impl->is_inference()) {
+    return kUnreadable;
+  }
+  const c10::VariableVersion& counter = impl->version_counter();
+  return counter.enabled() ? counter.current_version() : kUnreadable;
+}
+
+// The TensorImpl a remembered row reads: the one `obj` (a tensor the row's dict still
+// holds) has now, when it is still `impl`; else nullptr. `torch.utils.swap_tensors`
+// gives the same Python object another TensorImpl (and may free the remembered one), so
+// the remembered pointer is only followed once the object's own is compared with it.
+inline c10::TensorImpl* still_impl(PyObject* obj, c10::TensorImpl* impl) {
+  c10::TensorImpl* now = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+  return now == impl ? impl : nullptr;
+}
+
+// The data pointer as a remembered row compares it: read from the TensorImpl and its
+// storage without the checks `const_data_ptr` makes (the row was filled only where those
+// passed), kUnreadable where it would not be the data pointer (no storage, no elements:
+// the Python path reads 0 there) or cannot be read.
+inline uint64_t raw_ptr(const c10::TensorImpl* impl) {
+  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (storage == nullptr || impl->numel() == 0) {
+    return kUnreadable;
+  }
+  try {
+    return reinterpret_cast<uintptr_t>(storage->data_ptr().get()) +
+           impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
+  } catch (...) {
+    return kUnreadable;
+  }
+}
+
+}  // namespace graphsafe_native

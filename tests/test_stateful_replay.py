@@ -1750,3 +1750,36 @@ def test_a_copy_rebuilt_by_a_load_that_raised_at_its_end_is_not_taken_for_fresh(
     assert not torch.equal(_held(net), _pack(net))  # control
     with pytest.raises(gs.StaleError, match=re.escape(ENGINE_PATHS[holder])):
         g.replay()
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["number-moved", "control-unmoved"])
+def test_a_replay_refused_for_a_changed_number_refreshes_nothing(moved: bool) -> None:
+    """A number the graph baked changed (the post-load step ran again with new weights)
+    and a declared buffer was written outside a load: a repairing guard refuses the
+    replay as it refuses a moved tensor, before it repairs anything, so `rt.stale` still
+    lists the buffer. The control: with the number as captured, the same replay repairs
+    the buffer (the repair the refusal must not run is real)."""
+    torch.manual_seed(0)
+    net = Net("float", "kernel")
+    net.load_weights(_checkpoint(0))
+    x = torch.randn(4, C)
+    g = gs.Graph(backend="cpu", guard=net, on_stale="refresh")
+    with torch.no_grad(), g.capture():
+        net(x)
+    captured = net.amax
+    if moved:
+        net.load_weights(_checkpoint(1, ["emb.weight"]))  # the post-load step: a new number
+    assert (net.amax != captured) == moved
+    with torch.no_grad():
+        net.proj_t.zero_()  # a write outside any load: proj_t is stale
+    rt = gs.runtime(net)
+    assert "proj_t" in rt.stale
+    if not moved:
+        g.replay()
+        assert "proj_t" not in rt.stale and net.proj_t.any()  # repaired, then replayed
+        return
+    with pytest.raises(gs.StorageMovedError, match=r"amax") as info:
+        g.replay()
+    assert [d.what for d in info.value.drifts] == ["value"]
+    assert "proj_t" in rt.stale
+    assert not net.proj_t.any()  # nothing was refreshed

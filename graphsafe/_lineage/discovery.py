@@ -584,15 +584,20 @@ class Discovery:
             out[i] = f"its source {src.path} was {how}"
         return sorted(out.items())
 
-    def check(self, model_class: type, reads: frozenset[int] | None, *, repair: bool) -> None:
+    def check_values(self, model_class: type) -> None:
         """Raise `StorageMovedError` for a scalar whose value, or a handle whose object,
-        changed since the pin (a graph holds the old one), then `StaleError` for every
-        checked stale entry (repairing adopted ones first when `repair`)."""
+        changed since the pin (a graph holds the old one). Like a moved tensor, checked
+        before anything is repaired: a refused replay refreshes nothing."""
         moved = [(e, how) for e in self._values  # a replay pays for these alone
                  if e.pinned is not None and e.path not in self._exempt
                  and (how := e.moved()) is not None]
         if moved:
             raise moved_error(model_class, moved)
+
+    def check(self, model_class: type, reads: frozenset[int] | None, *, repair: bool) -> None:
+        """Raise `StaleError` for a weight rewritten in place that a load left wrong, then
+        for every checked stale entry (repairing adopted ones first when `repair`); the
+        caller ran `check_values` first."""
         broken = self.broken_rewrites()
         if broken:
             raise rewritten_error(broken)

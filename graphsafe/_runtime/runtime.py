@@ -266,7 +266,8 @@ class Runtime(metaclass=_OnePerModel):
             return all(b.buffers is not None for b in self._bound_engine().bound)
 
     def assert_fresh(
-        self, *, repair: bool = False, reads: frozenset[int] | None = None
+        self, *, repair: bool = False, reads: frozenset[int] | None = None,
+        values: bool = True,
     ) -> None:
         """Raise unless every derived buffer matches its inputs and the last update held,
         and no tensor the model derived without a declaration (`discovered`) is stale.
@@ -277,15 +278,21 @@ class Runtime(metaclass=_OnePerModel):
                 repaired.
             reads: Storage keys a graph reads: discovered tensors outside it are not
                 checked (None: all are).
+            values: Check the discovered numbers and handles a graph holds (False: the
+                caller did, `replaying`).
 
         Raises:
             StaleError: Naming the stale buffers and how their inputs were written, or
                 the failed or unfinished weight update.
+            StorageMovedError: A discovered number or handle a graph holds changed since
+                its capture (checked before anything is repaired).
         """
         with self._lock:
             load = self._loads.current
             if load is not None and load.written_so_far():
                 raise in_update_error(type(self.model), len(load.written_so_far()))
+            if values:  # what a graph holds changed: refused before any repair below
+                self._check_values()
             # Module swaps: the ledger checks them.
             engine = self._binder.current or self._bound_engine()
             self._loads.settle_state_dict()  # a load_state_dict that raised after its hooks
@@ -308,15 +315,23 @@ class Runtime(metaclass=_OnePerModel):
     def replaying(
         self, check: Callable[[], None], *, repair: bool, reads: frozenset[int] | None = None
     ) -> Iterator[None]:
-        """Hold the model still for one replay: `check()` (a graph's ledger), then what
-        loads left stale under `lazy_refresh` refreshed once, then
-        `assert_fresh(repair=repair, reads=reads)`, under the lock that loads of the
-        model take."""
+        """Hold the model still for one replay: `check()` (a graph's ledger) and the
+        numbers and handles the graph holds, then what loads left stale under
+        `lazy_refresh` refreshed once, then `assert_fresh(repair=repair, reads=reads)`,
+        under the lock that loads of the model take. What moves refuses before anything
+        is refreshed."""
         with self._lock:
             check()
+            self._check_values()
             self._loads.refresh_deferred()
-            self.assert_fresh(repair=repair, reads=reads)
+            self.assert_fresh(repair=repair, reads=reads, values=False)
             yield
+
+    def _check_values(self) -> None:
+        """Refuse (`StorageMovedError`) a discovered number or handle a graph holds that
+        changed since its capture."""
+        if self._discovery:
+            self._discovery.check_values(type(self.model))
 
     # -- loads (the `LoadDriver`'s) ------------------------------------------------------
 

@@ -475,6 +475,18 @@ def _written_before_failing(weights: Weights, params: dict[str, nn.Parameter]) -
     return written
 
 
+def _loaded_proj(weights: Weights) -> torch.Tensor | None:
+    """The values a loader gives `proj` from `weights` (None: none): its last entry for
+    `proj` before the entry the loader raises at (a wrong shape, a failed transfer)."""
+    loaded = None
+    for name, w in weights:
+        if name not in SHAPES or w.shape != SHAPES[name]:
+            break
+        if name == "proj":
+            loaded = w
+    return loaded
+
+
 def _write_in_place(model: nn.Module, name: str, how: str, seed: int) -> None:
     """Write parameter `name` in place outside any loader, the way `how` says."""
     p = model.get_parameter(name)
@@ -888,7 +900,7 @@ class RefitMachine(RuleBasedStateMachine):
         readers = self._readers(set(before.values()))
         draft_storages = self.draft.storages()
         loads = self.netm.loads
-        raw = dict(weights).get("proj")
+        raw = _loaded_proj(weights)
         refused = False
         try:
             net.load_weights(weights, rebind=rebind, post=post)
@@ -902,7 +914,7 @@ class RefitMachine(RuleBasedStateMachine):
                 self._loader_ran(
                     loads, {*before.values(), *(_storage(p) for p in written.values())},
                     post=post)
-                self._rewrite_unknown(raw)
+                self._rewrite_unknown(raw if self.netm.loads != loads else None)
                 return
         except (ValueError, RuntimeError, KeyboardInterrupt):
             assert should_fail

@@ -1795,3 +1795,31 @@ def test_a_replay_refused_for_a_changed_number_refreshes_nothing(moved: bool) ->
     assert [d.what for d in info.value.drifts] == ["value"]
     assert "proj_t" in rt.stale
     assert not net.proj_t.any()  # nothing was refreshed
+
+
+@pytest.mark.parametrize("written", ["blocks.1.fn", "blocks.0.scale"])
+def test_a_fold_whose_scale_module_was_replaced_is_judged_by_the_new_module(
+        written: str) -> None:
+    """`blocks.0`, whose scale the post-load step folds into `proj`, replaced before a
+    pin, then a full load: a later load that writes another weight raw leaves `proj`
+    whole (it was refused: the old block's scale, compared with the new one's, looked
+    bound to new memory). The control: a load that writes the new block's scale raw
+    leaves `proj` folded with the old scale, and is refused naming the scale."""
+    torch.manual_seed(0)
+    net = Net("fold", "kernel")
+    net.load_weights(_checkpoint(0))
+    net.blocks[0] = Block()  # not pinned: the tree may change
+    net.load_weights(_checkpoint(1))  # loaded and folded with the new block's scale
+    scale = net.blocks[0].scale
+    assert isinstance(scale, torch.Tensor)
+    raw = dict(_checkpoint(1))["proj"]
+    if written == "blocks.1.fn":
+        net.load_weights(_checkpoint(2, [written]), post=False)
+        (d,) = gs.runtime(net).discovered
+        assert d.path == "proj" and d.stale is None, d.stale
+        assert torch.equal(net.proj, _rewrite("fold", raw, scale))
+        return
+    with pytest.raises(gs.StaleError, match=r"blocks\.0\.scale, which the post-load rewrite"):
+        net.load_weights(_checkpoint(2, [written]), post=False)
+    assert not torch.equal(net.proj, _rewrite("fold", raw, scale))  # control: stale
+    assert "proj" in gs.runtime(net).stale

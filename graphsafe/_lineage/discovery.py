@@ -203,16 +203,24 @@ class Discovery:
         if window is not None:
             window.close(lambda lineage: self.settle(lineage, model, sites, lazily=True))
 
-    def sequenced_keys(self) -> frozenset[int]:
-        """`Rewrites.sequenced_keys`."""
+    def sequenced_keys(self, model: nn.Module) -> frozenset[int]:
+        """`Rewrites.sequenced_keys` of a load of `model` that begins, each weight read
+        where the model holds it now (`Rewrites.rehome`)."""
+        self._rehome_rewrites(model)
         return self._rewritten.sequenced_keys()
 
+    def _rehome_rewrites(self, model: nn.Module) -> None:
+        if self._rewritten:
+            self._rewritten.rehome({s.path: s for s in sources_of(model).values()})
+
     def judge_rewrites(
-        self, written: set[int], ops: Mapping[int, Sequence[str]],
+        self, model: nn.Module, written: set[int], ops: Mapping[int, Sequence[str]],
         before: Mapping[str, int] | None = None,
         tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
     ) -> list[Rewritten]:
-        """`Rewrites.judge` of a load that ended, exemptions left out."""
+        """`Rewrites.judge` of a load of `model` that ended, exemptions left out; each
+        weight and input read where the model holds it now (`Rewrites.rehome`)."""
+        self._rehome_rewrites(model)
         return self._rewritten.judge(written, ops, before, tainted, self._exempt)
 
     def written_elsewhere(self, keys: set[int]) -> None:
@@ -375,10 +383,12 @@ class Discovery:
     def rehome(self, model: nn.Module) -> None:
         """Read each source where the model holds it now: a module replaced since (a new
         `emb`) shows as its weights rebound, so what was computed from the old one is
-        stale."""
-        if not self._entries:
+        stale; a weight rewritten in place whose module, or a module of an input of its
+        rewrite, was replaced is left wrong (`Rewrites.rehome`)."""
+        if not self._entries and not self._rewritten:
             return
         now = {s.path: s for s in sources_of(model).values()}
+        self._rewritten.rehome(now)
         moved = False
         for e in self._entries:
             srcs = []

@@ -266,8 +266,7 @@ class Runtime(metaclass=_OnePerModel):
             return all(b.buffers is not None for b in self._bound_engine().bound)
 
     def assert_fresh(
-        self, *, repair: bool = False, reads: frozenset[int] | None = None,
-        values: bool = True,
+        self, *, repair: bool = False, reads: frozenset[int] | None = None
     ) -> None:
         """Raise unless every derived buffer matches its inputs and the last update held,
         and no tensor the model derived without a declaration (`discovered`) is stale.
@@ -278,8 +277,6 @@ class Runtime(metaclass=_OnePerModel):
                 repaired.
             reads: Storage keys a graph reads: discovered tensors outside it are not
                 checked (None: all are).
-            values: Check the discovered numbers and handles a graph holds (False: the
-                caller did, `replaying`).
 
         Raises:
             StaleError: Naming the stale buffers and how their inputs were written, or
@@ -288,28 +285,32 @@ class Runtime(metaclass=_OnePerModel):
                 its capture (checked before anything is repaired).
         """
         with self._lock:
-            load = self._loads.current
-            if load is not None and load.written_so_far():
-                raise in_update_error(type(self.model), len(load.written_so_far()))
-            if values:  # what a graph holds changed: refused before any repair below
-                self._check_values()
-            # Module swaps: the ledger checks them.
-            engine = self._binder.current or self._bound_engine()
-            self._loads.settle_state_dict()  # a load_state_dict that raised after its hooks
-            # The witnesses of every input and buffer in one flat comparison, what a failed
-            # update still owes, then the journal's poisoned storages.
-            owed = self._loads.owed
-            if (engine.stale or not engine.witnesses.unchanged() or owed
-                    or engine.reads_poisoned(self._pinned_keys)):
-                keys = engine.watch.storage_keys() | self._pinned_keys
-                check_fresh(engine, keys, type(self.model), repair=repair, owed=owed)
-            tie = self._binder.tie_error()
-            if tie is not None:  # a load broke a tie, or wrote one side of a broken one
-                raise tie
-            if self._discovery:
-                if not self._holders:  # pinned, the ledger sees a replaced module
-                    self._discovery.rehome(self.model)
-                self._discovery.check(type(self.model), reads, repair=repair)
+            self._check_values()  # what a graph holds changed: refused before any repair
+            self._assert_fresh(repair, reads)
+
+    def _assert_fresh(self, repair: bool, reads: frozenset[int] | None) -> None:
+        """`assert_fresh` once the numbers and handles a graph holds are checked (the
+        caller holds the lock)."""
+        load = self._loads.current
+        if load is not None and load.written_so_far():
+            raise in_update_error(type(self.model), len(load.written_so_far()))
+        # Module swaps: the ledger checks them.
+        engine = self._binder.current or self._bound_engine()
+        self._loads.settle_state_dict()  # a load_state_dict that raised after its hooks
+        # The witnesses of every input and buffer in one flat comparison, what a failed
+        # update still owes, then the journal's poisoned storages.
+        owed = self._loads.owed
+        if (engine.stale or not engine.witnesses.unchanged() or owed
+                or engine.reads_poisoned(self._pinned_keys)):
+            keys = engine.watch.storage_keys() | self._pinned_keys
+            check_fresh(engine, keys, type(self.model), repair=repair, owed=owed)
+        tie = self._binder.tie_error()
+        if tie is not None:  # a load broke a tie, or wrote one side of a broken one
+            raise tie
+        if self._discovery:
+            if not self._holders:  # pinned, the ledger sees a replaced module
+                self._discovery.rehome(self.model)
+            self._discovery.check(type(self.model), reads, repair=repair)
 
     @contextlib.contextmanager
     def replaying(
@@ -324,7 +325,7 @@ class Runtime(metaclass=_OnePerModel):
             check()
             self._check_values()
             self._loads.refresh_deferred()
-            self.assert_fresh(repair=repair, reads=reads, values=False)
+            self._assert_fresh(repair, reads)
             yield
 
     def _check_values(self) -> None:

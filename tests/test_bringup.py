@@ -740,6 +740,33 @@ def test_a_scale_the_rewrite_reads_loaded_without_the_rewrite_is_refused() -> No
         g.replay()
 
 
+@pytest.mark.parametrize("load", [True, False], ids=["loaded-whole", "control-not-loaded"])
+def test_a_rewritten_weight_whose_module_was_replaced_is_judged_where_it_is_now(
+        load: bool) -> None:
+    """The module holding the rewritten weight replaced before a pin: a load that writes
+    the new weight and rewrites it leaves it whole (it was refused as bound to new
+    memory, the old module's weight judged). The control: the new module's weight, no
+    load since, holds values no load wrote and rewrote: listed stale, the replay refused."""
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    m.lin = nn.Linear(C, C, bias=False)
+    new = _folded_weights(1)
+    if load:
+        m.load_weights(new)
+    (found,) = gs.runtime(m).discovered
+    assert found.path == "lin.weight" and found.kind == "rewritten"
+    g, y = _capture(m, guard=True)
+    if load:
+        assert found.stale is None, found.stale
+        g.replay()
+        assert torch.allclose(y, _expected(_fold_scale, new))
+        return
+    assert found.stale is not None and "module was replaced" in found.stale, found.stale
+    assert not torch.allclose(y, _expected(_fold_scale, _folded_weights(0)))  # control
+    with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*module was replaced"):
+        g.replay()
+
+
 @gs.graphsafe
 class Tied(nn.Module):
     """Another model holding `Folded`'s linear layer (a draft tied to its weights)."""

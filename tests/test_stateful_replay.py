@@ -475,6 +475,18 @@ def _written_before_failing(weights: Weights, params: dict[str, nn.Parameter]) -
     return written
 
 
+def _loaded_proj(weights: Weights) -> torch.Tensor | None:
+    """The values a loader gives `proj` from `weights` (None: none): its last entry for
+    `proj` before the entry the loader raises at (a wrong shape, a failed transfer)."""
+    loaded = None
+    for name, w in weights:
+        if name not in SHAPES or w.shape != SHAPES[name]:
+            break
+        if name == "proj":
+            loaded = w
+    return loaded
+
+
 def _write_in_place(model: nn.Module, name: str, how: str, seed: int) -> None:
     """Write parameter `name` in place outside any loader, the way `how` says."""
     p = model.get_parameter(name)
@@ -888,7 +900,7 @@ class RefitMachine(RuleBasedStateMachine):
         readers = self._readers(set(before.values()))
         draft_storages = self.draft.storages()
         loads = self.netm.loads
-        raw = dict(weights).get("proj")
+        raw = _loaded_proj(weights)
         refused = False
         try:
             net.load_weights(weights, rebind=rebind, post=post)
@@ -902,7 +914,7 @@ class RefitMachine(RuleBasedStateMachine):
                 self._loader_ran(
                     loads, {*before.values(), *(_storage(p) for p in written.values())},
                     post=post)
-                self._rewrite_unknown(raw)
+                self._rewrite_unknown(raw if self.netm.loads != loads else None)
                 return
         except (ValueError, RuntimeError, KeyboardInterrupt):
             assert should_fail
@@ -1750,3 +1762,64 @@ def test_a_copy_rebuilt_by_a_load_that_raised_at_its_end_is_not_taken_for_fresh(
     assert not torch.equal(_held(net), _pack(net))  # control
     with pytest.raises(gs.StaleError, match=re.escape(ENGINE_PATHS[holder])):
         g.replay()
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["number-moved", "control-unmoved"])
+def test_a_replay_refused_for_a_changed_number_refreshes_nothing(moved: bool) -> None:
+    """A number the graph baked changed (the post-load step ran again with new weights)
+    and a declared buffer was written outside a load: a repairing guard refuses the
+    replay as it refuses a moved tensor, before it repairs anything, so `rt.stale` still
+    lists the buffer. The control: with the number as captured, the same replay repairs
+    the buffer (the repair the refusal must not run is real)."""
+    torch.manual_seed(0)
+    net = Net("float", "kernel")
+    net.load_weights(_checkpoint(0))
+    x = torch.randn(4, C)
+    g = gs.Graph(backend="cpu", guard=net, on_stale="refresh")
+    with torch.no_grad(), g.capture():
+        net(x)
+    captured = net.amax
+    if moved:
+        net.load_weights(_checkpoint(1, ["emb.weight"]))  # the post-load step: a new number
+    assert (net.amax != captured) == moved
+    with torch.no_grad():
+        net.proj_t.zero_()  # a write outside any load: proj_t is stale
+    rt = gs.runtime(net)
+    assert "proj_t" in rt.stale
+    if not moved:
+        g.replay()
+        assert "proj_t" not in rt.stale and net.proj_t.any()  # repaired, then replayed
+        return
+    with pytest.raises(gs.StorageMovedError, match=r"amax") as info:
+        g.replay()
+    assert [d.what for d in info.value.drifts] == ["value"]
+    assert "proj_t" in rt.stale
+    assert not net.proj_t.any()  # nothing was refreshed
+
+
+@pytest.mark.parametrize("written", ["blocks.1.fn", "blocks.0.scale"])
+def test_a_fold_whose_scale_module_was_replaced_is_judged_by_the_new_module(
+        written: str) -> None:
+    """`blocks.0`, whose scale the post-load step folds into `proj`, replaced before a
+    pin, then a full load: a later load that writes another weight raw leaves `proj`
+    whole (it was refused: the old block's scale, compared with the new one's, looked
+    bound to new memory). The control: a load that writes the new block's scale raw
+    leaves `proj` folded with the old scale, and is refused naming the scale."""
+    torch.manual_seed(0)
+    net = Net("fold", "kernel")
+    net.load_weights(_checkpoint(0))
+    net.blocks[0] = Block()  # not pinned: the tree may change
+    net.load_weights(_checkpoint(1))  # loaded and folded with the new block's scale
+    scale = net.blocks[0].scale
+    assert isinstance(scale, torch.Tensor)
+    raw = dict(_checkpoint(1))["proj"]
+    if written == "blocks.1.fn":
+        net.load_weights(_checkpoint(2, [written]), post=False)
+        (d,) = gs.runtime(net).discovered
+        assert d.path == "proj" and d.stale is None, d.stale
+        assert torch.equal(net.proj, _rewrite("fold", raw, scale))
+        return
+    with pytest.raises(gs.StaleError, match=r"blocks\.0\.scale, which the post-load rewrite"):
+        net.load_weights(_checkpoint(2, [written]), post=False)
+    assert not torch.equal(net.proj, _rewrite("fold", raw, scale))  # control: stale
+    assert "proj" in gs.runtime(net).stale

@@ -207,16 +207,24 @@ class Discovery:
         if window is not None:
             window.close(lambda lineage: self.settle(lineage, model, sites, lazily=True))
 
-    def sequenced_keys(self) -> frozenset[int]:
-        """`Rewrites.sequenced_keys`."""
+    def sequenced_keys(self, model: nn.Module) -> frozenset[int]:
+        """`Rewrites.sequenced_keys` of a load of `model` that begins, each weight read
+        where the model holds it now (`Rewrites.rehome`)."""
+        self._rehome_rewrites(model)
         return self._rewritten.sequenced_keys()
 
+    def _rehome_rewrites(self, model: nn.Module) -> None:
+        if self._rewritten:
+            self._rewritten.rehome({s.path: s for s in sources_of(model).values()})
+
     def judge_rewrites(
-        self, written: set[int], ops: Mapping[int, Sequence[str]],
+        self, model: nn.Module, written: set[int], ops: Mapping[int, Sequence[str]],
         before: Mapping[str, int] | None = None,
         tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
     ) -> list[Rewritten]:
-        """`Rewrites.judge` of a load that ended, exemptions left out."""
+        """`Rewrites.judge` of a load of `model` that ended, exemptions left out; each
+        weight and input read where the model holds it now (`Rewrites.rehome`)."""
+        self._rehome_rewrites(model)
         return self._rewritten.judge(written, ops, before, tainted, self._exempt)
 
     def written_elsewhere(self, keys: set[int]) -> None:
@@ -389,10 +397,12 @@ class Discovery:
     def rehome(self, model: nn.Module) -> None:
         """Read each source where the model holds it now: a module replaced since (a new
         `emb`) shows as its weights rebound, so what was computed from the old one is
-        stale."""
-        if not self._entries:
+        stale; a weight rewritten in place whose module, or a module of an input of its
+        rewrite, was replaced is left wrong (`Rewrites.rehome`)."""
+        if not self._entries and not self._rewritten:
             return
         now = {s.path: s for s in sources_of(model).values()}
+        self._rewritten.rehome(now)
         moved = False
         for e in self._entries:
             srcs = []
@@ -598,15 +608,20 @@ class Discovery:
             out[i] = f"its source {src.path} was {how}"
         return sorted(out.items())
 
-    def check(self, model_class: type, reads: frozenset[int] | None, *, repair: bool) -> None:
+    def check_values(self, model_class: type) -> None:
         """Raise `StorageMovedError` for a scalar whose value, or a handle whose object,
-        changed since the pin (a graph holds the old one), then `StaleError` for every
-        checked stale entry (repairing adopted ones first when `repair`)."""
+        changed since the pin (a graph holds the old one). Like a moved tensor, checked
+        before anything is repaired: a refused replay refreshes nothing."""
         moved = [(e, how) for e in self._values  # a replay pays for these alone
                  if e.pinned is not None and e.path not in self._exempt
                  and (how := e.moved()) is not None]
         if moved:
             raise moved_error(model_class, moved)
+
+    def check(self, model_class: type, reads: frozenset[int] | None, *, repair: bool) -> None:
+        """Raise `StaleError` for a weight rewritten in place that a load left wrong, then
+        for every checked stale entry (repairing adopted ones first when `repair`); the
+        caller ran `check_values` first."""
         broken = self.broken_rewrites()
         if broken:
             raise rewritten_error(broken)

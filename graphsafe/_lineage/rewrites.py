@@ -20,7 +20,7 @@ import torch
 
 from graphsafe._errors import StaleError
 from graphsafe._lineage.recorder import DERIVED_COPY
-from graphsafe._lineage.resolve import Rewrite
+from graphsafe._lineage.resolve import Rewrite, Source
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key
 
@@ -156,6 +156,29 @@ class Rewrites(dict[str, "Rewritten"]):
             if r.broken is not None and r.path not in exempt:
                 broken.append(r)
         return broken
+
+    def rehome(self, now: Mapping[str, Source]) -> None:
+        """Read each weight and each input of its rewrite where the model holds it now
+        (`now`: by path). A module replaced since leaves the weight wrong: a replaced
+        weight holds values no load wrote and rewrote, a replaced input (a new scale)
+        values the rewrite did not read. Either stays wrong until a load writes the weight
+        whole again."""
+        for r in self.values():
+            here = now.get(r.path)
+            if here is not None and here.holder is not r.site[0]:
+                r.site, r.raw = (here.holder, here.key), False
+                r.broken = ("its module was replaced since the post-load rewrite "
+                            f"({r.chain}) wrote it: it holds values no load wrote and rewrote")
+            inputs = []
+            for path, holder, key in r.inputs:
+                here = now.get(path)
+                if here is not None and here.holder is not holder:
+                    holder, key = here.holder, here.key
+                    r.broken = (f"{path}, which the post-load rewrite ({r.chain}) reads, was "
+                                "replaced with its module since: its values are not the ones "
+                                "the rewrite read")
+                inputs.append((path, holder, key))
+            r.inputs = tuple(inputs)
 
     def written_elsewhere(self, keys: set[int]) -> None:
         """A load of another model (a tied weight) wrote the storages `keys`: each weight

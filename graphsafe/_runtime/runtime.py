@@ -281,42 +281,58 @@ class Runtime(metaclass=_OnePerModel):
         Raises:
             StaleError: Naming the stale buffers and how their inputs were written, or
                 the failed or unfinished weight update.
+            StorageMovedError: A discovered number or handle a graph holds changed since
+                its capture (checked before anything is repaired).
         """
         with self._lock:
-            load = self._loads.current
-            if load is not None and load.written_so_far():
-                raise in_update_error(type(self.model), len(load.written_so_far()))
-            # Module swaps: the ledger checks them.
-            engine = self._binder.current or self._bound_engine()
-            self._loads.settle_state_dict()  # a load_state_dict that raised after its hooks
-            # The witnesses of every input and buffer in one flat comparison, what a failed
-            # update still owes, then the journal's poisoned storages.
-            owed = self._loads.owed
-            if (engine.stale or not engine.witnesses.unchanged() or owed
-                    or engine.reads_poisoned(self._pinned_keys)):
-                keys = engine.watch.storage_keys() | self._pinned_keys
-                check_fresh(engine, keys, type(self.model), repair=repair, owed=owed)
-            tie = self._binder.tie_error()
-            if tie is not None:  # a load broke a tie, or wrote one side of a broken one
-                raise tie
-            if self._discovery:
-                if not self._holders:  # pinned, the ledger sees a replaced module
-                    self._discovery.rehome(self.model)
-                self._discovery.check(type(self.model), reads, repair=repair)
+            self._check_values()  # what a graph holds changed: refused before any repair
+            self._assert_fresh(repair, reads)
+
+    def _assert_fresh(self, repair: bool, reads: frozenset[int] | None) -> None:
+        """`assert_fresh` once the numbers and handles a graph holds are checked (the
+        caller holds the lock)."""
+        load = self._loads.current
+        if load is not None and load.written_so_far():
+            raise in_update_error(type(self.model), len(load.written_so_far()))
+        # Module swaps: the ledger checks them.
+        engine = self._binder.current or self._bound_engine()
+        self._loads.settle_state_dict()  # a load_state_dict that raised after its hooks
+        # The witnesses of every input and buffer in one flat comparison, what a failed
+        # update still owes, then the journal's poisoned storages.
+        owed = self._loads.owed
+        if (engine.stale or not engine.witnesses.unchanged() or owed
+                or engine.reads_poisoned(self._pinned_keys)):
+            keys = engine.watch.storage_keys() | self._pinned_keys
+            check_fresh(engine, keys, type(self.model), repair=repair, owed=owed)
+        tie = self._binder.tie_error()
+        if tie is not None:  # a load broke a tie, or wrote one side of a broken one
+            raise tie
+        if self._discovery:
+            if not self._holders:  # pinned, the ledger sees a replaced module
+                self._discovery.rehome(self.model)
+            self._discovery.check(type(self.model), reads, repair=repair)
 
     @contextlib.contextmanager
     def replaying(
         self, check: Callable[[], None], *, repair: bool, reads: frozenset[int] | None = None
     ) -> Iterator[None]:
-        """Hold the model still for one replay: `check()` (a graph's ledger), then what
-        loads left stale under `lazy_refresh` refreshed once, then
-        `assert_fresh(repair=repair, reads=reads)`, under the lock that loads of the
-        model take."""
+        """Hold the model still for one replay: `check()` (a graph's ledger) and the
+        numbers and handles the graph holds, then what loads left stale under
+        `lazy_refresh` refreshed once, then `assert_fresh(repair=repair, reads=reads)`,
+        under the lock that loads of the model take. What moves refuses before anything
+        is refreshed."""
         with self._lock:
             check()
+            self._check_values()
             self._loads.refresh_deferred()
-            self.assert_fresh(repair=repair, reads=reads)
+            self._assert_fresh(repair, reads)
             yield
+
+    def _check_values(self) -> None:
+        """Refuse (`StorageMovedError`) a discovered number or handle a graph holds that
+        changed since its capture."""
+        if self._discovery:
+            self._discovery.check_values(type(self.model))
 
     # -- loads (the `LoadDriver`'s) ------------------------------------------------------
 

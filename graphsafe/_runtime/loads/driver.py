@@ -233,7 +233,7 @@ class LoadDriver:
             engine, self._journal, pinned=self._pinned(),
             everything=before.key_set.union(outside) if outside else before.key_set,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
-            sequenced=self._discovery.sequenced_keys(), walked=before.rows,
+            sequenced=self._discovery.sequenced_keys(self._binder.model), walked=before.rows,
         )
         if load.record:  # where the model keeps bools and small ints, read when needed
             load.lineage.note_places(atoms_of(self._binder.model))
@@ -274,8 +274,8 @@ class LoadDriver:
             self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
             tainted = load.tracker.tainted()  # what it computed from the weights
-            broken = self._discovery.judge_rewrites(written, load.write_ops(), before,
-                                                    tainted)
+            broken = self._discovery.judge_rewrites(self._binder.model, written,
+                                                    load.write_ops(), before, tainted)
             if load.record:  # what it made; its forwards until the capture are recorded on
                 self._discovery.take(load.lineage, self._binder.model,
                                      lambda: self._binder.walked().sites,

@@ -8,7 +8,9 @@ case comes with its control: the same capture replayed unguarded reads the stale
 
 from __future__ import annotations
 
+import contextlib
 import re
+import types
 
 import pytest
 import torch
@@ -651,3 +653,216 @@ def test_a_module_dict_whose_items_raise_does_not_break_naming_a_cache() -> None
     assert found.path.startswith(f"<outside the model> {__name__}._PACKED[(")
     with pytest.raises(ValueError, match="Could not find"):
         _LAZY.items()  # the control: read through its own `items`, it raises
+
+
+# -----------------------------------------------------------------------------
+# Expert layouts from a balancer: physical slots written in checkpoint order
+
+NE, NP, DE = 3, 5, 2  # logical experts, physical slots, expert width
+INITIAL = [[0, 3], [1, 4], [2, -1]]  # slot s serves expert s % NE: the checkpoint's order
+MOVED = [[2, 4], [0, 1], [3, -1]]  # after a rebalance
+
+
+class _Experts(nn.Module):
+    """vLLM's `FusedMoE` as the balancer sees it: stacked weights by physical slot and
+    the map beside them (`set_eplb_state`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(NP, DE, DE), requires_grad=False)
+        self.logical_to_physical_map = torch.tensor(INITIAL)
+        self.logical_replica_count = torch.tensor([2, 2, 1])
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        slot = self.logical_to_physical_map[logical, 0]  # [T]: each token's physical slot
+        return torch.einsum("td,tde->te", x, self.w13_weight[slot])  # [T, DE]
+
+
+class _MoEModel(nn.Module):
+    """Loads the checkpoint's experts (`experts.{e}.w`) into the physical slots: in
+    checkpoint order (the initial placement, prime-rl #3583), or through the map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Experts()])
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x, logical)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], via: str = "checkpoint") -> None:
+        ex = self.layers[0]
+        w, l2p, count = ex.w13_weight.data, ex.logical_to_physical_map, ex.logical_replica_count
+        if via == "gather":  # every slot at once, gathered through the map
+            p2l = torch.zeros(NP, dtype=torch.long)
+            for e in range(NE):
+                p2l[l2p[e, : count[e]]] = e
+            w.copy_(torch.stack([weights[f"experts.{e}.w"] for e in range(NE)])[p2l])
+            return
+        for e in range(NE):
+            t = weights[f"experts.{e}.w"]
+            if via == "tolist":  # the slots the map gives the expert
+                slots = l2p[e, : int(count[e])].tolist()
+            elif via == "item":
+                slots = [int(l2p[e, r].item()) for r in range(int(count[e].item()))]
+            else:  # the initial placement: slot s <- expert s % NE
+                slots = [s for s in range(NP) if s % NE == e]
+            for s in slots:
+                w[s].copy_(t)
+
+
+@gs.graphsafe
+class EplbModel(_MoEModel):
+    pass
+
+
+def _moe_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"experts.{e}.w": torch.randn(DE, DE, generator=g) for e in range(NE)}
+
+
+def _right(ckpt: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What each token is served: token t routed to logical expert t."""
+    return torch.stack([torch.ones(DE) @ ckpt[f"experts.{e}.w"] for e in range(NE)])
+
+
+def _rebalance(m: _MoEModel, new: list[list[int]]) -> None:
+    """The balancer's move while serving: each slot's contents from the old slot of its
+    expert, then the map, together."""
+    ex = m.layers[0]
+    old, w = ex.logical_to_physical_map.clone(), ex.w13_weight.data
+    held = w.clone()
+    for e, row in enumerate(new):
+        for p in row:
+            if p >= 0:
+                w[p].copy_(held[int(old[e, 0])])
+    ex.logical_to_physical_map.copy_(torch.tensor(new))
+
+
+def _moe_capture(model_class: type[_MoEModel], *, moved: bool
+                 ) -> tuple[_MoEModel, gs.Graph, torch.Tensor]:
+    m = model_class()
+    m.load_weights(_moe_checkpoint(0))
+    guard = m if isinstance(m, EplbModel) else None
+    g = gs.Graph(backend="cpu", guard=guard)
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(NE, DE), torch.arange(NE))
+    if moved:
+        with gs.weight_update(m) if guard is not None else contextlib.nullcontext():
+            _rebalance(m, MOVED)
+    return m, g, y
+
+
+def test_a_sync_in_checkpoint_order_under_a_moved_map_is_refused_by_name() -> None:
+    m, g, _ = _moe_capture(EplbModel, moved=True)
+    with pytest.raises(gs.StaleError, match=(
+            r"(?s)\(layers\.0\) under a balancer's map.*tensor: +layers\.0\.w13_weight.*"
+            r"never read the map layers\.0\.logical_to_physical_map.*slot 0 from expert 1 "
+            r"\(checkpoint order: 0\).*fix:.*place_experts.*write through the map")):
+        m.load_weights(_moe_checkpoint(1))
+    with pytest.raises(gs.StaleError, match="written in checkpoint order"):
+        g.replay()  # refused until a load writes through the map
+
+
+def test_control_unguarded_a_sync_in_checkpoint_order_serves_the_wrong_expert() -> None:
+    m, g, y = _moe_capture(_MoEModel, moved=True)
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(0)))  # the rebalance itself is right
+    m.load_weights(_moe_checkpoint(1))
+    g.replay()
+    assert not torch.allclose(y[0], _right(_moe_checkpoint(1))[0])  # expert 1 for token 0
+
+
+@pytest.mark.parametrize("via", ["tolist", "item", "gather"])
+def test_a_sync_through_the_map_is_no_false_alarm(via: str) -> None:
+    m, g, y = _moe_capture(EplbModel, moved=True)
+    m.load_weights(_moe_checkpoint(1), via=via)
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(1)))
+
+
+def test_a_sync_through_the_map_lifts_the_refusal() -> None:
+    m, g, y = _moe_capture(EplbModel, moved=True)
+    with pytest.raises(gs.StaleError):
+        m.load_weights(_moe_checkpoint(1))
+    m.load_weights(_moe_checkpoint(2), via="tolist")
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(2)))
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["in-an-update", "outside-any-load"])
+def test_a_rebalance_in_place_while_serving_is_no_false_alarm(inside: bool) -> None:
+    m, g, y = _moe_capture(EplbModel, moved=False)
+    m.load_weights(_moe_checkpoint(1))  # the initial placement: checkpoint order is right
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(1)))
+    with gs.weight_update(m) if inside else contextlib.nullcontext():
+        _rebalance(m, MOVED)
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(1)))
+    # The control: the map moved, so the same sync in checkpoint order is refused now.
+    with pytest.raises(gs.StaleError, match="checkpoint order"):
+        m.load_weights(_moe_checkpoint(2))
+
+
+def test_a_load_state_dict_of_the_slots_under_a_moved_map_is_refused() -> None:
+    m, _, _ = _moe_capture(EplbModel, moved=True)
+    w = torch.stack([_moe_checkpoint(1)[f"experts.{s % NE}.w"] for s in range(NP)])
+    with pytest.raises(gs.StaleError, match=r"load_state_dict wrote layers\.0\.w13_weight"):
+        m.load_state_dict({"layers.0.w13_weight": w})
+
+
+class _RoutedExperts(nn.Module):
+    """An engine that keeps the map under a name of its own, on a dispatch object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(NE, DE, DE), requires_grad=False)
+        self.dispatch = types.SimpleNamespace(slot_expert=torch.arange(NE))
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        slot = torch.argsort(self.dispatch.slot_expert)[logical]  # [T]
+        return torch.einsum("td,tde->te", x, self.w[slot])
+
+
+@gs.graphsafe
+class DeclaredModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = _RoutedExperts()
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        return self.moe(x, logical)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for e in range(NE):  # slot e <- expert e: checkpoint order
+            self.moe.w.data[e].copy_(weights[f"experts.{e}.w"])
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "control-undeclared"])
+def test_a_map_under_another_name_is_guarded_once_declared(declared: bool) -> None:
+    m = DeclaredModel()
+    m.load_weights(_moe_checkpoint(0))
+    if declared:
+        gs.runtime(m).expert_layout("moe", physical_to_logical="dispatch.slot_expert")
+    m.moe.dispatch.slot_expert.copy_(torch.tensor([2, 0, 1]))  # a permutation of slots
+    m.moe.w.data.copy_(m.moe.w.data[[2, 0, 1]].clone())  # moved with it
+    assert torch.allclose(m(torch.ones(NE, DE), torch.arange(NE)), _right(_moe_checkpoint(0)))
+    if declared:
+        with pytest.raises(gs.StaleError, match=r"moe\.w with loaded values and never "
+                           r"read the map moe\.dispatch\.slot_expert"):
+            m.load_weights(_moe_checkpoint(1))
+    else:  # unrefused, and wrong: nothing told graphsafe of the map
+        m.load_weights(_moe_checkpoint(1))
+        y = m(torch.ones(NE, DE), torch.arange(NE))
+        assert not torch.allclose(y, _right(_moe_checkpoint(1)))
+
+
+def test_declaring_a_layout_refuses_what_is_not_one() -> None:
+    m = DeclaredModel()
+    rt = gs.runtime(m)
+    with pytest.raises(gs.GraphSafetyError, match="no module at 'mo'"):
+        rt.expert_layout("mo", physical_to_logical="dispatch.slot_expert")
+    with pytest.raises(gs.GraphSafetyError, match=r"(?s)not a 1-D integer.*got: +nothing"):
+        rt.expert_layout("moe", physical_to_logical="dispatch.nothing")
+    with pytest.raises(gs.GraphSafetyError, match="holds no tensor 'w2'"):
+        rt.expert_layout("moe", physical_to_logical="dispatch.slot_expert", weights=["w2"])

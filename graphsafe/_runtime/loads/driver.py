@@ -28,6 +28,7 @@ from graphsafe._lineage.discovery import Discovery
 from graphsafe._lineage.resolve import atoms_of
 from graphsafe._lineage.rewrites import rewritten_error
 from graphsafe._memory.journal import Journal
+from graphsafe._runtime.bind.experts import without
 from graphsafe._runtime.loads.debts import Debts, Owed
 from graphsafe._runtime.loads.deferred import Deferred
 from graphsafe._runtime.loads.load import Load, LoaderClosed, awaited, steps
@@ -229,11 +230,17 @@ class LoadDriver:
         engine, before = self._binder.bound(self._pinned())
         outside = self._discovery.outside_keys()  # caches the graphs read, no model holds
         untied = self._binder.ties.broken(self._binder.model)  # ties a load must not break
+        sequenced, follow = self._discovery.sequenced_keys(), None
+        experts = self._binder.experts
+        experts.find(self._binder.model, before, before.by_path)
+        if experts:  # the ops writing expert weights, what is taken from their maps
+            sequenced, follow = sequenced | experts.weight_keys(), experts.follow(
+                before.weight_keys)
         load = self._load = Load.begin(
             engine, self._journal, pinned=self._pinned(),
             everything=before.key_set.union(outside) if outside else before.key_set,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
-            sequenced=self._discovery.sequenced_keys(), walked=before.rows,
+            sequenced=sequenced, walked=before.rows, follow=follow,
         )
         if load.record:  # where the model keeps bools and small ints, read when needed
             load.lineage.note_places(atoms_of(self._binder.model))
@@ -273,7 +280,10 @@ class LoadDriver:
                 self._discovery.failed()  # what it rebuilt is not taken for fresh
             self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
-            tainted = load.tracker.tainted()  # what it computed from the weights
+            experts = self._binder.experts
+            maps = experts.map_keys() if experts else frozenset()
+            # What it computed from the weights (and, followed apart, from expert maps).
+            tainted, taken = without(maps, load.tracker.tainted(), load.tracker.taken())
             broken = self._discovery.judge_rewrites(written, load.write_ops(), before,
                                                     tainted)
             if load.record:  # what it made; its forwards until the capture are recorded on
@@ -282,17 +292,23 @@ class LoadDriver:
                                      bring_up=load.weights)
             else:
                 self._discovery.after_load(self._binder.model, written, tainted,
-                                           lambda: self._binder.walked().sites,
-                                           load.tracker.taken())
+                                           lambda: self._binder.walked().sites, taken)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()
             tie = None if before is None else self._binder.ties.judge(
                 self._binder.model, untied, written, before, what)
+            layout = None if not experts else experts.judge(
+                written, load.write_ops(), load.tracker.tainted(),
+                (t.sources for t in load.tracker.taken()),
+                self._engine.watch.by_storage() if self._engine is not None else (),
+                what, type(self._binder.model).__name__)
             if broken:  # the weights stay refused until a load writes them whole again
                 raise rewritten_error(broken)
             if tie is not None:  # refused until a load writes every side, or re-tied
                 raise tie
+            if layout is not None:  # until a load writes through the map
+                raise layout
 
     # -- load_state_dict (hooks installed on the model) --------------------------------
 

@@ -134,13 +134,15 @@ class Load:
         record: bool = False,
         sequenced: frozenset[int] = frozenset(),
         walked: Identities | None = None,
+        follow: frozenset[int] | None = None,
     ) -> Load:
         """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
         all of `everything` (the storage key of every model tensor), the derivations'
         inputs and their buffers; `writes`: see the class. `walked`: the rows of a walk
         whose check held just now (`ModelMap.rows`): where they record every input and
         buffer as the engine does, nothing was rebound and the engine's own pass is not
-        run again."""
+        run again. `follow`: the storages whose derivatives its tracker follows (None:
+        `weights`; an expert layout's maps are followed too)."""
         # Watch where the inputs are now: one rebound (before pin) through another model
         # sharing it is taken here, so that this load's writes into it are seen. The
         # inputs and buffers are watched whatever `everything` missed.
@@ -154,7 +156,7 @@ class Load:
             # What a later load makes from the weights in a new place (a LoRA merged into
             # a kernel's copy) is found without recording it: its tracker follows it. And
             # a weight rewritten in place by `copy_` is told from one loaded by it so.
-            load.tracker.taint(weights)
+            load.tracker.taint(weights if follow is None else follow)
         return load
 
     @classmethod

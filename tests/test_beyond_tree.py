@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -725,17 +726,22 @@ def _right(ckpt: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.ones(DE) @ ckpt[f"experts.{e}.w"] for e in range(NE)])
 
 
-def _rebalance(m: _MoEModel, new: list[list[int]]) -> None:
+def _rebalance(m: _MoEModel, new: list[list[int]]) -> Callable[[], None]:
     """The balancer's move while serving: each slot's contents from the old slot of its
-    expert, then the map, together."""
+    expert, then the map, together. The moves are planned first (from the balancer's own
+    record), so the move itself reads no map."""
     ex = m.layers[0]
-    old, w = ex.logical_to_physical_map.clone(), ex.w13_weight.data
-    held = w.clone()
-    for e, row in enumerate(new):
-        for p in row:
-            if p >= 0:
-                w[p].copy_(held[int(old[e, 0])])
-    ex.logical_to_physical_map.copy_(torch.tensor(new))
+    old = ex.logical_to_physical_map.tolist()
+    moves = [(p, old[e][0]) for e, row in enumerate(new) for p in row if p >= 0]
+
+    def move() -> None:
+        w = ex.w13_weight.data
+        held = w.clone()
+        for dst, src in moves:
+            w[dst].copy_(held[src])
+        ex.logical_to_physical_map.copy_(torch.tensor(new))
+
+    return move
 
 
 def _moe_capture(model_class: type[_MoEModel], *, moved: bool
@@ -747,8 +753,9 @@ def _moe_capture(model_class: type[_MoEModel], *, moved: bool
     with torch.no_grad(), g.capture():
         y = m(torch.ones(NE, DE), torch.arange(NE))
     if moved:
+        move = _rebalance(m, MOVED)
         with gs.weight_update(m) if guard is not None else contextlib.nullcontext():
-            _rebalance(m, MOVED)
+            move()
     return m, g, y
 
 
@@ -795,8 +802,9 @@ def test_a_rebalance_in_place_while_serving_is_no_false_alarm(inside: bool) -> N
     m.load_weights(_moe_checkpoint(1))  # the initial placement: checkpoint order is right
     g.replay()
     assert torch.allclose(y, _right(_moe_checkpoint(1)))
+    move = _rebalance(m, MOVED)
     with gs.weight_update(m) if inside else contextlib.nullcontext():
-        _rebalance(m, MOVED)
+        move()
     g.replay()
     assert torch.allclose(y, _right(_moe_checkpoint(1)))
     # The control: the map moved, so the same sync in checkpoint order is refused now.
@@ -866,3 +874,34 @@ def test_declaring_a_layout_refuses_what_is_not_one() -> None:
         rt.expert_layout("moe", physical_to_logical="dispatch.nothing")
     with pytest.raises(gs.GraphSafetyError, match="holds no tensor 'w2'"):
         rt.expert_layout("moe", physical_to_logical="dispatch.slot_expert", weights=["w2"])
+
+
+@gs.graphsafe
+class EpRank(nn.Module):
+    """One expert-parallel rank of two (vLLM's `FusedMoE` with `expert_map`): global
+    physical slots 3r..3r+2 are its local slots 0..2."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(NE, DE, DE), requires_grad=False)
+        local = torch.full((2 * NE,), -1)
+        local[rank * NE:(rank + 1) * NE] = torch.arange(NE)
+        self.register_buffer("_expert_map", local, persistent=False)
+        self.logical_to_physical_map = torch.tensor([[0, 5], [1, 3], [2, 4]])  # moved rank 1
+        self.logical_replica_count = torch.tensor([2, 2, 2])
+        self.rank = rank
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for j in range(NE):  # the initial placement: global slot g <- expert g % NE
+            self.w13_weight.data[j].copy_(weights[f"experts.{(self.rank * NE + j) % NE}.w"])
+
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["moved-rank", "control-rank-not-moved"])
+def test_the_slots_of_an_expert_parallel_rank_are_judged_by_its_own_map(rank: int) -> None:
+    m = EpRank(rank)
+    if rank == 0:  # the map left its slots where the checkpoint's order puts them
+        m.load_weights(_moe_checkpoint(1))
+        return
+    with pytest.raises(gs.StaleError, match=r"slot 0 from expert 1 \(checkpoint order: 0\), "
+                       r"slot 1 from expert 2 \(checkpoint order: 1\)"):
+        m.load_weights(_moe_checkpoint(1))

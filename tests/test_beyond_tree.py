@@ -812,8 +812,14 @@ def test_a_rebalance_in_place_while_serving_is_no_false_alarm(inside: bool) -> N
         m.load_weights(_moe_checkpoint(2))
 
 
-def test_a_load_state_dict_of_the_slots_under_a_moved_map_is_refused() -> None:
-    m, _, _ = _moe_capture(EplbModel, moved=True)
+@pytest.mark.parametrize("first", [False, True], ids=["after-a-load", "first-call"])
+def test_a_load_state_dict_of_the_slots_under_a_moved_map_is_refused(first: bool) -> None:
+    if first:  # bound, but no load found the layout before
+        m: _MoEModel = EplbModel()
+        assert gs.runtime(m).derivations == ()
+        m.layers[0].logical_to_physical_map.copy_(torch.tensor(MOVED))
+    else:
+        m, _, _ = _moe_capture(EplbModel, moved=True)
     w = torch.stack([_moe_checkpoint(1)[f"experts.{s % NE}.w"] for s in range(NP)])
     with pytest.raises(gs.StaleError, match=r"load_state_dict wrote layers\.0\.w13_weight"):
         m.load_state_dict({"layers.0.w13_weight": w})
@@ -846,18 +852,22 @@ class DeclaredModel(nn.Module):
             self.moe.w.data[e].copy_(weights[f"experts.{e}.w"])
 
 
-@pytest.mark.parametrize("declared", [True, False], ids=["declared", "control-undeclared"])
-def test_a_map_under_another_name_is_guarded_once_declared(declared: bool) -> None:
+@pytest.mark.parametrize("declared", ["by-name", "by-callable", None],
+                         ids=["by-name", "by-callable", "control-undeclared"])
+def test_a_map_under_another_name_is_guarded_once_declared(declared: str | None) -> None:
     m = DeclaredModel()
     m.load_weights(_moe_checkpoint(0))
     if declared:
-        gs.runtime(m).expert_layout("moe", physical_to_logical="dispatch.slot_expert")
+        gs.runtime(m).expert_layout("moe", physical_to_logical="dispatch.slot_expert"
+                                    if declared == "by-name" else
+                                    lambda: m.moe.dispatch.slot_expert)
     m.moe.dispatch.slot_expert.copy_(torch.tensor([2, 0, 1]))  # a permutation of slots
     m.moe.w.data.copy_(m.moe.w.data[[2, 0, 1]].clone())  # moved with it
     assert torch.allclose(m(torch.ones(NE, DE), torch.arange(NE)), _right(_moe_checkpoint(0)))
     if declared:
-        with pytest.raises(gs.StaleError, match=r"moe\.w with loaded values and never "
-                           r"read the map moe\.dispatch\.slot_expert"):
+        where = r"moe\.dispatch\.slot_expert" if declared == "by-name" else r"moe \(declared"
+        with pytest.raises(gs.StaleError, match="moe\\.w with loaded values and never read "
+                           f"the map {where}"):
             m.load_weights(_moe_checkpoint(1))
     else:  # unrefused, and wrong: nothing told graphsafe of the map
         m.load_weights(_moe_checkpoint(1))

@@ -328,9 +328,11 @@ class LoadDriver:
 
     def _state_dict_begins(self) -> tuple[dict[str, int], frozenset[tuple[str, ...]]]:
         """What a `load_state_dict` outside any load is judged against when it ends: the
-        storage key at each path, and the ties broken, now."""
-        return (self._binder.model_map().by_path,
-                self._binder.ties.broken(self._binder.model))
+        storage key at each path, and the ties broken, now (and the expert layouts
+        found, as a load's beginning finds them)."""
+        found = self._binder.model_map()
+        self._binder.experts.find(self._binder.model, found, found.by_path)
+        return found.by_path, self._binder.ties.broken(self._binder.model)
 
     def _after_state_dict_load(self, module: nn.Module, incompatible: Any) -> None:
         if self._engine is not None and self._binder.model is module:

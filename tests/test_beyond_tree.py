@@ -702,7 +702,7 @@ class _MoEModel(nn.Module):
         for e in range(NE):
             t = weights[f"experts.{e}.w"]
             if via == "tolist":  # the slots the map gives the expert
-                slots = l2p[e, : int(count[e])].tolist()
+                slots = l2p[e].tolist()[: count.tolist()[e]]
             elif via == "item":
                 slots = [int(l2p[e, r].item()) for r in range(int(count[e].item()))]
             else:  # the initial placement: slot s <- expert s % NE

@@ -19,13 +19,15 @@ by the evidence it left:
   refreshed from the logical experts;
 - every write into the weights copied values computed from the model's state (a
   rebalance moving slot contents, `w[a].copy_(w[b])`): no raw values were loaded;
-- the load read the map (a number taken from it, `int(map[e])`, `.item()`, or values
-  gathered through it, `w.copy_(ckpt[map])`): written through the map.
+- the load read the map (numbers taken from it, `int(map[e])`, `.item()`, `.tolist()`,
+  or values gathered through it, `w.copy_(ckpt[map])`): written through the map.
 
 Otherwise it is refused by name, and every freshness check repeats the refusal until a
 load writes the weights through the map, or the map places each slot's checkpoint
 expert again. Loads keep the ops that write the weights (`weight_keys`) and follow what
-they compute from the maps (`map_keys`).
+they compute from the maps (`map_keys`); a load that begins while a map moved experts
+also notes the numbers it reads out of the maps in Python (`MapReads`: `.tolist()` takes
+them without an op the trackers see).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from graphsafe._errors import GraphSafetyError, StaleError
 from graphsafe._lineage.recorder import DERIVED_COPY
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key
 
-__all__ = ["ExpertLayouts", "Layout", "MapRef"]
+__all__ = ["ExpertLayouts", "Layout", "MapReads", "MapRef"]
 
 P2L = "physical_to_logical_map"
 """A 1-D map: the logical expert of each physical slot (SGLang's, per layer)."""
@@ -296,6 +299,12 @@ class ExpertLayouts:
             kept = self._followed = (weights, maps, weights | maps)
         return kept[2]
 
+    def moved_maps(self) -> frozenset[int]:
+        """The storage keys of the maps that place some slot's expert elsewhere than
+        checkpoint order now (a load that begins so notes its reads of them)."""
+        return frozenset().union(*(lay.map_keys() for lay in self.layouts()
+                                   if (slots := lay.slots()) is not None and slots.moved()))
+
     def judge(
         self,
         written: Container[int],
@@ -305,6 +314,7 @@ class ExpertLayouts:
         derived: Container[int],
         what: str,
         model_class: str,
+        read: Container[int] = (),
     ) -> StaleError | None:
         """What a load that ended did to the layouts: the refusal standing, or None.
 
@@ -316,6 +326,7 @@ class ExpertLayouts:
             derived: The storage keys derivations read (a map read by one is derived).
             what: The load, for messages.
             model_class: The model's class, for messages.
+            read: The maps' storage keys it read numbers out of (`MapReads`).
         """
         taken = list(taken)
         for lay in self.layouts():
@@ -334,7 +345,7 @@ class ExpertLayouts:
                 continue
             raw = [p for p in wrote if any(op != DERIVED_COPY for op in ops.get(keys[p], ()))
                    or not ops.get(keys[p])]
-            if not raw or _read(maps, tainted, taken):
+            if not raw or any(k in read for k in maps) or _read(maps, tainted, taken):
                 self.refused.pop(lay.path, None)  # moved from model state, or through the map
                 continue
             self.refused[lay.path] = (tuple(raw), (
@@ -374,6 +385,31 @@ def _read(maps: frozenset[int], tainted: Mapping[int, tuple[tuple[int, ...], str
     and still holds, came from one."""
     return (any(not maps.isdisjoint(src) for src in taken)
             or any(not maps.isdisjoint(src) for src, _ in tainted.values()))
+
+
+class MapReads(TorchFunctionMode):
+    """Notes, in the threads of a load, the maps (`keys`: storage keys) it reads numbers
+    out of in Python: `.tolist()`, `.item()`, `int()`, `float()`, `operator.index()`,
+    `.numpy()` of a map or a view of one (`read`)."""
+
+    def __init__(self, keys: frozenset[int]) -> None:
+        super().__init__()
+        self.keys = keys
+        self.read: set[int] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        if func in _READS and args and isinstance(args[0], torch.Tensor):
+            with PLAIN():
+                key = storage_key(args[0])
+            if key in self.keys:
+                self.read.add(key)
+        return func(*args, **(kwargs or {}))
+
+
+_READS = frozenset({torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__,
+                    torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy})
+"""How a number leaves a tensor into Python."""
 
 
 def without(keys: frozenset[int], tainted: dict[int, tuple[tuple[int, ...], str]],

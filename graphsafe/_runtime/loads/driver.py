@@ -28,7 +28,7 @@ from graphsafe._lineage.discovery import Discovery
 from graphsafe._lineage.resolve import atoms_of
 from graphsafe._lineage.rewrites import rewritten_error
 from graphsafe._memory.journal import Journal
-from graphsafe._runtime.bind.experts import without
+from graphsafe._runtime.bind.experts import MapReads, without
 from graphsafe._runtime.loads.debts import Debts, Owed
 from graphsafe._runtime.loads.deferred import Deferred
 from graphsafe._runtime.loads.load import Load, LoaderClosed, awaited, steps
@@ -233,15 +233,19 @@ class LoadDriver:
         sequenced, follow = self._discovery.sequenced_keys(), None
         experts = self._binder.experts
         experts.find(self._binder.model, before, before.by_path)
+        moved = frozenset[int]()
         if experts:  # the ops writing expert weights, what is taken from their maps
             sequenced, follow = sequenced | experts.weight_keys(), experts.follow(
                 before.weight_keys)
+            moved = experts.moved_maps()
         load = self._load = Load.begin(
             engine, self._journal, pinned=self._pinned(),
             everything=before.key_set.union(outside) if outside else before.key_set,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
             sequenced=sequenced, walked=before.rows, follow=follow,
         )
+        if moved:  # the numbers it reads out of them in Python, too
+            load.map_reads = MapReads(moved)
         if load.record:  # where the model keeps bools and small ints, read when needed
             load.lineage.note_places(atoms_of(self._binder.model))
             load.lineage.foreign = self._discovery.foreign_keys(self._binder.model)
@@ -302,7 +306,8 @@ class LoadDriver:
                 written, load.write_ops(), load.tracker.tainted(),
                 (t.sources for t in load.tracker.taken()),
                 self._engine.watch.by_storage() if self._engine is not None else (),
-                what, type(self._binder.model).__name__)
+                what, type(self._binder.model).__name__,
+                read=load.map_reads.read if load.map_reads is not None else ())
             if broken:  # the weights stay refused until a load writes them whole again
                 raise rewritten_error(broken)
             if tie is not None:  # refused until a load writes every side, or re-tied

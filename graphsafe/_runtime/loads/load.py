@@ -32,6 +32,7 @@ from graphsafe._lineage.threads import followed
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Identities
 from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.bind.experts import MapReads
 from graphsafe._runtime.refresh.engine import Engine
 from graphsafe._runtime.transient.transients import Transient
 from graphsafe._runtime.writes.tracking import (
@@ -65,6 +66,7 @@ class Load:
         "engine",
         "journal",
         "lineage",
+        "map_reads",
         "record",
         "sequenced",
         "stepping",
@@ -105,6 +107,9 @@ class Load:
         """Whether the loader's ops are recorded (`graphsafe._lineage.recorder.RECORDING`)."""
         self.weights: frozenset[int] = frozenset()
         """Storage keys of the model's weights when it began (for the recorder)."""
+        self.map_reads: MapReads | None = None
+        """The numbers its threads read out of expert maps that moved experts (set as
+        it begins, when there are such maps)."""
         self._written: set[int] = set()
         self._transient_written: set[Transient] = set()
         self._reports: Final[list[RefreshReport]] = []  # refreshes run in the middle of the load
@@ -252,12 +257,16 @@ class Load:
         tasks it starts are tracked too (`fork`)."""
         with self.tracker, followed(self), (
                 recording(self.lineage, self.weights) if self.record
-                else contextlib.nullcontext()):
+                else contextlib.nullcontext()), self._reading():
             self.stepping = True
             try:
                 yield
             finally:
                 self.stepping = False
+
+    def _reading(self) -> contextlib.AbstractContextManager[Any]:
+        """Note the numbers read out of expert maps in this thread, if any are watched."""
+        return self.map_reads if self.map_reads is not None else contextlib.nullcontext()
 
     def fork(self) -> contextlib.AbstractContextManager[None]:
         """What a thread the loader starts, or a task it hands to a pool, runs under: a
@@ -269,7 +278,7 @@ class Load:
     def _tracked_thread(self) -> Iterator[None]:
         tracker = self._worker_tracker(None)
         try:
-            with tracker:
+            with tracker, self._reading():
                 yield
         finally:
             with self._cond:

@@ -222,7 +222,8 @@ class Runtime(metaclass=_OnePerModel):
                 path under the module (`"dispatch.p2l"`), or a callable returning the
                 tensor (a map kept outside the model), read at each load's end.
             weights: The names of the stacked weights under the module (None: each
-                parameter whose first dimension is the number of slots).
+                parameter whose first dimension is the number of slots; empty: none, for
+                weights kept in logical order beside a map of the names graphsafe finds).
             experts: The number of logical experts (None: the map's largest plus one).
 
         Raises:

@@ -915,3 +915,36 @@ def test_the_slots_of_an_expert_parallel_rank_are_judged_by_its_own_map(rank: in
     with pytest.raises(gs.StaleError, match=r"slot 0 from expert 1 \(checkpoint order: 0\), "
                        r"slot 1 from expert 2 \(checkpoint order: 1\)"):
         m.load_weights(_moe_checkpoint(1))
+
+
+@gs.graphsafe
+class LogicalOrderMoE(nn.Module):
+    """Keeps the experts in logical order and reads them through the map at each forward:
+    a raw load in checkpoint order is right here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(NE, DE, DE), requires_grad=False)
+        self.physical_to_logical_map = torch.tensor([2, 0, 1])
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("td,tde->te", x, self.w[logical])
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for e in range(NE):
+            self.w.data[e].copy_(weights[f"experts.{e}.w"])
+
+
+@pytest.mark.parametrize("opted_out", [True, False], ids=["weights=[]", "control-found"])
+def test_weights_in_logical_order_beside_a_known_map_opt_out_by_declaring_none(
+        opted_out: bool) -> None:
+    m = LogicalOrderMoE()
+    if opted_out:
+        gs.runtime(m).expert_layout("", physical_to_logical="physical_to_logical_map",
+                                    weights=[])
+        m.load_weights(_moe_checkpoint(1))
+        assert torch.allclose(m(torch.ones(NE, DE), torch.arange(NE)),
+                              _right(_moe_checkpoint(1)))
+    else:
+        with pytest.raises(gs.StaleError, match="checkpoint order"):
+            m.load_weights(_moe_checkpoint(1))

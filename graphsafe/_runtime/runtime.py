@@ -220,7 +220,7 @@ class Runtime(metaclass=_OnePerModel):
             path: The module's dotted path (`"layers.3.mlp.experts"`).
             physical_to_logical: The logical expert of each physical slot: an attribute
                 path under the module (`"dispatch.p2l"`), or a callable returning the
-                tensor (a map kept outside the model), read at each load's end.
+                tensor (a map kept outside the model), read as each load begins and ends.
             weights: The names of the stacked weights under the module (None: each
                 parameter whose first dimension is the number of slots; empty: none, for
                 weights kept in logical order beside a map of the names graphsafe finds).

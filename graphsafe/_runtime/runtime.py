@@ -231,8 +231,12 @@ class Runtime(metaclass=_OnePerModel):
                 the module does not hold.
 
         Examples:
-            >>> gs.runtime(model).expert_layout(
-            ...     "layers.0.moe", physical_to_logical="p2l")  # doctest: +SKIP
+            >>> import graphsafe as gs
+            >>> model = nn.Module()
+            >>> model.moe = nn.Module()
+            >>> model.moe.w = nn.Parameter(torch.zeros(3, 2))  # [slots, ...]
+            >>> model.moe.slot_expert = torch.tensor([2, 0, 1])
+            >>> gs.runtime(model).expert_layout("moe", physical_to_logical="slot_expert")
         """
         with self._lock:
             self._binder.experts.declare(self.model, path, physical_to_logical, weights,

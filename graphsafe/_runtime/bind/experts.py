@@ -201,7 +201,7 @@ class ExpertLayouts:
         self._followed: tuple[frozenset[int], frozenset[int], frozenset[int]] | None = None
         self._declared: dict[str, Layout] = {}
         self._found: dict[str, Layout] = {}
-        self._walk: object = None
+        self._walk: frozenset[int] | None = None
         self.refused: dict[str, tuple[tuple[str, ...], str]] = {}
         """Module path -> the weights the last load that wrote them left in checkpoint
         order, and why it was refused."""
@@ -214,9 +214,10 @@ class ExpertLayouts:
         return [*self._declared.values(),
                 *(lay for p, lay in self._found.items() if p not in self._declared)]
 
-    def find(self, model: nn.Module, walk: object, paths: Iterable[str]) -> None:
+    def find(self, model: nn.Module, walk: frozenset[int], paths: Iterable[str]) -> None:
         """Find the layouts held under the known names among `paths` (every tensor path
-        of the model, from the walk `walk`; nothing is done while it is the same)."""
+        of the model), from the walk whose key set is `walk` (`ModelMap.key_set`: kept,
+        it holds no tensor alive; nothing is done while it is the same object)."""
         if walk is self._walk:
             return
         self._walk = walk

@@ -232,7 +232,7 @@ class LoadDriver:
         untied = self._binder.ties.broken(self._binder.model)  # ties a load must not break
         sequenced, follow = self._discovery.sequenced_keys(), None
         experts = self._binder.experts
-        experts.find(self._binder.model, before, before.by_path)
+        experts.find(self._binder.model, before.key_set, before.by_path)
         moved = frozenset[int]()
         if experts:  # the ops writing expert weights, what is taken from their maps
             sequenced, follow = sequenced | experts.weight_keys(), experts.follow(
@@ -336,7 +336,7 @@ class LoadDriver:
         storage key at each path, and the ties broken, now (and the expert layouts
         found, as a load's beginning finds them)."""
         found = self._binder.model_map()
-        self._binder.experts.find(self._binder.model, found, found.by_path)
+        self._binder.experts.find(self._binder.model, found.key_set, found.by_path)
         return found.by_path, self._binder.ties.broken(self._binder.model)
 
     def _after_state_dict_load(self, module: nn.Module, incompatible: Any) -> None:

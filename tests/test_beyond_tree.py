@@ -8,7 +8,10 @@ case comes with its control: the same capture replayed unguarded reads the stale
 
 from __future__ import annotations
 
+import contextlib
 import re
+import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -692,3 +695,297 @@ def test_a_dtype_view_of_a_weight_is_no_false_alarm(copy: bool) -> None:
         return
     g.replay()  # the view reads the new weight: correct, and no alarm
     assert torch.allclose(y, _expected(_head(1)))
+
+
+# -----------------------------------------------------------------------------
+# Expert layouts from a balancer: physical slots written in checkpoint order
+
+NE, NP, DE = 3, 5, 2  # logical experts, physical slots, expert width
+INITIAL = [[0, 3], [1, 4], [2, -1]]  # slot s serves expert s % NE: the checkpoint's order
+MOVED = [[2, 4], [0, 1], [3, -1]]  # after a rebalance
+
+
+class _Experts(nn.Module):
+    """vLLM's `FusedMoE` as the balancer sees it: stacked weights by physical slot and
+    the map beside them (`set_eplb_state`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(NP, DE, DE), requires_grad=False)
+        self.logical_to_physical_map = torch.tensor(INITIAL)
+        self.logical_replica_count = torch.tensor([2, 2, 1])
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        slot = self.logical_to_physical_map[logical, 0]  # [T]: each token's physical slot
+        return torch.einsum("td,tde->te", x, self.w13_weight[slot])  # [T, DE]
+
+
+class _MoEModel(nn.Module):
+    """Loads the checkpoint's experts (`experts.{e}.w`) into the physical slots: in
+    checkpoint order (the initial placement, prime-rl #3583), or through the map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Experts()])
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x, logical)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], via: str = "checkpoint") -> None:
+        ex = self.layers[0]
+        w, l2p, count = ex.w13_weight.data, ex.logical_to_physical_map, ex.logical_replica_count
+        if via == "gather":  # every slot at once, gathered through the map
+            p2l = torch.zeros(NP, dtype=torch.long)
+            for e in range(NE):
+                p2l[l2p[e, : count[e]]] = e
+            w.copy_(torch.stack([weights[f"experts.{e}.w"] for e in range(NE)])[p2l])
+            return
+        for e in range(NE):
+            t = weights[f"experts.{e}.w"]
+            if via == "tolist":  # the slots the map gives the expert
+                slots = l2p[e].tolist()[: count.tolist()[e]]
+            elif via == "item":
+                slots = [int(l2p[e, r].item()) for r in range(int(count[e].item()))]
+            else:  # the initial placement: slot s <- expert s % NE
+                slots = [s for s in range(NP) if s % NE == e]
+            for s in slots:
+                w[s].copy_(t)
+
+
+@gs.graphsafe
+class EplbModel(_MoEModel):
+    pass
+
+
+def _moe_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"experts.{e}.w": torch.randn(DE, DE, generator=g) for e in range(NE)}
+
+
+def _right(ckpt: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What each token is served: token t routed to logical expert t."""
+    return torch.stack([torch.ones(DE) @ ckpt[f"experts.{e}.w"] for e in range(NE)])
+
+
+def _rebalance(m: _MoEModel, new: list[list[int]]) -> Callable[[], None]:
+    """The balancer's move while serving: each slot's contents from the old slot of its
+    expert, then the map, together. The moves are planned first (from the balancer's own
+    record), so the move itself reads no map."""
+    ex = m.layers[0]
+    old = ex.logical_to_physical_map.tolist()
+    moves = [(p, old[e][0]) for e, row in enumerate(new) for p in row if p >= 0]
+
+    def move() -> None:
+        w = ex.w13_weight.data
+        held = w.clone()
+        for dst, src in moves:
+            w[dst].copy_(held[src])
+        ex.logical_to_physical_map.copy_(torch.tensor(new))
+
+    return move
+
+
+def _moe_capture(model_class: type[_MoEModel], *, moved: bool
+                 ) -> tuple[_MoEModel, gs.Graph, torch.Tensor]:
+    m = model_class()
+    m.load_weights(_moe_checkpoint(0))
+    guard = m if isinstance(m, EplbModel) else None
+    g = gs.Graph(backend="cpu", guard=guard)
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(NE, DE), torch.arange(NE))
+    if moved:
+        move = _rebalance(m, MOVED)
+        with gs.weight_update(m) if guard is not None else contextlib.nullcontext():
+            move()
+    return m, g, y
+
+
+def test_a_sync_in_checkpoint_order_under_a_moved_map_is_refused_by_name() -> None:
+    m, g, _ = _moe_capture(EplbModel, moved=True)
+    with pytest.raises(gs.StaleError, match=(
+            r"(?s)\(layers\.0\) under a balancer's map.*tensor: +layers\.0\.w13_weight.*"
+            r"never read the map layers\.0\.logical_to_physical_map.*slot 0 from expert 1 "
+            r"\(checkpoint order: 0\).*fix:.*place_experts.*write through the map")):
+        m.load_weights(_moe_checkpoint(1))
+    with pytest.raises(gs.StaleError, match="written in checkpoint order"):
+        g.replay()  # refused until a load writes through the map
+
+
+def test_control_unguarded_a_sync_in_checkpoint_order_serves_the_wrong_expert() -> None:
+    m, g, y = _moe_capture(_MoEModel, moved=True)
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(0)))  # the rebalance itself is right
+    m.load_weights(_moe_checkpoint(1))
+    g.replay()
+    assert not torch.allclose(y[0], _right(_moe_checkpoint(1))[0])  # expert 1 for token 0
+
+
+@pytest.mark.parametrize("via", ["tolist", "item", "gather"])
+def test_a_sync_through_the_map_is_no_false_alarm(via: str) -> None:
+    m, g, y = _moe_capture(EplbModel, moved=True)
+    m.load_weights(_moe_checkpoint(1), via=via)
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(1)))
+
+
+def test_a_sync_through_the_map_lifts_the_refusal() -> None:
+    m, g, y = _moe_capture(EplbModel, moved=True)
+    with pytest.raises(gs.StaleError):
+        m.load_weights(_moe_checkpoint(1))
+    m.load_weights(_moe_checkpoint(2), via="tolist")
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(2)))
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["in-an-update", "outside-any-load"])
+def test_a_rebalance_in_place_while_serving_is_no_false_alarm(inside: bool) -> None:
+    m, g, y = _moe_capture(EplbModel, moved=False)
+    m.load_weights(_moe_checkpoint(1))  # the initial placement: checkpoint order is right
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(1)))
+    move = _rebalance(m, MOVED)
+    with gs.weight_update(m) if inside else contextlib.nullcontext():
+        move()
+    g.replay()
+    assert torch.allclose(y, _right(_moe_checkpoint(1)))
+    # The control: the map moved, so the same sync in checkpoint order is refused now.
+    with pytest.raises(gs.StaleError, match="checkpoint order"):
+        m.load_weights(_moe_checkpoint(2))
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["after-a-load", "first-call"])
+def test_a_load_state_dict_of_the_slots_under_a_moved_map_is_refused(first: bool) -> None:
+    if first:  # bound, but no load found the layout before
+        m: _MoEModel = EplbModel()
+        assert gs.runtime(m).derivations == ()
+        m.layers[0].logical_to_physical_map.copy_(torch.tensor(MOVED))
+    else:
+        m, _, _ = _moe_capture(EplbModel, moved=True)
+    w = torch.stack([_moe_checkpoint(1)[f"experts.{s % NE}.w"] for s in range(NP)])
+    with pytest.raises(gs.StaleError, match=r"load_state_dict wrote layers\.0\.w13_weight"):
+        m.load_state_dict({"layers.0.w13_weight": w})
+
+
+class _RoutedExperts(nn.Module):
+    """An engine that keeps the map under a name of its own, on a dispatch object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(NE, DE, DE), requires_grad=False)
+        self.dispatch = types.SimpleNamespace(slot_expert=torch.arange(NE))
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        slot = torch.argsort(self.dispatch.slot_expert)[logical]  # [T]
+        return torch.einsum("td,tde->te", x, self.w[slot])
+
+
+@gs.graphsafe
+class DeclaredModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = _RoutedExperts()
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        return self.moe(x, logical)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for e in range(NE):  # slot e <- expert e: checkpoint order
+            self.moe.w.data[e].copy_(weights[f"experts.{e}.w"])
+
+
+@pytest.mark.parametrize("declared", ["by-name", "by-callable", None],
+                         ids=["by-name", "by-callable", "control-undeclared"])
+def test_a_map_under_another_name_is_guarded_once_declared(declared: str | None) -> None:
+    m = DeclaredModel()
+    m.load_weights(_moe_checkpoint(0))
+    if declared:
+        gs.runtime(m).expert_layout("moe", physical_to_logical="dispatch.slot_expert"
+                                    if declared == "by-name" else
+                                    lambda: m.moe.dispatch.slot_expert)
+    m.moe.dispatch.slot_expert.copy_(torch.tensor([2, 0, 1]))  # a permutation of slots
+    m.moe.w.data.copy_(m.moe.w.data[[2, 0, 1]].clone())  # moved with it
+    assert torch.allclose(m(torch.ones(NE, DE), torch.arange(NE)), _right(_moe_checkpoint(0)))
+    if declared:
+        where = r"moe\.dispatch\.slot_expert" if declared == "by-name" else r"moe \(declared"
+        with pytest.raises(gs.StaleError, match="moe\\.w with loaded values and never read "
+                           f"the map {where}"):
+            m.load_weights(_moe_checkpoint(1))
+    else:  # unrefused, and wrong: nothing told graphsafe of the map
+        m.load_weights(_moe_checkpoint(1))
+        y = m(torch.ones(NE, DE), torch.arange(NE))
+        assert not torch.allclose(y, _right(_moe_checkpoint(1)))
+
+
+def test_declaring_a_layout_refuses_what_is_not_one() -> None:
+    m = DeclaredModel()
+    rt = gs.runtime(m)
+    with pytest.raises(gs.GraphSafetyError, match="no module at 'mo'"):
+        rt.expert_layout("mo", physical_to_logical="dispatch.slot_expert")
+    with pytest.raises(gs.GraphSafetyError, match=r"(?s)not a 1-D integer.*got: +nothing"):
+        rt.expert_layout("moe", physical_to_logical="dispatch.nothing")
+    with pytest.raises(gs.GraphSafetyError, match="holds no tensor 'w2'"):
+        rt.expert_layout("moe", physical_to_logical="dispatch.slot_expert", weights=["w2"])
+
+
+@gs.graphsafe
+class EpRank(nn.Module):
+    """One expert-parallel rank of two (vLLM's `FusedMoE` with `expert_map`): global
+    physical slots 3r..3r+2 are its local slots 0..2."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(NE, DE, DE), requires_grad=False)
+        local = torch.full((2 * NE,), -1)
+        local[rank * NE:(rank + 1) * NE] = torch.arange(NE)
+        self.register_buffer("_expert_map", local, persistent=False)
+        self.logical_to_physical_map = torch.tensor([[0, 5], [1, 3], [2, 4]])  # moved rank 1
+        self.logical_replica_count = torch.tensor([2, 2, 2])
+        self.rank = rank
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for j in range(NE):  # the initial placement: global slot g <- expert g % NE
+            self.w13_weight.data[j].copy_(weights[f"experts.{(self.rank * NE + j) % NE}.w"])
+
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["moved-rank", "control-rank-not-moved"])
+def test_the_slots_of_an_expert_parallel_rank_are_judged_by_its_own_map(rank: int) -> None:
+    m = EpRank(rank)
+    if rank == 0:  # the map left its slots where the checkpoint's order puts them
+        m.load_weights(_moe_checkpoint(1))
+        return
+    with pytest.raises(gs.StaleError, match=r"slot 0 from expert 1 \(checkpoint order: 0\), "
+                       r"slot 1 from expert 2 \(checkpoint order: 1\)"):
+        m.load_weights(_moe_checkpoint(1))
+
+
+@gs.graphsafe
+class LogicalOrderMoE(nn.Module):
+    """Keeps the experts in logical order and reads them through the map at each forward:
+    a raw load in checkpoint order is right here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(NE, DE, DE), requires_grad=False)
+        self.physical_to_logical_map = torch.tensor([2, 0, 1])
+
+    def forward(self, x: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("td,tde->te", x, self.w[logical])
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for e in range(NE):
+            self.w.data[e].copy_(weights[f"experts.{e}.w"])
+
+
+@pytest.mark.parametrize("opted_out", [True, False], ids=["weights=[]", "control-found"])
+def test_weights_in_logical_order_beside_a_known_map_opt_out_by_declaring_none(
+        opted_out: bool) -> None:
+    m = LogicalOrderMoE()
+    if opted_out:
+        gs.runtime(m).expert_layout("", physical_to_logical="physical_to_logical_map",
+                                    weights=[])
+        m.load_weights(_moe_checkpoint(1))
+        assert torch.allclose(m(torch.ones(NE, DE), torch.arange(NE)),
+                              _right(_moe_checkpoint(1)))
+    else:
+        with pytest.raises(gs.StaleError, match="checkpoint order"):
+            m.load_weights(_moe_checkpoint(1))

@@ -692,3 +692,57 @@ def test_place_experts_refuses_a_map_naming_no_expert() -> None:
         fn(BalancedMoE(), _experts(0), torch.tensor([0, 7]))
     with pytest.raises(gs.GraphSafetyError, match=r"dtype torch\.float32"):
         fn(BalancedMoE(), _experts(0), torch.tensor([0.0, 1.0]))
+
+
+class _PermutedSlots(nn.Module):
+    """As many slots as experts, permuted by a balancer; the map under the name vLLM and
+    SGLang give it, so a load's writes into `experts` are judged as an expert layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.zeros(E, D, D), requires_grad=False)
+        self.register_buffer("physical_to_logical_map", torch.tensor([2, 0, 1]),
+                             persistent=False)
+
+    def load_weights(self, weights: dict[str, Tensor]) -> None:
+        for name, w in weights.items():  # the checkpoint's logical order
+            gs.load_into(self.get_parameter(name), w, name=name)
+
+
+@gs.graphsafe
+class PlacedMoE(_PermutedSlots):
+    """The slots declared from the logical experts and the map: loads write `experts` in
+    logical order, as the checkpoint holds them."""
+
+    _physical = recipes.derive("physical", inputs=["experts", "physical_to_logical_map"],
+                               fn=recipes.place_experts())
+
+    def forward(self, x: Tensor, slots: Tensor) -> Tensor:
+        return torch.einsum("td,tde->te", x, self.physical[slots])  # [T, D]
+
+
+@gs.graphsafe
+class UnplacedMoE(_PermutedSlots):
+    """The control: `experts` serves as the physical slots themselves."""
+
+    def forward(self, x: Tensor, slots: Tensor) -> Tensor:
+        return torch.einsum("td,tde->te", x, self.experts[slots])  # [T, D]
+
+
+@pytest.mark.parametrize("model_class", [PlacedMoE, UnplacedMoE],
+                         ids=["place_experts", "control-no-recipe"])
+def test_place_experts_under_a_balancers_map_is_no_false_alarm(
+        model_class: type[_PermutedSlots]) -> None:
+    m = model_class()
+    x, slots = torch.ones(E, D), torch.arange(E)
+    if model_class is PlacedMoE:
+        m.load_weights({"experts": _experts(1)})
+        assert torch.allclose(m(x, slots), _served(_experts(1), m.physical_to_logical_map,
+                                                   x, slots))
+    else:  # the same load into slots the map permuted: each token the wrong expert
+        with pytest.raises(gs.StaleError, match=r"(?s)the root \(UnplacedMoE\).*experts "
+                           r"with loaded values and never read the map "
+                           r"physical_to_logical_map.*place_experts"):
+            m.load_weights({"experts": _experts(1)})
+        assert not torch.allclose(m(x, slots), _served(
+            _experts(1), m.physical_to_logical_map, x, slots))

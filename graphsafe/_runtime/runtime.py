@@ -202,6 +202,46 @@ class Runtime(metaclass=_OnePerModel):
             for path in paths:
                 self._binder.ties.untie(path, type(self.model).__name__)
 
+    def expert_layout(
+        self,
+        path: str,
+        *,
+        physical_to_logical: str | Callable[[], torch.Tensor],
+        weights: Sequence[str] | None = None,
+        experts: int | None = None,
+    ) -> None:
+        """Declare that the module at `path` holds stacked expert weights whose physical
+        slots a balancer maps to logical experts, for an engine that keeps the map under
+        a name graphsafe does not know (`physical_to_logical_map`,
+        `logical_to_physical_map` are found). A load that writes the weights with loaded
+        values in checkpoint order while the map moved experts is then refused.
+
+        Args:
+            path: The module's dotted path (`"layers.3.mlp.experts"`).
+            physical_to_logical: The logical expert of each physical slot: an attribute
+                path under the module (`"dispatch.p2l"`), or a callable returning the
+                tensor (a map kept outside the model), read as each load begins and ends.
+            weights: The names of the stacked weights under the module (None: each
+                parameter whose first dimension is the number of slots; empty: none, for
+                weights kept in logical order beside a map of the names graphsafe finds).
+            experts: The number of logical experts (None: the map's largest plus one).
+
+        Raises:
+            GraphSafetyError: No module at `path`, no 1-D integer map, or a named weight
+                the module does not hold.
+
+        Examples:
+            >>> import graphsafe as gs
+            >>> model = nn.Module()
+            >>> model.moe = nn.Module()
+            >>> model.moe.w = nn.Parameter(torch.zeros(3, 2))  # [slots, ...]
+            >>> model.moe.slot_expert = torch.tensor([2, 0, 1])
+            >>> gs.runtime(model).expert_layout("moe", physical_to_logical="slot_expert")
+        """
+        with self._lock:
+            self._binder.experts.declare(self.model, path, physical_to_logical, weights,
+                                         experts)
+
     def adopt(self, *paths: str) -> tuple[Discovered, ...]:
         """Refresh the discovered tensors at `paths` (all if none) in place when they are
         stale and a replay repairs (`on_stale="refresh"`), like declared derivations.
@@ -307,6 +347,9 @@ class Runtime(metaclass=_OnePerModel):
         tie = self._binder.tie_error()
         if tie is not None:  # a load broke a tie, or wrote one side of a broken one
             raise tie
+        layout = self._binder.expert_error()
+        if layout is not None:  # a load wrote expert slots in checkpoint order
+            raise layout
         if self._discovery:
             if not self._holders:  # pinned, the ledger sees a replaced module
                 self._discovery.rehome(self.model)

@@ -4,7 +4,10 @@ An expert-load balancer (vLLM's and SGLang's EPLB) serves each logical expert fr
 more physical slots and moves experts between slots while serving. The slots are a
 function of the logical experts and the current map; declared so, a load of the experts
 and a rebalance of the map both refresh them in place, and a map written outside any
-load is stale, not silently served.
+load is stale, not silently served. Without it, a load that writes the slots in
+checkpoint order under a map that moved experts is refused by name (the runtime's
+expert layouts: the map found by the names engines give it, or
+`Runtime.expert_layout`).
 """
 
 from __future__ import annotations

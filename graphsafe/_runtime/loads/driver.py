@@ -28,6 +28,7 @@ from graphsafe._lineage.discovery import Discovery
 from graphsafe._lineage.resolve import atoms_of
 from graphsafe._lineage.rewrites import rewritten_error
 from graphsafe._memory.journal import Journal
+from graphsafe._runtime.bind.experts import MapReads, without
 from graphsafe._runtime.loads.debts import Debts, Owed
 from graphsafe._runtime.loads.deferred import Deferred
 from graphsafe._runtime.loads.load import Load, LoaderClosed, awaited, steps
@@ -229,12 +230,22 @@ class LoadDriver:
         engine, before = self._binder.bound(self._pinned())
         outside = self._discovery.outside_keys()  # caches the graphs read, no model holds
         untied = self._binder.ties.broken(self._binder.model)  # ties a load must not break
+        sequenced, follow = self._discovery.sequenced_keys(self._binder.model), None
+        experts = self._binder.experts
+        experts.find(self._binder.model, before.key_set, before.by_path)
+        moved = frozenset[int]()
+        if experts:  # the ops writing expert weights, what is taken from their maps
+            sequenced, follow = sequenced | experts.weight_keys(), experts.follow(
+                before.weight_keys)
+            moved = experts.moved_maps()
         load = self._load = Load.begin(
             engine, self._journal, pinned=self._pinned(),
             everything=before.key_set.union(outside) if outside else before.key_set,
             writes=writes, weights=before.weight_keys, record=self._discovery.wants_record(),
-            sequenced=self._discovery.sequenced_keys(self._binder.model), walked=before.rows,
+            sequenced=sequenced, walked=before.rows, follow=follow,
         )
+        if moved:  # the numbers it reads out of them in Python, too
+            load.map_reads = MapReads(moved)
         if load.record:  # where the model keeps bools and small ints, read when needed
             load.lineage.note_places(atoms_of(self._binder.model))
             load.lineage.foreign = self._discovery.foreign_keys(self._binder.model)
@@ -273,7 +284,10 @@ class LoadDriver:
                 self._discovery.failed()  # what it rebuilt is not taken for fresh
             self._debts.settle(self._binder, load, what, exc, before)
         if exc is None:
-            tainted = load.tracker.tainted()  # what it computed from the weights
+            experts = self._binder.experts
+            maps = experts.map_keys() if experts else frozenset()
+            # What it computed from the weights (and, followed apart, from expert maps).
+            tainted, taken = without(maps, load.tracker.tainted(), load.tracker.taken())
             broken = self._discovery.judge_rewrites(self._binder.model, written,
                                                     load.write_ops(), before, tainted)
             if load.record:  # what it made; its forwards until the capture are recorded on
@@ -282,17 +296,24 @@ class LoadDriver:
                                      bring_up=load.weights)
             else:
                 self._discovery.after_load(self._binder.model, written, tainted,
-                                           lambda: self._binder.walked().sites,
-                                           load.tracker.taken())
+                                           lambda: self._binder.walked().sites, taken)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()
             tie = None if before is None else self._binder.ties.judge(
                 self._binder.model, untied, written, before, what)
+            layout = None if not experts else experts.judge(
+                written, load.write_ops(), load.tracker.tainted(),
+                (t.sources for t in load.tracker.taken()),
+                self._engine.watch.by_storage() if self._engine is not None else (),
+                what, type(self._binder.model).__name__,
+                read=load.map_reads.read if load.map_reads is not None else ())
             if broken:  # the weights stay refused until a load writes them whole again
                 raise rewritten_error(broken)
             if tie is not None:  # refused until a load writes every side, or re-tied
                 raise tie
+            if layout is not None:  # until a load writes through the map
+                raise layout
 
     # -- load_state_dict (hooks installed on the model) --------------------------------
 
@@ -312,9 +333,11 @@ class LoadDriver:
 
     def _state_dict_begins(self) -> tuple[dict[str, int], frozenset[tuple[str, ...]]]:
         """What a `load_state_dict` outside any load is judged against when it ends: the
-        storage key at each path, and the ties broken, now."""
-        return (self._binder.model_map().by_path,
-                self._binder.ties.broken(self._binder.model))
+        storage key at each path, and the ties broken, now (and the expert layouts
+        found, as a load's beginning finds them)."""
+        found = self._binder.model_map()
+        self._binder.experts.find(self._binder.model, found.key_set, found.by_path)
+        return found.by_path, self._binder.ties.broken(self._binder.model)
 
     def _after_state_dict_load(self, module: nn.Module, incompatible: Any) -> None:
         if self._engine is not None and self._binder.model is module:

@@ -32,6 +32,7 @@ from graphsafe._lineage.threads import followed
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Identities
 from graphsafe._memory.walk import storage_key
+from graphsafe._runtime.bind.experts import MapReads
 from graphsafe._runtime.refresh.engine import Engine
 from graphsafe._runtime.transient.transients import Transient
 from graphsafe._runtime.writes.tracking import (
@@ -65,6 +66,7 @@ class Load:
         "engine",
         "journal",
         "lineage",
+        "map_reads",
         "record",
         "sequenced",
         "stepping",
@@ -105,6 +107,9 @@ class Load:
         """Whether the loader's ops are recorded (`graphsafe._lineage.recorder.RECORDING`)."""
         self.weights: frozenset[int] = frozenset()
         """Storage keys of the model's weights when it began (for the recorder)."""
+        self.map_reads: MapReads | None = None
+        """The numbers its threads read out of expert maps that moved experts (set as
+        it begins, when there are such maps)."""
         self._written: set[int] = set()
         self._transient_written: set[Transient] = set()
         self._reports: Final[list[RefreshReport]] = []  # refreshes run in the middle of the load
@@ -134,13 +139,15 @@ class Load:
         record: bool = False,
         sequenced: frozenset[int] = frozenset(),
         walked: Identities | None = None,
+        follow: frozenset[int] | None = None,
     ) -> Load:
         """Begin a load: take (before pin) or refuse (after) what was rebound, and watch
         all of `everything` (the storage key of every model tensor), the derivations'
         inputs and their buffers; `writes`: see the class. `walked`: the rows of a walk
         whose check held just now (`ModelMap.rows`): where they record every input and
         buffer as the engine does, nothing was rebound and the engine's own pass is not
-        run again."""
+        run again. `follow`: the storages whose derivatives its tracker follows (None:
+        `weights`; an expert layout's maps are followed too)."""
         # Watch where the inputs are now: one rebound (before pin) through another model
         # sharing it is taken here, so that this load's writes into it are seen. The
         # inputs and buffers are watched whatever `everything` missed.
@@ -154,7 +161,7 @@ class Load:
             # What a later load makes from the weights in a new place (a LoRA merged into
             # a kernel's copy) is found without recording it: its tracker follows it. And
             # a weight rewritten in place by `copy_` is told from one loaded by it so.
-            load.tracker.taint(weights)
+            load.tracker.taint(weights if follow is None else follow)
         return load
 
     @classmethod
@@ -250,12 +257,16 @@ class Load:
         tasks it starts are tracked too (`fork`)."""
         with self.tracker, followed(self), (
                 recording(self.lineage, self.weights) if self.record
-                else contextlib.nullcontext()):
+                else contextlib.nullcontext()), self._reading():
             self.stepping = True
             try:
                 yield
             finally:
                 self.stepping = False
+
+    def _reading(self) -> contextlib.AbstractContextManager[Any]:
+        """Note the numbers read out of expert maps in this thread, if any are watched."""
+        return self.map_reads if self.map_reads is not None else contextlib.nullcontext()
 
     def fork(self) -> contextlib.AbstractContextManager[None]:
         """What a thread the loader starts, or a task it hands to a pool, runs under: a
@@ -267,7 +278,7 @@ class Load:
     def _tracked_thread(self) -> Iterator[None]:
         tracker = self._worker_tracker(None)
         try:
-            with tracker:
+            with tracker, self._reading():
                 yield
         finally:
             with self._cond:

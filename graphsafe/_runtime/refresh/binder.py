@@ -24,6 +24,7 @@ from graphsafe._errors import GraphSafetyError, RegistrationError, StaleError, S
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import Reach, storage_paths, walk, walk_tensors
 from graphsafe._runtime.bind.binding import Binding, bind
+from graphsafe._runtime.bind.experts import ExpertLayouts
 from graphsafe._runtime.bind.model_map import ModelMap
 from graphsafe._runtime.bind.ties import Ties
 from graphsafe._runtime.refresh.engine import Engine
@@ -45,7 +46,7 @@ class Binder:
     """
 
     __slots__ = ("_agreed", "_engine", "_journal", "_map", "_model_class", "_model_ref",
-                 "_on_bind", "_own", "_strict", "_ties", "registries")
+                 "_on_bind", "_own", "_strict", "_ties", "experts", "registries")
 
     def __init__(
         self,
@@ -72,6 +73,8 @@ class Binder:
         # (`bound`); whatever replaces either clears it.
         self._agreed = False
         self._ties: Ties | None = None
+        self.experts: Final = ExpertLayouts()
+        """The model's expert layouts, and the loads refused for writing them."""
 
     @property
     def alive(self) -> bool:
@@ -103,6 +106,10 @@ class Binder:
     def tie_error(self) -> StaleError | None:
         """The refusal of the ties loads broke (None: none, or no load recorded them)."""
         return None if self._ties is None else self._ties.error(self._model_class)
+
+    def expert_error(self) -> StaleError | None:
+        """The refusal of the expert layouts loads wrote in checkpoint order (None: none)."""
+        return self.experts.error(self._model_class)
 
     @property
     def strict(self) -> bool:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -41,7 +40,7 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError
 from graphsafe._lineage.entries import (
-    UNRECORDED,
+    AuditItem,
     Entry,
     read_place,
     ref_to,
@@ -50,7 +49,6 @@ from graphsafe._lineage.entries import (
 )
 from graphsafe._lineage.later import LaterValues, Taken, taken_again
 from graphsafe._lineage.outside import find_outside, find_outside_values
-from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import RECORDING, Lineage
 from graphsafe._lineage.refusals import (
     STRAY,
@@ -66,7 +64,6 @@ from graphsafe._lineage.refusals import (
 )
 from graphsafe._lineage.resolve import (
     Source,
-    arguments_now,
     find,
     find_rewrites,
     find_tainted,
@@ -117,25 +114,6 @@ class Discovered(BaseModel):
     """Whether stale values are recomputed in place (`Runtime.adopt`)."""
     refused: str | None
     """Why `Runtime.adopt` refused it, if it did."""
-
-
-class AuditItem(NamedTuple):
-    """A discovered tensor for the content audit: `held` (what the model holds) and
-    `recompute()` (its value from the current sources, out of place; None: cannot). A
-    handle with a registered probe has `probe()`: (the kernel's result with the handle on
-    a probe input, the reference result over its current sources), to agree within
-    `atol`/`rtol`; None if it cannot be run."""
-
-    path: str
-    held: torch.Tensor
-    recompute: Callable[[], torch.Tensor | None]
-    sources: tuple[str, ...]
-    opaque: bool
-    probe: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    atol: float = 0.0
-    rtol: float = 0.0
-    why: str = ""
-    """Why it cannot be recomputed, when that is known before trying."""
 
 
 class Discovery:
@@ -516,7 +494,7 @@ class Discovery:
 
     def audit_items(self) -> list[AuditItem]:
         """Every entry not exempted, for the content audit."""
-        items = [
+        items: list[AuditItem | None] = [
             AuditItem(r.path, torch.empty(0), lambda: None, r.sources, False,
                       why="a weight the post-load step rewrote in place: the loaded values "
                       "it was computed from are gone (the guard checks every later load's "
@@ -525,41 +503,8 @@ class Discovery:
         ]
         items += [AuditItem(what, torch.empty(0), lambda: None, paths, True, why=why)
                   for what, (paths, why) in self._unfollowed.items()]
-        for e in self._entries:
-            if e.path in self._exempt:
-                continue
-            why = "" if e.writer else UNRECORDED
-            if e.kind == "scalar":
-                now = e.value()
-                if type(now) in (int, float, bool):
-                    items.append(AuditItem(e.path, torch.tensor(now), e.recompute,
-                                           e.source_paths(), False, why=why))
-                else:
-                    items.append(AuditItem(e.path, torch.empty(0), lambda: None,
-                                           e.source_paths(), False,
-                                           why=f"it holds {type(now).__name__} now, no number"))
-                continue
-            held = e.held()
-            if e.kind == "handle" and held is None:  # an object, not an int in a tensor
-                found = PROBES.get(e.writer[0].name) if e.writer else None
-                items.append(AuditItem(
-                    e.path, torch.empty(0), e.recompute, e.source_paths(), True,
-                    None if found is None else _probing(e, e.value(), found.run),
-                    0.0 if found is None else found.atol, 0.0 if found is None else found.rtol,
-                    why=why,
-                ))
-                continue
-            if held is None:
-                continue
-            sources = e.source_paths()
-            probe = PROBES.get(e.writer[0].name) if e.opaque and e.writer else None
-            if probe is None:
-                items.append(AuditItem(e.path, held, e.recompute, sources, e.opaque,
-                                       why="" if e.writer else UNRECORDED))
-                continue
-            items.append(AuditItem(e.path, held, e.recompute, sources, e.opaque,
-                                   _probing(e, held, probe.run), probe.atol, probe.rtol))
-        return items
+        items += [e.audit_item() for e in self._entries if e.path not in self._exempt]
+        return [i for i in items if i is not None]
 
     # -- the guard's check ------------------------------------------------------------
 
@@ -653,15 +598,5 @@ def _sid(t: torch.Tensor) -> int:
         return int(t.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError):
         return 0
-
-
-def _probing(
-    e: Entry, held: object, run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-) -> Callable[[], tuple[torch.Tensor, torch.Tensor] | None]:
-    def probe() -> tuple[torch.Tensor, torch.Tensor] | None:
-        args = None if e.writer is None else arguments_now(e.writer[0], e.sources)
-        return None if args is None else run(held, args)
-
-    return probe
 
 

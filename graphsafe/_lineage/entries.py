@@ -4,7 +4,8 @@ where it is held and how it was made.
 `Place` says where (a module held weakly, its table or `__dict__`, the steps below it; or,
 for a tensor no model holds, the entry's own list); `Entry` holds what was witnessed
 computed there, the sources, the call that last wrote it, and, once pinned, the value or
-handle a graph holds. `refusal` says why an entry cannot be recomputed in place.
+handle a graph holds, and what the content audit recomputes for it (`AuditItem`). `refusal`
+says why an entry cannot be recomputed in place.
 """
 
 from __future__ import annotations
@@ -16,13 +17,20 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import Arg, Call
-from graphsafe._lineage.resolve import Found, Source, recompute, recompute_scalar
+from graphsafe._lineage.resolve import (
+    Found,
+    Source,
+    arguments_now,
+    recompute,
+    recompute_scalar,
+)
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, step, storage_key
 
-__all__ = ["AFTER_CAPTURE", "UNRECORDED", "Entry", "Place", "read_place", "ref_to", "refusal",
-           "same_number", "still_held"]
+__all__ = ["AFTER_CAPTURE", "UNRECORDED", "AuditItem", "Entry", "Place", "read_place", "ref_to",
+           "refusal", "same_number", "still_held"]
 
 
 class _AfterCapture:
@@ -75,6 +83,25 @@ def ref_to(value: object) -> Callable[[], object]:
     if isinstance(value, torch.Tensor):
         return weakref.ref(value)
     return lambda: value
+
+
+class AuditItem(NamedTuple):
+    """A discovered tensor for the content audit: `held` (what the model holds) and
+    `recompute()` (its value from the current sources, out of place; None: cannot). A
+    handle with a registered probe has `probe()`: (the kernel's result with the handle on
+    a probe input, the reference result over its current sources), to agree within
+    `atol`/`rtol`; None if it cannot be run."""
+
+    path: str
+    held: torch.Tensor
+    recompute: Callable[[], torch.Tensor | None]
+    sources: tuple[str, ...]
+    opaque: bool
+    probe: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    atol: float = 0.0
+    rtol: float = 0.0
+    why: str = ""
+    """Why it cannot be recomputed, when that is known before trying."""
 
 
 class Entry:
@@ -152,6 +179,35 @@ class Entry:
             return {storage_key(t) for s in self.sources
                     if isinstance(t := s.holder.get(s.key), torch.Tensor)}
 
+    def audit_item(self) -> AuditItem | None:
+        """What the content audit recomputes and compares for this entry (None: nothing
+        is held at its place now)."""
+        why = "" if self.writer else UNRECORDED
+        paths = self.source_paths()
+        if self.kind == "scalar":
+            now = self.value()
+            if type(now) in (int, float, bool):
+                return AuditItem(self.path, torch.tensor(now), self.recompute, paths, False,
+                                 why=why)
+            return AuditItem(self.path, torch.empty(0), lambda: None, paths, False,
+                             why=f"it holds {type(now).__name__} now, no number")
+        held = self.held()
+        if self.kind == "handle" and held is None:  # an object, not an int in a tensor
+            found = PROBES.get(self.writer[0].name) if self.writer else None
+            return AuditItem(
+                self.path, torch.empty(0), self.recompute, paths, True,
+                None if found is None else _probing(self, self.value(), found.run),
+                0.0 if found is None else found.atol, 0.0 if found is None else found.rtol,
+                why=why,
+            )
+        if held is None:
+            return None
+        probe = PROBES.get(self.writer[0].name) if self.opaque and self.writer else None
+        if probe is None:
+            return AuditItem(self.path, held, self.recompute, paths, self.opaque, why=why)
+        return AuditItem(self.path, held, self.recompute, paths, self.opaque,
+                         _probing(self, held, probe.run), probe.atol, probe.rtol)
+
     def moved(self) -> str | None:
         """Pinned: how the value a graph holds differs from what is held now (a scalar's
         value changed, a handle rebuilt), or None."""
@@ -167,6 +223,16 @@ class Entry:
             return (f"{type(was).__name__} at 0x{id(was):x} at capture, now "
                     f"{type(now).__name__} at 0x{id(now):x}")
         return None
+
+
+def _probing(
+    e: Entry, held: object, run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor] | None]:
+    def probe() -> tuple[torch.Tensor, torch.Tensor] | None:
+        args = None if e.writer is None else arguments_now(e.writer[0], e.sources)
+        return None if args is None else run(held, args)
+
+    return probe
 
 
 def same_number(a: object, b: object) -> bool:

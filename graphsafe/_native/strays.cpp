@@ -108,25 +108,6 @@ struct Context : at::ObserverContext {
   std::vector<int64_t> read;  // its arguments' keys (a result over one of them is a view)
 };
 
-template <class F>
-void each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    if (v.toTensor().defined()) {
-      f(v.toTensor());
-    }
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) {
-      if (t.defined()) {
-        f(t);
-      }
-    }
-  } else if (v.isList()) {
-    for (const c10::IValue& item : v.toListRef()) {
-      each_tensor(item, f);
-    }
-  }
-}
-
 bool same_storage(const Taint& taint, const at::Tensor& t) {
   if (!t.unsafeGetTensorImpl()->has_storage()) {
     return false;
@@ -300,22 +281,6 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
       taint(t, key, c->sources, c->op);
     });
   }
-}
-
-PyObject* key_tuple(const std::vector<int64_t>& keys_in) {
-  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(keys_in.size()));
-  if (out == nullptr) {
-    return nullptr;
-  }
-  for (size_t i = 0; i < keys_in.size(); ++i) {
-    PyObject* key = PyLong_FromLongLong(keys_in[i]);
-    if (key == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), key);
-  }
-  return out;
 }
 
 }  // namespace

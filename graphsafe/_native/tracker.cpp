@@ -89,26 +89,6 @@ thread_local std::vector<std::shared_ptr<Tracker>> active;
 thread_local at::CallbackHandle callback = 0;
 thread_local bool callback_outputs = false;  // whether `callback` asks for op results
 
-// Calls `f(tensor)` for every defined tensor in `v` (as `each_key` walks it).
-template <class F>
-void each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    if (v.toTensor().defined()) {
-      f(v.toTensor());
-    }
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) {
-      if (t.defined()) {
-        f(t);
-      }
-    }
-  } else if (v.isList()) {
-    for (const c10::IValue& item : v.toListRef()) {
-      each_tensor(item, f);
-    }
-  }
-}
-
 bool same_storage(const Taint& taint, const at::Tensor& t) {
   if (!t.unsafeGetTensorImpl()->has_storage()) {
     return false;
@@ -159,7 +139,7 @@ std::unique_ptr<at::ObserverContext> taint_start(
     if (overwrites && written(i)) {
       continue;  // its old value does not matter
     }
-    each_tensor(inputs[i], [&](const at::Tensor& t) {
+    graphsafe_native::each_tensor(inputs[i], [&](const at::Tensor& t) {
       const int64_t key = graphsafe_native::storage_key(t);
       if (key == 0) {
         return;
@@ -184,7 +164,7 @@ std::unique_ptr<at::ObserverContext> taint_start(
     if (i >= inputs.size()) {
       continue;
     }
-    each_tensor(inputs[i], [&](const at::Tensor& t) {
+    graphsafe_native::each_tensor(inputs[i], [&](const at::Tensor& t) {
       const int64_t key = graphsafe_native::storage_key(t);
       if (key == 0 || tr.weights->count(key) != 0) {
         return;  // a weight is a source, never derived (its rewrites are judged apart)
@@ -243,7 +223,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   Tracker& tr = *c->tracker;
   const std::vector<int64_t>& read = c->read;  // a result over one of them is a view
   for (const c10::IValue& v : fn.outputs()) {
-    each_tensor(v, [&](const at::Tensor& t) {
+    graphsafe_native::each_tensor(v, [&](const at::Tensor& t) {
       const int64_t key = graphsafe_native::storage_key(t);
       if (key != 0 && tr.weights->count(key) == 0) {
         // The op that returned it names it (an outer op ends after the ops it ran),
@@ -576,23 +556,6 @@ PyObject* tracker_taint(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-// A tuple of the storage keys `keys` (a new reference; nullptr with an exception set).
-PyObject* key_tuple(const std::vector<int64_t>& keys) {
-  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(keys.size()));
-  if (out == nullptr) {
-    return nullptr;
-  }
-  for (size_t i = 0; i < keys.size(); ++i) {
-    PyObject* key = PyLong_FromLongLong(keys[i]);
-    if (key == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), key);
-  }
-  return out;
-}
-
 // tracker_tainted(id) -> dict[int, tuple[tuple[int, ...], str]]: each storage still alive
 // that the load computed from the weights -> (their keys, the last op that wrote it).
 PyObject* tracker_tainted(PyObject* /*self*/, PyObject* id) {
@@ -608,7 +571,7 @@ PyObject* tracker_tainted(PyObject* /*self*/, PyObject* id) {
     if (entry.second.storage.expired()) {
       continue;
     }
-    PyObject* keys = key_tuple(*entry.second.sources);
+    PyObject* keys = graphsafe_native::key_tuple(*entry.second.sources);
     if (keys == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -644,7 +607,7 @@ PyObject* tracker_taken(PyObject* /*self*/, PyObject* id) {
     } else {
       value = PyUnicode_FromString(t.value.toStringRef().c_str());
     }
-    PyObject* keys = key_tuple(*t.sources);
+    PyObject* keys = graphsafe_native::key_tuple(*t.sources);
     if (value == nullptr || keys == nullptr) {
       Py_XDECREF(value);
       Py_XDECREF(keys);

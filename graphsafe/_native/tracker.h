@@ -1,6 +1,8 @@
 // What the sources of the module share: the method tables checks.cpp's module init
-// adds (the tracker's and observer's, the fingerprint's), and what tracker.cpp and observer.cpp both use (which arguments an op writes,
-// a tensor's storage key, the thread's count of tracked loads and quiet scopes).
+// adds (the tracker's, observer's and strays', the fingerprint's), and what tracker.cpp,
+// observer.cpp and strays.cpp use (which arguments an op writes, a tensor's storage key,
+// the tensors and keys of an op's arguments, the thread's count of tracked loads and
+// quiet scopes).
 
 #pragma once
 
@@ -16,8 +18,8 @@
 
 namespace graphsafe_native {
 
-// tracker_* (tracker.cpp), observer_* (observer.cpp) and strays_* (strays.cpp), ended by a null entry as
-// PyModule_AddFunctions expects.
+// tracker_* (tracker.cpp), observer_* (observer.cpp) and strays_* (strays.cpp), ended by
+// a null entry as PyModule_AddFunctions expects.
 extern PyMethodDef tracker_methods[];
 
 // fingerprint_* (fingerprint.cpp), likewise.
@@ -89,6 +91,43 @@ void each_key(const c10::IValue& v, F&& f) {
       each_key(item, f);
     }
   }
+}
+
+// Calls `f(tensor)` for every defined tensor in `v` (as `each_key` walks it).
+template <class F>
+void each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    if (v.toTensor().defined()) {
+      f(v.toTensor());
+    }
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) {
+      if (t.defined()) {
+        f(t);
+      }
+    }
+  } else if (v.isList()) {
+    for (const c10::IValue& item : v.toListRef()) {
+      each_tensor(item, f);
+    }
+  }
+}
+
+// A tuple of the storage keys `keys` (a new reference; nullptr with an exception set).
+inline PyObject* key_tuple(const std::vector<int64_t>& keys) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(keys.size()));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    PyObject* key = PyLong_FromLongLong(keys[i]);
+    if (key == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), key);
+  }
+  return out;
 }
 
 }  // namespace graphsafe_native

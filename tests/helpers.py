@@ -26,6 +26,8 @@ from torch import nn
 import graphsafe as gs
 
 __all__ = [
+    "HoldingLayer",
+    "HoldingStack",
     "Identity",
     "expected_scaled",
     "identities",
@@ -160,3 +162,23 @@ def expected_scaled(layer: nn.Module) -> dict[str, torch.Tensor]:
             "col_sum": torch.sum(w_scaled, dim=0),
             "bias2": torch.mul(layer.bias, 2.0),
         }
+
+
+class HoldingLayer(nn.Module):
+    """A parameter, a buffer, a plain tensor attribute and tensors inside a list: every
+    kind of place the compiled checks read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6), requires_grad=False)
+        self.register_buffer("b", torch.randn(6))
+        self.extra = torch.randn(3)  # a plain tensor attribute
+        self.listed = [torch.randn(2), torch.randn(2)]  # tensors inside a list
+
+
+class HoldingStack(nn.Module):
+    """Three `HoldingLayer`s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([HoldingLayer() for _ in range(3)])

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import HoldingLayer, HoldingStack
 from torch import nn
 
 import graphsafe as gs
@@ -41,19 +42,7 @@ def native() -> _native.Native:
     return found
 
 
-class Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(4, 6), requires_grad=False)
-        self.register_buffer("b", torch.randn(6))
-        self.extra = torch.randn(3)  # a plain tensor attribute
-        self.listed = [torch.randn(2), torch.randn(2)]  # tensors inside a list
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Layer() for _ in range(3)])
+Layer, Stack = HoldingLayer, HoldingStack
 
 
 def _data(make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Stack], None]:

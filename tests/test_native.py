@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HoldingStack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -52,19 +53,7 @@ def built() -> None:
         pytest.skip(f"the compiled guard cannot be built here: {exc}")
 
 
-class Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(4, 6), requires_grad=False)
-        self.register_buffer("b", torch.randn(6))
-        self.extra = torch.randn(3)  # a plain tensor attribute
-        self.listed = [torch.randn(2), torch.randn(2)]  # tensors inside a list
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Layer() for _ in range(3)])
+Model = HoldingStack
 
 
 Mutation = Callable[[Model, int], None]

@@ -44,6 +44,62 @@ def test_the_journal_forgets_a_storage_when_it_dies() -> None:
     assert not journal.poisoned_among(frozenset([key]))
 
 
+def test_poison_follows_a_storage_whose_bytes_move_and_frees_the_old_address() -> None:
+    # `share_memory_()` moves a live storage's bytes: the old address is freed for any
+    # new storage, while the poisoned storage is still the one a replay would read.
+    journal = Journal()
+    w = torch.zeros(1024)
+    old = storage_key(w)
+    journal.advance([old], "a load", lambda k, t=w: t.untyped_storage())
+    journal.poison([w], "a failed load")
+    w.share_memory_()
+    now = storage_key(w)
+    assert now != old  # control: the bytes did move
+    assert journal.poisoned_among(frozenset([now])) == {now: "a failed load"}
+    assert not journal.poisoned_among(frozenset([old]))  # a new storage there is clean
+    assert journal.poisoned_keys() == {now}
+    journal.heal([now])
+    assert not journal.poisoned_keys()
+    del w
+    gc.collect()
+    assert len(journal) == 0
+
+
+def test_a_storage_poisoned_where_another_storages_bytes_were_dies_with_its_poison() -> None:
+    # A storage tracked at an address its bytes moved away from no longer speaks for it:
+    # the next storage poisoned there is tracked itself, and its death frees the address.
+    journal = Journal()
+    w = torch.zeros(1024)
+    key = storage_key(w)
+    alias = torch.from_numpy(w.numpy())  # another storage object of w's bytes
+    journal.advance([key], "a load", lambda k, t=alias: t.untyped_storage())
+    alias.share_memory_()  # its bytes move; it lives on, tracked at `key`
+    assert storage_key(alias) != key and storage_key(w) == key
+    journal.poison([w], "a failed load")
+    assert journal.poisoned_among(frozenset([key]))
+    del w
+    gc.collect()
+    assert not journal.poisoned_among(frozenset([key]))  # died with its storage
+    assert journal.poisoned_keys() == frozenset()
+
+
+def test_control_poison_through_another_storage_of_the_same_bytes_lives_with_them() -> None:
+    # The other way round: while the storage tracked at the address still has its bytes
+    # there, poison set through another object of them lives as long as they do.
+    journal = Journal()
+    w = torch.zeros(1024)
+    key = storage_key(w)
+    journal.advance([key], "a load", lambda k, t=w: t.untyped_storage())
+    alias = torch.from_numpy(w.numpy())
+    journal.poison([alias], "a failed load")
+    del alias
+    gc.collect()
+    assert journal.poisoned_among(frozenset([key])) == {key: "a failed load"}
+    del w
+    gc.collect()
+    assert not journal.poisoned_keys()
+
+
 def test_control_a_write_recorded_without_its_storage_is_kept() -> None:
     # What pruning needs: the storage, asked for once. Without it the entry stays, which
     # is what every write recorded before pruning did (the journal only grew).

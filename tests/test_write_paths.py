@@ -20,6 +20,8 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
+from graphsafe._memory.journal import JOURNAL
+from graphsafe._memory.walk import storage_key
 
 Weights = Sequence[tuple[str, torch.Tensor]]
 
@@ -388,6 +390,35 @@ def test_a_failed_update_is_not_forgotten_when_the_model_moves(
     m.load_weights(_all_of(m, 2.0))  # a complete load heals
     g.replay()
     assert torch.equal(out, _reference(m, x))
+
+
+def test_a_failure_healed_after_the_model_moved_leaves_no_poison_at_the_old_addresses() -> None:
+    # `share_memory()` frees the weights' old bytes while their storages live on: the
+    # failure's poison follows them, and the old addresses are free for any model.
+    m, x = _layer(), _x()
+    old = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    _fail_update(m, ("weight", NEW))
+    assert old <= JOURNAL.poisoned.keys()  # control: the failure poisoned them there
+    m.share_memory()
+    g, _ = _capture(m, x)
+    _refused(g)
+    m.load_weights(_all_of(m, 2.0))  # a complete load heals
+    g.replay()
+    assert not old & JOURNAL.poisoned_keys()  # a fresh model there replays
+
+
+def test_a_draft_refuses_the_targets_failure_after_the_shared_storage_moved() -> None:
+    target, draft = _pair()
+    x = _x()
+    g, _ = _capture(draft, x)
+    _fail_update(target, ("embed", EMBED))
+    target.share_memory()  # moves the shared embedding's bytes, poison and all
+    assert storage_key(draft.embed) in JOURNAL.poisoned_keys()
+    with pytest.raises(gs.GraphSafetyError):  # moved under the graph, and poisoned
+        g.replay()
+    g.reset()  # the move needs a new capture; a load that writes the embedding heals
+    draft.load_weights([("embed", EMBED * 2.0)])
+    assert storage_key(draft.embed) not in JOURNAL.poisoned_keys()
 
 
 def test_a_drafts_own_load_does_not_heal_the_targets_failure_on_their_shared_embedding() -> None:

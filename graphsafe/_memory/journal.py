@@ -8,7 +8,8 @@ rebound since, so every runtime reading a storage sees its writes. Storages a fa
 left unusable are `poison`ed, and guards whose graphs read them refuse to replay until a
 refresh (of a derived buffer) or a completed load that writes them heals them. What the
 journal holds of a storage dies with it: a later storage at the same address starts
-clean, and a long job's journal does not grow.
+clean, and a long job's journal does not grow. Poison follows a storage whose bytes move
+while it lives (`share_memory_()`), and leaves the address they left.
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ class Journal:
         """Storage key -> why it must not be read by a replay."""
         self._epochs: dict[int, int] = {}  # storage key -> the clock of its last write
         self._how: dict[int, str] = {}  # clock -> what wrote at it, for messages
-        self._tracked: set[int] = set()  # keys whose storage has a finalizer
+        self._tracked: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        """Key -> the storage tracked there (its death, or its bytes moving elsewhere,
+        frees the key)."""
         self._extent: dict[int, int] = {}  # tracked key -> its storage's bytes
         self._lock = threading.Lock()
-        self._dead: list[int] = []  # keys whose storage died, forgotten at the next sweep
+        self._dead: list[tuple[int, weakref.ref[torch.UntypedStorage]]] = []
+        """(key, reference) of tracked storages that died, forgotten at the next sweep."""
         self._drain: Callable[[], None] = _nothing  # the write observer's, while it runs
 
     def sync(self) -> None:
@@ -74,7 +78,7 @@ class Journal:
         """How many storages the journal holds anything of."""
         with self._lock:
             self._sweep()
-            return len(self._tracked | self._epochs.keys() | self.poisoned.keys())
+            return len(self._tracked.keys() | self._epochs.keys() | self.poisoned.keys())
 
     def advance(self, keys: Iterable[int], how: str, storage_of: StorageOf | None = None) -> None:
         """Record a write by `how` ("Model.load_weights", ...) into each storage of `keys`
@@ -104,7 +108,7 @@ class Journal:
                 key = storage_key(t)
                 if key and key not in self.poisoned:
                     self.poisoned[key] = why
-                    if key not in self._tracked:
+                    if not self._holds(key):  # the poison dies with this storage
                         self._track(key, t.untyped_storage())
 
     def heal(self, keys: Iterable[int]) -> None:
@@ -114,6 +118,7 @@ class Journal:
             return
         with self._lock:
             self._sweep()
+            self._relocate()
             for key in keys:
                 self.poisoned.pop(key, None)
 
@@ -129,6 +134,7 @@ class Journal:
             return {}
         with self._lock:
             self._sweep()
+            self._relocate()
             poisoned = self.poisoned
             return {k: poisoned[k] for k in keys.intersection(poisoned)}
 
@@ -161,24 +167,66 @@ class Journal:
             self._sweep()
             return {k for k, n in self._extent.items() if k <= start and end <= k + n}
 
+    def poisoned_keys(self) -> frozenset[int]:
+        """The poisoned storages, each at the address its bytes are at now."""
+        if not self.poisoned:
+            return frozenset()
+        with self._lock:
+            self._sweep()
+            self._relocate()
+            return frozenset(self.poisoned)
+
     def _track(self, key: int, storage: torch.UntypedStorage | None) -> None:
         if storage is not None and storage.data_ptr() == key:
-            weakref.finalize(storage, self._dead.append, key)
-            self._tracked.add(key)
+            dead = self._dead
+            # The callback runs only while the reference is the one tracked at `key`:
+            # one replaced (its storage's bytes moved) is dropped, and never fires.
+            self._tracked[key] = weakref.ref(storage, lambda ref: dead.append((key, ref)))
             self._extent[key] = storage.nbytes()
 
+    def _holds(self, key: int) -> bool:
+        """Whether the storage tracked at `key` still has its bytes there (another
+        storage object of the same bytes, NumPy's, does not replace it)."""
+        ref = self._tracked.get(key)
+        storage = None if ref is None else ref()
+        return storage is not None and storage.data_ptr() == key and storage.nbytes() > 0
+
+    def _forget(self, key: int) -> None:
+        self._tracked.pop(key, None)
+        self._extent.pop(key, None)
+        self.poisoned.pop(key, None)
+        if self._epochs.pop(key, None) is not None:
+            self.clock += 1  # witnesses of that epoch look again
+
     def _sweep(self) -> None:
-        # Finalizers run wherever the garbage collector runs, this journal's own code
+        # Callbacks run wherever the garbage collector runs, this journal's own code
         # included: they only append (atomic); the storage is forgotten here, always
         # before a new storage at its address can be recorded.
         dead = self._dead
         while dead:
-            key = dead.pop()
-            self._tracked.discard(key)
-            self._extent.pop(key, None)
-            self.poisoned.pop(key, None)
-            if self._epochs.pop(key, None) is not None:
-                self.clock += 1  # witnesses of that epoch look again
+            key, ref = dead.pop()
+            if self._tracked.get(key) is ref:
+                self._forget(key)
+
+    def _relocate(self) -> None:
+        """Poison follows its storage: a storage whose bytes moved while it lives
+        (`share_memory_()`, a resize) is poisoned at its new address, and the old one,
+        free for any new storage, is forgotten."""
+        for key in [k for k in self.poisoned if k in self._tracked]:
+            storage = self._tracked[key]()
+            if storage is None:  # dying: its callback forgets it
+                continue
+            now = storage.data_ptr() if storage.nbytes() else 0
+            if now == key:
+                continue
+            why, epoch = self.poisoned[key], self._epochs.get(key)
+            self._forget(key)
+            if now:
+                self.poisoned.setdefault(now, why)
+                if epoch is not None:
+                    self._epochs[now] = max(epoch, self._epochs.get(now, 0))
+                if not self._holds(now):
+                    self._track(now, storage)
 
 
 def _nothing() -> None:

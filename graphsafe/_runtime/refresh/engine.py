@@ -90,7 +90,7 @@ class Engine:
 
     def reads_poisoned(self, also: frozenset[int]) -> bool:
         """Whether a failure poisoned storage this engine (or `also`) reads."""
-        poisoned = self.journal.poisoned  # few keys: each is looked up, nothing is built
+        poisoned = self.journal.poisoned_keys()  # few keys, where their bytes are now
         return bool(poisoned) and not (
             self.watch.storage_keys().isdisjoint(poisoned) and also.isdisjoint(poisoned)
         )

@@ -201,6 +201,45 @@ class ModelMap:
             sizes.append(_size(now) if id(now) == obj else -1)
         return sizes
 
+    def with_buffers(self, added: Iterable[Site]) -> ModelMap | None:
+        """This walk's record, with the buffers of `added` (sites in a walked module's
+        `_buffers` table, under names it did not hold, not persistent: what a first
+        refresh registers) as if the walk had found them; None where one is not such a
+        buffer. What the walk recorded of everything else stays as recorded then, so that
+        the new record holds only if nothing else changed since the walk."""
+        added = list(added)
+        at = {id(ref()): i for i, ref in enumerate(self._modules)}
+        index, names = self._tables
+        where = {(i, name): j for j, (i, name) in enumerate(zip(index, names))}
+        n = len(self._modules)
+        free = set(zip(self._holders, self._names))  # table slots holding None, by name
+        out = ModelMap.__new__(ModelMap)
+        for slot in ModelMap.__slots__:
+            setattr(out, slot, getattr(self, slot))
+        out.keys, out.by_path, out._lens = dict(self.keys), dict(self.by_path), list(self._lens)
+        rows = []
+        with PLAIN():
+            for site in added:
+                module, t = site.module, site.tensor
+                i = at.get(id(module))
+                j = None if i is None else where.get((i, "_buffers"))
+                ptr, stride = _data_ptr(t), _stride(t)
+                if (j is None or site.container is not _DICT(module).get("_buffers")
+                        or site.chain or site.path in out.by_path or (n + j, site.key) in free
+                        or site.key not in module._non_persistent_buffers_set
+                        or ptr is None or stride is None):
+                    return None
+                key = storage_key(t)
+                out.by_path[site.path] = key
+                if key:
+                    out.keys.setdefault(key, site.path)
+                out._lens[n + j] += 1
+                rows.append((site.container, site.key, t, ptr, stride))
+        out.key_set = frozenset(out.keys)
+        out._identities = self._identities.joined(rows)
+        out._looked = bytearray(len(self._looked))  # nothing remembered of any look
+        return out
+
     @property
     def rows(self) -> Identities:
         """What the walk found in the parameter and buffer tables (identity, pointer,

@@ -164,11 +164,10 @@ class Discovery:
         (`close_window`); else it is forgotten. `reach()` walks the model (called once:
         what it gives is shared by every step; values it found for `values_wanted`
         spare their walks)."""
-        once = _once(reach)  # not kept: the walk holds the model's modules
+        once = _once(reach)  # not kept past this call: the walk holds the model's modules
         self.settle(lineage, model, once)
         self._recorded = True
         self._later.walked(model, lambda: once().values)
-        del once
         if bring_up is not None and self._window is None and RECORDING[0] != "off":
             ref = weakref.ref(model)
 

@@ -225,7 +225,7 @@ def walk_tensors(model: nn.Module) -> Iterator[Site]:
         >>> [s.path for s in walk_tensors(m)]
         ['weight', 'bias', 'cache.0', 'cache.2.k', 'kernel.args.0']
     """
-    return iter(walk(model).sites)
+    return iter(_Walker(model).sites_only())
 
 
 def walk(model: nn.Module, wanted: Callable[[Any], bool] | None = None) -> Reach:
@@ -386,6 +386,25 @@ class _Walker:
                 elif wanted is not None and wanted(value):
                     self.values.append(ValueSite(head + name, module, attrs, name, (), value))
         return Reach(self.sites, self._needed(), None if wanted is None else self.values)
+
+    def sites_only(self) -> list[Site]:
+        """`run`'s sites, without sorting out its refs (what a caller of tensors alone
+        does not read)."""
+        self.tree, each = _each_module(self.model)
+        for head, module in each:
+            for container in (module._parameters, module._buffers):
+                for name, value in tuple(container.items()):
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    if value.__dict__ and _enterable(value):
+                        self._visit(module, container, name, head + name, value)
+                    else:
+                        self.sites.append(Site(head + name, module, container, name, (), value))
+            attrs = module.__dict__
+            for name, value in tuple(attrs.items()):
+                if name not in _MODULE_INTERNALS and type(value) not in _ATOMS:
+                    self._visit(module, attrs, name, head + name, value)
+        return self.sites
 
     def _visit(self, module: nn.Module, container: Any, key: Any, path: str, value: Any) -> None:
         """Everything reachable from `container[key]` (`value`), depth first, in order;
@@ -568,7 +587,7 @@ def storage_key(t: torch.Tensor) -> int:
 def storage_paths(model: nn.Module) -> dict[int, str]:
     """`{storage key: first path}` of every storage of `model` that has bytes."""
     found: dict[int, str] = {}
-    for site in walk(model).sites:
+    for site in _Walker(model).sites_only():
         key = storage_key(site.tensor)
         if key:
             found.setdefault(key, site.path)

@@ -77,6 +77,7 @@ class ModelMap:
         weights: list[str] = []
         direct: list[tuple[Any, Any, object, int, tuple[int, ...]]] = []
         nested: list[tuple[int, Any, tuple[Any, ...], int, int]] = []
+        tables_at = _tables_by_id(modules)
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
             for site in reach.sites:
                 t = site.tensor
@@ -91,7 +92,8 @@ class ModelMap:
                     continue  # no storage to move (sparse, a wrapper subclass)
                 stride = _stride(t)
                 if site.chain or site.container is _DICT(site.module) or stride is None:
-                    nested.append((at[id(site.module)], *_from_dict(site), id(t), ptr))
+                    nested.append((at[id(site.module)], *_from_dict(site, tables_at), id(t),
+                                   ptr))
                 else:  # a module's parameters or buffers: tables that hold no module
                     direct.append((site.container, site.key, t, ptr, stride))
         self.weights: tuple[str, ...] = tuple(weights)
@@ -124,8 +126,11 @@ class ModelMap:
         self._ids = _ids_at([*dicts, *tables], self._holders, self._names)
         # Where each object on the way to tensors is, by id: nothing the model drops is
         # kept alive by this record.
-        self._refs = [(at[id(r.module)], *_from_dict(r), id(r.obj)) for r in reach.refs]
-        self._lens = self._sizes(dicts, tables)
+        self._refs = [(at[id(r.module)], *_from_dict(r, tables_at), id(r.obj))
+                      for r in reach.refs]
+        # What each object on the way holds is read from the walk just made: it is what
+        # its path leads to now.
+        self._lens = [*map(len, dicts), *map(len, tables), *[_size(r.obj) for r in reach.refs]]
         self._native = _native.get()
         # What the compiled pass remembers of each module dict and table it passed (its
         # version tag): one that kept its tag is not looked into again.
@@ -252,13 +257,24 @@ class ModelMap:
         return [p for p, k in self.by_path.items() if k and k in wanted]
 
 
-def _from_dict(site: Site | Ref) -> tuple[Any, tuple[Any, ...]]:
+def _tables_by_id(modules: Iterable[nn.Module]) -> dict[int, str]:
+    """The id of each module's parameter and buffer table -> the table's name."""
+    out: dict[int, str] = {}
+    for m in modules:
+        d = _DICT(m)
+        for table in ("_parameters", "_buffers"):
+            if table in d:
+                out[id(d[table])] = table
+    return out
+
+
+def _from_dict(site: Site | Ref, tables: dict[int, str]) -> tuple[Any, tuple[Any, ...]]:
     """The key and chain of `site` from its module's `__dict__`: what a parameter holds
-    (`lin.weight.packed`) is reached through the module's `_parameters` table."""
-    module = site.module
-    for table in ("_parameters", "_buffers"):
-        if site.container is vars(module).get(table):
-            return table, (site.key, *site.chain)
+    (`lin.weight.packed`) is reached through the module's `_parameters` table (`tables`:
+    `_tables_by_id` of the modules)."""
+    table = tables.get(id(site.container))
+    if table is not None and site.container is _DICT(site.module).get(table):
+        return table, (site.key, *site.chain)
     return site.key, site.chain
 
 

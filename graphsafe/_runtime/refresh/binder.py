@@ -219,10 +219,8 @@ class Binder:
 
     def _still(self, reach: Reach, found: ModelMap) -> tuple[Reach, ModelMap | None]:
         """`reach` and its map, if the model is still as walked there but for buffers
-        the engine registered since (its first materializations: added to both); else
-        (`reach`, None)."""
-        if found.holds():
-            return reach, found
+        the engine registered since (its first materializations: added to both, one
+        check of the whole); else (`reach`, None)."""
         engine = self._engine
         added = []
         for b in () if engine is None else engine.bound:
@@ -232,10 +230,12 @@ class Binder:
             for name, path, t in zip(b.outputs, b.out_paths, b.buffers, strict=True):
                 if path not in found.by_path:
                     added.append(Site(path, module, module._buffers, name, (), t))
-        grown = found.with_buffers(added) if added else None
-        if grown is None or not grown.holds():
-            return reach, None
-        return Reach(reach.sites + added, reach.refs, reach.values), grown
+        if added:
+            grown = found.with_buffers(added)
+            if grown is None or not grown.holds():
+                return reach, None
+            return Reach(reach.sites + added, reach.refs, reach.values), grown
+        return (reach, found) if found.holds() else (reach, None)
 
     def model_map(self) -> ModelMap:
         """Where every storage of the model is, walked again only if the model changed

@@ -442,8 +442,10 @@ class _Walker:
             if id(value) in self.entered:
                 continue  # entered once; this reference is recorded all the same
             self.entered.add(id(value))
+            if _stops(value):
+                continue
             children = _children(value)
-            if children is None or any(c is self.model for _, c in children) or _stops(value):
+            if children is None or _holds_model(children, self.model):
                 continue
             for k, child in reversed(children):
                 if type(child) not in keep:
@@ -472,7 +474,8 @@ class _Walker:
         for i, r in enumerate(refs):
             if id(r.obj) in full:
                 new_index[i] = len(kept)
-                kept.append(r._replace(via=new_index.get(r.via, -1)))
+                via = new_index.get(r.via, -1)
+                kept.append(r if via == r.via else r._replace(via=via))
         if len(kept) != len(refs):  # renumber (what keeps its index keeps its site)
             self.sites[:] = [
                 s if s.via < 0 or new_index.get(s.via, -1) == s.via
@@ -480,6 +483,14 @@ class _Walker:
                 for s in self.sites
             ]
         return kept
+
+
+def _holds_model(children: list[tuple[Any, Any]], model: nn.Module) -> bool:
+    """Whether `model` is among `children` (an object that holds the root: not entered)."""
+    for _, child in children:
+        if child is model:
+            return True
+    return False
 
 
 def _children(value: Any) -> list[tuple[Any, Any]] | None:

@@ -259,8 +259,23 @@ def _written_as(op: str, call: Call | None, weights: dict[int, Source]) -> str |
     if call is None:
         return None
     if op == "aten::copy_":
-        return DERIVED_COPY if trace(call, weights)[0] else None
+        return DERIVED_COPY if _reaches(call, weights) else None
     return op
+
+
+def _reaches(call: Call, sources: Container[int]) -> bool:
+    """Whether `call` read one of `sources`, or something computed from one (`trace`'s
+    sources, not empty: without building the chain)."""
+    todo, seen = [call], {id(call)}
+    while todo:
+        for a in todo.pop().reads():
+            if a.sid in sources:
+                return True
+            w = a.writer
+            if w is not None and id(w) not in seen:
+                seen.add(id(w))
+                todo.append(w)
+    return False
 
 
 def atoms_of(model: nn.Module) -> Callable[[], dict[str, object]]:

@@ -73,8 +73,8 @@ class Binder:
         # (`bound`); whatever replaces either clears it.
         self._agreed = False
         self._ties: Ties | None = None
-        # A walk taken ahead for the load ending now (`walk_ahead`), with its map, what it
-        # was asked for, and the one it gives `model_tensors` (a refresh's copy).
+        # A walk taken ahead for the load ending now (`walk_ahead`): the walk, its map (a
+        # refresh's `model_tensors` get a copy of its storages) and what it was asked for.
         self._ahead: tuple[Reach, ModelMap, Callable[[Any], bool] | None] | None = None
         self.experts: Final = ExpertLayouts()
         """The model's expert layouts, and the loads refused for writing them."""

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
+import operator
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -487,10 +489,10 @@ class _Walker:
 
 def _holds_model(children: list[tuple[Any, Any]], model: nn.Module) -> bool:
     """Whether `model` is among `children` (an object that holds the root: not entered)."""
-    for _, child in children:
-        if child is model:
-            return True
-    return False
+    return any(map(operator.is_, map(_SECOND, children), itertools.repeat(model)))
+
+
+_SECOND = operator.itemgetter(1)
 
 
 def _children(value: Any) -> list[tuple[Any, Any]] | None:

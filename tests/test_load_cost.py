@@ -22,10 +22,12 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
+from graphsafe._memory import walk as walk_module
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.bind import model_map
 from graphsafe._runtime.bind.model_map import ModelMap
+from graphsafe._runtime.loads.load import Load
 from graphsafe._runtime.refresh import binder
 from graphsafe._runtime.refresh.engine import Engine
 
@@ -342,3 +344,87 @@ def test_the_compiled_tracker_watches_each_set_it_is_given(native: _native.Nativ
         gc.collect()
     assert written(frozenset()) == set()
     assert written(only_a) == {ka}
+
+
+@gs.graphsafe
+class BroughtUp(nn.Module):
+    """Holding layers and a declared derivation, loaded by a loader that packs a copy of
+    each layer's weight into a closure after loading (an engine's post-load step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = HoldingStack().layers
+        self.folded = Folded()
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        tensors = dict(self.named_parameters())
+        for name, w in weights:
+            gs.load_into(tensors[name], w, name=name)
+        for layer in self.layers:
+            layer.kernel = _kernel(layer.w.t().contiguous())
+
+
+def _kernel(packed: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: packed
+
+
+def _counting_walks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The list each walk of a model appends to (every walk, of tensors or of values,
+    begins with the tree's modules)."""
+    walks: list[bool] = []
+    real = walk_module._each_module
+    monkeypatch.setattr(walk_module, "_each_module",
+                        lambda model: walks.append(True) or real(model))
+    return walks
+
+
+def _describes(kept: ModelMap, model: nn.Module) -> bool:
+    fresh = ModelMap(model)
+    return kept.holds() and (kept.by_path, kept.key_set) == (fresh.by_path, fresh.key_set)
+
+
+def test_a_recorded_load_walks_the_model_once_at_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its refresh's first materialization, discovery and the numbers it keeps share one
+    walk, which (with the buffer the refresh registered) is the map the next load checks."""
+    model = BroughtUp()
+    walks = _counting_walks(monkeypatch)
+    model.load_weights([("folded.w", torch.ones(4, 6))])
+    assert len(walks) == 2  # as it began (its map), and once as it ended
+    rt = gs.runtime(model)
+    assert torch.equal(model.folded.w_t, torch.ones(6, 4))
+    assert {d.path for d in rt.discovered} == {
+        f"layers.{i}.kernel.<closure packed>" for i in range(3)}
+    kept = rt._binder.model_map()
+    assert kept is rt._binder._map and len(walks) == 2  # the map kept holds
+    assert "folded.w_t" in kept.by_path
+    assert _describes(kept, model)
+
+
+# CHANGES, but for those the walk still describes (nothing, a write).
+MOVES = [name for name, (_, holds) in CHANGES.items() if not holds]
+
+
+@pytest.mark.parametrize("name", MOVES)
+def test_control_a_change_during_the_refresh_of_a_recorded_load_is_walked_again(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What changes after the walk taken ahead (here, as the refresh ends) is not taken
+    for walked: the end walks again, and the map kept describes the model as it is."""
+    change = CHANGES[name][0]
+    model = BroughtUp()
+    real = Load.end
+
+    def end(self: Load, *args: object, **kwargs: object) -> set[int]:
+        written = real(self, *args, **kwargs)  # type: ignore[arg-type]
+        change(model)  # type: ignore[arg-type]
+        return written
+
+    monkeypatch.setattr(Load, "end", end)
+    walks = _counting_walks(monkeypatch)
+    model.load_weights([("folded.w", torch.ones(4, 6))])
+    count = len(walks)  # as it began, ahead of the refresh, and again
+    kept = gs.runtime(model)._binder._map  # as the load left it, not checked again
+    assert kept is not None and _describes(kept, model)
+    assert count == 3

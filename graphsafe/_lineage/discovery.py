@@ -79,9 +79,9 @@ from graphsafe._lineage.threads import STRAYS
 from graphsafe._lineage.window import Window
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
-from graphsafe._memory.walk import Site, ValueSite, storage_key
+from graphsafe._memory.walk import Reach, ValueSite, storage_key
 
-__all__ = ["AuditItem", "Discovered", "Discovery", "moved_error", "stale_error"]
+__all__ = ["AuditItem", "Discovered", "Discovery", "moved_error", "stale_error", "values_wanted"]
 
 
 class Discovered(BaseModel):
@@ -154,36 +154,39 @@ class Discovery:
         return mode == "all" or (mode == "first" and not self._recorded)
 
     def take(
-        self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]], *,
+        self, lineage: Lineage, model: nn.Module, reach: Callable[[], Reach], *,
         bring_up: frozenset[int] | None = None,
     ) -> None:
         """A recorded load of the model completed (or an engine's first load, recorded
         before the model was known): settle what `lineage` found; the model counts as
         recorded from now on. With `bring_up` (the storage keys of its weights), the
         first recording stays open over the model's forwards until its first capture
-        (`close_window`); else it is forgotten."""
-        self.settle(lineage, model, sites)
+        (`close_window`); else it is forgotten. `reach()` walks the model (called once:
+        what it gives is shared by every step; values it found for `values_wanted`
+        spare their walks)."""
+        once = _once(reach)  # not kept past this call: the walk holds the model's modules
+        self.settle(lineage, model, once)
         self._recorded = True
-        self._later.walked(model)
+        self._later.walked(model, lambda: once().values)
         if bring_up is not None and self._window is None and RECORDING[0] != "off":
             ref = weakref.ref(model)
 
             def full() -> None:  # the most forwards a bring-up records: it ends
                 now = ref()
                 if now is not None:
-                    self.close_window(now, sites)
+                    self.close_window(now, reach)
 
             self._window = Window(model, lineage, bring_up, full)
         else:
             lineage.release()
 
-    def close_window(self, model: nn.Module, sites: Callable[[], Sequence[Site]]) -> None:
+    def close_window(self, model: nn.Module, reach: Callable[[], Reach]) -> None:
         """The model's bring-up ended (its first capture ended, an engine that captured
         its own graphs pinned it, a later load began, or it ran `FORWARDS` forwards): what
         its forwards made lazily from the weights is discovered."""
         window, self._window = self._window, None
         if window is not None:
-            window.close(lambda lineage: self.settle(lineage, model, sites, lazily=True))
+            window.close(lambda lineage: self.settle(lineage, model, reach, lazily=True))
 
     def sequenced_keys(self, model: nn.Module) -> frozenset[int]:
         """`Rewrites.sequenced_keys` of a load of `model` that begins, each weight read
@@ -211,12 +214,12 @@ class Discovery:
 
     def after_load(self, model: nn.Module, written: set[int],
                    tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
-                   sites: Callable[[], Sequence[Site]] | None = None,
+                   reach: Callable[[], Reach] | None = None,
                    taken: Sequence[Taken] = ()) -> None:
         """A load that was not recorded completed, writing the storages `written`: each
         source is read where the model holds it now (`rehome`), and what the load
         re-derived or rebuilt is witnessed anew (`follow`). What it computed from the
-        weights (`tainted`, its tracker's) that the model holds in a new place (`sites()`)
+        weights (`tainted`, its tracker's) that the model holds in a new place (`reach()`)
         is taken as found, with the weights it came from (its ops are not known); so are
         the numbers it took from them and the handles ops made of them (`taken`) that the
         model keeps in a new place (`LaterValues.found`)."""
@@ -226,17 +229,18 @@ class Discovery:
         known = {e.path for e in self._entries} | self._rewritten.keys()
         if taken:
             self._add(self._later.found(model, taken, known))
-        if tainted and sites is not None:
-            found = find_tainted(sites(), sources_of(model), tainted, known)
+        if tainted and reach is not None:
+            found = find_tainted(reach().sites, sources_of(model), tainted, known)
             self._add([Entry(f) for f in found])
 
     def settle(
-        self, lineage: Lineage, model: nn.Module, sites: Callable[[], Sequence[Site]], *,
+        self, lineage: Lineage, model: nn.Module, reach: Callable[[], Reach], *,
         lazily: bool = False,
     ) -> None:
         """Take what a completed load recorded: entries it computed (anew or again) are
-        witnessed now; the rest keep their witnesses. `sites()` gives every tensor the
-        model holds (a walk). `lazily`: what the bring-up's forwards recorded: only
+        witnessed now; the rest keep their witnesses. `reach()` gives every tensor the
+        model holds (a walk, called once), and the values it keeps where `values_wanted`
+        asked for them. `lazily`: what the bring-up's forwards recorded: only
         tensors last written before the last forward, and not found already, are taken
         (what the last forward wrote again, every forward computes)."""
         alive = lineage.alive()
@@ -271,10 +275,11 @@ class Discovery:
         candidates = alive - sources.keys()
         if not candidates and not lineage.values and not stray:
             return
-        found = {f.site.path: f for f in find(lineage, sites(), sources, candidates)}
+        reach = _once(reach)
+        found = {f.site.path: f for f in find(lineage, reach().sites, sources, candidates)}
         if stray:  # what threads not followed made, held by the model: found by its taint
             known = {e.path for e in self._entries} | found.keys()
-            made = find_tainted(sites(), sources, STRAYS.tainted(), known)
+            made = find_tainted(reach().sites, sources, STRAYS.tainted(), known)
             self._unfollowed.update((how, (p, STRAY)) for how, p in stray.items())
             warn_strays(stray, [f.site.path for f in made], type(model).__name__)
         else:
@@ -289,12 +294,13 @@ class Discovery:
                 return
         else:
             found.update((f.site.path, f) for f in made)
-            values = find_values(lineage, model, sources)
+            held = reach().values
+            values = find_values(lineage, model, sources, held)
             values += find_outside_values(lineage, model, sources,
                                           (id(f.site.value) for f in values
                                            if isinstance(f.site, ValueSite)))
             found.update((f.site.path, f) for f in values)
-            untraced = untraced_numbers(lineage, model, sources, found)
+            untraced = untraced_numbers(lineage, model, sources, found, held)
             if untraced:  # numbers computed in Python from taken ones: said, listed
                 self._unfollowed.update((p, (s, UNTRACED)) for p, s in untraced.items())
                 warn_untraced(untraced, type(model).__name__)
@@ -591,6 +597,29 @@ class Discovery:
         assert self._witnesses is not None
         self._witnesses.record(self._rows_by_entry().get(i, []))
         return True
+
+
+def values_wanted(lineage: Lineage) -> Callable[[object], bool]:
+    """What `Discovery.take` reads of the values a model keeps, after a recorded load
+    that made `lineage`: its numbers, and the values the recording saw leave torch (a walk
+    that finds them as it finds tensors spares a walk of its own for each)."""
+    made = lineage.values
+    return lambda v: type(v) in _NUMBERS or id(v) in made
+
+
+_NUMBERS = frozenset({int, float, bool})
+
+
+def _once(fn: Callable[[], Reach]) -> Callable[[], Reach]:
+    """`fn`, called at most once: every later call gives the first call's walk."""
+    done: list[Reach] = []
+
+    def once() -> Reach:
+        if not done:
+            done.append(fn())
+        return done[0]
+
+    return once
 
 
 def _sid(t: torch.Tensor) -> int:

@@ -61,12 +61,14 @@ class Place(NamedTuple):
 
     @classmethod
     def of(cls, site: Site | ValueSite) -> Place:
-        m = site.module
+        m, container = site.module, site.container
+        attrs = m.__dict__
+        if container is attrs:  # most: an attribute, or what it holds
+            return cls(weakref.ref(m), None, site.key, site.chain, None)
         table = next((n for n in ("_parameters", "_buffers")
-                      if site.container is m.__dict__.get(n)), None)
-        outside = (None if table is not None or site.container is m.__dict__
-                   else site.container)
-        return cls(weakref.ref(m), table, site.key, site.chain, outside)
+                      if container is attrs.get(n)), None)
+        return cls(weakref.ref(m), table, site.key, site.chain,
+                   None if table is not None else container)
 
     def container(self) -> Any:
         if self.outside is not None:

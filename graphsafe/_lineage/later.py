@@ -13,7 +13,7 @@ handle by its kind. Their ops are not known: they cannot be recomputed.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from graphsafe._lineage.entries import AFTER_CAPTURE, Entry, ref_to
 from graphsafe._lineage.recorder import ambiguous
 from graphsafe._lineage.resolve import NOTHING, Found, Source, sources_of
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import storage_key, walk_values
+from graphsafe._memory.walk import ValueSite, storage_key, walk_values
 
 __all__ = ["LaterValues", "Taken", "find_taken", "gives", "numbers_of", "taken_again"]
 
@@ -35,11 +35,18 @@ handle's class name or int; the weights' storage keys; the op)."""
 _NUMBERS = (int, float, bool)
 
 
-def numbers_of(model: nn.Module) -> dict[str, object]:
+def numbers_of(model: nn.Module, held: Sequence[ValueSite] | None = None) -> dict[str, object]:
     """Every Python number `model` keeps where the walk reaches, by path (what a later
-    load's numbers are told new against)."""
-    with PLAIN():
-        return {s.path: s.value for s in walk_values(model, lambda v: type(v) in _NUMBERS)}
+    load's numbers are told new against); `held`: the values a walk of it just found,
+    numbers among them (None: walked for them)."""
+    if held is None:
+        with PLAIN():
+            held = walk_values(model, _number)
+    return {s.path: s.value for s in held if type(s.value) in _NUMBERS}
+
+
+def _number(value: object) -> bool:
+    return type(value) in _NUMBERS
 
 
 def gives(value: object, number: object) -> bool:
@@ -123,11 +130,13 @@ class LaterValues:
         self._numbers: dict[str, object] = {}
         self._pinned = False
 
-    def walked(self, model: nn.Module) -> None:
-        """A recorded load of `model` ended: its numbers now are what it kept."""
+    def walked(self, model: nn.Module,
+               held: Callable[[], Sequence[ValueSite] | None] = lambda: None) -> None:
+        """A recorded load of `model` ended: its numbers now are what it kept (`held()`:
+        the values a walk of it just found, numbers among them; None: walked for them)."""
         self._model = weakref.ref(model)
         if not self._pinned:
-            self._numbers = numbers_of(model)
+            self._numbers = numbers_of(model, held())
 
     def found(self, model: nn.Module, taken: Sequence[Taken], known: Container[str]
               ) -> list[Entry]:

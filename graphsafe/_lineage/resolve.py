@@ -14,7 +14,7 @@ the walk reaches, found by its identity (`find_values`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -259,8 +259,23 @@ def _written_as(op: str, call: Call | None, weights: dict[int, Source]) -> str |
     if call is None:
         return None
     if op == "aten::copy_":
-        return DERIVED_COPY if trace(call, weights)[0] else None
+        return DERIVED_COPY if _reaches(call, weights) else None
     return op
+
+
+def _reaches(call: Call, sources: Container[int]) -> bool:
+    """Whether `call` read one of `sources`, or something computed from one (`trace`'s
+    sources, not empty: without building the chain)."""
+    todo, seen = [call], {id(call)}
+    while todo:
+        for a in todo.pop().reads():
+            if a.sid in sources:
+                return True
+            w = a.writer
+            if w is not None and id(w) not in seen:
+                seen.add(id(w))
+                todo.append(w)
+    return False
 
 
 def atoms_of(model: nn.Module) -> Callable[[], dict[str, object]]:
@@ -276,17 +291,20 @@ def atoms_of(model: nn.Module) -> Callable[[], dict[str, object]]:
 
 
 def find_values(
-    lineage: Lineage, model: nn.Module, sources: dict[int, Source]
+    lineage: Lineage, model: nn.Module, sources: dict[int, Source],
+    held: Sequence[ValueSite] | None = None,
 ) -> list[Found]:
     """The values that left torch in the recording (`Lineage.values`) that `model` keeps
     where the walk reaches, computed from its sources: by identity; a `bool` or small
-    `int` only at a place the recording set (it held another value, or none, before)."""
+    `int` only at a place the recording set (it held another value, or none, before).
+    `held`: the values a walk of `model` just found, these among them (None: walked for
+    them)."""
     values = lineage.values
     if not values:
         return []
     before = lineage.before
     out: list[Found] = []
-    for site in walk_values(model, lambda v: id(v) in values):
+    for site in _held(model, lambda v: id(v) in values, held):
         made = values[id(site.value)]
         if ambiguous(site.value):
             if before is None:
@@ -316,12 +334,13 @@ def _atom(value: object) -> bool:
 
 
 def untraced_numbers(
-    lineage: Lineage, model: nn.Module, sources: dict[int, Source], found: Container[str]
+    lineage: Lineage, model: nn.Module, sources: dict[int, Source], found: Container[str],
+    held: Sequence[ValueSite] | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """Floats the model keeps at places the recording set (`Lineage.before`), none of
     them a number it took or one found at `found`, when it took numbers from the weights:
     computed in Python from them (`1.0 / s.item()`), which no recording follows. Each
-    path -> the paths of the weights numbers were taken from."""
+    path -> the paths of the weights numbers were taken from. `held`: as `find_values`'."""
     before = lineage.before
     if before is None:
         return {}
@@ -335,10 +354,19 @@ def untraced_numbers(
     values = lineage.values
     return {
         site.path: tuple(taken)
-        for site in walk_values(model, lambda v: type(v) is float)
+        for site in _held(model, lambda v: type(v) is float, held)
         if site.path not in found and id(site.value) not in values
         and before.get(site.path, NOTHING) is not site.value
     }
+
+
+def _held(model: nn.Module, wanted: Callable[[Any], bool],
+          held: Sequence[ValueSite] | None) -> Iterable[ValueSite]:
+    """The places `model` keeps a value `wanted` asks for: among `held` (a walk's, which
+    asked for them and more), or walked for (None)."""
+    if held is None:
+        return walk_values(model, wanted)
+    return [s for s in held if wanted(s.value)]
 
 
 def recompute_scalar(call: Call, sources: Iterable[Source]) -> torch.Tensor | None:

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
+import operator
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -153,10 +155,12 @@ class Ref(NamedTuple):
 
 class Reach(NamedTuple):
     """What `walk` found: every tensor site, and every reference to an object that holds
-    tensors (parents before children)."""
+    tensors (parents before children); and, when it was asked for values, every place that
+    holds one, as `walk_values` finds them (None: not asked)."""
 
     sites: list[Site]
     refs: list[Ref]
+    values: list[ValueSite] | None = None
 
 
 class ValueSite(NamedTuple):
@@ -223,12 +227,22 @@ def walk_tensors(model: nn.Module) -> Iterator[Site]:
         >>> [s.path for s in walk_tensors(m)]
         ['weight', 'bias', 'cache.0', 'cache.2.k', 'kernel.args.0']
     """
-    return iter(walk(model).sites)
+    return iter(_Walker(model).sites_only())
 
 
-def walk(model: nn.Module) -> Reach:
-    """Every tensor site and every object reference reachable from `model` (one pass)."""
-    return _Walker(model).run()
+def walk(model: nn.Module, wanted: Callable[[Any], bool] | None = None) -> Reach:
+    """Every tensor site and every object reference reachable from `model` (one pass);
+    with `wanted`, also every place that holds a value for which `wanted(value)` is true,
+    as `walk_values(model, wanted)` finds them, in the same pass (`Reach.values`).
+
+    Examples:
+        >>> m = nn.Linear(2, 2)
+        >>> m.scale = 0.5
+        >>> reach = walk(m, lambda v: type(v) is float)
+        >>> [s.path for s in reach.sites], [s.path for s in reach.values]
+        (['weight', 'bias'], ['scale'])
+    """
+    return _Walker(model, wanted).run()
 
 
 def walk_values(model: nn.Module, wanted: Callable[[Any], bool]) -> list[ValueSite]:
@@ -342,17 +356,20 @@ def _stops(value: object) -> bool:
 class _Walker:
     """One walk: the objects entered so far, and what was found."""
 
-    __slots__ = ("entered", "model", "refs", "sites", "tree")
+    __slots__ = ("entered", "model", "refs", "sites", "tree", "values", "wanted")
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, wanted: Callable[[Any], bool] | None = None) -> None:
         self.model = model
         self.sites: list[Site] = []
         self.refs: list[Ref] = []
         self.tree: set[int] = set()
         self.entered: set[int] = set()
+        self.wanted = wanted
+        self.values: list[ValueSite] = []
 
     def run(self) -> Reach:
         self.tree, each = _each_module(self.model)
+        wanted = self.wanted
         for head, module in each:
             for container in (module._parameters, module._buffers):
                 for name, value in tuple(container.items()):
@@ -364,12 +381,39 @@ class _Walker:
                         self.sites.append(Site(head + name, module, container, name, (), value))
             attrs = module.__dict__
             for name, value in tuple(attrs.items()):
+                if name in _MODULE_INTERNALS:
+                    continue
+                if type(value) not in _ATOMS:
+                    self._visit(module, attrs, name, head + name, value)
+                elif wanted is not None and wanted(value):
+                    self.values.append(ValueSite(head + name, module, attrs, name, (), value))
+        return Reach(self.sites, self._needed(), None if wanted is None else self.values)
+
+    def sites_only(self) -> list[Site]:
+        """`run`'s sites, without sorting out its refs (what a caller of tensors alone
+        does not read)."""
+        self.tree, each = _each_module(self.model)
+        for head, module in each:
+            for container in (module._parameters, module._buffers):
+                for name, value in tuple(container.items()):
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    if value.__dict__ and _enterable(value):
+                        self._visit(module, container, name, head + name, value)
+                    else:
+                        self.sites.append(Site(head + name, module, container, name, (), value))
+            attrs = module.__dict__
+            for name, value in tuple(attrs.items()):
                 if name not in _MODULE_INTERNALS and type(value) not in _ATOMS:
                     self._visit(module, attrs, name, head + name, value)
-        return Reach(self.sites, self._needed())
+        return self.sites
 
     def _visit(self, module: nn.Module, container: Any, key: Any, path: str, value: Any) -> None:
-        """Everything reachable from `container[key]` (`value`), depth first, in order."""
+        """Everything reachable from `container[key]` (`value`), depth first, in order;
+        with `wanted`, the values it asks for too, in `walk_values`' order (an atom at
+        every reference, another object at each reference, before it is entered)."""
+        wanted = self.wanted
+        keep = _ATOMS if wanted is None else frozenset()  # atoms: skipped, or looked at
         stack: list[tuple[Any, str, tuple[Any, ...], int]] = [(value, path, (), -1)]
         while stack:
             value, path, chain, via = stack.pop()
@@ -384,21 +428,29 @@ class _Walker:
                     continue
                 self.entered.add(id(value))
                 for k, child in reversed(_attrs(value)):
-                    if type(child) not in _ATOMS:
+                    if type(child) not in keep:
                         stack.append((child, f"{path}.{k.name}", (*chain, k), index))
                 continue
-            if type(value) in _ATOMS or id(value) in self.tree:
+            if type(value) in _ATOMS:
+                if wanted is not None and wanted(value):
+                    self.values.append(ValueSite(path, module, container, key, chain, value))
+                continue
+            if id(value) in self.tree:
                 continue  # the tree's own modules are walked as the tree
+            if wanted is not None and wanted(value):
+                self.values.append(ValueSite(path, module, container, key, chain, value))
             index = len(self.refs)
             self.refs.append(Ref(path, module, container, key, chain, value, via))
             if id(value) in self.entered:
                 continue  # entered once; this reference is recorded all the same
             self.entered.add(id(value))
+            if _stops(value):
+                continue
             children = _children(value)
-            if children is None or any(c is self.model for _, c in children) or _stops(value):
+            if children is None or _holds_model(children, self.model):
                 continue
             for k, child in reversed(children):
-                if type(child) not in _ATOMS:
+                if type(child) not in keep:
                     stack.append((child, _join(path, value, k), (*chain, k), index))
 
     def _needed(self) -> list[Ref]:
@@ -424,7 +476,8 @@ class _Walker:
         for i, r in enumerate(refs):
             if id(r.obj) in full:
                 new_index[i] = len(kept)
-                kept.append(r._replace(via=new_index.get(r.via, -1)))
+                via = new_index.get(r.via, -1)
+                kept.append(r if via == r.via else r._replace(via=via))
         if len(kept) != len(refs):  # renumber (what keeps its index keeps its site)
             self.sites[:] = [
                 s if s.via < 0 or new_index.get(s.via, -1) == s.via
@@ -432,6 +485,14 @@ class _Walker:
                 for s in self.sites
             ]
         return kept
+
+
+def _holds_model(children: list[tuple[Any, Any]], model: nn.Module) -> bool:
+    """Whether `model` is among `children` (an object that holds the root: not entered)."""
+    return any(map(operator.is_, map(_SECOND, children), itertools.repeat(model)))
+
+
+_SECOND = operator.itemgetter(1)
 
 
 def _children(value: Any) -> list[tuple[Any, Any]] | None:
@@ -539,7 +600,7 @@ def storage_key(t: torch.Tensor) -> int:
 def storage_paths(model: nn.Module) -> dict[int, str]:
     """`{storage key: first path}` of every storage of `model` that has bytes."""
     found: dict[int, str] = {}
-    for site in walk(model).sites:
+    for site in _Walker(model).sites_only():
         key = storage_key(site.tensor)
         if key:
             found.setdefault(key, site.path)

@@ -260,7 +260,7 @@ class Runtime(metaclass=_OnePerModel):
         (`gs.record_lineage()`): the tensors it computed from the model's
         weights are discovered now, and checked from now on."""
         with self._lock:
-            self._discovery.take(lineage, self.model, lambda: self._binder.walked().sites,
+            self._discovery.take(lineage, self.model, self._binder.walked,
                                  bring_up=self._binder.model_map().weight_keys)
 
     def audit_items(self) -> list[AuditItem]:
@@ -523,7 +523,7 @@ class Runtime(metaclass=_OnePerModel):
                 self._bound_engine().refresh_readers(False, ())
             self._discovery.rehome(self.model)  # a module replaced before the capture
             if not self._capturing:  # an engine pins once its own graphs are captured
-                self._discovery.close_window(self.model, lambda: self._binder.walked().sites)
+                self._discovery.close_window(self.model, self._binder.walked)
             if addresses:
                 self._discovery.pin()  # the numbers and handles a graph holds from now on
             elif holder not in self._holders:
@@ -556,8 +556,7 @@ class Runtime(metaclass=_OnePerModel):
             with self._lock:
                 self._capturing -= 1
                 if not self._capturing:
-                    self._discovery.close_window(self.model,
-                                                 lambda: self._binder.walked().sites)
+                    self._discovery.close_window(self.model, self._binder.walked)
 
     def unpin(self, holder: object = _MANUAL) -> None:
         """Release `holder`'s pin (graphs captured under it must be re-captured)."""

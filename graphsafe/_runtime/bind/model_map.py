@@ -77,6 +77,7 @@ class ModelMap:
         weights: list[str] = []
         direct: list[tuple[Any, Any, object, int, tuple[int, ...]]] = []
         nested: list[tuple[int, Any, tuple[Any, ...], int, int]] = []
+        tables_at = _tables_by_id(modules)
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
             for site in reach.sites:
                 t = site.tensor
@@ -91,7 +92,8 @@ class ModelMap:
                     continue  # no storage to move (sparse, a wrapper subclass)
                 stride = _stride(t)
                 if site.chain or site.container is _DICT(site.module) or stride is None:
-                    nested.append((at[id(site.module)], *_from_dict(site), id(t), ptr))
+                    nested.append((at[id(site.module)], *_from_dict(site, tables_at), id(t),
+                                   ptr))
                 else:  # a module's parameters or buffers: tables that hold no module
                     direct.append((site.container, site.key, t, ptr, stride))
         self.weights: tuple[str, ...] = tuple(weights)
@@ -124,8 +126,11 @@ class ModelMap:
         self._ids = _ids_at([*dicts, *tables], self._holders, self._names)
         # Where each object on the way to tensors is, by id: nothing the model drops is
         # kept alive by this record.
-        self._refs = [(at[id(r.module)], *_from_dict(r), id(r.obj)) for r in reach.refs]
-        self._lens = self._sizes(dicts, tables)
+        self._refs = [(at[id(r.module)], *_from_dict(r, tables_at), id(r.obj))
+                      for r in reach.refs]
+        # What each object on the way holds is read from the walk just made: it is what
+        # its path leads to now.
+        self._lens = [*map(len, dicts), *map(len, tables), *[_size(r.obj) for r in reach.refs]]
         self._native = _native.get()
         # What the compiled pass remembers of each module dict and table it passed (its
         # version tag): one that kept its tag is not looked into again.
@@ -201,6 +206,45 @@ class ModelMap:
             sizes.append(_size(now) if id(now) == obj else -1)
         return sizes
 
+    def with_buffers(self, added: Iterable[Site]) -> ModelMap | None:
+        """This walk's record, with the buffers of `added` (sites in a walked module's
+        `_buffers` table, under names it did not hold, not persistent: what a first
+        refresh registers) as if the walk had found them; None where one is not such a
+        buffer. What the walk recorded of everything else stays as recorded then, so that
+        the new record holds only if nothing else changed since the walk."""
+        added = list(added)
+        at = {id(ref()): i for i, ref in enumerate(self._modules)}
+        index, names = self._tables
+        where = {(i, name): j for j, (i, name) in enumerate(zip(index, names))}
+        n = len(self._modules)
+        free = set(zip(self._holders, self._names))  # table slots holding None, by name
+        out = ModelMap.__new__(ModelMap)
+        for slot in ModelMap.__slots__:
+            setattr(out, slot, getattr(self, slot))
+        out.keys, out.by_path, out._lens = dict(self.keys), dict(self.by_path), list(self._lens)
+        rows = []
+        with PLAIN():
+            for site in added:
+                module, t = site.module, site.tensor
+                i = at.get(id(module))
+                j = None if i is None else where.get((i, "_buffers"))
+                ptr, stride = _data_ptr(t), _stride(t)
+                if (j is None or site.container is not _DICT(module).get("_buffers")
+                        or site.chain or site.path in out.by_path or (n + j, site.key) in free
+                        or site.key not in module._non_persistent_buffers_set
+                        or ptr is None or stride is None):
+                    return None
+                key = storage_key(t)
+                out.by_path[site.path] = key
+                if key:
+                    out.keys.setdefault(key, site.path)
+                out._lens[n + j] += 1
+                rows.append((site.container, site.key, t, ptr, stride))
+        out.key_set = frozenset(out.keys)
+        out._identities = self._identities.joined(rows)
+        out._looked = bytearray(len(self._looked))  # nothing remembered of any look
+        return out
+
     @property
     def rows(self) -> Identities:
         """What the walk found in the parameter and buffer tables (identity, pointer,
@@ -213,13 +257,24 @@ class ModelMap:
         return [p for p, k in self.by_path.items() if k and k in wanted]
 
 
-def _from_dict(site: Site | Ref) -> tuple[Any, tuple[Any, ...]]:
+def _tables_by_id(modules: Iterable[nn.Module]) -> dict[int, str]:
+    """The id of each module's parameter and buffer table -> the table's name."""
+    out: dict[int, str] = {}
+    for m in modules:
+        d = _DICT(m)
+        for table in ("_parameters", "_buffers"):
+            if table in d:
+                out[id(d[table])] = table
+    return out
+
+
+def _from_dict(site: Site | Ref, tables: dict[int, str]) -> tuple[Any, tuple[Any, ...]]:
     """The key and chain of `site` from its module's `__dict__`: what a parameter holds
-    (`lin.weight.packed`) is reached through the module's `_parameters` table."""
-    module = site.module
-    for table in ("_parameters", "_buffers"):
-        if site.container is vars(module).get(table):
-            return table, (site.key, *site.chain)
+    (`lin.weight.packed`) is reached through the module's `_parameters` table (`tables`:
+    `_tables_by_id` of the modules)."""
+    table = tables.get(id(site.container))
+    if table is not None and site.container is _DICT(site.module).get(table):
+        return table, (site.key, *site.chain)
     return site.key, site.chain
 
 

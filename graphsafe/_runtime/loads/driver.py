@@ -24,7 +24,7 @@ from typing import Any, Final
 from torch import nn
 
 from graphsafe._errors import GraphSafetyError, first_line
-from graphsafe._lineage.discovery import Discovery
+from graphsafe._lineage.discovery import Discovery, values_wanted
 from graphsafe._lineage.resolve import atoms_of
 from graphsafe._lineage.rewrites import rewritten_error
 from graphsafe._memory.journal import Journal
@@ -226,7 +226,7 @@ class LoadDriver:
         """One load, begun and ended under the lock the caller holds."""
         self.settle_state_dict()
         # A later load ends the bring-up: forwards after it are no warm-up.
-        self._discovery.close_window(self._binder.model, lambda: self._binder.walked().sites)
+        self._discovery.close_window(self._binder.model, self._binder.walked)
         engine, before = self._binder.bound(self._pinned())
         outside = self._discovery.outside_keys()  # caches the graphs read, no model holds
         untied = self._binder.ties.broken(self._binder.model)  # ties a load must not break
@@ -269,7 +269,26 @@ class LoadDriver:
     ) -> None:
         """End `load` (`exc`: what it raised), then settle what the model owes; `before`:
         the storage key of each path when it began (a tensor rebound since was written),
-        `untied`: the ties broken then."""
+        `untied`: the ties broken then.
+
+        A recorded load's end walks the model once, before its refresh: that walk serves
+        the refresh's first materializations and what the recording found, and is kept
+        for the next load where it provably still describes the model
+        (`Binder.walk_ahead`)."""
+        wanted = None
+        if exc is None and load.record:
+            wanted = values_wanted(load.lineage)
+            self._binder.walk_ahead(wanted)
+        try:
+            self._ended(load, what, exc, witnesses, before, untied, wanted)
+        finally:
+            self._binder.forget_ahead()
+
+    def _ended(
+        self, load: Load, what: str, exc: BaseException | None, witnesses: bool,
+        before: dict[str, int] | None, untied: frozenset[tuple[str, ...]],
+        wanted: Callable[[object], bool] | None,
+    ) -> None:
         ended = False
         try:
             written = load.end(what, exc, pinned=self._pinned(),
@@ -292,11 +311,11 @@ class LoadDriver:
                                                     load.write_ops(), before, tainted)
             if load.record:  # what it made; its forwards until the capture are recorded on
                 self._discovery.take(load.lineage, self._binder.model,
-                                     lambda: self._binder.walked().sites,
+                                     lambda: self._binder.walked(wanted),
                                      bring_up=load.weights)
             else:
                 self._discovery.after_load(self._binder.model, written, tainted,
-                                           lambda: self._binder.walked().sites, taken)
+                                           self._binder.walked, taken)
             _tell_others(self, written)
             for check in self._load_checks:
                 check()

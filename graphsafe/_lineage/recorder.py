@@ -8,8 +8,8 @@ a view shares its base's storage and writer. Results that leave torch (an op ret
 int that becomes a kernel handle, as vLLM's `torch.tensor(<int from the op>)`) keep the
 call that made them: a small int64 tensor whose values an op returned is written by it.
 A Python number taken from a tensor (`.item()`, `float()`, `int()`, `bool()`, each number
-of `.tolist()`, seen by the function mode, which returns the very object the caller
-keeps) and any other value an op
+of `.tolist()`, seen by a hook on the method, which returns the very object the caller
+keeps: `graphsafe._lineage.hooks`) and any other value an op
 other than aten's returns
 (a `ScriptObject` of prepacked weights, an opaque object, a list) is kept with the call
 that made it (`Lineage.values`), so that where the model keeps it can be found by

@@ -8,8 +8,8 @@ a view shares its base's storage and writer. Results that leave torch (an op ret
 int that becomes a kernel handle, as vLLM's `torch.tensor(<int from the op>)`) keep the
 call that made them: a small int64 tensor whose values an op returned is written by it.
 A Python number taken from a tensor (`.item()`, `float()`, `int()`, `bool()`, each number
-of `.tolist()`, seen by the function mode, which returns the very object the caller
-keeps) and any other value an op
+of `.tolist()`, seen by a hook on the method, which returns the very object the caller
+keeps: `graphsafe._lineage.hooks`) and any other value an op
 other than aten's returns
 (a `ScriptObject` of prepacked weights, an opaque object, a list) is kept with the call
 that made it (`Lineage.values`), so that where the model keeps it can be found by
@@ -26,19 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
-from torch._ops import OpOverload, OpOverloadPacket
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsafe._lineage.hooks import NUMPY, TOLIST, Hooks
 from graphsafe._lineage.threads import STRAYS, Stray, followed
 from graphsafe._memory.walk import storage_key
 
@@ -306,7 +302,17 @@ def _is_view(func: Any) -> bool:
 
 _PLAIN = (int, float, bool, str, bytes, torch.dtype, torch.device, torch.Size)
 
-_VIEWS: dict[Any, bool] = {}
+_OPS: dict[int, tuple[Any, Any, bool]] = {}
+"""`id` of an op -> (the op, what calling it runs, whether it only views: `_is_view`).
+Keyed by identity, not by the op (whose `__hash__` is Python code), and checked against
+the op held (the ops the dispatcher hands a mode live as long as the process)."""
+
+
+def _op_entry(func: Any) -> tuple[Any, Any, bool]:
+    """`_OPS`'s entry of `func`: an `OpOverload` is called through its `_op` (what its
+    `__call__` runs), past the hook a recording sets on that `__call__` (`hooks`)."""
+    entry = _OPS[id(func)] = (func, getattr(func, "_op", func), _is_view(func))
+    return entry
 
 
 class _OpInfo(NamedTuple):
@@ -330,7 +336,8 @@ class _OpInfo(NamedTuple):
         return cls(name in _VIEW_FREE, name.startswith("aten::"), mutated, schema_name(func))
 
 
-_INFO: dict[Any, _OpInfo] = {}
+_INFO: dict[int, tuple[Any, _OpInfo]] = {}
+"""`id` of an op -> (the op, its `_OpInfo`), as `_OPS` is keyed."""
 
 
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -354,9 +361,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         lineage = self.lineage
-        info = _INFO.get(func)
-        if info is None:
-            info = _INFO[func] = _OpInfo.of(func)
+        held = _INFO.get(id(func))
+        if held is None or held[0] is not func:
+            held = _INFO[id(func)] = (func, _OpInfo.of(func))
+        info = held[1]
         if info.view_free:
             self._handle_tensor(out)
             return
@@ -423,10 +431,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         if _compiling():  # dynamo traces a compiled function: its ops are recorded as
             return func(*args, **kwargs)  # the compiled code runs them, not while tracing
-        out = func(*args, **kwargs)
-        view = _VIEWS.get(func)
-        if view is None:
-            view = _VIEWS[func] = _is_view(func)
+        entry = _OPS.get(id(func))
+        if entry is None or entry[0] is not func:
+            entry = _op_entry(func)
+        out = entry[1](*args, **kwargs)
+        view = entry[2]
         if view and not self.lineage.handles:
             return out  # a view shares its base's storage and writer: nothing to record
         with _NO_FUNCTION_MODES():  # what the recorder reads of tensors is not recorded
@@ -468,13 +477,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Threads nothing here started are watched while this runs (first: the compiled
         # build's first use checks itself with a thread of its own, which nothing follows).
         self._strays = STRAYS.enter(self.lineage, self.weights)
-        # Ops registered CompositeImplicitAutograd (vLLM's `create_onednn_mm_handler`)
-        # and `torch.tensor(<int>)` never reach a dispatch mode: a function mode sees them.
-        self._functions = _Functions(self)
-        self._functions.__enter__()  # type: ignore[no-untyped-call]
+        # Numbers the caller keeps, ops registered CompositeImplicitAutograd (vLLM's
+        # `create_onednn_mm_handler`), parameters replaced: seen above the dispatcher.
+        Hooks.enter(self)
         self._here = followed(self)  # threads and pool tasks started here follow
         self._here.__enter__()
-        _Replacements.enter(self.lineage)
         return super().__enter__()  # type: ignore[no-any-return,no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
@@ -482,11 +489,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
             try:
-                _Replacements.exit()
                 self._here.__exit__(None, None, None)
             finally:
                 try:
-                    self._functions.__exit__(*exc)  # type: ignore[no-untyped-call]
+                    Hooks.exit()
                 finally:
                     STRAYS.exit(self._strays, self.lineage, self.weights)
 
@@ -500,6 +506,46 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def fork(self) -> Recorder:
         """A recorder into the same lineage, for a thread this one started."""
         return Recorder(self.lineage, self.weights)
+
+    def took(self, func: Any, t: torch.Tensor, out: Any, frame: FrameType | None) -> None:
+        """`func` (a `hooks.TAKEN` method, `tolist`, or a `hooks.NUMPY` one) returned `out`
+        from `t` to the code of `frame`: the very numbers the caller keeps, or memory that
+        leaves as a NumPy array."""
+        lineage = self.lineage
+        with _NO_FUNCTION_MODES():  # what the recorder reads of tensors is not recorded
+            if func in NUMPY:  # what is made of the array is not followed
+                lineage.unfollowed.append(Call(func, (self._conv(t),), {}, lineage.epoch))
+                return
+            arg = self._conv(t)
+            if func is TOLIST:  # numbers read without any op: each element the caller keeps
+                for i, number in enumerate(_leaves(out)):
+                    lineage.keep(Call(Element(i), (arg,), {}), number)
+            else:  # the number the caller gets (the dispatcher's is a copy)
+                lineage.keep(Call(func, (arg,), {}), out)
+            lineage.note_scope(frame)
+
+    def returned(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any) -> None:
+        """`op`, called from Python, returned `out` (no tensor, no plain value): a handle,
+        when an op of another library than aten took tensors (one registered
+        CompositeImplicitAutograd never reaches the dispatch mode)."""
+        if (not any(isinstance(a, torch.Tensor) for a in args)
+                or str(op.name() if callable(getattr(op, "name", None)) else op
+                       ).startswith("aten::")):
+            return
+        lineage = self.lineage
+        with _NO_FUNCTION_MODES():
+            call = Call(op, tuple(self._conv(a) for a in args),
+                        {k: self._conv(v) for k, v in kwargs.items()}, lineage.epoch)
+        call.opaque = True
+        if isinstance(out, int):
+            lineage.handles[out] = call
+        elif id(out) not in lineage.values:  # the dispatch mode may have kept it
+            lineage.keep(call, out)
+
+    def replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Parameter `new` was bound where `old` was."""
+        self.lineage.note_replaced(old, new)
 
     def _conv_into(self, a: Any, sids: set[int]) -> Any:
         """`_conv`, adding the storage of each tensor argument (in a list too) to `sids`."""
@@ -543,46 +589,6 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 return
 
 
-class _Replacements:
-    """While any thread records, `nn.Module.register_parameter` (which `setattr` of a
-    parameter calls) tells the recording of the calling thread which parameter a new one
-    replaced (`Lineage.note_replaced`); the hook is removed when the last recording ends."""
-
-    _local = threading.local()
-    _lock = threading.Lock()
-    _active = 0
-    _original: Any = None
-
-    @classmethod
-    def enter(cls, lineage: Lineage) -> None:
-        stack = cls._local.__dict__.setdefault("stack", [])
-        stack.append(lineage)
-        with cls._lock:
-            cls._active += 1
-            if cls._original is None:
-                cls._original = original = nn.Module.register_parameter
-
-                def register_parameter(module: nn.Module, name: str,
-                                       param: nn.Parameter | None) -> None:
-                    now = getattr(cls._local, "stack", None)
-                    if now and param is not None:
-                        old = module.__dict__.get("_parameters", {}).get(name)
-                        if isinstance(old, torch.Tensor) and old is not param:
-                            now[-1].note_replaced(old, param)
-                    original(module, name, param)
-
-                nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
-
-    @classmethod
-    def exit(cls) -> None:
-        cls._local.stack.pop()
-        with cls._lock:
-            cls._active -= 1
-            if not cls._active and cls._original is not None:
-                nn.Module.register_parameter = cls._original  # type: ignore[method-assign]
-                cls._original = None
-
-
 def recording(
     lineage: Lineage, weights: frozenset[int] = frozenset()
 ) -> contextlib.AbstractContextManager[object]:
@@ -595,74 +601,6 @@ def recording(
 
 _NO_FUNCTION_MODES = torch._C.DisableTorchFunction
 _compiling = torch.compiler.is_compiling
-
-
-class _Functions(TorchFunctionMode):
-    """The half of a `Recorder` above the dispatcher: an op called through `torch.ops`
-    with tensor arguments that returns an int makes a handle; `torch.tensor` of a handle
-    is written by the op that made it."""
-
-    def __init__(self, recorder: Recorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if _compiling():
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if func in _SCALARS:  # the number the caller gets (the dispatcher's is a copy)
-            if args and isinstance(args[0], torch.Tensor):
-                with _NO_FUNCTION_MODES():
-                    rec = self.recorder
-                    rec.lineage.keep(Call(func, (rec._conv(args[0]),), {}), out)
-                    rec.lineage.note_scope(sys._getframe(1))
-            return out
-        if func in _NUMPY:  # memory that leaves torch: what is made of it is not followed
-            if args and isinstance(args[0], torch.Tensor):
-                with _NO_FUNCTION_MODES():
-                    rec = self.recorder
-                    rec.lineage.unfollowed.append(
-                        Call(func, (rec._conv(args[0]),), {}, rec.lineage.epoch))
-            return out
-        if func is _TOLIST:  # numbers read without any op: each element the caller keeps
-            if args and isinstance(args[0], torch.Tensor):
-                with _NO_FUNCTION_MODES():
-                    rec = self.recorder
-                    arg = rec._conv(args[0])
-                    for i, number in enumerate(_leaves(out)):
-                        rec.lineage.keep(Call(Element(i), (arg,), {}), number)
-                    rec.lineage.note_scope(sys._getframe(1))
-            return out
-        if not isinstance(func, (OpOverload, OpOverloadPacket)) and func is not torch.tensor:
-            return out  # a tensor method: the dispatch mode below sees its ops
-        with _NO_FUNCTION_MODES():
-            self._note(func, args, kwargs, out)
-        return out
-
-    def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if func is torch.tensor:
-            self.recorder._handle_tensor(out)
-        elif (out is not None and not isinstance(out, (bool, torch.Tensor, *_PLAIN[1:]))
-              and isinstance(func, (OpOverload, OpOverloadPacket))
-              and not str(getattr(func, "name", lambda: "")()).startswith("aten::")
-              and any(isinstance(a, torch.Tensor) for a in args)):
-            rec = self.recorder
-            call = Call(func, tuple(rec._conv(a) for a in args),
-                        {k: rec._conv(v) for k, v in kwargs.items()}, rec.lineage.epoch)
-            call.opaque = True
-            if isinstance(out, int):
-                rec.lineage.handles[out] = call
-            elif id(out) not in rec.lineage.values:  # the dispatch mode may have kept it
-                rec.lineage.keep(call, out)
-
-
-_TOLIST = torch.Tensor.tolist
-_NUMPY: frozenset[object] = frozenset(
-    getattr(torch.Tensor, name) for name in ("numpy", "__array__"))
-"""How a tensor's memory leaves torch as a NumPy array (`np.asarray` calls `__array__`)."""
 
 
 class Element:
@@ -695,13 +633,6 @@ def _leaves(value: object) -> list[object]:
             out.append(top)
     return out
 
-
-_SCALARS = frozenset({
-    torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
-    torch.Tensor.__index__,
-})
-"""How a Python number is taken from a tensor (`.item()`, `float()`, `int()`, `bool()`,
-an index): seen above the dispatcher, where the object the caller keeps is returned."""
 
 # Set after the class is made, so that TorchDispatchMode does not wrap it in a
 # dynamo-disabling frame at every op (a load is never compiled).

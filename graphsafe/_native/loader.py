@@ -95,6 +95,7 @@ class Native(Protocol):
     def same_items(
         self, holders: list[Any], keys: list[Any], objects: list[Any], cache: bytearray, /
     ) -> bool: ...
+    def same_steps(self, holders: list[Any], steps: list[Any], objects: list[Any], /) -> bool: ...
     def same_witnesses(
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],
         versions: list[int], cache: bytearray, /,

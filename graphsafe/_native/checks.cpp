@@ -1,5 +1,6 @@
 // The guard's flat checks in C++: the same comparisons as the Python path in
-// graphsafe/_memory/ledger.py (geometry, same_geometry, same_items, same_steps) and
+// graphsafe/_memory/ledger.py (geometry, same_geometry, same_items, same_steps),
+// graphsafe/_lineage/entries.py's pinned numbers and handles (same_items, alive),
 // graphsafe/_memory/snapshot.py (same_bindings) and the module pass of
 // graphsafe/_runtime/bind/model_map.py (same_tree), without a Python call
 // per field. This file also creates the module; witnesses.cpp adds the witnesses' check
@@ -193,6 +194,39 @@ PyObject* same_items(PyObject* /*self*/, PyObject* args) {
     if (is_dict) {
       seen[i] = Seen{tag, value};
     }
+  }
+  Py_RETURN_TRUE;
+}
+
+// alive(refs: list) -> bool: every item of `refs` is None or a weak reference whose
+// object is still alive (the modules that hold discovered numbers, held weakly).
+PyObject* alive(PyObject* /*self*/, PyObject* refs) {
+  if (!check_list(refs, "refs")) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(refs);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* ref = PyList_GET_ITEM(refs, i);
+    if (ref == Py_None) {
+      continue;
+    }
+    if (!PyWeakref_Check(ref)) {
+      PyErr_SetString(PyExc_TypeError, "refs must hold weak references or None");
+      return nullptr;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject* obj = nullptr;
+    const int got = PyWeakref_GetRef(ref, &obj);  // 1: alive (a new reference), 0: gone
+    Py_XDECREF(obj);
+    if (got != 1) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+#else
+    if (PyWeakref_GET_OBJECT(ref) == Py_None) {  // borrowed; Py_None once it is gone
+      Py_RETURN_FALSE;
+    }
+#endif
   }
   Py_RETURN_TRUE;
 }
@@ -571,6 +605,7 @@ PyMethodDef methods[] = {
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
     {"same_items", same_items, METH_VARARGS, "Whether holders[i][keys[i]] is objects[i]."},
     {"same_steps", same_steps, METH_VARARGS, "Whether each odd link holds its object."},
+    {"alive", alive, METH_O, "Whether every weak reference still has its object."},
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {nullptr, nullptr, 0, nullptr},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -127,7 +128,12 @@ def _steps_check(module: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
     ok = bool(module.same_steps(holders, steps, [a, defaults]))
     held = b
     ok = ok and not module.same_steps(holders, steps, [a, defaults])
-    return ok and not module.same_steps([read], [1], [a])  # no such cell
+    ok = ok and not module.same_steps([read], [1], [a])  # no such cell
+    gone = nn.Module()
+    refs = [None, weakref.ref(read), weakref.ref(gone)]
+    ok = ok and module.alive(refs)
+    del gone
+    return ok and not module.alive(refs)
 
 
 def _remembered_check(module: Any) -> bool:

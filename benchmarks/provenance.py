@@ -9,6 +9,10 @@
 - 11c: a guarded replay of a graph that reads the packed copies (discovered, checked at
   every replay), against the same graph over the same model whose copies were made with
   recording off (nothing discovered): the per-replay cost of discovered state.
+- 11d: the same for numbers: a post-load step that takes a Python number from every 2-D
+  weight (a scale, as vLLM's `_k_scale_float`), which the graph bakes in; each checked
+  at every replay (changed since the capture: refused), against the same graph over the
+  same model whose numbers were taken with recording off.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import torch
 from bench_models import llm_stack_class, untracked_load
-from harness import Row, interleave, paired, profile_per_item
+from harness import Row, Stat, interleave, paired, paired_diff, profile_per_item
 from torch import nn
 
 import graphsafe as gs
@@ -146,6 +150,8 @@ def fig11(ctx: Any) -> list[Row]:
         rows.append(_load_row(ctx, "11b", preset, flagship, fckpt, 1.2))
     if ctx.wants("11c"):
         rows.append(_replay_row(ctx, layers, reg, ckpt))
+    if ctx.wants("11d"):
+        rows.append(_numbers_row(ctx, layers, reg, ckpt))
     return rows
 
 
@@ -173,12 +179,80 @@ def _replay_row(ctx: Any, layers: int, reg: gs.Registry,
     plain_model, plain = build(False)
     n_found = len(gs.runtime(found_model).discovered)
     assert n_found > 0 and not gs.runtime(plain_model).discovered
-    stats = interleave({
-        "discovered": ctx.timer(found.replay, number=20),
-        "none": ctx.timer(plain.replay, number=20),
-    }, ctx.sizes.repeats)
-    d, n = stats["discovered"], stats["none"]
+    d, n, guard = _side_by_side(ctx, (found_model, found), (plain_model, plain))
     return Row("11c", f"guarded replay reading {n_found} discovered tensors", d.median,
                n.median, "the same replay, nothing discovered", ratio=paired(d, n),
                ratio_def="discovered / none", op="<=", target=1.1,
-               details={"discovered": n_found})
+               details={"discovered": n_found, **guard})
+
+
+def _take_scales(model: nn.Module) -> None:
+    """A post-load step that keeps a number taken from every 2-D weight on its module."""
+    for module in model.modules():
+        for name, w in list(module._parameters.items()):
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                setattr(module, f"{name}_scale", w.abs().max().item())
+
+
+def _numbers_row(ctx: Any, layers: int, reg: gs.Registry,
+                 ckpt: list[tuple[str, torch.Tensor]]) -> Row:
+    def build(record: bool) -> tuple[nn.Module, gs.Graph]:
+        model = llm_stack_class(reg, 32, 32)(layers)
+
+        def first() -> None:
+            with gs.weight_update(model):
+                model.load_weights(ckpt)
+                _take_scales(model)
+
+        (first if record else _without_recording(first))()
+        scaled = [(w, getattr(m, f"{n}_scale")) for m in model.modules()
+                  for n, w in m._parameters.items() if w is not None and w.dim() == 2]
+        g = gs.Graph(backend="cpu", guard=model)
+        with torch.no_grad(), g.capture():
+            total = torch.zeros(())
+            for w, scale in scaled:  # each number baked into the graph
+                total = total + w.sum() * scale
+        return model, g
+
+    found_model, found = build(True)
+    plain_model, plain = build(False)
+    n_found = len(gs.runtime(found_model).discovered)
+    assert n_found > 0 and not gs.runtime(plain_model).discovered
+    d, n, guard = _side_by_side(ctx, (found_model, found), (plain_model, plain))
+    return Row("11d", f"guarded replay holding {n_found} discovered numbers", d.median,
+               n.median, "the same replay, nothing discovered", ratio=paired(d, n),
+               ratio_def="discovered / none", op="<=", target=1.05,
+               details={"discovered": n_found, **guard})
+
+
+def _side_by_side(ctx: Any, found: tuple[nn.Module, gs.Graph], plain: tuple[nn.Module, gs.Graph]
+                  ) -> tuple[Stat, Stat, dict[str, Any]]:
+    """The guarded replays of the two graphs, interleaved, and each model's guard alone
+    (an empty graph's guarded replay: the checks of the model's state, discovered state
+    included; the ledger of what the real graphs read is the same on both sides). Every
+    graph is reset at the end: no pin of this row is left for the next to pay for.
+
+    Returns:
+        The replays' samples (discovered, none), and the guards' medians and their
+        paired difference over the plain replay, for the details.
+    """
+    guards = []
+    for model, _ in (found, plain):
+        empty = gs.Graph(backend="cpu", guard=model)
+        with empty.capture():
+            pass
+        guards.append(empty)
+    stats = interleave({
+        "discovered": ctx.timer(found[1].replay, number=20),
+        "none": ctx.timer(plain[1].replay, number=20),
+        "guard_discovered": ctx.timer(guards[0].replay, number=20),
+        "guard_none": ctx.timer(guards[1].replay, number=20),
+    }, ctx.sizes.repeats)
+    for graph in (found[1], plain[1], *guards):
+        graph.reset()
+    d, n = stats["discovered"], stats["none"]
+    gd, gn = stats["guard_discovered"], stats["guard_none"]
+    return d, n, {
+        "guard": {"discovered_s": gd.median, "none_s": gn.median},
+        "guard_difference_over_replay": round(paired_diff(gd, gn) / n.median, 4),
+    }

@@ -50,7 +50,8 @@ def test_quick_run_reports_every_figure_as_json():
     report = json.loads(done.stdout)  # nothing but JSON on stdout
     rows = _rows(report)
     assert {"1a", "1b", "2a", "3a", "4a", "4b", "5a", "5b", "5c", "5d", "5e", "6a", "6b", "7a",
-            "10a", "10b", "10c", "10d", "11a", "11b", "11c", "12a", "12b", "14a"} <= set(rows)
+            "10a", "10b", "10c", "10d", "11a", "11b", "11c", "11d", "12a", "12b",
+            "14a"} <= set(rows)
     assert ("13a" in rows) == hasattr(gs, "fingerprint") != ("13" in rows)
     measured = [row for row in report["rows"] if not row["skipped"]]
     assert all(row["value"] is not None and row["value"] >= 0 for row in measured)

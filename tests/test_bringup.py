@@ -19,6 +19,7 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
+from graphsafe._lineage.entries import Entry, PinnedValues
 
 C = 4
 
@@ -129,6 +130,72 @@ def test_a_number_the_new_weights_leave_as_it_was_is_no_false_alarm() -> None:
     assert torch.allclose(y, _scaled_reference(new, torch.ones(2, C)))
     m.load_weights(_scaled(0.5, 3, seed=2))  # the full load: a new float, the same value
     g.replay()
+
+
+def _compiled_or_skip() -> None:
+    """Skip where the compiled checks cannot be loaded (no C++ compiler built them)."""
+    try:
+        with _native.using(True):
+            pass
+    except _native.NativeBuildError as exc:
+        pytest.skip(f"the compiled checks are not here: {exc}")
+
+
+def _counting_moved(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every `Entry.moved` read from now on, by path."""
+    read: list[str] = []
+    moved = Entry.moved
+
+    def counted(e: Entry) -> str | None:
+        read.append(e.path)
+        return moved(e)
+
+    monkeypatch.setattr(Entry, "moved", counted)
+    return read
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_the_numbers_a_graph_holds_are_read_one_by_one_only_once_one_moved(
+    native: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before each replay the numbers a graph holds are checked in one compiled pass while
+    none moved (each dict item is still the object pinned); only when one did, or on the
+    Python path, is each read and compared. After replays that passed (which the pass
+    remembers), an equal number set anew is no false alarm and a changed one is refused
+    by name, on both paths."""
+    if native:
+        _compiled_or_skip()
+    with _native.using(native):
+        m = Scaled()
+        m.load_weights(_scaled(0.5, 3))
+        g, _ = _capture(m, guard=True)
+        read = _counting_moved(monkeypatch)
+        for _ in range(2):
+            g.replay()
+        assert read == ([] if native else ["_k_scale_float", "zp"] * 2)
+        m._k_scale_float = float(str(m._k_scale_float))  # another float object, equal
+        g.replay()
+        m.zp = 4
+        with pytest.raises(gs.StorageMovedError, match=r"zp") as info:
+            g.replay()
+        assert "3 at capture, now 4" in str(info.value)
+
+
+def test_control_a_pass_that_read_no_dict_would_replay_a_changed_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control of the test above: the change it refuses shows only in the dict item
+    the compiled pass reads. A pass that answered "held" without reading them, leaving
+    nothing to read one by one, replays the graph over the number it baked in."""
+    _compiled_or_skip()
+    with _native.using(True):
+        m = Scaled()
+        m.load_weights(_scaled(0.5, 3))
+        g, _ = _capture(m, guard=True)
+        g.replay()
+        monkeypatch.setattr(PinnedValues, "unmoved", lambda self: self.rest)
+        m.zp = 4
+        g.replay()  # silently stale: the graph computes with zp = 3
 
 
 def test_a_number_the_post_load_step_takes_again_is_fresh_though_its_source_was_not_written(

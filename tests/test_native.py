@@ -16,6 +16,7 @@ user could write is refused.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import re
@@ -296,6 +297,82 @@ def test_a_pointer_moved_refreshed_and_moved_back_is_refused(native: bool) -> No
     assert witnesses.changed() == [(0, "rebound to new storage")]
     w.data = second
     assert witnesses.unchanged()
+
+
+class _Kernel:
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed
+
+
+class OddHolder(nn.Module):
+    """Tensors held where no item lookup reads them: a slot, a closure cell, a function's
+    default, a partial's arguments (the ledger's odd links)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = _Kernel(torch.randn(3))
+        cell, packed = torch.randn(3), torch.randn(3)
+        self.closure = lambda: cell
+        self.default = lambda packed=packed: packed
+        self.part = functools.partial(torch.add, torch.randn(3))
+
+
+def _swap_cell(m: OddHolder) -> None:
+    m.closure.__closure__[0].cell_contents = torch.randn(3)  # type: ignore[index]
+
+
+def _swap_defaults(m: OddHolder) -> None:
+    m.default.__defaults__ = (torch.randn(3),)
+
+
+def _write_slot(m: OddHolder) -> None:
+    with torch.no_grad():
+        m.kernel.packed.add_(1)
+
+
+# (mutation of an odd link, the ledger still holds)
+ODD_CHANGES: dict[str, tuple[Callable[[OddHolder], None], bool]] = {
+    "nothing": (lambda m: None, True),
+    "a slot's tensor written in place": (_write_slot, True),
+    "a slot rebound": (lambda m: setattr(m.kernel, "packed", torch.randn(3)), False),
+    "a closure cell rebound": (_swap_cell, False),
+    "a function's defaults replaced": (_swap_defaults, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ODD_CHANGES))
+def test_both_paths_check_the_odd_links_with_the_known_verdict(name: str) -> None:
+    """The ledger's links that no item lookup reads (slots, closure cells, builtins'
+    fields) are checked in one compiled call when built (`same_steps`): after checks that
+    passed, each rebinding is refused and nothing else is, on both paths."""
+    model = OddHolder()
+    ledgers = _both(lambda: Ledger.snapshot(model))
+    assert ledgers[0]._native is not None and ledgers[1]._native is None
+    assert all(len(ledger._odd) == 4 for ledger in ledgers)  # slot, cell, defaults, args
+    for _ in range(2):
+        assert all(ledger._unchanged() for ledger in ledgers)
+    mutate, holds = ODD_CHANGES[name]
+    mutate(model)
+    assert [ledger._unchanged() for ledger in ledgers] == [holds, holds], name
+    if not holds:
+        assert ledgers[0].verify(), name
+
+
+@pytest.mark.parametrize("name", [n for n, (_, holds) in ODD_CHANGES.items() if not holds])
+def test_control_without_the_odd_links_the_compiled_ledger_passes_those_changes(
+    name: str,
+) -> None:
+    """The control of the test above: its rebindings change no dict and no pinned
+    tensor, so a compiled ledger that read no odd link would pass each of them."""
+    model = OddHolder()
+    with _native.using(True):
+        ledger = Ledger.snapshot(model)
+    ledger._odd_steps = ([], [], [])
+    ledger._odd = []
+    ODD_CHANGES[name][0](model)
+    assert ledger._unchanged(), name
 
 
 def test_an_inference_tensor_is_left_to_the_python_path() -> None:

@@ -42,6 +42,7 @@ from graphsafe._errors import GraphSafetyError
 from graphsafe._lineage.entries import (
     AuditItem,
     Entry,
+    PinnedValues,
     read_place,
     ref_to,
     refusal,
@@ -131,6 +132,9 @@ class Discovery:
         packs or copies its head from the target's, by reference)."""
         self._entries: list[Entry] = []
         self._values: list[Entry] = []  # the numbers and handles among them
+        # Their check before each replay while pinned; built at the first, dropped
+        # whenever the entries or their pins change.
+        self._pinned_values: PinnedValues | None = None
         self._exempt: dict[str, str] = {}
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
@@ -419,6 +423,7 @@ class Discovery:
 
     def _rebuild(self, old_rows: dict[int, list[int]]) -> None:
         self._values = [e for e in self._entries if e.kind != "tensor"]
+        self._pinned_values = None
         sites: list[tuple[dict[str, object], str]] = []
         rows: list[int | None] = []
         owner: list[int] = []
@@ -521,6 +526,7 @@ class Discovery:
         for e in self._values:
             if e.pinned is None:
                 e.pinned = ref_to(e.value())
+        self._pinned_values = None
         self._later.pin()
 
     def unpin(self) -> None:
@@ -528,6 +534,7 @@ class Discovery:
         self._later.unpin()
         for e in self._entries:
             e.pinned = None
+        self._pinned_values = None
 
     def unchanged(self) -> bool:
         """The flat check: no source of any entry written or rebound since."""
@@ -563,7 +570,11 @@ class Discovery:
         """Raise `StorageMovedError` for a scalar whose value, or a handle whose object,
         changed since the pin (a graph holds the old one). Like a moved tensor, checked
         before anything is repaired: a refused replay refreshes nothing."""
-        moved = [(e, how) for e in self._values  # a replay pays for these alone
+        pinned = self._pinned_values
+        if pinned is None:
+            pinned = self._pinned_values = PinnedValues(self._values)
+        values = pinned.unmoved()  # one compiled pass where nothing moved
+        moved = [(e, how) for e in (self._values if values is None else values)
                  if e.pinned is not None and e.path not in self._exempt
                  and (how := e.moved()) is not None]
         if moved:

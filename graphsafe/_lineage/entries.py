@@ -5,7 +5,8 @@ where it is held and how it was made.
 for a tensor no model holds, the entry's own list); `Entry` holds what was witnessed
 computed there, the sources, the call that last wrote it, and, once pinned, the value or
 handle a graph holds, and what the content audit recomputes for it (`AuditItem`). `refusal`
-says why an entry cannot be recomputed in place.
+says why an entry cannot be recomputed in place. `PinnedValues` checks, before each
+replay, that the numbers and handles a graph holds did not move, in one compiled call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from graphsafe import _native
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.recorder import Arg, Call
 from graphsafe._lineage.resolve import (
@@ -29,8 +31,8 @@ from graphsafe._lineage.resolve import (
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, step, storage_key
 
-__all__ = ["AFTER_CAPTURE", "UNRECORDED", "AuditItem", "Entry", "Place", "read_place", "ref_to",
-           "refusal", "same_number", "still_held"]
+__all__ = ["AFTER_CAPTURE", "UNRECORDED", "AuditItem", "Entry", "PinnedValues", "Place",
+           "read_place", "ref_to", "refusal", "same_number", "still_held"]
 
 
 class _AfterCapture:
@@ -245,6 +247,66 @@ def same_number(a: object, b: object) -> bool:
         return True
     return a == b
 
+
+
+class PinnedValues:
+    """The numbers and handles a graph holds, checked before each replay without a Python
+    call per entry where nothing moved: every one held directly in a dict (its module's
+    `__dict__`, a module global's dict) whose module is alive and whose dict item is still
+    the very object pinned has not moved (a number is immutable and equals itself; a
+    handle is pinned by identity), which the compiled checks confirm in one pass
+    (`alive`, `same_items`, skipping a dict whose version tag held). Only `rest` (held
+    below a chain of steps, a number that does not equal itself, one made after the
+    capture, one whose place held another object when this was built) is read entry by
+    entry (`Entry.moved`), and all of them are whenever the pass does not hold. The dicts
+    are those the entries' places read when this was built, as the witnesses' are: its
+    owner builds it anew whenever the entries or their pins change.
+
+    Args:
+        values: The numbers and handles; those not pinned are not checked.
+    """
+
+    __slots__ = ("_holders", "_keys", "_looked", "_native", "_objects", "_refs", "rest")
+
+    def __init__(self, values: list[Entry]) -> None:
+        native = _native.get()
+        self._native = native
+        self._holders: list[dict[Any, Any]] = []
+        self._keys: list[Any] = []
+        self._objects: list[object] = []
+        self._refs: list[weakref.ref[nn.Module] | None] = []
+        self.rest: list[Entry] = []
+        """The pinned entries the compiled pass does not cover, each read by `moved`."""
+        for e in values:
+            if e.pinned is None:
+                continue
+            was = e.pinned()
+            place = e.site
+            container = place.container() if place.table is None and not place.chain else None
+            unchanging = e.kind == "handle" or (e.kind == "scalar" and same_number(was, was))
+            if (native is None or type(container) is not dict or was is AFTER_CAPTURE
+                    or not unchanging or container.get(place.key, _NOTHING) is not was):
+                self.rest.append(e)
+                continue
+            self._holders.append(container)
+            self._keys.append(place.key)
+            self._objects.append(was)
+            self._refs.append(place.module if place.outside is None else None)
+        self._looked = bytearray(16 * len(self._holders))
+
+    def unmoved(self) -> list[Entry] | None:
+        """The entries still to read by `moved` (`rest`) when every other one holds what
+        was pinned; None: the pass does not hold, read them all."""
+        native = self._native
+        if native is None or not self._holders:
+            return self.rest
+        if native.alive(self._refs) and native.same_items(
+                self._holders, self._keys, self._objects, self._looked):
+            return self.rest
+        return None
+
+
+_NOTHING = object()
 
 
 def still_held(e: Entry) -> bool:

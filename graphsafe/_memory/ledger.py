@@ -107,6 +107,7 @@ class Ledger:
         "_native",
         "_objects",
         "_odd",
+        "_odd_steps",
         "_pins",
         "_ptrs",
         "_refs",
@@ -172,6 +173,13 @@ class Ledger:
         # a link whose dict did not change since is not looked up again.
         self._looked = bytearray(16 * len(self._objects))
         self._odd = odd
+        # The odd links as the compiled check reads them (`same_steps`): holders, each
+        # step's attribute name or closure cell index, the objects.
+        self._odd_steps = (
+            [holder for holder, _, _ in odd],
+            [key.at if type(key) is Cell else key.name for _, key, _ in odd],
+            [obj for _, _, obj in odd],
+        )
         # Geometry, once per tensor object (tied weights are pinned at each path).
         tensors = list({id(p.site.tensor): p.site.tensor for p in pins}.values())
         self._tensors = tensors
@@ -311,7 +319,11 @@ class Ledger:
 
     def _odd_hold(self) -> bool:
         """Whether every slot, closure cell and builtin field on the way still holds what
-        it held (the links no item lookup reads)."""
+        it held (the links no item lookup reads): in one compiled call when built, which
+        answers only "they hold"; else, or where it does not, read here."""
+        native = self._native
+        if native is not None and native.same_steps(*self._odd_steps):
+            return True
         try:
             for holder, key, obj in self._odd:
                 if step(holder, key) is not obj:

@@ -1,5 +1,6 @@
 // The guard's flat checks in C++: the same comparisons as the Python path in
-// graphsafe/_memory/ledger.py (geometry, same_geometry, same_items) and
+// graphsafe/_memory/ledger.py (geometry, same_geometry, same_items, same_steps),
+// graphsafe/_lineage/entries.py's pinned numbers and handles (same_items, alive),
 // graphsafe/_memory/snapshot.py (same_bindings) and the module pass of
 // graphsafe/_runtime/bind/model_map.py (same_tree), without a Python call
 // per field. This file also creates the module; witnesses.cpp adds the witnesses' check
@@ -192,6 +193,94 @@ PyObject* same_items(PyObject* /*self*/, PyObject* args) {
     }
     if (is_dict) {
       seen[i] = Seen{tag, value};
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+// alive(refs: list) -> bool: every item of `refs` is None or a weak reference whose
+// object is still alive (the modules that hold discovered numbers, held weakly).
+PyObject* alive(PyObject* /*self*/, PyObject* refs) {
+  if (!check_list(refs, "refs")) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(refs);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* ref = PyList_GET_ITEM(refs, i);
+    if (ref == Py_None) {
+      continue;
+    }
+    if (!PyWeakref_Check(ref)) {
+      PyErr_SetString(PyExc_TypeError, "refs must hold weak references or None");
+      return nullptr;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject* obj = nullptr;
+    const int got = PyWeakref_GetRef(ref, &obj);  // 1: alive (a new reference), 0: gone
+    Py_XDECREF(obj);
+    if (got != 1) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+#else
+    if (PyWeakref_GET_OBJECT(ref) == Py_None) {  // borrowed; Py_None once it is gone
+      Py_RETURN_FALSE;
+    }
+#endif
+  }
+  Py_RETURN_TRUE;
+}
+
+// What one odd step of `holder` holds now, as graphsafe/_memory/walk.py's `step` reads it:
+// `step` an attribute's name (a slot, or a builtin's field: a function's `__defaults__`,
+// a partial's `args`) is `getattr(holder, step)`; an int is the contents of the closure
+// cell of that index, `holder.__closure__[step].cell_contents`. A new reference, or
+// nullptr with no error set where the step reads nothing.
+PyObject* odd_step(PyObject* holder, PyObject* step) {
+  static PyObject* closure = PyUnicode_InternFromString("__closure__");
+  if (PyUnicode_Check(step)) {
+    PyObject* value = PyObject_GetAttr(holder, step);
+    if (value == nullptr) {
+      PyErr_Clear();
+    }
+    return value;
+  }
+  const Py_ssize_t at = PyLong_Check(step) ? PyLong_AsSsize_t(step) : -1;
+  PyObject* cells = closure == nullptr || at < 0 ? nullptr : PyObject_GetAttr(holder, closure);
+  PyObject* value = nullptr;
+  if (cells != nullptr && PyTuple_Check(cells) && at < PyTuple_GET_SIZE(cells)) {
+    PyObject* cell = PyTuple_GET_ITEM(cells, at);
+    value = PyCell_Check(cell) ? PyCell_GET(cell) : nullptr;
+    Py_XINCREF(value);
+  }
+  Py_XDECREF(cells);
+  PyErr_Clear();
+  return value;
+}
+
+// same_steps(holders: list, steps: list, objects: list) -> bool: each odd link of the
+// ledger (a slot, a closure cell, a builtin's field: the steps no item lookup reads) still
+// holds its object, `odd_step(holders[i], steps[i]) is objects[i]`. A step that reads
+// nothing, or raises, answers False: the Python path then reads it again and decides.
+PyObject* same_steps(PyObject* /*self*/, PyObject* args) {
+  PyObject* holders = nullptr;
+  PyObject* steps = nullptr;
+  PyObject* objects = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &holders, &PyList_Type, &steps,
+                        &PyList_Type, &objects)) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(holders);
+  if (PyList_GET_SIZE(steps) != n || PyList_GET_SIZE(objects) != n) {
+    PyErr_SetString(PyExc_TypeError, "holders, steps and objects differ in length");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* value = odd_step(PyList_GET_ITEM(holders, i), PyList_GET_ITEM(steps, i));
+    const bool same = value != nullptr && value == PyList_GET_ITEM(objects, i);
+    Py_XDECREF(value);
+    if (!same) {
+      Py_RETURN_FALSE;
     }
   }
   Py_RETURN_TRUE;
@@ -515,6 +604,8 @@ PyMethodDef methods[] = {
     {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
     {"same_items", same_items, METH_VARARGS, "Whether holders[i][keys[i]] is objects[i]."},
+    {"same_steps", same_steps, METH_VARARGS, "Whether each odd link holds its object."},
+    {"alive", alive, METH_O, "Whether every weak reference still has its object."},
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {nullptr, nullptr, 0, nullptr},

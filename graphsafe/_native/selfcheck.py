@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -32,7 +33,7 @@ def check(module: Any) -> bool:
         [d], ["w"], [id(b)], [b.data_ptr()], [b._version - 1], seen)
     ok = ok and module.same_items([d], ["w"], [b], bytearray(16))
     ok = ok and not module.same_items([d], ["w"], [a], bytearray(16))
-    ok = ok and _dict_tag_check(module)
+    ok = ok and _dict_tag_check(module) and _steps_check(module, a, b)
     got = module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [b.stride()])
     ok = ok and got == [b] and got[0] is b
     ok = ok and module.same_bindings([d], ["w"], [id(b)], [b.data_ptr()], [(2,)]) is None
@@ -113,6 +114,26 @@ def _dict_tag_check(module: Any) -> bool:
         return False
     holder.w = new
     return not module.same_items([attrs], ["w"], [old], seen)
+
+
+def _steps_check(module: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the ledger's odd links (a function's field, a closure cell) are read as
+    `walk.step` reads them: each holds its object, and one that holds another does not."""
+    def read() -> torch.Tensor:
+        return held
+
+    held = a
+    defaults = read.__defaults__
+    holders, steps = [read, read], [0, "__defaults__"]
+    ok = bool(module.same_steps(holders, steps, [a, defaults]))
+    held = b
+    ok = ok and not module.same_steps(holders, steps, [a, defaults])
+    ok = ok and not module.same_steps([read], [1], [a])  # no such cell
+    gone = nn.Module()
+    refs = [None, weakref.ref(read), weakref.ref(gone)]
+    ok = ok and module.alive(refs)
+    del gone
+    return ok and not module.alive(refs)
 
 
 def _remembered_check(module: Any) -> bool:

@@ -28,7 +28,7 @@ from torch import nn
 
 import graphsafe as gs
 import graphsafe.models.deepseek_v4 as dsv4
-from graphsafe._lineage.recorder import RECORDING
+from graphsafe._lineage.record.recorder import RECORDING
 
 __all__ = ["fig11"]
 

@@ -715,7 +715,7 @@ def test_a_rewrite_by_copy_after_each_bucket_is_judged_by_where_the_weight_came(
 def test_the_trackers_name_a_copy_of_computed_values_apart_from_a_load() -> None:
     """Both write trackers name the rewrite's `copy_` as the recording does, and a copy of
     loaded values plainly: the order a rewritten weight is judged by."""
-    from graphsafe._lineage.recorder import DERIVED_COPY
+    from graphsafe._lineage.record.recorder import DERIVED_COPY
     from graphsafe._memory.walk import storage_key
     from graphsafe._runtime.writes.tracking import NativeWriteTracker, WriteTracker
 
@@ -1241,7 +1241,7 @@ def test_a_torch_jit_fork_inside_a_script_runs_on_another_thread_and_is_recorded
     # (what makes following it a question); the recording's mode travels with it.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from graphsafe._lineage.recorder import Lineage, Recorder
+    from graphsafe._lineage.record.recorder import Lineage, Recorder
 
     ran: set[int] = set()
 
@@ -1349,7 +1349,7 @@ def test_control_without_the_stray_watch_what_the_queue_worker_packs_replays_sta
     packed copies go unseen and the replay reads them stale, with nothing said."""
     import warnings
 
-    from graphsafe._lineage import threads
+    from graphsafe._lineage.record import threads
 
     monkeypatch.setattr(threads.Strays, "_apply", lambda self, native: None)
     m = Threaded("queue")
@@ -1403,7 +1403,7 @@ def test_the_thread_hooks_are_gone_once_nothing_records() -> None:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from graphsafe._lineage import threads
+    from graphsafe._lineage.record import threads
 
     m = Threaded("threads")
     m.load_weights(_threaded_weights(0))

@@ -436,7 +436,7 @@ def test_only_the_first_load_is_recorded_unless_every_load_is_asked_for() -> Non
     """A later load is followed, not recorded: what it makes in a new place is found with
     its sources, not its ops (it cannot be adopted); every load recorded gives the ops;
     with provenance off, nothing is found."""
-    from graphsafe._lineage.recorder import RECORDING
+    from graphsafe._lineage.record.recorder import RECORDING
 
     def late(m: Engine) -> None:  # the post-load step runs from the second load on
         if getattr(m, "loads", 0) >= 1:

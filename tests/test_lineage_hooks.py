@@ -1,4 +1,4 @@
-"""What a recording sees above the dispatcher (`graphsafe._lineage.hooks`): the numbers a
+"""What a recording sees above the dispatcher (`graphsafe._lineage.record.hooks`): the numbers a
 thread that records takes, through hooks on a few tensor methods, never a function mode
 over every call; nothing of the threads that do not record; the methods put back after."""
 
@@ -12,8 +12,8 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from graphsafe._lineage import record
-from graphsafe._lineage.hooks import Hooks
-from graphsafe._lineage.recorder import sid_of
+from graphsafe._lineage.record.hooks import Hooks
+from graphsafe._lineage.record.recorder import sid_of
 
 _METHODS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist", "numpy",
             "__array__")

@@ -76,7 +76,7 @@ from hypothesis.stateful import (
 from torch import nn
 
 import graphsafe as gs
-from graphsafe._lineage import recorder
+from graphsafe._lineage.record import recorder
 
 N, C, MIX = 3, 5, 6
 Weights = Sequence[tuple[str, torch.Tensor]]

@@ -6,6 +6,6 @@ is walked and each tensor it keeps that was computed from its weights is discove
 """
 
 from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
-from graphsafe._lineage.recorder import Lineage, Recorder, record
+from graphsafe._lineage.record.recorder import Lineage, Recorder, record
 
 __all__ = ["AuditItem", "Discovered", "Discovery", "Lineage", "Recorder", "record"]

@@ -50,7 +50,8 @@ from graphsafe._lineage.entries import (
 )
 from graphsafe._lineage.later import LaterValues, Taken, taken_again
 from graphsafe._lineage.outside import find_outside, find_outside_values
-from graphsafe._lineage.recorder import RECORDING, Lineage
+from graphsafe._lineage.record.recorder import RECORDING, Lineage
+from graphsafe._lineage.record.threads import STRAYS
 from graphsafe._lineage.refusals import (
     STRAY,
     UNFOLLOWED,
@@ -76,7 +77,6 @@ from graphsafe._lineage.resolve import (
     untraced_numbers,
 )
 from graphsafe._lineage.rewrites import Rewrites, Rewritten, rewritten_error
-from graphsafe._lineage.threads import STRAYS
 from graphsafe._lineage.window import Window
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses

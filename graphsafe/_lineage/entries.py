@@ -20,7 +20,7 @@ from torch import nn
 
 from graphsafe import _native
 from graphsafe._lineage.probes import PROBES
-from graphsafe._lineage.recorder import Arg, Call
+from graphsafe._lineage.record.recorder import Arg, Call
 from graphsafe._lineage.resolve import (
     Found,
     Source,

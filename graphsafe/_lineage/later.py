@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from graphsafe._lineage.entries import AFTER_CAPTURE, Entry, ref_to
-from graphsafe._lineage.recorder import ambiguous
+from graphsafe._lineage.record.recorder import ambiguous
 from graphsafe._lineage.resolve import NOTHING, Found, Source, sources_of
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import ValueSite, storage_key, walk_values

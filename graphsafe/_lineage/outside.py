@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe._lineage.recorder import Lineage, ambiguous, sid_of
+from graphsafe._lineage.record.recorder import Lineage, ambiguous, sid_of
 from graphsafe._lineage.resolve import Found, Source, find, trace
 from graphsafe._memory.walk import Site, ValueSite
 

@@ -16,7 +16,7 @@ import torch
 
 from graphsafe._declare.spec import Drift
 from graphsafe._errors import GraphSafetyWarning, StaleError, StorageMovedError
-from graphsafe._lineage.recorder import Lineage
+from graphsafe._lineage.record.recorder import Lineage
 from graphsafe._lineage.resolve import Source, trace
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from graphsafe._lineage.recorder import DERIVED_COPY, Arg, Call, Lineage, ambiguous, sid_of
+from graphsafe._lineage.record.recorder import DERIVED_COPY, Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 

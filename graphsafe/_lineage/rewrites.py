@@ -19,7 +19,7 @@ from collections.abc import Container, Mapping, Sequence
 import torch
 
 from graphsafe._errors import StaleError
-from graphsafe._lineage.recorder import DERIVED_COPY
+from graphsafe._lineage.record.recorder import DERIVED_COPY
 from graphsafe._lineage.resolve import Rewrite, Source
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key

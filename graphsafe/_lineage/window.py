@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from graphsafe._lineage.recorder import Lineage, Recorder
+from graphsafe._lineage.record.recorder import Lineage, Recorder
 
 __all__ = ["FORWARDS", "Window"]
 

@@ -15,7 +15,7 @@
   tracked load, in every thread. No Python dispatch mode can do that: modes are per
   thread.
 - `strays.cpp`: while a recording runs, the ops of threads it does not follow that touch
-  the recorded weights (`_lineage.threads`).
+  the recorded weights (`_lineage.record.threads`).
 - `fingerprint.cpp`: the fingerprint's sums on a CPU (`_fingerprint`).
 
 A built library is trusted only once it passes its self-check (`selfcheck`).

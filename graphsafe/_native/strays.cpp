@@ -3,7 +3,7 @@
 // strays_forget; tracker.cpp lists them in the module's method table).
 //
 // A recording is a dispatch mode: it sees the ops of the threads it is entered in, of the
-// threads and pool tasks the recorded code starts (graphsafe/_lineage/threads.py enters a
+// threads and pool tasks the recorded code starts (graphsafe/_lineage/record/threads.py enters a
 // fork of it there), and of the tasks torch's inter-op pool runs for them (`at::launch`
 // carries the dispatch mode over). A thread that existed before the recording and gets its
 // work through a queue, or one a C++ library starts itself, runs unseen: what it derives

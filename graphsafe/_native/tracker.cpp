@@ -238,7 +238,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
 
 // How a rewritten weight's order names a copy of values computed from the weights (the
 // op's taint, `ctx`, reaches one): a post-load rewrite, not a load. The same string as
-// graphsafe/_lineage/recorder.py's DERIVED_COPY.
+// graphsafe/_lineage/record/recorder.py's DERIVED_COPY.
 const std::string kDerivedCopy = "aten::copy_ (computed from the weights)";
 
 const std::string& sequenced_name(const std::string& name, const at::ObserverContext* ctx) {

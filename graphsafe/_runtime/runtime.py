@@ -24,7 +24,7 @@ from graphsafe._declare.registry import Registry
 from graphsafe._declare.spec import DerivationInfo, RefreshReport
 from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
-from graphsafe._lineage.recorder import Lineage
+from graphsafe._lineage.record.recorder import Lineage
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.freshness import (

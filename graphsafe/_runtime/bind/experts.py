@@ -41,7 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from graphsafe._errors import GraphSafetyError, StaleError
-from graphsafe._lineage.recorder import DERIVED_COPY
+from graphsafe._lineage.record.recorder import DERIVED_COPY
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key
 

@@ -27,8 +27,8 @@ import torch
 
 from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import one_line
-from graphsafe._lineage.recorder import RECORDING, Lineage, recording
-from graphsafe._lineage.threads import followed
+from graphsafe._lineage.record.recorder import RECORDING, Lineage, recording
+from graphsafe._lineage.record.threads import followed
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Identities
 from graphsafe._memory.walk import storage_key
@@ -104,7 +104,7 @@ class Load:
         self.lineage: Final = Lineage()
         """What the loader's own code computed from what (`graphsafe._lineage`)."""
         self.record = False
-        """Whether the loader's ops are recorded (`graphsafe._lineage.recorder.RECORDING`)."""
+        """Whether the loader's ops are recorded (`_lineage.record.recorder.RECORDING`)."""
         self.weights: frozenset[int] = frozenset()
         """Storage keys of the model's weights when it began (for the recorder)."""
         self.map_reads: MapReads | None = None

@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphsafe import _native
-from graphsafe._lineage.recorder import DERIVED_COPY, schema_name
+from graphsafe._lineage.record.recorder import DERIVED_COPY, schema_name
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.transient.transients import Transient, Transients
 from graphsafe._runtime.writes.observer import Quiet

@@ -9,7 +9,7 @@ int that becomes a kernel handle, as vLLM's `torch.tensor(<int from the op>)`) k
 call that made them: a small int64 tensor whose values an op returned is written by it.
 A Python number taken from a tensor (`.item()`, `float()`, `int()`, `bool()`, each number
 of `.tolist()`, seen by a hook on the method, which returns the very object the caller
-keeps: `graphsafe._lineage.hooks`) and any other value an op
+keeps: `graphsafe._lineage.record.hooks`) and any other value an op
 other than aten's returns
 (a `ScriptObject` of prepacked weights, an opaque object, a list) is kept with the call
 that made it (`Lineage.values`), so that where the model keeps it can be found by
@@ -34,8 +34,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphsafe._lineage.hooks import NUMPY, TOLIST, Hooks
-from graphsafe._lineage.threads import STRAYS, Stray, followed
+from graphsafe._lineage.record.hooks import NUMPY, TOLIST, Hooks
+from graphsafe._lineage.record.threads import STRAYS, Stray, followed
 from graphsafe._memory.walk import storage_key
 
 __all__ = [

@@ -382,17 +382,40 @@ std::unique_ptr<at::ObserverContext> nothing(const at::RecordFunction& /*fn*/) {
   return nullptr;
 }
 
+void nothing_at_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {}
+
+thread_local at::CallbackHandle local_floor_callback = 0;
+
 }  // namespace
 
-// observer_floor(on: bool, inputs: bool): add (on) or remove a global callback like the
-// observer's that does nothing, with every op's inputs or without: what a callback of its
-// kind costs before it does any work (figure 8 of the benchmarks times the observer
-// against it). A second add replaces the first.
+// observer_floor(on: bool, inputs: bool, outputs: bool = False, local: bool = False): add
+// (on) or remove a callback that does nothing, with every op's inputs or without, and
+// with its results (a callback at its end too) or without: what a callback of its kind
+// costs before it does any work. Global, like the observer's (figure 8 of the benchmarks
+// times the observer against it), or (`local`) of this thread, like a load tracker's
+// (figure 4b times the tracker against that). A second add of either kind replaces the
+// first of that kind; removing one (of this thread, when `local`) leaves the other.
 PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
   int on = 0;
   int inputs = 0;
-  if (!PyArg_ParseTuple(args, "pp", &on, &inputs)) {
+  int outputs = 0;
+  int local = 0;
+  if (!PyArg_ParseTuple(args, "pp|pp", &on, &inputs, &outputs, &local)) {
     return nullptr;
+  }
+  at::RecordFunctionCallback cb = outputs != 0
+                                      ? at::RecordFunctionCallback(nothing, nothing_at_end)
+                                      : at::RecordFunctionCallback(nothing);
+  cb.needsInputs(inputs != 0).needsOutputs(outputs != 0).scopes({at::RecordScope::FUNCTION});
+  if (local != 0) {
+    if (local_floor_callback != 0) {
+      at::removeCallback(local_floor_callback);
+      local_floor_callback = 0;
+    }
+    if (on != 0) {
+      local_floor_callback = at::addThreadLocalCallback(cb);
+    }
+    Py_RETURN_NONE;
   }
   std::lock_guard<std::mutex> g(callback_mu);
   if (floor_callback != 0) {
@@ -400,9 +423,7 @@ PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
     floor_callback = 0;
   }
   if (on != 0) {
-    floor_callback = at::addGlobalCallback(at::RecordFunctionCallback(nothing)
-                                               .needsInputs(inputs != 0)
-                                               .scopes({at::RecordScope::FUNCTION}));
+    floor_callback = at::addGlobalCallback(cb);
   }
   Py_RETURN_NONE;
 }

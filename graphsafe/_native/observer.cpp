@@ -15,7 +15,7 @@
 // the ops seen to write nothing, by address), before any thread-local state is read.
 // An op that writes takes the thread's cache of what it writes, one atomic load to see
 // whether the watched set changed, and one probe of a flat hash set per written storage
-// (`Watched`). Ops that write nothing watched take no lock and allocate nothing.
+// (`KeySet`). Ops that write nothing watched take no lock and allocate nothing.
 
 #include <Python.h>
 
@@ -101,59 +101,6 @@ class Registrations final : public c10::OpRegistrationListener {
   }
 };
 
-// The watched storages' keys: a flat open-addressing set, its slots a power of two at
-// most half full, probed linearly from a multiplicative hash (storage addresses are
-// aligned: their low bits say nothing). 0 marks an empty slot; no storage with bytes has
-// key 0, and one without bytes is never written.
-class Watched {
- public:
-  explicit Watched(const std::vector<int64_t>& keys) {
-    size_t bits = 4;
-    while ((size_t{1} << bits) < 2 * keys.size()) {
-      ++bits;
-    }
-    shift_ = 64 - bits;
-    slots_.assign(size_t{1} << bits, 0);
-    for (int64_t key : keys) {
-      if (key == 0) {
-        continue;
-      }
-      size_t i = slot(key);
-      while (slots_[i] != 0 && slots_[i] != key) {
-        i = (i + 1) & (slots_.size() - 1);
-      }
-      size_ += slots_[i] == 0 ? 1 : 0;
-      slots_[i] = key;
-    }
-  }
-
-  bool contains(int64_t key) const {
-    for (size_t i = slot(key);; i = (i + 1) & (slots_.size() - 1)) {
-      const int64_t here_key = slots_[i];
-      if (here_key == key) {
-        return key != 0;
-      }
-      if (here_key == 0) {
-        return false;
-      }
-    }
-  }
-
-  bool empty() const {
-    return size_ == 0;
-  }
-
- private:
-  size_t slot(int64_t key) const {
-    return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ULL) >> shift_);
-  }
-
-  std::vector<int64_t> slots_;
-  unsigned shift_ = 60;
-  size_t size_ = 0;
-};
-
-
 // Ops cached per thread before the cache is emptied (names of ranges that are no
 // dispatcher op, each at its own address, must not make it grow without bound).
 constexpr size_t kMaxOps = 8192;
@@ -173,13 +120,13 @@ struct ThreadState {
   std::unordered_map<const void*, OpWrites> ops;  // schema name's address -> its writes
   std::array<Recent, kRecent> recent{};
   uint64_t keys_generation = UINT64_MAX;
-  std::shared_ptr<const Watched> keys;  // the watched set as of keys_generation
+  std::shared_ptr<const KeySet> keys;  // the watched set as of keys_generation
 };
 
 thread_local ThreadState here;
 
 std::mutex watched_mu;
-std::shared_ptr<const Watched> watched;  // guarded by watched_mu
+std::shared_ptr<const KeySet> watched;  // guarded by watched_mu
 std::atomic<uint64_t> watched_generation{0};  // moved under watched_mu with `watched`
 
 std::mutex pending_mu;
@@ -216,10 +163,12 @@ OpWrites compute_writes(const at::RecordFunction& fn) {
     found.name += '.';
     found.name += schema->overload_name();
   }
+  found.overwrites = found.name == "aten::copy_" || found.name == "aten::fill_.Scalar" ||
+                     found.name == "aten::fill_.Tensor" || found.name == "aten::zero_";
   return found;
 }
 
-void note(int64_t key, const Watched& keys, const std::string& op) {
+void note(int64_t key, const KeySet& keys, const std::string& op) {
   if (!keys.contains(key)) {
     return;
   }
@@ -271,7 +220,7 @@ std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& fn) {
     state.keys = watched;
     state.keys_generation = watched_generation.load(std::memory_order_relaxed);
   }
-  const Watched* keys = state.keys.get();
+  const KeySet* keys = state.keys.get();
   if (keys == nullptr || keys->empty()) {
     return nullptr;
   }
@@ -343,7 +292,7 @@ PyObject* observer_watch(PyObject* /*self*/, PyObject* keys) {
   if (PyErr_Occurred()) {
     return nullptr;
   }
-  auto next = std::make_shared<const Watched>(taken);
+  auto next = std::make_shared<const KeySet>(taken);
   std::lock_guard<std::mutex> g(watched_mu);
   watched = std::move(next);
   watched_generation.fetch_add(1, std::memory_order_acq_rel);

@@ -91,7 +91,7 @@ int64_t next_id = 1;
 
 thread_local std::vector<std::shared_ptr<Tracker>> active;
 thread_local at::CallbackHandle callback = 0;
-thread_local bool callback_outputs = false;  // whether `callback` asks for op results
+thread_local bool callback_outputs = false;  // whether `callback` has an end (taints results)
 
 bool same_storage(const Taint& taint, const at::Tensor& t) {
   if (!t.unsafeGetTensorImpl()->has_storage()) {
@@ -99,6 +99,32 @@ bool same_storage(const Taint& taint, const at::Tensor& t) {
   }
   c10::intrusive_ptr<c10::StorageImpl> held = taint.storage.lock();
   return held && held.get() == t.storage().unsafeGetStorageImpl();
+}
+
+// An op's RecordFunction keeps what its callbacks asked for in a private member; a
+// pointer to it is named here through an explicit instantiation, where access is not
+// checked ([temp.spec.general]: the usual way to reach a private member without
+// changing its class's layout or declaration).
+template <class Tag, typename Tag::type Member>
+struct Expose {
+  friend typename Tag::type member(Tag /*tag*/) {
+    return Member;
+  }
+};
+struct StepsOf {
+  using type = at::StepCallbacks at::RecordFunction::*;
+  friend type member(StepsOf /*tag*/);
+};
+template struct Expose<StepsOf, &at::RecordFunction::step_callbacks_>;
+
+// Asks for the results of the op `fn` records, from its start callback: the dispatcher
+// reads whether to hand them over (`needsOutputs`) only once the start callbacks have
+// run, in its unboxed and boxed calls alike, so only the rare op whose results are
+// tainted pays for them, not every op of the load. (The self-check, which refuses the
+// library otherwise, taints results through both calls.) `fn` is the dispatcher's own
+// record, not a const object.
+void want_outputs(const at::RecordFunction& fn) {
+  (const_cast<at::RecordFunction&>(fn).*member(StepsOf{})).needs_outputs_ = true;
 }
 
 // The op's taint, handed from its start to its end (where its results are tainted).
@@ -274,6 +300,9 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
         break;
       }
     }
+    if (ctx != nullptr) {
+      want_outputs(fn);
+    }
   }
   if (writes.args.empty()) {
     return ctx;
@@ -299,8 +328,9 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   return ctx;
 }
 
-// (Re)registers this thread's callback, asking for op results only while a tracker
-// that follows derivations is active.
+// (Re)registers this thread's callback, with an end (where an op's results are tainted)
+// only while a tracker that follows derivations is active. It asks for no op's results
+// up front: an op whose inputs reach the weights asks for its own (`want_outputs`).
 void register_callback() {
   bool outputs = false;
   for (const auto& tr : active) {
@@ -314,7 +344,7 @@ void register_callback() {
     at::RecordFunctionCallback cb = outputs ? at::RecordFunctionCallback(on_op, on_end)
                                             : at::RecordFunctionCallback(on_op);
     callback = at::addThreadLocalCallback(
-        cb.needsInputs(true).needsOutputs(outputs).scopes({at::RecordScope::FUNCTION}));
+        cb.needsInputs(true).scopes({at::RecordScope::FUNCTION}));
     callback_outputs = outputs;
   }
 }

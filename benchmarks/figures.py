@@ -472,14 +472,24 @@ def _load_rows(
         with _NoopMode():
             untracked_load(model, ckpt)
 
-    stats = interleave(
-        {
-            "tracked": ctx.timer(lambda: model.load_weights(ckpt)),
-            "untracked": ctx.timer(lambda: untracked_load(model, ckpt)),
-            "noop_mode": ctx.timer(noop_mode_load),
-        },
-        ctx.sizes.repeats,
-    )
+    native = _native.get()
+
+    def callback_floor_load() -> None:  # the floor of the compiled tracker's kind
+        assert native is not None
+        native.observer_floor(True, True, False, True)  # with inputs, this thread's
+        try:
+            untracked_load(model, ckpt)
+        finally:
+            native.observer_floor(False, False, False, True)
+
+    cases = {
+        "tracked": ctx.timer(lambda: model.load_weights(ckpt)),
+        "untracked": ctx.timer(lambda: untracked_load(model, ckpt)),
+        "noop_mode": ctx.timer(noop_mode_load),
+    }
+    if native is not None:
+        cases["callback_floor"] = ctx.timer(callback_floor_load)
+    stats = interleave(cases, ctx.sizes.repeats)
     t, u, floor = stats["tracked"], stats["untracked"], stats["noop_mode"]
     nbytes = sum(p.nbytes for p in model.parameters())
     count = len(ckpt)
@@ -490,6 +500,9 @@ def _load_rows(
         "bytes": fmt_bytes(nbytes),
         "overhead_us_per_param": round(paired_diff(t, u) / count * 1e6, 2),
         "noop_dispatch_mode_us_per_param": round(paired_diff(floor, u) / count * 1e6, 2),
+        **({"callback_floor_us_per_param": round(
+            paired_diff(stats["callback_floor"], u) / count * 1e6, 2)}
+           if "callback_floor" in stats else {}),
         "untracked_bandwidth": gbps(nbytes, u.median),
         "refresh_in_tracked_s": rt.last_report.seconds,
         "spread": [round(t.spread, 3), round(u.spread, 3)],

@@ -268,3 +268,51 @@ def test_control_a_bare_backend_writes_and_no_tracker_sees_it(
         dist.scatter(through, [src], src=0)
     assert torch.equal(bare, src) and torch.equal(through, src)
     assert seen.written == {storage_key(through)}
+
+
+def _derive(w: torch.Tensor, other: torch.Tensor) -> dict[str, torch.Tensor | float]:
+    """Values computed from `w` through each way an op reaches the dispatcher (a method,
+    a boxed `torch.ops` call, a composite op, a number taken out), among ops over `other`
+    only; and what those ops return."""
+    with torch.no_grad():
+        out: dict[str, torch.Tensor | float] = {"plain": other * 2}
+        out["method"] = w * 2  # an unboxed call
+        out["after"] = other + 1  # an op over nothing derived, after one that is
+        out["boxed"] = torch.ops.aten.mul.Tensor(w, 3)
+        out["composite"] = w.t().contiguous()
+        out["number"] = w[0, 1].item()
+        out["last"] = other.neg()
+    return out
+
+
+def test_results_computed_from_the_weights_are_tainted_whatever_call_made_them(
+    tracker: Callable[[dict[int, str]], Tracker]
+) -> None:
+    """Only the ops whose inputs reach the weights hand their results to the compiled
+    tracker (it asks for them op by op): each such result is tainted, through a method,
+    a boxed call and a composite op, and a number taken from them is noted; the results
+    of the ops around them, over nothing derived, are not."""
+    w, other = torch.randn(3, 4), torch.randn(3, 4)
+    seen = tracker({})
+    seen.taint(frozenset((storage_key(w),)))
+    with seen:
+        out = _derive(w, other)
+    tainted = seen.tainted()
+    derived = {name for name, t in out.items()
+               if isinstance(t, torch.Tensor) and storage_key(t) in tainted}
+    assert derived == {"method", "boxed", "composite"}
+    assert {tainted[storage_key(out[n])][0] for n in derived} == {(storage_key(w),)}  # type: ignore[arg-type]
+    assert [t.value for t in seen.taken()] == [out["number"]]
+
+
+def test_control_results_computed_from_no_weight_are_not_tainted(
+    tracker: Callable[[dict[int, str]], Tracker]
+) -> None:
+    """The same ops, the tracker following another tensor's derivations: nothing they
+    return is tainted, and no number is noted."""
+    w, other, weight = torch.randn(3, 4), torch.randn(3, 4), torch.randn(2)
+    seen = tracker({})
+    seen.taint(frozenset((storage_key(weight),)))
+    with seen:
+        _derive(w, other)
+    assert seen.tainted() == {} and seen.taken() == []

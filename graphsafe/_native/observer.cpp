@@ -15,7 +15,7 @@
 // the ops seen to write nothing, by address), before any thread-local state is read.
 // An op that writes takes the thread's cache of what it writes, one atomic load to see
 // whether the watched set changed, and one probe of a flat hash set per written storage
-// (`Watched`). Ops that write nothing watched take no lock and allocate nothing.
+// (`KeySet`). Ops that write nothing watched take no lock and allocate nothing.
 
 #include <Python.h>
 
@@ -101,59 +101,6 @@ class Registrations final : public c10::OpRegistrationListener {
   }
 };
 
-// The watched storages' keys: a flat open-addressing set, its slots a power of two at
-// most half full, probed linearly from a multiplicative hash (storage addresses are
-// aligned: their low bits say nothing). 0 marks an empty slot; no storage with bytes has
-// key 0, and one without bytes is never written.
-class Watched {
- public:
-  explicit Watched(const std::vector<int64_t>& keys) {
-    size_t bits = 4;
-    while ((size_t{1} << bits) < 2 * keys.size()) {
-      ++bits;
-    }
-    shift_ = 64 - bits;
-    slots_.assign(size_t{1} << bits, 0);
-    for (int64_t key : keys) {
-      if (key == 0) {
-        continue;
-      }
-      size_t i = slot(key);
-      while (slots_[i] != 0 && slots_[i] != key) {
-        i = (i + 1) & (slots_.size() - 1);
-      }
-      size_ += slots_[i] == 0 ? 1 : 0;
-      slots_[i] = key;
-    }
-  }
-
-  bool contains(int64_t key) const {
-    for (size_t i = slot(key);; i = (i + 1) & (slots_.size() - 1)) {
-      const int64_t here_key = slots_[i];
-      if (here_key == key) {
-        return key != 0;
-      }
-      if (here_key == 0) {
-        return false;
-      }
-    }
-  }
-
-  bool empty() const {
-    return size_ == 0;
-  }
-
- private:
-  size_t slot(int64_t key) const {
-    return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ULL) >> shift_);
-  }
-
-  std::vector<int64_t> slots_;
-  unsigned shift_ = 60;
-  size_t size_ = 0;
-};
-
-
 // Ops cached per thread before the cache is emptied (names of ranges that are no
 // dispatcher op, each at its own address, must not make it grow without bound).
 constexpr size_t kMaxOps = 8192;
@@ -173,13 +120,13 @@ struct ThreadState {
   std::unordered_map<const void*, OpWrites> ops;  // schema name's address -> its writes
   std::array<Recent, kRecent> recent{};
   uint64_t keys_generation = UINT64_MAX;
-  std::shared_ptr<const Watched> keys;  // the watched set as of keys_generation
+  std::shared_ptr<const KeySet> keys;  // the watched set as of keys_generation
 };
 
 thread_local ThreadState here;
 
 std::mutex watched_mu;
-std::shared_ptr<const Watched> watched;  // guarded by watched_mu
+std::shared_ptr<const KeySet> watched;  // guarded by watched_mu
 std::atomic<uint64_t> watched_generation{0};  // moved under watched_mu with `watched`
 
 std::mutex pending_mu;
@@ -216,10 +163,12 @@ OpWrites compute_writes(const at::RecordFunction& fn) {
     found.name += '.';
     found.name += schema->overload_name();
   }
+  found.overwrites = found.name == "aten::copy_" || found.name == "aten::fill_.Scalar" ||
+                     found.name == "aten::fill_.Tensor" || found.name == "aten::zero_";
   return found;
 }
 
-void note(int64_t key, const Watched& keys, const std::string& op) {
+void note(int64_t key, const KeySet& keys, const std::string& op) {
   if (!keys.contains(key)) {
     return;
   }
@@ -271,7 +220,7 @@ std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& fn) {
     state.keys = watched;
     state.keys_generation = watched_generation.load(std::memory_order_relaxed);
   }
-  const Watched* keys = state.keys.get();
+  const KeySet* keys = state.keys.get();
   if (keys == nullptr || keys->empty()) {
     return nullptr;
   }
@@ -343,7 +292,7 @@ PyObject* observer_watch(PyObject* /*self*/, PyObject* keys) {
   if (PyErr_Occurred()) {
     return nullptr;
   }
-  auto next = std::make_shared<const Watched>(taken);
+  auto next = std::make_shared<const KeySet>(taken);
   std::lock_guard<std::mutex> g(watched_mu);
   watched = std::move(next);
   watched_generation.fetch_add(1, std::memory_order_acq_rel);
@@ -382,17 +331,40 @@ std::unique_ptr<at::ObserverContext> nothing(const at::RecordFunction& /*fn*/) {
   return nullptr;
 }
 
+void nothing_at_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {}
+
+thread_local at::CallbackHandle local_floor_callback = 0;
+
 }  // namespace
 
-// observer_floor(on: bool, inputs: bool): add (on) or remove a global callback like the
-// observer's that does nothing, with every op's inputs or without: what a callback of its
-// kind costs before it does any work (figure 8 of the benchmarks times the observer
-// against it). A second add replaces the first.
+// observer_floor(on: bool, inputs: bool, outputs: bool = False, local: bool = False): add
+// (on) or remove a callback that does nothing, with every op's inputs or without, and
+// with its results (a callback at its end too) or without: what a callback of its kind
+// costs before it does any work. Global, like the observer's (figure 8 of the benchmarks
+// times the observer against it), or (`local`) of this thread, like a load tracker's
+// (figure 4b times the tracker against that). A second add of either kind replaces the
+// first of that kind; removing one (of this thread, when `local`) leaves the other.
 PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
   int on = 0;
   int inputs = 0;
-  if (!PyArg_ParseTuple(args, "pp", &on, &inputs)) {
+  int outputs = 0;
+  int local = 0;
+  if (!PyArg_ParseTuple(args, "pp|pp", &on, &inputs, &outputs, &local)) {
     return nullptr;
+  }
+  at::RecordFunctionCallback cb = outputs != 0
+                                      ? at::RecordFunctionCallback(nothing, nothing_at_end)
+                                      : at::RecordFunctionCallback(nothing);
+  cb.needsInputs(inputs != 0).needsOutputs(outputs != 0).scopes({at::RecordScope::FUNCTION});
+  if (local != 0) {
+    if (local_floor_callback != 0) {
+      at::removeCallback(local_floor_callback);
+      local_floor_callback = 0;
+    }
+    if (on != 0) {
+      local_floor_callback = at::addThreadLocalCallback(cb);
+    }
+    Py_RETURN_NONE;
   }
   std::lock_guard<std::mutex> g(callback_mu);
   if (floor_callback != 0) {
@@ -400,9 +372,7 @@ PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
     floor_callback = 0;
   }
   if (on != 0) {
-    floor_callback = at::addGlobalCallback(at::RecordFunctionCallback(nothing)
-                                               .needsInputs(inputs != 0)
-                                               .scopes({at::RecordScope::FUNCTION}));
+    floor_callback = at::addGlobalCallback(cb);
   }
   Py_RETURN_NONE;
 }

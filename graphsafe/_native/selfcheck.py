@@ -168,8 +168,9 @@ def _remembered_check(module: Any) -> bool:
 
 def _taint_check(module: Any, weight: torch.Tensor) -> bool:
     """Whether a tracker following derivations taints what is computed from `weight`
-    (through a view and a temporary), and not what is not; a storage overwritten with
-    loaded values is its own source."""
+    (through a view and a temporary, and by a boxed call: the results it asks for op by
+    op reach it through both of the dispatcher's calls), and not what is not; a storage
+    overwritten with loaded values is its own source."""
     key = weight.untyped_storage().data_ptr()
     tracker = module.tracker_new([])
     module.tracker_taint((tracker, [key]))
@@ -177,6 +178,7 @@ def _taint_check(module: Any, weight: torch.Tensor) -> bool:
     try:
         with torch.no_grad():
             packed = (weight * 2).view(1, -1).expand(2, -1).contiguous()  # a clone
+            boxed = torch.ops.aten.mul.Tensor(weight, 2)
             plain = torch.arange(3.0)  # no weight reaches it, and no load wrote it
             overwritten = weight * 3
             overwritten.copy_(plain)
@@ -185,6 +187,7 @@ def _taint_check(module: Any, weight: torch.Tensor) -> bool:
     got = module.tracker_tainted(tracker)
     module.tracker_free(tracker)
     return (ok and got.get(packed.untyped_storage().data_ptr()) == ((key,), "aten::contiguous")
+            and got.get(boxed.untyped_storage().data_ptr()) == ((key,), "aten::mul.Tensor")
             and plain.untyped_storage().data_ptr() not in got
             and got.get(overwritten.untyped_storage().data_ptr())
             == ((overwritten.untyped_storage().data_ptr(),), "aten::copy_"))

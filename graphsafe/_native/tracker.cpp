@@ -24,6 +24,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -48,11 +49,12 @@ struct Taint {
   std::string op;
 };
 
-using Keys = std::unordered_set<int64_t>;
+using graphsafe_native::KeySet;
 
 // An empty set: what a tracker watches before it is given keys.
-const std::shared_ptr<const Keys>& no_keys() {
-  static const std::shared_ptr<const Keys> none = std::make_shared<const Keys>();
+const std::shared_ptr<const KeySet>& no_keys() {
+  static const std::shared_ptr<const KeySet> none =
+      std::make_shared<const KeySet>(std::vector<int64_t>{});
   return none;
 }
 
@@ -67,16 +69,18 @@ struct Taken {
 };
 
 struct Tracker {
-  std::shared_ptr<const Keys> watched = no_keys();  // never changed once pushed
+  std::shared_ptr<const KeySet> watched = no_keys();  // never changed once pushed
+  // Whether the watched key in each slot of `watched` was written: set by the thread
+  // that pushed it, read by any (a replay asking how far a load got) without a lock.
+  std::unique_ptr<std::atomic<bool>[]> written;
   bool taints = false;  // follows what the load derives from `weights`
-  std::shared_ptr<const Keys> weights = no_keys();
+  std::shared_ptr<const KeySet> weights = no_keys();
   // Touched only by the thread that pushed it (a thread a load starts gets a tracker of
   // its own), and read once it is popped: no lock.
   std::unordered_map<int64_t, Taint> tainted;
   std::vector<Taken> taken;  // numbers and handles, in the order they were made
   std::unordered_set<int64_t> sequenced;  // of these, the ops that write each are kept
-  std::mutex mu;  // `written` is read from other threads (a replay asking how far a load got)
-  std::unordered_set<int64_t> written;
+  std::mutex mu;  // `ops` is read from other threads
   std::unordered_map<int64_t, std::vector<std::string>> ops;  // sequenced key -> its writers
   bool blind = false;  // RecordFunction was off at some point: writes may have been missed
 };
@@ -87,7 +91,7 @@ int64_t next_id = 1;
 
 thread_local std::vector<std::shared_ptr<Tracker>> active;
 thread_local at::CallbackHandle callback = 0;
-thread_local bool callback_outputs = false;  // whether `callback` asks for op results
+thread_local bool callback_outputs = false;  // whether `callback` has an end (taints results)
 
 bool same_storage(const Taint& taint, const at::Tensor& t) {
   if (!t.unsafeGetTensorImpl()->has_storage()) {
@@ -95,6 +99,32 @@ bool same_storage(const Taint& taint, const at::Tensor& t) {
   }
   c10::intrusive_ptr<c10::StorageImpl> held = taint.storage.lock();
   return held && held.get() == t.storage().unsafeGetStorageImpl();
+}
+
+// An op's RecordFunction keeps what its callbacks asked for in a private member; a
+// pointer to it is named here through an explicit instantiation, where access is not
+// checked ([temp.spec.general]: the usual way to reach a private member without
+// changing its class's layout or declaration).
+template <class Tag, typename Tag::type Member>
+struct Expose {
+  friend typename Tag::type member(Tag /*tag*/) {
+    return Member;
+  }
+};
+struct StepsOf {
+  using type = at::StepCallbacks at::RecordFunction::*;
+  friend type member(StepsOf /*tag*/);
+};
+template struct Expose<StepsOf, &at::RecordFunction::step_callbacks_>;
+
+// Asks for the results of the op `fn` records, from its start callback: the dispatcher
+// reads whether to hand them over (`needsOutputs`) only once the start callbacks have
+// run, in its unboxed and boxed calls alike, so only the rare op whose results are
+// tainted pays for them, not every op of the load. (The self-check, which refuses the
+// library otherwise, taints results through both calls.) `fn` is the dispatcher's own
+// record, not a const object.
+void want_outputs(const at::RecordFunction& fn) {
+  (const_cast<at::RecordFunction&>(fn).*member(StepsOf{})).needs_outputs_ = true;
 }
 
 // The op's taint, handed from its start to its end (where its results are tainted).
@@ -129,8 +159,7 @@ std::unique_ptr<at::ObserverContext> taint_start(
     c10::ArrayRef<const c10::IValue> inputs) {
   Tracker& tr = *trp;
   const std::string& name = writes.name;
-  const bool overwrites = name == "aten::copy_" || name == "aten::fill_.Scalar" ||
-                          name == "aten::fill_.Tensor" || name == "aten::zero_";
+  const bool overwrites = writes.overwrites;
   auto written = [&writes](size_t i) {
     return std::find(writes.args.begin(), writes.args.end(), i) != writes.args.end();
   };
@@ -144,8 +173,11 @@ std::unique_ptr<at::ObserverContext> taint_start(
       if (key == 0) {
         return;
       }
-      if (tr.weights->count(key) != 0) {
+      if (tr.weights->contains(key)) {
         found.push_back(key);
+        return;
+      }
+      if (tr.tainted.empty()) {
         return;
       }
       auto it = tr.tainted.find(key);
@@ -166,7 +198,7 @@ std::unique_ptr<at::ObserverContext> taint_start(
     }
     graphsafe_native::each_tensor(inputs[i], [&](const at::Tensor& t) {
       const int64_t key = graphsafe_native::storage_key(t);
-      if (key == 0 || tr.weights->count(key) != 0) {
+      if (key == 0 || tr.weights->contains(key)) {
         return;  // a weight is a source, never derived (its rewrites are judged apart)
       }
       if (sources) {
@@ -225,7 +257,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   for (const c10::IValue& v : fn.outputs()) {
     graphsafe_native::each_tensor(v, [&](const at::Tensor& t) {
       const int64_t key = graphsafe_native::storage_key(t);
-      if (key != 0 && tr.weights->count(key) == 0) {
+      if (key != 0 && !tr.weights->contains(key)) {
         // The op that returned it names it (an outer op ends after the ops it ran),
         // unless it only viewed an argument.
         const bool view = std::find(read.begin(), read.end(), key) != read.end();
@@ -247,7 +279,7 @@ const std::string& sequenced_name(const std::string& name, const at::ObserverCon
   }
   const auto* c = static_cast<const TaintContext*>(ctx);
   for (int64_t key : *c->sources) {
-    if (c->tracker->weights->count(key) != 0) {
+    if (c->tracker->weights->contains(key)) {
       return kDerivedCopy;
     }
   }
@@ -268,6 +300,9 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
         break;
       }
     }
+    if (ctx != nullptr) {
+      want_outputs(fn);
+    }
   }
   if (writes.args.empty()) {
     return ctx;
@@ -278,12 +313,14 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     }
     graphsafe_native::each_key(inputs[i], [&writes, &ctx](int64_t key) {
       for (const auto& tr : active) {
-        if (tr->watched->count(key) != 0) {
+        const size_t slot = tr->watched->slot_of(key);
+        if (slot == KeySet::npos) {
+          continue;
+        }
+        tr->written[slot].store(true, std::memory_order_release);
+        if (!tr->sequenced.empty() && tr->sequenced.count(key) != 0) {
           std::lock_guard<std::mutex> g(tr->mu);
-          tr->written.insert(key);
-          if (tr->sequenced.count(key) != 0) {
-            tr->ops[key].push_back(sequenced_name(writes.name, ctx.get()));
-          }
+          tr->ops[key].push_back(sequenced_name(writes.name, ctx.get()));
         }
       }
     });
@@ -291,8 +328,9 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   return ctx;
 }
 
-// (Re)registers this thread's callback, asking for op results only while a tracker
-// that follows derivations is active.
+// (Re)registers this thread's callback, with an end (where an op's results are tainted)
+// only while a tracker that follows derivations is active. It asks for no op's results
+// up front: an op whose inputs reach the weights asks for its own (`want_outputs`).
 void register_callback() {
   bool outputs = false;
   for (const auto& tr : active) {
@@ -306,7 +344,7 @@ void register_callback() {
     at::RecordFunctionCallback cb = outputs ? at::RecordFunctionCallback(on_op, on_end)
                                             : at::RecordFunctionCallback(on_op);
     callback = at::addThreadLocalCallback(
-        cb.needsInputs(true).needsOutputs(outputs).scopes({at::RecordScope::FUNCTION}));
+        cb.needsInputs(true).scopes({at::RecordScope::FUNCTION}));
     callback_outputs = outputs;
   }
 }
@@ -332,14 +370,14 @@ std::shared_ptr<Tracker> find(PyObject* id) {
 // identity cannot be reused while cached; a frozenset never changes).
 struct CachedKeys {
   PyObject* set;
-  std::shared_ptr<const Keys> keys;
+  std::shared_ptr<const KeySet> keys;
 };
 constexpr size_t kCachedKeys = 8;
 std::vector<CachedKeys> cached_keys;  // guarded by the GIL (only tracker_* touch it)
 
 // The int keys of `keys` (any iterable; a frozenset is read once, then shared), or null
 // with a Python error set.
-std::shared_ptr<const Keys> read_keys(PyObject* keys) {
+std::shared_ptr<const KeySet> read_keys(PyObject* keys) {
   const bool frozen = PyFrozenSet_CheckExact(keys);
   if (frozen) {
     for (auto it = cached_keys.begin(); it != cached_keys.end(); ++it) {
@@ -351,20 +389,20 @@ std::shared_ptr<const Keys> read_keys(PyObject* keys) {
       }
     }
   }
-  auto read = std::make_shared<Keys>();
+  std::vector<int64_t> read;
   PyObject* it = PyObject_GetIter(keys);
   if (it == nullptr) {
     return nullptr;
   }
   while (PyObject* item = PyIter_Next(it)) {
-    read->insert(PyLong_AsLongLong(item));
+    read.push_back(PyLong_AsLongLong(item));
     Py_DECREF(item);
   }
   Py_DECREF(it);
   if (PyErr_Occurred()) {
     return nullptr;
   }
-  std::shared_ptr<const Keys> out = std::move(read);
+  std::shared_ptr<const KeySet> out = std::make_shared<const KeySet>(read);
   if (frozen) {
     Py_INCREF(keys);
     cached_keys.push_back({keys, out});
@@ -384,6 +422,7 @@ PyObject* tracker_new(PyObject* /*self*/, PyObject* watched) {
   if (tr->watched == nullptr) {
     return nullptr;
   }
+  tr->written.reset(new std::atomic<bool>[tr->watched->slots()]());
   std::lock_guard<std::mutex> g(registry_mu);
   const int64_t id = next_id++;
   registry.emplace(id, std::move(tr));
@@ -433,9 +472,10 @@ PyObject* tracker_written(PyObject* /*self*/, PyObject* id) {
     return nullptr;
   }
   std::vector<int64_t> keys;
-  {
-    std::lock_guard<std::mutex> g(tr->mu);
-    keys.assign(tr->written.begin(), tr->written.end());
+  for (size_t i = 0; i < tr->watched->slots(); ++i) {
+    if (tr->written[i].load(std::memory_order_acquire)) {
+      keys.push_back(tr->watched->key_at(i));
+    }
   }
   PyObject* out = PySet_New(nullptr);
   if (out == nullptr) {
@@ -546,7 +586,7 @@ PyObject* tracker_taint(PyObject* /*self*/, PyObject* arg) {
   if (tr == nullptr) {
     return nullptr;
   }
-  std::shared_ptr<const Keys> weights = read_keys(keys);
+  std::shared_ptr<const KeySet> weights = read_keys(keys);
   if (weights == nullptr) {
     return nullptr;
   }
@@ -659,7 +699,7 @@ PyMethodDef tracker_methods[] = {
     {"observer_pending", observer_pending, METH_NOARGS, "Whether a drain has anything."},
     {"observer_drain", observer_drain, METH_NOARGS, "(key -> first op, blind), cleared."},
     {"observer_quiet", observer_quiet, METH_O, "Enter (True) or leave a quiet scope."},
-    {"observer_floor", observer_floor, METH_VARARGS, "A do-nothing callback (on, inputs)."},
+    {"observer_floor", observer_floor, METH_VARARGS, "A do-nothing callback (on, inputs, outputs, local)."},
     {"strays_watch", strays_watch, METH_O, "Storage keys of the weights being recorded."},
     {"strays_start", strays_start, METH_NOARGS, "See every thread's ops."},
     {"strays_stop", strays_stop, METH_NOARGS, "Stop seeing them."},

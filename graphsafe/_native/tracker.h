@@ -1,8 +1,8 @@
 // What the sources of the module share: the method tables checks.cpp's module init
 // adds (the tracker's, observer's and strays', the fingerprint's), and what tracker.cpp,
 // observer.cpp and strays.cpp use (which arguments an op writes, a tensor's storage key,
-// the tensors and keys of an op's arguments, the thread's count of tracked loads and
-// quiet scopes).
+// the tensors and keys of an op's arguments, a set of storage keys, the thread's count
+// of tracked loads and quiet scopes).
 
 #pragma once
 
@@ -31,6 +31,77 @@ extern PyMethodDef fingerprint_methods[];
 struct OpWrites {
   std::vector<size_t> args;
   std::string name;
+  // It replaces what it writes whole, with values its other arguments give (`copy_`,
+  // `fill_`, `zero_`): the old values of its written arguments do not reach its results.
+  bool overwrites = false;
+};
+
+// A set of storage keys: flat open addressing, its slots a power of two at most half
+// full, probed linearly from a multiplicative hash (storage addresses are aligned: their
+// low bits say nothing). 0 marks an empty slot; no storage with bytes has key 0, and one
+// without bytes is never written. A key's slot (`slot_of`) stays its own while the set
+// lives: what is noted per key can be kept in an array beside it.
+class KeySet {
+ public:
+  static constexpr size_t npos = SIZE_MAX;
+
+  explicit KeySet(const std::vector<int64_t>& keys) {
+    size_t bits = 4;
+    while ((size_t{1} << bits) < 2 * keys.size()) {
+      ++bits;
+    }
+    shift_ = 64 - bits;
+    slots_.assign(size_t{1} << bits, 0);
+    for (int64_t key : keys) {
+      if (key == 0) {
+        continue;
+      }
+      size_t i = start(key);
+      while (slots_[i] != 0 && slots_[i] != key) {
+        i = (i + 1) & (slots_.size() - 1);
+      }
+      size_ += slots_[i] == 0 ? 1 : 0;
+      slots_[i] = key;
+    }
+  }
+
+  // The slot that holds `key`, or npos.
+  size_t slot_of(int64_t key) const {
+    for (size_t i = start(key);; i = (i + 1) & (slots_.size() - 1)) {
+      const int64_t here = slots_[i];
+      if (here == key) {
+        return key != 0 ? i : npos;
+      }
+      if (here == 0) {
+        return npos;
+      }
+    }
+  }
+
+  bool contains(int64_t key) const {
+    return slot_of(key) != npos;
+  }
+
+  bool empty() const {
+    return size_ == 0;
+  }
+
+  // Slots, and the key in one (0: empty).
+  size_t slots() const {
+    return slots_.size();
+  }
+  int64_t key_at(size_t slot) const {
+    return slots_[slot];
+  }
+
+ private:
+  size_t start(int64_t key) const {
+    return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ULL) >> shift_);
+  }
+
+  std::vector<int64_t> slots_;
+  unsigned shift_ = 60;
+  size_t size_ = 0;
 };
 
 // `fn`'s writes, from a cache of this thread keyed by the address of the op's schema

@@ -175,15 +175,8 @@ def _replay_row(ctx: Any, layers: int, reg: gs.Registry,
             model.load_weights(ckpt)
             _post_load(model)
 
-    found_model, found = build(True)
-    plain_model, plain = build(False)
-    n_found = len(gs.runtime(found_model).discovered)
-    assert n_found > 0 and not gs.runtime(plain_model).discovered
-    d, n, guard = _side_by_side(ctx, (found_model, found), (plain_model, plain))
-    return Row("11c", f"guarded replay reading {n_found} discovered tensors", d.median,
-               n.median, "the same replay, nothing discovered", ratio=paired(d, n),
-               ratio_def="discovered / none", op="<=", target=1.1,
-               details={"discovered": n_found, **guard})
+    return _discovered_row(ctx, "11c", "guarded replay reading {} discovered tensors", 1.1,
+                           build)
 
 
 def _take_scales(model: nn.Module) -> None:
@@ -214,14 +207,23 @@ def _numbers_row(ctx: Any, layers: int, reg: gs.Registry,
                 total = total + w.sum() * scale
         return model, g
 
+    return _discovered_row(ctx, "11d", "guarded replay holding {} discovered numbers", 1.05,
+                           build)
+
+
+def _discovered_row(ctx: Any, fig: str, measure: str, target: float,
+                    build: Callable[[bool], tuple[nn.Module, gs.Graph]]) -> Row:
+    """A row of guarded replays: the graph `build(True)` makes over a model whose state
+    was discovered (`measure` takes how much), against `build(False)`'s, the same model
+    with recording off (nothing discovered)."""
     found_model, found = build(True)
     plain_model, plain = build(False)
     n_found = len(gs.runtime(found_model).discovered)
     assert n_found > 0 and not gs.runtime(plain_model).discovered
     d, n, guard = _side_by_side(ctx, (found_model, found), (plain_model, plain))
-    return Row("11d", f"guarded replay holding {n_found} discovered numbers", d.median,
-               n.median, "the same replay, nothing discovered", ratio=paired(d, n),
-               ratio_def="discovered / none", op="<=", target=1.05,
+    return Row(fig, measure.format(n_found), d.median, n.median,
+               "the same replay, nothing discovered", ratio=paired(d, n),
+               ratio_def="discovered / none", op="<=", target=target,
                details={"discovered": n_found, **guard})
 
 

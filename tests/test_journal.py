@@ -30,12 +30,18 @@ def test_witnesses_read_the_journal_they_are_given() -> None:
     assert mine.unchanged()
 
 
-def test_the_journal_forgets_a_storage_when_it_dies() -> None:
+def _poisoned() -> tuple[Journal, torch.Tensor, int]:
+    """A journal that recorded a load into a tensor, then a failure's poison of it."""
     journal = Journal()
     w = torch.zeros(1024)
     key = storage_key(w)
     journal.advance([key], "a load", lambda k, t=w: t.untyped_storage())
     journal.poison([w], "a failed load")
+    return journal, w, key
+
+
+def test_the_journal_forgets_a_storage_when_it_dies() -> None:
+    journal, w, key = _poisoned()
     assert len(journal) == 1 and journal.poisoned_among(frozenset([key]))
     del w
     gc.collect()
@@ -47,11 +53,7 @@ def test_the_journal_forgets_a_storage_when_it_dies() -> None:
 def test_poison_follows_a_storage_whose_bytes_move_and_frees_the_old_address() -> None:
     # `share_memory_()` moves a live storage's bytes: the old address is freed for any
     # new storage, while the poisoned storage is still the one a replay would read.
-    journal = Journal()
-    w = torch.zeros(1024)
-    old = storage_key(w)
-    journal.advance([old], "a load", lambda k, t=w: t.untyped_storage())
-    journal.poison([w], "a failed load")
+    journal, w, old = _poisoned()
     w.share_memory_()
     now = storage_key(w)
     assert now != old  # control: the bytes did move

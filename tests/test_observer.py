@@ -93,8 +93,10 @@ def _captured(
 
 
 def _expected(layer: Layer, x: torch.Tensor) -> torch.Tensor:
-    """What the graph computes from the current weights (not from `w_t`, which may lag)."""
-    return (x @ layer.w.detach().t() + layer.bias).detach()
+    """What the graph computes from the current weights (not from `w_t`, which may lag),
+    through a transposed copy laid out as `w_t` is: a matmul over a transposed view may
+    round differently (other kernels), and the tests compare bit for bit."""
+    return (x @ layer.w.detach().t().contiguous() + layer.bias).detach()
 
 
 # Each write changes `w` outside any tracked load without moving its version counter.
@@ -455,7 +457,7 @@ _SCRIPT = textwrap.dedent(
     layer.w.data.copy_(torch.randn(4, 6))
     try:
         graphs[1].replay()
-        print("replayed", torch.equal(out, (x @ layer.w.t() + layer.bias).detach()))
+        print("replayed", torch.equal(out, (x @ layer.w.t().contiguous() + layer.bias).detach()))
     except gs.StaleError:
         print("refused")
     """

@@ -376,3 +376,19 @@ def test_poison_moves_with_a_storage_written_in_one_step_and_keeps_its_epoch() -
     now = storage_key(w)
     assert journal.poisoned_keys() == {now}
     assert journal.epochs_of([now, storage_key(other)]) == [second, second]
+
+
+def test_a_write_of_nothing_between_two_writes_of_one_frozenset_keeps_their_epochs() -> None:
+    journal = Journal()
+    tensors = [torch.zeros(256) for _ in range(2)]
+    storages = {storage_key(t): t.untyped_storage() for t in tensors}
+    written = frozenset(storages)
+    journal.advance(written, "load 1", storages.get)
+    first = journal.clock
+    journal.advance(frozenset(), "an empty load", storages.get)
+    assert journal.clock == first + 1  # the clock moves: witnesses look again
+    assert journal.epochs_of(list(written)) == [first, first]
+    journal.advance(written, "load 3", storages.get)
+    assert journal.epochs_of(list(written)) == [journal.clock] * 2
+    assert journal.written_since(first + 1) == written
+    assert {journal.how_written(k) for k in written} == {"load 3"}

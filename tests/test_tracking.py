@@ -365,10 +365,13 @@ def test_the_compiled_tracker_gives_the_same_set_back_only_for_the_same_writes()
     a, b = _param(), _param()
     watched = frozenset((storage_key(a), storage_key(b)))
     sets = []
-    for t in (a, a, b, a):
+    for t in (a, a, None, a, b, a):
         with NativeWriteTracker(watched, native) as seen:  # type: ignore[arg-type]
-            t.data.fill_(1.0)
+            if t is not None:
+                t.data.fill_(1.0)
         sets.append(seen.written)
-    assert sets == [{storage_key(a)}, {storage_key(a)}, {storage_key(b)}, {storage_key(a)}]
+    ka, kb = storage_key(a), storage_key(b)
+    assert sets == [{ka}, {ka}, set(), {ka}, {kb}, {ka}]
     assert sets[1] is sets[0]  # the same writes: the set of the tracker before
-    assert sets[2] is not sets[1] and sets[3] is not sets[1]  # control: other writes
+    assert sets[3] is sets[0]  # a load that wrote nothing in between leaves it
+    assert sets[4] is not sets[3] and sets[5] is not sets[3]  # control: other writes

@@ -98,20 +98,22 @@ class Journal:
         The same frozenset as the last write (a load writing what the load before it
         wrote: the compiled tracker hands the same object back) is recorded in one step,
         whatever its size, while it is the most recent write and its storages are
-        tracked."""
+        tracked. A write of nothing moves the clock alone."""
+        written = keys if isinstance(keys, (set, frozenset)) else set(keys)
+        if 0 in written:
+            written = written - {0}
         with self._lock:
             self._sweep()
             last = self._last
-            if (last is not None and keys is last[0]
-                    and (last[2] or storage_of is None)):
+            if not written or (last is not None and keys is last[0]
+                               and (last[2] or storage_of is None)):
                 self.clock += 1
-                self._last = (last[0], self.clock, last[2])
+                if written:
+                    assert last is not None
+                    self._last = (last[0], self.clock, last[2])
                 self._note_how(how)
                 return
             self._settle()
-            written = keys if isinstance(keys, (set, frozenset)) else set(keys)
-            if 0 in written:
-                written = written - {0}
             self.clock += 1
             if type(keys) is frozenset and written is keys:
                 self._last = (keys, self.clock, False)  # its epochs: see `_last`

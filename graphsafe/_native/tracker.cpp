@@ -466,9 +466,10 @@ PyObject* tracker_pop(PyObject* /*self*/, PyObject* id) {
 }
 
 // The last written set `tracker_written` handed out for each watched set, most recent
-// last: a load that writes the same storages as the load before it gets the same
-// frozenset object back, without a Python int made or hashed per storage; the journal
-// records a set it was given the last time as one write (`Journal.advance`).
+// last: a load that writes the same storages as the load before it that wrote any gets
+// the same frozenset object back, without a Python int made or hashed per storage; the
+// journal records a set it was given the last time as one write (`Journal.advance`). A
+// load that wrote nothing gets an empty set of its own and leaves the cache as it was.
 struct WrittenSet {
   std::shared_ptr<const KeySet> keys;  // held: its address is not reused while cached
   std::vector<uint8_t> bits;           // written or not, per slot of `keys`
@@ -484,8 +485,13 @@ PyObject* tracker_written(PyObject* /*self*/, PyObject* id) {
   }
   const KeySet& watched = *tr->watched;
   std::vector<uint8_t> bits(watched.slots());
+  size_t count = 0;
   for (size_t i = 0; i < bits.size(); ++i) {
     bits[i] = tr->written[i].load(std::memory_order_acquire) ? 1 : 0;
+    count += bits[i];
+  }
+  if (count == 0) {
+    return PyFrozenSet_New(nullptr);
   }
   auto hit = std::find_if(written_sets.begin(), written_sets.end(),
                           [&](const WrittenSet& w) { return w.keys == tr->watched; });

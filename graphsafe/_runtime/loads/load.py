@@ -182,9 +182,10 @@ class Load:
         (once it stopped: all it wrote)."""
         if self._done:
             return self._written
-        if not self._written:  # no worker joined: the tracker's set as it is
-            return self.tracker.written
-        return self._written | self.tracker.written
+        written = self.tracker.written
+        if not self._written:  # no worker joined: the tracker's set, if no write moves it
+            return written if isinstance(written, frozenset) else set(written)
+        return self._written | written
 
     def rewritten(self) -> Set[int]:
         """Once the load recorded its writes: the storage keys it wrote, with those

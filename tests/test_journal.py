@@ -285,3 +285,110 @@ def test_control_the_fix_it_gives_records_every_tensor() -> None:
     gs.mark_written(*the_list)
     assert JOURNAL.epochs_of([storage_key(a), storage_key(b)]) == [JOURNAL.clock] * 2
     assert JOURNAL.how_written(storage_key(b)) == "a write declared with gs.mark_written"
+
+
+class _Unsettled(Journal):
+    """A broken journal for the controls below: the last write of a frozenset is dropped
+    instead of recorded when another write comes (its storages keep their older epochs)."""
+
+    __slots__ = ()
+
+    def _settle(self) -> None:
+        self._last = None
+
+
+def _repeated_then_one(journal: Journal) -> tuple[list[int], list[int], list[str]]:
+    """Three storages written as one frozenset twice (the second time: one step), then one
+    of them alone: (their epochs, the clocks of the three writes, what wrote each)."""
+    tensors = [torch.zeros(256) for _ in range(3)]
+    keys = [storage_key(t) for t in tensors]
+    storages = {storage_key(t): t.untyped_storage() for t in tensors}
+    written = frozenset(keys)
+    journal.advance(written, "load 1", storages.get)
+    journal.advance(written, "load 2", storages.get)
+    second = journal.clock
+    journal.advance([keys[0]], "load 3", storages.get)
+    return (journal.epochs_of(keys), [second, journal.clock],
+            [journal.how_written(k) for k in keys])
+
+
+def test_the_same_frozenset_written_again_moves_every_epoch_and_a_later_write_keeps_them(
+) -> None:
+    epochs, (second, third), how = _repeated_then_one(Journal())
+    assert epochs == [third, second, second]
+    assert how == ["load 3", "load 2", "load 2"]
+
+
+def test_control_a_journal_that_drops_the_repeated_write_is_caught() -> None:
+    epochs, (second, third), _ = _repeated_then_one(_Unsettled())
+    assert epochs != [third, second, second]  # the two storages lost the second write
+
+
+def test_witnesses_see_a_frozenset_written_again_in_one_step() -> None:
+    journal = Journal()
+    tensors = {f"w{i}": torch.zeros(256) for i in range(3)}
+    storages = {storage_key(t): t.untyped_storage() for t in tensors.values()}
+    written = frozenset(storages)
+    witnesses = Witnesses([(tensors, name) for name in tensors], journal)
+    journal.advance(written, "load 1", storages.get)
+    witnesses.record(range(3))
+    assert witnesses.unchanged()
+    before = journal.clock
+    journal.advance(written, "load 2", storages.get)  # the same object: one step
+    assert not witnesses.unchanged()
+    assert witnesses.changed(by_journal=True) == [
+        (i, "written by load 2") for i in range(3)]
+    assert journal.written_since(before) == written
+    assert journal.written_since(journal.clock) == set()
+    witnesses.record(range(3))
+    assert witnesses.unchanged()
+    journal.advance(frozenset(written), "load 3", storages.get)  # equal, not the same
+    assert [i for i, _ in witnesses.changed()] == [0, 1, 2]
+
+
+def test_a_storage_of_a_write_in_one_step_that_dies_is_forgotten_and_the_rest_kept() -> None:
+    journal = Journal()
+    tensors = [torch.zeros(256) for _ in range(3)]
+    keys = [storage_key(t) for t in tensors]
+    storages = {storage_key(t): t.untyped_storage() for t in tensors}
+    written = frozenset(keys)
+    journal.advance(written, "load 1", storages.get)
+    journal.advance(written, "load 2", storages.get)
+    second = journal.clock
+    del tensors[0], storages[keys[0]]
+    gc.collect()
+    assert len(journal) == 2
+    assert journal.epochs_of(keys) == [0, second, second]
+    journal.advance(written, "load 3", storages.get)  # its key, dead, is recorded untracked
+    assert journal.epochs_of(keys[1:]) == [journal.clock] * 2
+
+
+def test_poison_moves_with_a_storage_written_in_one_step_and_keeps_its_epoch() -> None:
+    journal = Journal()
+    w, other = torch.zeros(1024), torch.zeros(1024)
+    storages = {storage_key(t): t.untyped_storage() for t in (w, other)}
+    written = frozenset(storages)
+    journal.advance(written, "load 1", storages.get)
+    journal.advance(written, "load 2", storages.get)
+    second = journal.clock
+    journal.poison([w], "a failed load")
+    w.share_memory_()
+    now = storage_key(w)
+    assert journal.poisoned_keys() == {now}
+    assert journal.epochs_of([now, storage_key(other)]) == [second, second]
+
+
+def test_a_write_of_nothing_between_two_writes_of_one_frozenset_keeps_their_epochs() -> None:
+    journal = Journal()
+    tensors = [torch.zeros(256) for _ in range(2)]
+    storages = {storage_key(t): t.untyped_storage() for t in tensors}
+    written = frozenset(storages)
+    journal.advance(written, "load 1", storages.get)
+    first = journal.clock
+    journal.advance(frozenset(), "an empty load", storages.get)
+    assert journal.clock == first + 1  # the clock moves: witnesses look again
+    assert journal.epochs_of(list(written)) == [first, first]
+    journal.advance(written, "load 3", storages.get)
+    assert journal.epochs_of(list(written)) == [journal.clock] * 2
+    assert journal.written_since(first + 1) == written
+    assert {journal.how_written(k) for k in written} == {"load 3"}

@@ -316,3 +316,62 @@ def test_control_results_computed_from_no_weight_are_not_tainted(
     with seen:
         _derive(w, other)
     assert seen.tainted() == {} and seen.taken() == []
+
+
+def test_trackers_of_one_watched_set_report_each_its_own_writes(
+    tracker: Callable[[frozenset[int]], Tracker],
+) -> None:
+    # Load after load over one watched set, as a model's loads are: the compiled tracker
+    # hands back the set it gave last time when the same storages were written; each of
+    # these must still be told exactly, whatever the load before it wrote.
+    model = nn.Module()
+    model.a, model.b = _param(), _param()
+    model.register_buffer("running", torch.zeros(4))  # a buffer, not a parameter
+    a, b, running = (storage_key(t) for t in (model.a, model.b, model.running))
+    watched = frozenset((a, b, running))
+    loads: list[tuple[str, Callable[[], object], set[int]]] = [
+        ("every input", lambda: [t.data.fill_(1.0) for t in (model.a, model.b, model.running)],
+         {a, b, running}),
+        ("every input again", lambda: [t.data.fill_(2.0) for t in (model.a, model.b,
+                                                                   model.running)],
+         {a, b, running}),
+        ("none", lambda: model.a.sum(), set()),
+        ("one", lambda: model.a.data.copy_(torch.ones(2, 3)), {a}),
+        ("another one", lambda: model.b.data.copy_(torch.ones(2, 3)), {b}),
+        ("one written twice", lambda: (model.b.data.zero_(), model.b.data.add_(1.0)), {b}),
+        ("through a view", lambda: model.a.data.view(-1)[2:].fill_(3.0), {a}),
+        ("a buffer", lambda: model.running.add_(1.0), {running}),
+        ("two of three", lambda: (model.a.data.zero_(), model.running.zero_()), {a, running}),
+        ("another two of three", lambda: (model.b.data.zero_(), model.running.zero_()),
+         {b, running}),
+        ("every input at the end", lambda: [t.data.fill_(1.0) for t in (model.a, model.b,
+                                                                       model.running)],
+         {a, b, running}),
+    ]
+    with torch.no_grad():
+        for name, load, expected in loads:
+            with tracker(watched) as seen:
+                load()
+            assert seen.written == expected, name
+
+
+def test_the_compiled_tracker_gives_the_same_set_back_only_for_the_same_writes() -> None:
+    try:
+        _native.build()
+    except _native.NativeBuildError as exc:
+        pytest.skip(f"the compiled tracker cannot be built here: {exc}")
+    native = _native.loader._load()
+    assert native is not None
+    a, b = _param(), _param()
+    watched = frozenset((storage_key(a), storage_key(b)))
+    sets = []
+    for t in (a, a, None, a, b, a):
+        with NativeWriteTracker(watched, native) as seen:  # type: ignore[arg-type]
+            if t is not None:
+                t.data.fill_(1.0)
+        sets.append(seen.written)
+    ka, kb = storage_key(a), storage_key(b)
+    assert sets == [{ka}, {ka}, set(), {ka}, {kb}, {ka}]
+    assert sets[1] is sets[0]  # the same writes: the set of the tracker before
+    assert sets[3] is sets[0]  # a load that wrote nothing in between leaves it
+    assert sets[4] is not sets[3] and sets[5] is not sets[3]  # control: other writes

@@ -32,7 +32,7 @@ refused until a load writes it whole again.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -203,7 +203,7 @@ class Discovery:
             self._rewritten.rehome({s.path: s for s in sources_of(model).values()})
 
     def judge_rewrites(
-        self, model: nn.Module, written: set[int], ops: Mapping[int, Sequence[str]],
+        self, model: nn.Module, written: Set[int], ops: Mapping[int, Sequence[str]],
         before: Mapping[str, int] | None = None,
         tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
     ) -> list[Rewritten]:
@@ -212,11 +212,11 @@ class Discovery:
         self._rehome_rewrites(model)
         return self._rewritten.judge(written, ops, before, tainted, self._exempt)
 
-    def written_elsewhere(self, keys: set[int]) -> None:
+    def written_elsewhere(self, keys: Set[int]) -> None:
         """`Rewrites.written_elsewhere`: a load of another model wrote `keys`."""
         self._rewritten.written_elsewhere(keys)
 
-    def after_load(self, model: nn.Module, written: set[int],
+    def after_load(self, model: nn.Module, written: Set[int],
                    tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
                    reach: Callable[[], Reach] | None = None,
                    taken: Sequence[Taken] = ()) -> None:
@@ -339,7 +339,7 @@ class Discovery:
         recording: a copy from one is a derivation)."""
         return foreign_keys(self._others(), model)
 
-    def follow(self, written: set[int], taken: Sequence[Taken] = ()) -> None:
+    def follow(self, written: Set[int], taken: Sequence[Taken] = ()) -> None:
         """After a load that was not recorded: an entry it wrote (re-derived in place), or
         whose place now holds a tensor the last load that ended did not leave there
         (rebuilt by this load's post-load step, from the same sources), is witnessed

@@ -14,7 +14,7 @@ weight, in its `Rewrites`.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence, Set
 
 import torch
 
@@ -63,7 +63,7 @@ class Rewritten:
             t = holder.get(key)
             return storage_key(t) if isinstance(t, torch.Tensor) else 0
 
-    def input_written(self, written: set[int],
+    def input_written(self, written: Set[int],
                       before: Mapping[str, int] | None = None) -> str | None:
         """Why a load that wrote `written` (storage keys) and not the weight left it
         wrong: it wrote another weight the rewrite reads (a new scale, not folded in), or
@@ -124,7 +124,7 @@ class Rewrites(dict[str, "Rewritten"]):
         return frozenset(k for r in self.values() if (k := r.key()))
 
     def judge(
-        self, written: set[int], ops: Mapping[int, Sequence[str]],
+        self, written: Set[int], ops: Mapping[int, Sequence[str]],
         before: Mapping[str, int] | None, tainted: Mapping[int, tuple[tuple[int, ...], str]] | None,
         exempt: Container[str],
     ) -> list[Rewritten]:
@@ -180,7 +180,7 @@ class Rewrites(dict[str, "Rewritten"]):
                 inputs.append((path, holder, key))
             r.inputs = tuple(inputs)
 
-    def written_elsewhere(self, keys: set[int]) -> None:
+    def written_elsewhere(self, keys: Set[int]) -> None:
         """A load of another model (a tied weight) wrote the storages `keys`: each weight
         rewritten in place among them holds raw values now, until a load of this model
         writes it whole again."""

@@ -10,6 +10,10 @@ refresh (of a derived buffer) or a completed load that writes them heals them. W
 journal holds of a storage dies with it: a later storage at the same address starts
 clean, and a long job's journal does not grow. Poison follows a storage whose bytes move
 while it lives (`share_memory_()`), and leaves the address they left.
+
+A load that writes the same storages as the load before it is handed the same frozenset
+by the compiled tracker; the journal records such a write again as one step (`advance`),
+so that a steady run of loads costs it nothing per storage.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ class Journal:
         0
     """
 
-    __slots__ = ("_dead", "_drain", "_epochs", "_extent", "_how", "_lock", "_tracked", "clock",
-                 "poisoned")
+    __slots__ = ("_dead", "_drain", "_epochs", "_extent", "_how", "_last", "_lock", "_tracked",
+                 "clock", "poisoned")
 
     def __init__(self) -> None:
         self.clock = 0
@@ -54,6 +58,11 @@ class Journal:
         self.poisoned: dict[int, str] = {}
         """Storage key -> why it must not be read by a replay."""
         self._epochs: dict[int, int] = {}  # storage key -> the clock of its last write
+        self._last: tuple[frozenset[int], int, bool] | None = None
+        """The last write, while it is the most recent one and was given as a frozenset:
+        (its keys, its clock, whether all of them are tracked). Its keys' epochs are its
+        clock (their entries in `_epochs` are older); the same frozenset written again
+        moves them all at once. `_settle` writes them into `_epochs`."""
         self._how: dict[int, str] = {}  # clock -> what wrote at it, for messages
         self._tracked: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         """Key -> the storage tracked there (its death, or its bytes moving elsewhere,
@@ -78,27 +87,65 @@ class Journal:
         """How many storages the journal holds anything of."""
         with self._lock:
             self._sweep()
+            self._settle()
             return len(self._tracked.keys() | self._epochs.keys() | self.poisoned.keys())
 
     def advance(self, keys: Iterable[int], how: str, storage_of: StorageOf | None = None) -> None:
         """Record a write by `how` ("Model.load_weights", ...) into each storage of `keys`
         (key 0 is ignored). `storage_of(key)` gives the live storage, asked once per storage
-        so that the journal forgets it when it dies; without it, the entry stays."""
+        so that the journal forgets it when it dies; without it, the entry stays.
+
+        The same frozenset as the last write (a load writing what the load before it
+        wrote: the compiled tracker hands the same object back) is recorded in one step,
+        whatever its size, while it is the most recent write and its storages are
+        tracked. A write of nothing moves the clock alone."""
         written = keys if isinstance(keys, (set, frozenset)) else set(keys)
         if 0 in written:
             written = written - {0}
         with self._lock:
             self._sweep()
+            last = self._last
+            if not written or (last is not None and keys is last[0]
+                               and (last[2] or storage_of is None)):
+                self.clock += 1
+                if written:
+                    assert last is not None
+                    self._last = (last[0], self.clock, last[2])
+                self._note_how(how)
+                return
+            self._settle()
             self.clock += 1
-            # A load of every tensor of a large model: one pass, in C.
-            self._epochs.update(dict.fromkeys(written, self.clock))
-            self._how[self.clock] = how
-            if len(self._how) > 2 * len(self._epochs) + 64:  # forget what no epoch holds
-                live = set(self._epochs.values())
-                self._how = {c: h for c, h in self._how.items() if c in live}
+            if type(keys) is frozenset and written is keys:
+                self._last = (keys, self.clock, False)  # its epochs: see `_last`
+            else:
+                # A load of every tensor of a large model: one pass, in C.
+                self._epochs.update(dict.fromkeys(written, self.clock))
+            self._note_how(how)
             if storage_of is not None:
-                for key in written.difference(self._tracked):
+                untracked = written.difference(self._tracked)
+                for key in untracked:
                     self._track(key, storage_of(key))
+                if self._last is not None and self._last[0] is keys:
+                    tracked = all(key in self._tracked for key in untracked)
+                    self._last = (keys, self.clock, tracked)
+
+    def _note_how(self, how: str) -> None:
+        """What wrote at the clock now, for messages; what no epoch holds is forgotten."""
+        self._how[self.clock] = how
+        last = self._last
+        if len(self._how) > 2 * len(self._epochs) + 64:
+            live = set(self._epochs.values())
+            if last is not None:
+                live.add(last[1])
+            self._how = {c: h for c, h in self._how.items() if c in live}
+
+    def _settle(self) -> None:
+        """Write the epochs of the last write given as a frozenset into `_epochs` (before
+        any other write, or anything that moves or forgets an entry)."""
+        last = self._last
+        if last is not None:
+            self._last = None
+            self._epochs.update(dict.fromkeys(last[0], last[1]))
 
     def poison(self, tensors: Iterable[torch.Tensor], why: str) -> None:
         """Mark the storages of `tensors` unusable until healed (or until they die)."""
@@ -126,7 +173,11 @@ class Journal:
         """Storage keys written after the journal's clock read `clock` (by any path)."""
         with self._lock:
             self._sweep()
-            return {key for key, epoch in self._epochs.items() if epoch > clock}
+            since = {key for key, epoch in self._epochs.items() if epoch > clock}
+            last = self._last
+            if last is not None and last[1] > clock:
+                since.update(last[0])
+            return since
 
     def poisoned_among(self, keys: frozenset[int]) -> dict[int, str]:
         """The poisoned storages among `keys` (key -> why; cheap when nothing is)."""
@@ -143,11 +194,18 @@ class Journal:
         if self._dead:
             with self._lock:
                 self._sweep()
-        return list(map(self._epochs.get, keys, itertools.repeat(0)))
+        last = self._last
+        found = list(map(self._epochs.get, keys, itertools.repeat(0)))
+        if last is None or last[0].isdisjoint(keys):
+            return found
+        written, clock, _ = last
+        return [clock if key in written else epoch for key, epoch in zip(keys, found)]
 
     def how_written(self, key: int) -> str:
         """What last wrote the storage `key`, for messages."""
-        return self._how.get(self._epochs.get(key, -1), "a recorded write")
+        last = self._last
+        epoch = last[1] if last is not None and key in last[0] else self._epochs.get(key, -1)
+        return self._how.get(epoch, "a recorded write")
 
     def know(self, storages: Iterable[torch.UntypedStorage]) -> None:
         """Track `storages` (a pinned model's) without recording a write: a write declared
@@ -192,6 +250,9 @@ class Journal:
         return storage is not None and storage.data_ptr() == key and storage.nbytes() > 0
 
     def _forget(self, key: int) -> None:
+        last = self._last
+        if last is not None and key in last[0]:
+            self._settle()
         self._tracked.pop(key, None)
         self._extent.pop(key, None)
         self.poisoned.pop(key, None)
@@ -212,6 +273,7 @@ class Journal:
         """Poison follows its storage: a storage whose bytes moved while it lives
         (`share_memory_()`, a resize) is poisoned at its new address, and the old one,
         free for any new storage, is forgotten."""
+        self._settle()
         for key in [k for k in self.poisoned if k in self._tracked]:
             storage = self._tracked[key]()
             if storage is None:  # dying: its callback forgets it

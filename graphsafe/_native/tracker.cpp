@@ -465,30 +465,67 @@ PyObject* tracker_pop(PyObject* /*self*/, PyObject* id) {
   return PyBool_FromLong(!tr->blind);
 }
 
-// tracker_written(id) -> set[int]: what it saw written so far (any thread may ask).
+// The last written set `tracker_written` handed out for each watched set, most recent
+// last: a load that writes the same storages as the load before it that wrote any gets
+// the same frozenset object back, without a Python int made or hashed per storage; the
+// journal records a set it was given the last time as one write (`Journal.advance`). A
+// load that wrote nothing gets an empty set of its own and leaves the cache as it was.
+struct WrittenSet {
+  std::shared_ptr<const KeySet> keys;  // held: its address is not reused while cached
+  std::vector<uint8_t> bits;           // written or not, per slot of `keys`
+  PyObject* frozen;                    // owned
+};
+std::vector<WrittenSet> written_sets;  // guarded by the GIL (only tracker_written touches it)
+
+// tracker_written(id) -> frozenset[int]: what it saw written so far (any thread may ask).
 PyObject* tracker_written(PyObject* /*self*/, PyObject* id) {
   std::shared_ptr<Tracker> tr = find(id);
   if (tr == nullptr) {
     return nullptr;
   }
-  std::vector<int64_t> keys;
-  for (size_t i = 0; i < tr->watched->slots(); ++i) {
-    if (tr->written[i].load(std::memory_order_acquire)) {
-      keys.push_back(tr->watched->key_at(i));
-    }
+  const KeySet& watched = *tr->watched;
+  std::vector<uint8_t> bits(watched.slots());
+  size_t count = 0;
+  for (size_t i = 0; i < bits.size(); ++i) {
+    bits[i] = tr->written[i].load(std::memory_order_acquire) ? 1 : 0;
+    count += bits[i];
   }
-  PyObject* out = PySet_New(nullptr);
+  if (count == 0) {
+    return PyFrozenSet_New(nullptr);
+  }
+  auto hit = std::find_if(written_sets.begin(), written_sets.end(),
+                          [&](const WrittenSet& w) { return w.keys == tr->watched; });
+  if (hit != written_sets.end() && hit->bits == bits) {
+    Py_INCREF(hit->frozen);
+    return hit->frozen;
+  }
+  PyObject* out = PyFrozenSet_New(nullptr);
   if (out == nullptr) {
     return nullptr;
   }
-  for (int64_t k : keys) {
-    PyObject* v = PyLong_FromLongLong(k);
-    if (v == nullptr || PySet_Add(out, v) != 0) {
+  for (size_t i = 0; i < bits.size(); ++i) {
+    if (bits[i] == 0) {
+      continue;
+    }
+    PyObject* v = PyLong_FromLongLong(watched.key_at(i));
+    if (v == nullptr || PySet_Add(out, v) != 0) {  // fills a frozenset no one saw yet
       Py_XDECREF(v);
       Py_DECREF(out);
       return nullptr;
     }
     Py_DECREF(v);
+  }
+  Py_INCREF(out);
+  if (hit != written_sets.end()) {
+    Py_DECREF(hit->frozen);
+    hit->bits = std::move(bits);
+    hit->frozen = out;
+  } else {
+    written_sets.push_back({tr->watched, std::move(bits), out});
+    if (written_sets.size() > kCachedKeys) {
+      Py_DECREF(written_sets.front().frozen);
+      written_sets.erase(written_sets.begin());
+    }
   }
   return out;
 }
@@ -685,7 +722,7 @@ PyMethodDef tracker_methods[] = {
     {"tracker_new", tracker_new, METH_O, "A write tracker watching storage keys."},
     {"tracker_push", tracker_push, METH_O, "Track this thread's ops with it."},
     {"tracker_pop", tracker_pop, METH_O, "Stop; False if writes may have gone unseen."},
-    {"tracker_written", tracker_written, METH_O, "Storage keys it saw written."},
+    {"tracker_written", tracker_written, METH_O, "Storage keys it saw written (a frozenset)."},
     {"tracker_sequence", tracker_sequence, METH_O, "Keep the ops that write these keys."},
     {"tracker_ops", tracker_ops, METH_O, "The ops that wrote each sequenced key."},
     {"tracker_taint", tracker_taint, METH_O, "Follow what is derived from these keys."},

@@ -59,7 +59,7 @@ class Debts:
                       paths)
 
     def fail(
-        self, binder: Binder, written: set[int], named: frozenset[str] | None, why: str,
+        self, binder: Binder, written: Set[int], named: frozenset[str] | None, why: str,
         written_paths: Iterable[str] = (),
     ) -> None:
         """A load or update failed (`why`: "Model.load_weights raised ..."): what it may
@@ -80,7 +80,7 @@ class Debts:
         self._journal.poison((t for t in binder.tensors() if storage_key(t) in keys),
                              f"the last weight update failed ({why})")
 
-    def pay(self, binder: Binder, written: set[int], written_paths: set[str]) -> None:
+    def pay(self, binder: Binder, written: Set[int], written_paths: set[str]) -> None:
         """A load completed: what it wrote is no longer owed."""
         if self.owed:
             self.owed.pay(written, written_paths, binder.model_map().by_path)

@@ -18,7 +18,7 @@ import contextlib
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Set
 from typing import Any, Final
 
 from torch import nn
@@ -383,7 +383,7 @@ class LoadDriver:
         if why is not None:
             self._debts.fail(self._binder, set(), None, why)
 
-    def refresh_written_elsewhere(self, keys: set[int]) -> None:
+    def refresh_written_elsewhere(self, keys: Set[int]) -> None:
         """A load through another model wrote storages this one may read (tied or shared
         parameters): pay what this model owed there, and refresh their readers, if this
         runtime is free right now (one busy in another thread is skipped: its witnesses
@@ -396,7 +396,9 @@ class LoadDriver:
             if engine is None or self._load is not None:
                 return
             self._debts.pay(self._binder, keys, set())
-            keys = keys.intersection(engine.watch.by_storage())  # one pass: reads few
+            reads = engine.watch.by_storage()  # one pass over the smaller: reads few
+            keys = {k for k in keys if k in reads} if len(keys) <= len(reads) else {
+                k for k in reads if k in keys}
             if not engine.consumers_of(keys):
                 return  # reads none of it (a storage it took since is seen by its witnesses)
             # Binds again if its tree changed (before pin).
@@ -495,7 +497,7 @@ def _compile_refused(
     )
 
 
-def _tell_others(origin: LoadDriver, written: set[int]) -> None:
+def _tell_others(origin: LoadDriver, written: Set[int]) -> None:
     """A load that ended refreshes, in the other models, what reads what it wrote."""
     if written:
         for other in list(_LIVE):

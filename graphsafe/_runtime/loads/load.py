@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Set
 from typing import Any, Final
 
 import torch
@@ -110,7 +110,7 @@ class Load:
         self.map_reads: MapReads | None = None
         """The numbers its threads read out of expert maps that moved experts (set as
         it begins, when there are such maps)."""
-        self._written: set[int] = set()
+        self._written: Set[int] = set()
         self._transient_written: set[Transient] = set()
         self._reports: Final[list[RefreshReport]] = []  # refreshes run in the middle of the load
         # Derivations refreshed in the middle of the load (their transient inputs were
@@ -165,7 +165,7 @@ class Load:
         return load
 
     @classmethod
-    def of_state_dict(cls, engine: Engine, journal: Journal, written: set[int]) -> Load:
+    def of_state_dict(cls, engine: Engine, journal: Journal, written: Set[int]) -> Load:
         """The load `load_state_dict` made: its writes (`written`) are seen by versions,
         and the transient inputs its pre-hook held were written whole."""
         load = cls(engine, frozenset(), journal)
@@ -177,14 +177,17 @@ class Load:
         """The update names every tensor it writes from now on (None: any tensor)."""
         self.writes = paths
 
-    def written_so_far(self) -> set[int]:
+    def written_so_far(self) -> Set[int]:
         """Storage keys written so far, by the load's thread and by workers that joined
         (once it stopped: all it wrote)."""
         if self._done:
             return self._written
-        return self._written | self.tracker.written
+        written = self.tracker.written
+        if not self._written:  # no worker joined: the tracker's set, if no write moves it
+            return written if isinstance(written, frozenset) else set(written)
+        return self._written | written
 
-    def rewritten(self) -> set[int]:
+    def rewritten(self) -> Set[int]:
         """Once the load recorded its writes: the storage keys it wrote, with those
         declared written (`gs.mark_written`) or written by other loads while it ran."""
         written = self.written_so_far()
@@ -242,7 +245,7 @@ class Load:
             tracker.taint(self.weights)
         return tracker
 
-    def _close(self) -> set[int]:
+    def _close(self) -> Set[int]:
         """Wait for the workers that joined, then stop; returns everything written."""
         with self._cond:
             while self._workers:
@@ -336,7 +339,7 @@ class Load:
         own_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
         witnesses: bool = False,
         lazy: bool = False,
-    ) -> set[int]:
+    ) -> Set[int]:
         """Record the finished load `what` ("Model.load_weights") in the journal and bring
         the buffers up to date (or fail them, if it raised `exc`); returns the keys written.
 
@@ -410,7 +413,7 @@ class Load:
             dirty.difference_update(readers)
         return dirty, incomplete
 
-    def _fail(self, written: set[int], touched: set[Transient], why: str) -> None:
+    def _fail(self, written: Set[int], touched: set[Transient], why: str) -> None:
         """A load that raised: the derived buffers reading what it wrote are stale (what
         the model owes, and the poison of its storages, are the runtime's)."""
         engine = self.engine
@@ -421,10 +424,14 @@ class Load:
         engine.transients.release()
 
 
-def _consumers(engine: Engine, written: set[int]) -> set[int]:
+def _consumers(engine: Engine, written: Set[int]) -> set[int]:
     """The derivations reading any of `written` (a load's writes may be every storage of a
-    large model, its derivations' inputs a few: they are picked out in one pass first)."""
-    return engine.consumers_of(written.intersection(engine.watch.by_storage()))
+    large model, its derivations' inputs a few, or the other way round: the smaller side
+    is gone through, in one pass)."""
+    inputs = engine.watch.by_storage()
+    if len(written) <= len(inputs):
+        return engine.consumers_of(written)
+    return engine.consumers_of([key for key in inputs if key in written])
 
 
 def _storage_finder(

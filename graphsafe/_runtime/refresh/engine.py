@@ -11,7 +11,7 @@ changed there, is its `Watch`'s.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 
 import torch
 
@@ -133,7 +133,7 @@ class Engine:
         self.watch = self.watch.renewed()
         return dirty
 
-    def stale_reasons(self, in_update: set[int]) -> dict[int, str]:
+    def stale_reasons(self, in_update: Set[int]) -> dict[int, str]:
         """Stale derivation index -> why, from every source, downstream included;
         `in_update`: storage keys written by a load or update that has not ended."""
         found = {i: self.reasons.get(i, "not materialized or not refreshed") for i in self.stale}

@@ -444,8 +444,10 @@ class NativeWriteTracker:
         return [Taken(*row) for row in self._native.tracker_taken(self._id)]
 
     @property
-    def written(self) -> set[int]:
-        """Storage keys written so far (any thread may ask, also while it tracks)."""
+    def written(self) -> Set[int]:
+        """Storage keys written so far (any thread may ask, also while it tracks): the
+        same frozenset as the last time it was asked of a tracker of the same watched set,
+        when the same storages were written."""
         if self._id is None:
             return set()
         if self._blind:

@@ -31,13 +31,13 @@ class Watch:
     """
 
     __slots__ = (
-        "_buffer_sites",
         "_by_key",
         "_covered",
         "_free_keys",
         "_identities",
-        "_input_site",
         "_keys",
+        "_own_sites",
+        "_shared_sites",
         "_site_owner",
         "_site_paths",
         "_transient",
@@ -175,11 +175,12 @@ class Watch:
             self.witnesses.record_all(self.take_read())
             return
         sites: list[int] = []
+        own, shared = self._own_sites, self._shared_sites
         for i in fresh:
-            sites.extend(self._buffer_sites[i])
-            for inp in bound[i].leaf_inputs:
-                if not inp.transient and okset.issuperset(inp.consumers):
-                    sites.append(self._input_site[id(inp)])
+            sites.extend(own[i])
+            for site, consumers in shared[i]:
+                if okset.issuperset(consumers):
+                    sites.append(site)
         self.witnesses.record(sites)
 
     def storage_keys(self) -> frozenset[int]:
@@ -239,23 +240,34 @@ class Watch:
         return Identities(rows, n_inputs)
 
     def _sites(self) -> list[tuple[dict[str, Any], str]]:
-        """Witness sites: every resident leaf input, then every materialized buffer."""
+        """Witness sites: every resident leaf input, then every materialized buffer; and,
+        per derivation, the sites `rewitness` takes when it is fresh: its own (its buffers,
+        the inputs it alone reads) and those of inputs it shares, with their readers."""
         sites: list[tuple[dict[str, Any], str]] = []
         owner: list[tuple[int, ...]] = []
         paths: list[str] = []
-        self._input_site: dict[int, int] = {}
+        input_site: dict[int, int] = {}
         for inp in self.binding.inputs:
             if inp.transient:
                 continue  # released and held again by design: loads account for them
-            self._input_site[id(inp)] = len(sites)
+            input_site[id(inp)] = len(sites)
             sites.append((inp.container, inp.key))
             owner.append(tuple(inp.consumers))
             paths.append(inp.path)
         bound = self.binding.bound
-        self._buffer_sites: list[list[int]] = [[] for _ in bound]
+        self._own_sites: list[list[int]] = [[] for _ in bound]
+        self._shared_sites: list[list[tuple[int, frozenset[int]]]] = [[] for _ in bound]
         for b in bound:
+            for inp in b.leaf_inputs:
+                if inp.transient:
+                    continue
+                readers = frozenset(inp.consumers)
+                if readers <= {b.index}:
+                    self._own_sites[b.index].append(input_site[id(inp)])
+                else:
+                    self._shared_sites[b.index].append((input_site[id(inp)], readers))
             for j, name in enumerate(b.outputs if b.buffers is not None else ()):
-                self._buffer_sites[b.index].append(len(sites))
+                self._own_sites[b.index].append(len(sites))
                 sites.append((b.container, name))
                 owner.append((b.index,))
                 paths.append(f"derived buffer {b.out_paths[j]}")

@@ -488,18 +488,23 @@ class _Walker:
         `via` with them)."""
         full: set[int] = set()  # ids of objects with a tensor below
         refs = self.refs
+        ids = [id(r.obj) for r in refs]
+        vias = [r.via for r in refs]
         for site in self.sites:
             via = site.via
-            while via >= 0 and id(refs[via].obj) not in full:
-                full.add(id(refs[via].obj))
-                via = refs[via].via
-        # An object entered once may sit below a ref recorded later: mark to a fixpoint.
-        changed = True
+            while via >= 0 and ids[via] not in full:
+                full.add(ids[via])
+                via = vias[via]
+        if len(ids) == len(full):
+            return refs  # every object on the way holds a tensor (each is marked once)
+        # An object entered once may sit below a ref recorded later (an object reached
+        # by several refs): mark to a fixpoint.
+        changed = len(set(ids)) != len(ids)
         while changed:
             changed = False
-            for r in refs:
-                if id(r.obj) in full and r.via >= 0 and id(refs[r.via].obj) not in full:
-                    full.add(id(refs[r.via].obj))
+            for i, via in enumerate(vias):
+                if via >= 0 and ids[i] in full and ids[via] not in full:
+                    full.add(ids[via])
                     changed = True
         new_index: dict[int, int] = {}
         kept: list[Ref] = []

@@ -76,7 +76,7 @@ class ModelMap:
         """Dotted path of every tensor -> its storage key (0: no bytes)."""
         weights: list[str] = []
         direct: list[tuple[Any, Any, object, int, tuple[int, ...]]] = []
-        nested: list[tuple[int, Any, tuple[Any, ...], int, int]] = []
+        nested: list[tuple[int, Any, tuple[Any, ...], int, int, int]] = []
         tables_at = _tables_by_id(modules)
         by_path, keys = self.by_path, self.keys
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)

@@ -277,13 +277,15 @@ def profile_per_item(
     Returns:
         The listing as text, and its top rows: (function, calls per call of `fn`, self
         microseconds per `per` items). A profiler inflates Python calls: read shares, not
-        times.
+        times. Garbage collection is paused, as in the timed samples (`interleave`): a
+        collection would be charged to whichever function allocated when it ran.
     """
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(rounds):
-        fn()
-    prof.disable()
+    with _quiet_gc():
+        prof.enable()
+        for _ in range(rounds):
+            fn()
+        prof.disable()
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     total = sum(v[2] for v in stats.values())
     rows = []

@@ -171,6 +171,97 @@ def test_control_the_dicts_alone_do_not_see_the_changes_the_rows_must_read(
     assert not found._identities.unchanged(), name
 
 
+class _Packed:
+    """A kernel object off the tree: a list of closures, each over a packed tensor."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.fns = [_closure(w.t().contiguous()), _closure(w.t().contiguous() * 2)]
+
+
+def _closure(packed: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        return packed
+
+    return read
+
+
+def _deep() -> Stack:
+    """A stack whose middle layer keeps tensors three objects below its dict."""
+    model = Stack()
+    model.layers[1].quant = _Packed(model.layers[1].w.detach())
+    return model
+
+
+def _cell(m: Stack) -> None:
+    read = m.layers[1].quant.fns[1]
+    assert read.__closure__ is not None
+    read.__closure__[0].cell_contents = torch.randn(6, 4)
+
+
+def _fns(m: Stack) -> None:
+    m.layers[1].quant.fns = list(m.layers[1].quant.fns)  # another list, the same closures
+
+
+def _fn(m: Stack) -> None:
+    m.layers[1].quant.fns[1] = _closure(torch.randn(6, 4))
+
+
+def _fns_grown(m: Stack) -> None:
+    m.layers[1].quant.fns.append(_closure(torch.randn(6, 4)))
+
+
+def _packed_data(m: Stack) -> None:
+    read = m.layers[1].quant.fns[0]
+    read().data = torch.randn(6, 4)
+
+
+# Changes below a module's dict, which none of its dicts or tables shows: each object on
+# the way is read from the one that held it, the last one first replaced, grown or moved.
+DEEP_CHANGES: dict[str, Callable[[Stack], None]] = {
+    "a closure's cell rebound": _cell,
+    "the list on the way replaced by one with the same closures": _fns,
+    "a closure in the list replaced": _fn,
+    "the list on the way grown": _fns_grown,
+    "a tensor in a closure moved to new storage": _packed_data,
+}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("name", list(DEEP_CHANGES))
+def test_the_walk_check_sees_a_change_deep_below_a_module(
+    name: str, compiled: bool, request: pytest.FixtureRequest
+) -> None:
+    if compiled:
+        request.getfixturevalue("native")
+    model = _deep()
+    with _native.using(compiled):
+        found = ModelMap(model)
+    assert any(p.startswith("layers.1.quant.fns.1.") for p in found.by_path)
+    for _ in range(2):
+        assert found.holds()
+    DEEP_CHANGES[name](model)
+    assert not found.holds(), name
+
+
+@pytest.mark.parametrize("name", list(DEEP_CHANGES))
+def test_control_the_modules_alone_do_not_see_the_deep_changes(
+    name: str, native: _native.Native
+) -> None:
+    """Control for the verdicts above: after each deep change every module dict and table
+    holds what it held and every parameter is where it was (the compiled pass over the
+    modules and the rebinding rows pass), so only the read of the objects on the way,
+    each from the one that held it, sees it."""
+    model = _deep()
+    with _native.using(True):
+        found = ModelMap(model)
+    n = len(found._modules) + len(found._table_ids)
+    DEEP_CHANGES[name](model)
+    assert native.same_tree(found._modules, *found._tables, found._table_ids, found._holders,
+                            found._names, found._ids, found._lens[:n], found._looked), name
+    assert found._identities.unchanged(), name
+    assert not found._off_modules_hold(found._lens[n:]), name
+
+
 def test_the_compiled_walk_check_answers_alone_when_nothing_changed(
     native: _native.Native, monkeypatch: pytest.MonkeyPatch
 ) -> None:

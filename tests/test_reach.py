@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 import graphsafe as gs
+from graphsafe._memory import walk as walk_module
 from graphsafe._memory.ledger import Ledger
-from graphsafe._memory.walk import walk, walk_tensors
+from graphsafe._memory.walk import Attr, walk, walk_tensors
 
 C = 4
 
@@ -350,6 +351,52 @@ def test_each_kind_of_step_is_walked_and_checked() -> None:
     m.set_t(torch.zeros(C))  # a closure cell rebound (nonlocal assignment)
     with pytest.raises(gs.StorageMovedError, match=r"apply_t\.<closure t>"):
         g.replay()
+
+
+def _everywhere() -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that keeps a tensor in each of its places: a closure cell, a default,
+    a keyword-only default and an attribute (a packed copy stashed on a kernel)."""
+    cell = torch.ones(C)
+
+    def fn(x: torch.Tensor, d: torch.Tensor = torch.ones(C),  # noqa: B008
+           *, kw: torch.Tensor = torch.ones(C)) -> torch.Tensor:  # noqa: B008
+        return x + cell + d + kw
+
+    fn.packed = torch.ones(C)  # type: ignore[attr-defined]
+    return fn
+
+
+class Everywhere(nn.Module):
+    """A function, and tensors in a dict in a tuple in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fn = _everywhere()
+        self.nested = [({"k": (torch.ones(1), 2.0)}, None)]
+
+
+EVERYWHERE = {
+    "fn.<closure cell>", "fn.__defaults__.0", "fn.__kwdefaults__.kw", "fn.packed",
+    "nested.0.0.k.0",
+}
+
+
+def test_every_place_a_function_or_container_keeps_is_walked() -> None:
+    m = Everywhere()
+    assert {s.path for s in walk_tensors(m)} == EVERYWHERE
+    reach = walk(m, lambda v: type(v) is float)
+    assert {s.path for s in reach.sites} == EVERYWHERE
+    assert [s.path for s in reach.values] == ["nested.0.0.k.1"]
+
+
+def test_control_a_walk_that_skips_a_functions_attributes_fails_the_test_above(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = walk_module._function_children
+    monkeypatch.setattr(walk_module, "_function_children",
+                        lambda fn: [(k, v) for k, v in real(fn) if type(k) is not Attr])
+    with pytest.raises(AssertionError):
+        test_every_place_a_function_or_container_keeps_is_walked()
 
 
 def test_control_a_rebound_closure_cell_is_read_stale_unguarded() -> None:

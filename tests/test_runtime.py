@@ -929,6 +929,33 @@ def test_when_false_leaves_none_and_allocates_nothing() -> None:
     assert "w_scale" not in on.state_dict() and "w_scale" not in off.state_dict()
 
 
+def test_when_false_registers_the_none_buffer_as_torch_does() -> None:
+    """The `None` buffer of a false `when` goes through `register_buffer`: its global hooks
+    see it, and it is not persistent."""
+    Gated = _gated_class(Counter())
+    seen: list[tuple[str, object]] = []
+    handle = torch.nn.modules.module.register_module_buffer_registration_hook(
+        lambda module, name, tensor: seen.append((name, tensor)))
+    try:
+        off = Gated(False)
+        seen.clear()  # the parameter's own registration is not this one
+        off.load_weights()
+    finally:
+        handle.remove()
+    assert seen == [("w_scale", None)]
+    assert off._buffers["w_scale"] is None and "w_scale" in off._non_persistent_buffers_set
+
+
+def test_control_a_name_taken_by_a_parameter_is_refused_by_torch() -> None:
+    """Control: the slot is taken ahead of `register_buffer` only where nothing has the name;
+    a parameter named as the output still gets torch's refusal."""
+    Gated = _gated_class(Counter())
+    off = Gated(False)
+    off.w_scale = nn.Parameter(torch.ones(2))
+    with pytest.raises(KeyError, match="attribute 'w_scale' already exists"):
+        off.load_weights()
+
+
 def test_reading_a_buffer_whose_when_is_false_is_a_registration_error() -> None:
     calls: Counter[str] = Counter()
     Gated = _gated_class(calls)

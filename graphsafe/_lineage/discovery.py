@@ -253,11 +253,12 @@ class Discovery:
             return
         sources = sources_of(model)
         foreign = self._foreign(model, sources)
+        modules = list(model.modules())
         derived = frozenset(
-            sid for m in model.modules() for name in m._non_persistent_buffers_set
+            sid for m in modules for name in m._non_persistent_buffers_set
             if isinstance(b := m._buffers.get(name), torch.Tensor) and (sid := _sid(b)))
-        classes = {id(m._parameters): type(m).__name__ for m in model.modules()}
-        classes.update((id(m._buffers), type(m).__name__) for m in model.modules())
+        classes = {id(m._parameters): type(m).__name__ for m in modules}
+        classes.update((id(m._buffers), type(m).__name__) for m in modules)
         for rewrite in () if lazily else find_rewrites(lineage, sources, derived):
             self._rewritten[rewrite.weight.path] = Rewritten(
                 rewrite, classes.get(id(rewrite.weight.holder), type(model).__name__))
@@ -268,8 +269,9 @@ class Discovery:
                 if trace(lineage.writers[sid][0], foreign)[0]:
                     del sources[sid]
         for staged, weight in lineage.copied.items():  # a staging copy stands for its weight
-            if weight in sources and staged not in sources and staged not in foreign:
-                sources[staged] = sources[weight]._replace(sid=staged)
+            src = sources.get(weight)
+            if src is not None and staged not in sources and staged not in foreign:
+                sources[staged] = Source(src.path, src.holder, src.key, staged)
         sources = {**foreign, **sources}
         reads = unfollowed(lineage, sources)
         if reads:  # what is made of them cannot be followed: said, and listed unchecked

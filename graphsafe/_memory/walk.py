@@ -411,65 +411,100 @@ class _Walker:
     def _visit(self, module: nn.Module, container: Any, key: Any, path: str, value: Any) -> None:
         """Everything reachable from `container[key]` (`value`), depth first, in order;
         with `wanted`, the values it asks for too, in `walk_values`' order (an atom at
-        every reference, another object at each reference, before it is entered)."""
+        every reference, another object at each reference, before it is entered).
+
+        Lists, tuples, dicts and functions (what engines keep their state in) are
+        entered here, the rest through `_children`: the same steps in the same order."""
         wanted = self.wanted
-        keep = _ATOMS if wanted is None else frozenset()  # atoms: skipped, or looked at
+        model, tree, entered = self.model, self.tree, self.entered
+        sites, refs = self.sites, self.refs
         stack: list[tuple[Any, str, tuple[Any, ...], int]] = [(value, path, (), -1)]
+        pop, push = stack.pop, stack.append
         while stack:
-            value, path, chain, via = stack.pop()
-            if isinstance(value, torch.Tensor):
-                self.sites.append(Site(path, module, container, key, chain, value, via))
-                if not value.__dict__ or not _enterable(value):
-                    continue
-                # A parameter's own attributes: entered once, every reference recorded.
-                index = len(self.refs)
-                self.refs.append(Ref(path, module, container, key, chain, value, via))
-                if id(value) in self.entered:
-                    continue
-                self.entered.add(id(value))
-                for k, child in reversed(_attrs(value)):
-                    if type(child) not in keep:
-                        stack.append((child, f"{path}.{k.name}", (*chain, k), index))
-                continue
-            if type(value) in _ATOMS:
+            value, path, chain, via = pop()
+            kind = type(value)
+            if kind in _ATOMS:
                 if wanted is not None and wanted(value):
                     self.values.append(ValueSite(path, module, container, key, chain, value))
                 continue
-            if id(value) in self.tree:
-                continue  # the tree's own modules are walked as the tree
-            if wanted is not None and wanted(value):
-                self.values.append(ValueSite(path, module, container, key, chain, value))
-            index = len(self.refs)
-            self.refs.append(Ref(path, module, container, key, chain, value, via))
-            if id(value) in self.entered:
-                continue  # entered once; this reference is recorded all the same
-            self.entered.add(id(value))
-            if _stops(value):
-                continue
-            children = _children(value)
-            if children is None or _holds_model(children, self.model):
-                continue
+            if isinstance(value, torch.Tensor):
+                sites.append(Site(path, module, container, key, chain, value, via))
+                if not value.__dict__ or not _enterable(value):
+                    continue
+                # A parameter's own attributes: entered once, every reference recorded.
+                index = len(refs)
+                refs.append(Ref(path, module, container, key, chain, value, via))
+                if id(value) in entered:
+                    continue
+                entered.add(id(value))
+                children = _attrs(value)
+            else:
+                if id(value) in tree:
+                    continue  # the tree's own modules are walked as the tree
+                if wanted is not None and wanted(value):
+                    self.values.append(ValueSite(path, module, container, key, chain, value))
+                index = len(refs)
+                refs.append(Ref(path, module, container, key, chain, value, via))
+                if id(value) in entered:
+                    continue  # entered once; this reference is recorded all the same
+                entered.add(id(value))
+                if kind is list or kind is tuple:
+                    for child in value:
+                        if child is model:
+                            break
+                    else:
+                        for i in range(len(value) - 1, -1, -1):
+                            child = value[i]
+                            if type(child) not in _ATOMS or _kept(wanted, child):
+                                push((child, f"{path}.{i}", (*chain, i), index))
+                    continue
+                if kind is dict:
+                    items = tuple(value.items())
+                    for _, child in items:
+                        if child is model:
+                            break
+                    else:
+                        for k, child in reversed(items):
+                            if type(child) not in _ATOMS or _kept(wanted, child):
+                                push((child, _join(path, value, k), (*chain, k), index))
+                    continue
+                if kind is types.FunctionType:
+                    children = _function_children(value)
+                else:
+                    if _stops(value):
+                        continue
+                    found = _children(value)
+                    if found is None:
+                        continue
+                    children = found
+                if _holds_model(children, model):
+                    continue
             for k, child in reversed(children):
-                if type(child) not in keep:
-                    stack.append((child, _join(path, value, k), (*chain, k), index))
+                if type(child) not in _ATOMS or _kept(wanted, child):
+                    push((child, _join(path, value, k), (*chain, k), index))
 
     def _needed(self) -> list[Ref]:
         """The refs to objects that hold a tensor below them, renumbered (and the sites'
         `via` with them)."""
         full: set[int] = set()  # ids of objects with a tensor below
         refs = self.refs
+        ids = [id(r.obj) for r in refs]
+        vias = [r.via for r in refs]
         for site in self.sites:
             via = site.via
-            while via >= 0 and id(refs[via].obj) not in full:
-                full.add(id(refs[via].obj))
-                via = refs[via].via
-        # An object entered once may sit below a ref recorded later: mark to a fixpoint.
-        changed = True
+            while via >= 0 and ids[via] not in full:
+                full.add(ids[via])
+                via = vias[via]
+        if len(ids) == len(full):
+            return refs  # every object on the way holds a tensor (each is marked once)
+        # An object entered once may sit below a ref recorded later (an object reached
+        # by several refs): mark to a fixpoint.
+        changed = len(set(ids)) != len(ids)
         while changed:
             changed = False
-            for r in refs:
-                if id(r.obj) in full and r.via >= 0 and id(refs[r.via].obj) not in full:
-                    full.add(id(refs[r.via].obj))
+            for i, via in enumerate(vias):
+                if via >= 0 and ids[i] in full and ids[via] not in full:
+                    full.add(ids[via])
                     changed = True
         new_index: dict[int, int] = {}
         kept: list[Ref] = []
@@ -510,19 +545,7 @@ def _children(value: Any) -> list[tuple[Any, Any]] | None:
     if isinstance(value, types.MethodType):
         return [(Field("__self__"), value.__self__), (Field("__func__"), value.__func__)]
     if isinstance(value, types.FunctionType):
-        cells = value.__closure__ or ()
-        names = value.__code__.co_freevars
-        out = []
-        for i, cell in enumerate(cells):
-            try:
-                out.append((Cell(i, names[i]), cell.cell_contents))
-            except ValueError:  # an empty cell
-                continue
-        if value.__defaults__:
-            out.append((Field("__defaults__"), value.__defaults__))
-        if value.__kwdefaults__:
-            out.append((Field("__kwdefaults__"), value.__kwdefaults__))
-        return out + _attrs(value)
+        return _function_children(value)
     if isinstance(value, nn.Module):  # outside the tree: its tables, then its attributes
         attrs = vars(value)
         return [(Attr(n), attrs[n]) for n in _MODULE_TABLES if n in attrs] + [
@@ -530,6 +553,33 @@ def _children(value: Any) -> list[tuple[Any, Any]] | None:
         ]
     found = _attrs(value) + _slots(value)
     return found or None
+
+
+def _function_children(value: types.FunctionType) -> list[tuple[Any, Any]]:
+    """A function's closure cells (empty ones left out), defaults, keyword defaults and
+    attributes."""
+    out: list[tuple[Any, Any]] = []
+    cells = value.__closure__
+    if cells:
+        names = value.__code__.co_freevars
+        for i, cell in enumerate(cells):
+            try:
+                out.append((Cell(i, names[i]), cell.cell_contents))
+            except ValueError:  # an empty cell
+                continue
+    if value.__defaults__:
+        out.append((Field("__defaults__"), value.__defaults__))
+    if value.__kwdefaults__:
+        out.append((Field("__kwdefaults__"), value.__kwdefaults__))
+    attrs = value.__dict__
+    if attrs:
+        out += [(Attr(n), v) for n, v in tuple(attrs.items())]
+    return out
+
+
+def _kept(wanted: Callable[[Any], bool] | None, atom: Any) -> bool:
+    """Whether a walk asked for `wanted` values looks at `atom` (it holds no tensor)."""
+    return wanted is not None and wanted(atom)
 
 
 def _enterable(t: torch.Tensor) -> bool:

@@ -221,7 +221,7 @@ def _bind_modules(
                 for name in spec.outputs:
                     absent[(id(module), name)] = spec
                     if name not in module._buffers and name not in module.__dict__:
-                        module.register_buffer(name, None, persistent=False)
+                        _register_absent(module, name)
                 continue
             b = BoundDerivation(spec, module, mpath)
             for name in spec.outputs:
@@ -229,6 +229,18 @@ def _bind_modules(
                 produced[(id(module), name)] = b
             bound.append(b)
     return bound, produced, absent
+
+
+def _register_absent(module: nn.Module, name: str) -> None:
+    """`module.register_buffer(name, None, persistent=False)`: an output a false `when`
+    leaves `None`. Where no parameter, submodule or class attribute has the name, the
+    slot is taken first, so that torch's own check (`hasattr(module, name)`) finds it
+    rather than raising, and catching, the error a derived buffer read before it is made
+    raises (a formatted message, for every layer but the one that derives it)."""
+    if name not in module._parameters and name not in module._modules and not hasattr(
+            type(module), name):
+        module._buffers[name] = None
+    module.register_buffer(name, None, persistent=False)  # torch's checks, hooks, table
 
 
 def _resolve_inputs(

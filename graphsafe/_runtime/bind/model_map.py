@@ -76,26 +76,36 @@ class ModelMap:
         """Dotted path of every tensor -> its storage key (0: no bytes)."""
         weights: list[str] = []
         direct: list[tuple[Any, Any, object, int, tuple[int, ...]]] = []
-        nested: list[tuple[int, Any, tuple[Any, ...], int, int]] = []
+        nested: list[tuple[int, Any, tuple[Any, ...], int, int, int]] = []
         tables_at = _tables_by_id(modules)
+        by_path, keys = self.by_path, self.keys
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
             for site in reach.sites:
-                t = site.tensor
-                key = storage_key(t)
-                self.by_path[site.path] = key
-                if key:
-                    self.keys.setdefault(key, site.path)
-                if _is_weight(site) and (t.numel() or t.device.type == "meta"):
-                    weights.append(site.path)
-                ptr = _data_ptr(t)
+                path, module, container, name, chain, t, _ = site
+                try:  # `storage_key`, `_data_ptr` and `_stride`, read in one go
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr() if storage.nbytes() else 0
+                    ptr: int | None = t.data_ptr()
+                    stride: tuple[int, ...] | None = t.stride()
+                except (RuntimeError, NotImplementedError):  # each read apart, as they say
+                    key, ptr, stride = storage_key(t), _data_ptr(t), _stride(t)
+                by_path[path] = key
+                if key and key not in keys:
+                    keys[key] = path
+                # A weight: a parameter, or a buffer not marked non-persistent.
+                table = None if chain else tables_at.get(id(container))
+                if (table is not None and container is _DICT(module).get(table)
+                        and (table == "_parameters"
+                             or name not in module._non_persistent_buffers_set)
+                        and (t.numel() or t.device.type == "meta")):
+                    weights.append(path)
                 if ptr is None:
                     continue  # no storage to move (sparse, a wrapper subclass)
-                stride = _stride(t)
-                if site.chain or site.container is _DICT(site.module) or stride is None:
-                    nested.append((at[id(site.module)], *_from_dict(site, tables_at), id(t),
-                                   ptr))
+                if table is None or stride is None:
+                    nested.append((at[id(module)], *_from_dict(site, tables_at), id(t), ptr,
+                                   site.via))
                 else:  # a module's parameters or buffers: tables that hold no module
-                    direct.append((site.container, site.key, t, ptr, stride))
+                    direct.append((container, name, t, ptr, stride))
         self.weights: tuple[str, ...] = tuple(weights)
         """Paths of the model's weights: parameters and persistent buffers (what a
         checkpoint holds), those on the meta device included (released transient
@@ -126,7 +136,9 @@ class ModelMap:
         self._ids = _ids_at([*dicts, *tables], self._holders, self._names)
         # Where each object on the way to tensors is, by id: nothing the model drops is
         # kept alive by this record.
-        self._refs = [(at[id(r.module)], *_from_dict(r, tables_at), id(r.obj))
+        # Each is read in one step from the object on the way that holds it (`via`, read
+        # before it: the walk lists parents first), or from its module's dict.
+        self._refs = [(at[id(r.module)], *_from_dict(r, tables_at), id(r.obj), r.via)
                       for r in reach.refs]
         # What each object on the way holds is read from the walk just made: it is what
         # its path leads to now.
@@ -160,16 +172,27 @@ class ModelMap:
 
     def _off_modules_hold(self, ref_sizes: list[int]) -> bool:
         """The objects on the way to tensors, and the tensors held through them, as walked
-        (`ref_sizes`: what `_sizes` recorded of those objects)."""
+        (`ref_sizes`: what the walk found each of those objects to hold).
+
+        Each object is read in one step from the object that held it when walked, read
+        just before and found to be that one still (or from its module's dict), so that
+        every object is read once, whatever its depth."""
         if not self._refs and not self._nested:
             return True
-        at = {row[0] for row in self._refs} | {row[0] for row in self._nested}
-        dicts = {i: _DICT(self._modules[i]()) for i in at}
-        for (i, key, chain, obj), size in zip(self._refs, ref_sizes, strict=True):
-            now = _resolve(dicts[i], key, chain)
-            if (_size(now) if id(now) == obj else -1) != size:
+        dicts: dict[int, dict[str, Any]] = {}
+        now: list[Any] = []  # what each ref's place holds now, in the order of `_refs`
+        for (i, key, chain, obj, via), size in zip(self._refs, ref_sizes, strict=True):
+            value = step(now[via], chain[-1]) if via >= 0 else _resolve(
+                _module_dict(dicts, self._modules, i), key, chain)
+            if id(value) != obj or _size(value) != size:
                 return False
-        return all(_still_tensor(dicts[i], *rest) for i, *rest in self._nested)
+            now.append(value)
+        for i, key, chain, obj, ptr, via in self._nested:
+            t = step(now[via], chain[-1]) if via >= 0 else _resolve(
+                _module_dict(dicts, self._modules, i), key, chain)
+            if id(t) != obj or not isinstance(t, torch.Tensor) or _data_ptr(t) != ptr:
+                return False
+        return True
 
     def _holds(self) -> bool:
         # Flat passes (maps of C calls): this runs before every load.
@@ -179,12 +202,13 @@ class ModelMap:
         try:
             dicts = list(map(_DICT, modules))
             tables = self._tables_of(dicts)
+            n = len(dicts) + len(tables)
             return (
                 list(map(id, tables)) == self._table_ids
                 and _ids_at([*dicts, *tables], self._holders, self._names) == self._ids
-                and self._sizes(dicts, tables) == self._lens
+                and [*map(len, dicts), *map(len, tables)] == self._lens[:n]
                 and self._identities.unchanged()
-                and all(_still_tensor(dicts[i], *rest) for i, *rest in self._nested)
+                and self._off_modules_hold(self._lens[n:])
             )
         except (KeyError, IndexError, TypeError, AttributeError, ValueError):
             return False
@@ -196,15 +220,6 @@ class ModelMap:
         `dicts`."""
         index, names = self._tables
         return list(map(dict.__getitem__, map(dicts.__getitem__, index), names))
-
-    def _sizes(self, dicts: list[dict[str, Any]], tables: list[dict[str, Any]]) -> list[int]:
-        """The size of every module dict and table, then, for every object on the way to
-        tensors, -1 if another object is there now, else its size."""
-        sizes = [*map(len, dicts), *map(len, tables)]
-        for i, key, chain, obj in self._refs:
-            now = _resolve(dicts[i], key, chain)
-            sizes.append(_size(now) if id(now) == obj else -1)
-        return sizes
 
     def with_buffers(self, added: Iterable[Site]) -> ModelMap | None:
         """This walk's record, with the buffers of `added` (sites in a walked module's
@@ -278,17 +293,6 @@ def _from_dict(site: Site | Ref, tables: dict[int, str]) -> tuple[Any, tuple[Any
     return site.key, site.chain
 
 
-def _is_weight(site: Site) -> bool:
-    module = site.module
-    if site.chain:
-        return False
-    if site.container is module._parameters:
-        return True
-    return site.container is module._buffers and (
-        site.key not in module._non_persistent_buffers_set
-    )
-
-
 def _data_ptr(t: torch.Tensor) -> int | None:
     try:
         return int(t.data_ptr())
@@ -323,6 +327,11 @@ def _size(obj: Any) -> int:
     return len(d) if type(d) is dict else 0
 
 
-def _still_tensor(holder: Any, key: Any, chain: tuple[Any, ...], obj: int, ptr: int) -> bool:
-    t = _resolve(holder, key, chain)
-    return id(t) == obj and isinstance(t, torch.Tensor) and _data_ptr(t) == ptr
+def _module_dict(dicts: dict[int, dict[str, Any]], modules: list[weakref.ref[nn.Module]],
+                 i: int) -> dict[str, Any]:
+    """The `__dict__` of module `i` (read once per check, kept in `dicts`); AttributeError
+    if the module is gone."""
+    found = dicts.get(i)
+    if found is None:
+        found = dicts[i] = _DICT(modules[i]())
+    return found

@@ -1,6 +1,7 @@
 // gs.fingerprint's kernel on the CPU: the two sums of graphsafe/_fingerprint/digest.py
 // over a tensor's bytes, in one pass over memory (a strided tensor: in its logical order,
-// gathered chunk by chunk into a buffer that stays in cache, then summed from there).
+// gathered chunk by chunk into a buffer that stays in cache, then summed from there; a
+// permuted one, made contiguous first).
 //
 // Word i (0-based) is the i-th 8 bytes of the tensor, little-endian, the last one padded
 // with zero bytes; k_i = (i + 1) * P mod 2**64; x_i = word_i ^ k_i;
@@ -308,13 +309,38 @@ struct Edge {
   uint8_t bytes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 };
 
+// Whether `t`'s memory holds its elements in another order than its logical one (a
+// transposed or permuted view), rather than in that order with gaps (a slice).
+bool permuted(const at::Tensor& t) {
+  const std::vector<int64_t> dense = at::infer_dense_strides(t.sizes(), t.strides());
+  int64_t stride = 1;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.size(d) > 1 && dense[static_cast<size_t>(d)] != stride) {
+      return true;
+    }
+    stride *= t.size(d);
+  }
+  return false;
+}
+
 // Both sums over the logical bytes of `t`, a strided tensor that is not contiguous (with
-// `out`: a contiguous buffer of as many bytes, where those bytes are written). Each
-// chunk is copied by ATen into a buffer of this thread (a transposed view gathered as
-// torch copies it), then summed and written to `out` from there in one pass: the sums
-// are of the bytes read from `t`, not of anything read back from `out`. Chunks are
-// split over torch's intra-op threads, as `sums_of` splits words.
+// `out`: a contiguous buffer of as many bytes, where those bytes are written), read
+// once. Each chunk is copied by ATen into a buffer of this thread, then summed and
+// written to `out` from there in one pass: the sums are of the bytes read from `t`, not
+// of anything read back from `out`. Chunks are split over torch's intra-op threads, as
+// `sums_of` splits words. A permuted `t` is first made contiguous by ATen (whose
+// transpose goes tile by tile; a chunk of logical rows reads a cache line per element,
+// for a few bytes of it), then copied and summed as a contiguous tensor: two passes.
 Sums strided_sums(const at::Tensor& t, uint8_t* out, int level) {
+  // Internal copies: no RecordFunction callback (load trackers, the write observer, the
+  // strays hook) is told of them, as none is told of the contiguous loop's reads.
+  at::RecordFunctionGuard no_callbacks(false);
+  if (permuted(t)) {
+    const at::Tensor logical = t.contiguous();
+    const uint64_t nbytes = static_cast<uint64_t>(logical.numel()) * logical.element_size();
+    return sums_of(static_cast<const uint8_t*>(logical.const_data_ptr()), out, nbytes,
+                   level, 0);
+  }
   const Chunking c = chunking(t);
   const Loop copy_loop = loop_of<true>(level);
   const Loop sum_loop = loop_of<false>(level);
@@ -324,26 +350,14 @@ Sums strided_sums(const at::Tensor& t, uint8_t* out, int level) {
   const int64_t grain = std::max<int64_t>(1, kGrain * 8 / limit);  // 8 MiB, as sums_of
   at::parallel_for(0, static_cast<int64_t>(c.chunks.size()), grain,
                    [&](int64_t first_chunk, int64_t last_chunk) {
-    // Internal copies: no RecordFunction callback (load trackers, the write observer,
-    // the strays hook) is told of them, as none is told of the contiguous loop's reads.
-    at::RecordFunctionGuard no_callbacks(false);
-    std::vector<uint8_t> buffer(static_cast<size_t>(2 * limit + 64));
+    at::RecordFunctionGuard no_callbacks(false);  // in each of torch's threads
+    std::vector<uint8_t> buffer(static_cast<size_t>(limit + 64));
     uint8_t* const scratch = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64);
     uint64_t a1 = 0, a2 = 0;
     for (int64_t i = first_chunk; i < last_chunk; ++i) {
       const Chunk& ch = c.chunks[static_cast<size_t>(i)];
       const at::Tensor view = chunk_view(t, c.dim, ch);
-      const at::Tensor logical = at::from_blob(scratch, view.sizes(), view.options());
-      const std::vector<int64_t> dense = at::infer_dense_strides(view.sizes(), view.strides());
-      if (logical.strides().equals(dense)) {
-        logical.copy_(view);
-      } else {
-        // Laid out in another order than its logical one (a transposed view): copied
-        // straight, it would be read a page apart per element. Read in memory order into
-        // a dense copy of that layout first, then put in logical order in cache.
-        logical.copy_(at::from_blob(scratch + limit, view.sizes(), dense, view.options())
-                          .copy_(view));
-      }
+      at::from_blob(scratch, view.sizes(), view.options()).copy_(view);
       const uint64_t lo = ch.offset, hi = ch.offset + ch.nbytes;
       const uint64_t w0 = std::min(hi, (lo + 7) / 8 * 8);  // its whole words: [w0, w1)
       const uint64_t w1 = std::max(w0, hi / 8 * 8);

@@ -249,10 +249,11 @@ def fingerprint(obj: Weights, names: Iterable[str] | None = None) -> Mapping[str
 
     Equal tensors give equal digests in every process, on every host and device (a
     transposed view and its contiguous copy too); any flipped bit changes the digest. It
-    reads each tensor once: on a CPU with the compiled kernel (`graphsafe native build`;
-    about the cost of copying the same bytes, on torch's intra-op threads), without it
-    with torch ops (several times slower); on a CUDA device with one Triton kernel (torch
-    ops without Triton). What a digest is, exactly: `graphsafe._fingerprint.digest`.
+    reads each tensor once (a transposed or permuted view twice: made contiguous first):
+    on a CPU with the compiled kernel (`graphsafe native build`; about the cost of
+    copying the same bytes, on torch's intra-op threads), without it with torch ops
+    (several times slower); on a CUDA device with one Triton kernel (torch ops without
+    Triton). What a digest is, exactly: `graphsafe._fingerprint.digest`.
 
     Compare a trainer's weights with an engine's after a sync, by name, where the names
     map one to one (`docs/rl-weight-sync.md`, "What the sync checks").

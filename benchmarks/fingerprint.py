@@ -10,6 +10,13 @@ harness.py).
 
 - 13a: the tensor in host memory (torch's CPU threads as `--threads` sets them).
 - 13b: CUDA only: the tensor on the GPU.
+- 13c, 13d: a weight sync's packing on the CPU, verified: the tensor copied into a
+  staging buffer with its fingerprint taken as it is read (`Digests.add(t, into=...)`,
+  what `send_weights` does for a packed entry), against the packing copy alone (what it
+  does with `verify=False`); 13c the tensor contiguous, 13d a transposed view of it (its
+  logical order is what is packed and digested). The details give, for the same
+  tensor, the separate passes a packing without the fused kernel takes (a contiguous
+  copy of a view, its fingerprint, the packing copy) against the same copy.
 
 Where graphsafe has no `fingerprint` (an older version), the figure is one SKIP row
 saying so.
@@ -66,6 +73,51 @@ def _row(ctx: Ctx, fig: str, device: torch.device) -> Row:
     )
 
 
+def _packing_row(ctx: Ctx, fig: str, transposed: bool) -> Row:
+    # What send_weights packs with; private, and in the versions with gs.fingerprint only.
+    from graphsafe._fingerprint.digest import Digests
+
+    numel = ctx.sizes.fig13_bytes // 4
+    cols = 1024
+    base = torch.randn(numel // cols, cols, generator=torch.Generator().manual_seed(13))
+    t = base.t() if transposed else base
+    slot = torch.empty(t.shape, dtype=t.dtype)
+
+    def fused() -> None:
+        Digests().add(t, "w", into=slot)
+
+    def separate() -> None:  # the passes without the fused kernel
+        digests = Digests()
+        digests.add(t.contiguous(), "w")
+        slot.copy_(t)
+
+    fused()
+    if not torch.equal(slot, t):
+        raise AssertionError("the packing did not copy the tensor's logical values")
+    same = gs.fingerprint({"w": t})["w"] == gs.fingerprint({"w": slot})["w"]
+    stats = interleave(
+        {
+            "fused": ctx.timer(fused),
+            "copy": ctx.timer(lambda: slot.copy_(t)),
+            "separate": ctx.timer(separate),
+        },
+        ctx.sizes.repeats,
+    )
+    f, c, sep = stats["fused"], stats["copy"], stats["separate"]
+    what = f"a transposed view [{cols}, {numel // cols}]" if transposed else "a contiguous"
+    return Row(
+        fig, f"packing {what} {fmt_bytes(t.nbytes)} float32 tensor with its fingerprint",
+        f.median, c.median, baseline_name="slot.copy_(t) (verify=False)",
+        ratio=paired(f, c), ratio_def="packing with fingerprint / packing copy",
+        details={
+            "bytes": fmt_bytes(t.nbytes),
+            "separate_passes_over_copy": round(paired(sep, c), 3),
+            "same_digest_as_the_packed_copy": same,
+            "spread": [round(f.spread, 3), round(c.spread, 3), round(sep.spread, 3)],
+        },
+    )
+
+
 def fig13(ctx: Ctx) -> list[Row]:
     """gs.fingerprint vs a clone, on the CPU, and on the GPU where the run is on one."""
     name = "gs.fingerprint vs t.clone()"
@@ -75,6 +127,10 @@ def fig13(ctx: Ctx) -> list[Row]:
             "(gs.fingerprint(obj) -> Mapping[str, str] is not in this version)"
         ))]
     rows = ctx.attempt("13a", f"{name}, cpu", lambda: _row(ctx, "13a", torch.device("cpu")))
+    for fig, transposed in (("13c", False), ("13d", True)):
+        rows += ctx.attempt(fig, "a verified sync's packing vs its copy",
+                            lambda fig=fig, transposed=transposed: _packing_row(
+                                ctx, fig, transposed))
     if ctx.device.type == "cuda":
         rows += ctx.attempt("13b", f"{name}, cuda", lambda: _row(ctx, "13b", ctx.device))
     elif ctx.wants("13b"):

@@ -106,11 +106,14 @@ def test_fingerprint_figure_times_gs_fingerprint_against_a_clone(monkeypatch):
 
         monkeypatch.setattr(gs, "fingerprint", stand_in, raising=False)
     rows = {row.figure: row for row in fig13(ctx)}
-    assert set(rows) == {"13a", "13b"}
+    assert set(rows) == {"13a", "13b", "13c", "13d"}
     assert rows["13b"].skipped.startswith("CUDA only")
     row = rows["13a"]
     assert not row.skipped and row.value > 0 and row.baseline > 0 and row.ratio > 0
     assert row.details["same_twice"] is True
+    for packing in (rows["13c"], rows["13d"]):  # the packing's own check passed
+        assert not packing.skipped and packing.ratio > 0, packing.skipped
+        assert packing.details["same_digest_as_the_packed_copy"] is True
 
 
 def test_refresh_graph_check_is_bitwise_and_catches_a_replay_that_did_nothing():

@@ -24,7 +24,7 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe._fingerprint import gpu
-from graphsafe._fingerprint.digest import Pieces, hexdigest, reference_digest
+from graphsafe._fingerprint.digest import Digests, Pieces, hexdigest, reference_digest
 from graphsafe._fingerprint.torch_sums import torch_sums
 from graphsafe._native import loader
 
@@ -243,6 +243,92 @@ def test_pieces_are_summed_at_their_positions_and_control_a_piece_misplaced_diff
         assert _by_pieces(t, cuts, [0, 1, 2], {1: 0, 2: 0}) != _fp(t, native)
         with pytest.raises(ValueError, match="starts at byte 12, inside a word"):
             Pieces(1).add(0, t.view(torch.uint8)[12:20], 12)
+
+
+def _view_of(base: torch.Tensor, kind: str) -> torch.Tensor:
+    """A view of `base` ([rows, cols]) the way trainers hand tensors to a sync."""
+    rows, cols = base.shape
+    return {
+        "contiguous": base,
+        "transposed": base.t(),
+        "offset": base[1:, 1:] if rows > 1 and cols > 1 else base[:, 1:],
+        "transposed offset": base[:, 1:].t(),
+        "strided": base[::2, ::3],
+        "permuted": base.reshape(rows, 1, cols).permute(2, 1, 0),
+        "row": base[rows // 2],
+        "column": base[:, cols // 2],
+    }[kind]
+
+
+def _packed(t: torch.Tensor, at: int, native: bool) -> tuple[str, torch.Tensor]:
+    """`t` packed into a bucket at byte `at` with its fingerprint, as the sender packs an
+    entry (`Digests.add(..., into=)`): the digest and the bucket."""
+    bucket = torch.zeros(at + t.numel() * t.element_size() + 8, dtype=torch.uint8)
+    slot = bucket[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    digests = Digests()
+    with loader.using(native):
+        digests.add(t, "t", into=slot)
+    return hexdigest(digests.done()[0]), bucket
+
+
+def _received(t: torch.Tensor, bucket: torch.Tensor, at: int) -> str:
+    """The fingerprint a receiver takes of the entry's bytes in `bucket` (`Pieces`)."""
+    pieces = Pieces(1)
+    pieces.add(0, bucket[at : at + t.numel() * t.element_size()], 0)
+    return hexdigest(pieces.done([(t.dtype, tuple(t.shape))])[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from((torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                              torch.int8, torch.complex64)),
+       rows=st.integers(2, 300), cols=st.integers(2, 300),
+       kind=st.sampled_from(("contiguous", "transposed", "offset", "transposed offset",
+                             "strided", "permuted", "row", "column")),
+       at=st.sampled_from((0, 8, 64)), seed=st.integers(0, 2**16))
+def test_packing_digests_the_logical_bytes_it_copies_and_control_a_flip_after_is_caught(
+    dtype: torch.dtype, rows: int, cols: int, kind: str, at: int, seed: int
+) -> None:
+    """The sender's packing (one pass: read, copy into the bucket, digest) gives
+    `gs.fingerprint` of the tensor and the tensor's logical bytes in the bucket, for views
+    of every layout (the larger ones span several of the kernel's chunks, whose words
+    straddle them); the receiver's fingerprint of the bucket equals it, until a byte of
+    the bucket is flipped after packing (the control)."""
+    t = _view_of(_random(dtype, (rows, cols), seed), kind)
+    want = reference_digest(_bytes(t), dtype, tuple(t.shape)) if t.numel() < 4096 else None
+    for native in _paths():
+        digest, bucket = _packed(t, at, native)
+        assert digest == _fp(t, native), (native, kind)
+        assert want is None or digest == want
+        assert _bytes(bucket[at : at + t.numel() * t.element_size()]) == _bytes(t)
+        assert _received(t, bucket, at) == digest
+        bucket[at + (seed % (t.numel() * t.element_size()))] ^= 0x10  # after packing
+        assert _received(t, bucket, at) != digest, (native, kind)
+
+
+def test_every_loop_packs_a_transposed_view_in_its_logical_order_and_control_memory_order(
+) -> None:
+    """Each loop of the compiled kernel, on torch's threads: the bucket gets the logical
+    bytes and the sums are theirs; the control, the same bytes in memory order (what a
+    kernel reading the storage straight would digest), is another digest."""
+    native = _native_or_skip()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # tensors over 8 MiB are split between threads
+    try:
+        for t in (_random(torch.float32, (1500, 1501), 1).t(),  # 9 MiB, many chunks
+                  _random(torch.int8, (3, 70001), 2)[:, 1:].t(),  # rows of 3 bytes
+                  _random(torch.bfloat16, (5, 9000, 3), 3).permute(2, 0, 1)):
+            flat = t.contiguous().reshape(-1).view(torch.uint8)
+            want = tuple(s & (2**64 - 1) for s in torch_sums(flat).tolist())
+            for level in range(native.fingerprint_level() + 1):  # type: ignore[attr-defined]
+                out = torch.zeros_like(flat)
+                assert native.fingerprint_sums(t, level, out) == want, level  # type: ignore[attr-defined]
+                assert torch.equal(out, flat)
+                assert native.fingerprint_sums(t, level) == want, level  # type: ignore[attr-defined]
+            memory = torch.as_strided(t, (t.numel(),), (1,)).view(torch.uint8)
+            assert not torch.equal(memory, flat)
+            assert tuple(s & (2**64 - 1) for s in torch_sums(memory).tolist()) != want
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

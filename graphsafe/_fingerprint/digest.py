@@ -112,12 +112,11 @@ def _bytes_of(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """Whether the compiled kernel can read `t`'s bytes as they are: a plain tensor (a
-    subclass may run code on reads), dense, contiguous, with no lazy conjugate or
+    """Whether the compiled kernel can read `t`'s bytes as they are, in any strides: a
+    plain tensor (a subclass may run code on reads), dense, with no lazy conjugate or
     negation."""
     return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
-            and t.is_contiguous() and not t.is_quantized and not t.is_conj()
-            and not t.is_neg())
+            and not t.is_quantized and not t.is_conj() and not t.is_neg())
 
 
 class Digests:
@@ -136,7 +135,9 @@ class Digests:
         """Take the digest of `t` (`name` is for errors); with `into`, a tensor of its
         shape and dtype, also copy `t` there. On a CPU with the compiled kernel the copy
         is made in the same pass, from the bytes the digest reads (a weight sync's
-        packing); elsewhere it is `into.copy_(t)` after the digest.
+        packing), whatever `t`'s strides (a transposed view is gathered in its logical
+        order, chunk by chunk in cache); elsewhere it is `into.copy_(t)` after the
+        digest.
 
         Raises:
             TypeError: `t` is not a dense tensor with values (sparse, quantized, meta).
@@ -146,7 +147,7 @@ class Digests:
         if native is not None and _plain(t):  # the kernel reads its bytes as they are
             out = None
             if (into is not None and into.device.type == "cpu" and into.dtype == t.dtype
-                    and into.shape == t.shape and _plain(into)):
+                    and into.shape == t.shape and _plain(into) and into.is_contiguous()):
                 out, into = into, None
             sums = (native.fingerprint_sums(t, -1) if out is None
                     else native.fingerprint_sums(t, -1, out))
@@ -248,10 +249,11 @@ def fingerprint(obj: Weights, names: Iterable[str] | None = None) -> Mapping[str
 
     Equal tensors give equal digests in every process, on every host and device (a
     transposed view and its contiguous copy too); any flipped bit changes the digest. It
-    reads each tensor once: on a CPU with the compiled kernel (`graphsafe native build`;
-    about the cost of copying the same bytes, on torch's intra-op threads), without it
-    with torch ops (several times slower); on a CUDA device with one Triton kernel (torch
-    ops without Triton). What a digest is, exactly: `graphsafe._fingerprint.digest`.
+    reads each tensor once (a transposed or permuted view twice: made contiguous first):
+    on a CPU with the compiled kernel (`graphsafe native build`; about the cost of
+    copying the same bytes, on torch's intra-op threads), without it with torch ops
+    (several times slower); on a CUDA device with one Triton kernel (torch ops without
+    Triton). What a digest is, exactly: `graphsafe._fingerprint.digest`.
 
     Compare a trainer's weights with an engine's after a sync, by name, where the names
     map one to one (`docs/rl-weight-sync.md`, "What the sync checks").

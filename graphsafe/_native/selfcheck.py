@@ -269,11 +269,15 @@ _FINGERPRINT_KNOWN = (0x191C502A263F09FB, 0x3A99C44EDC285CC4)
 def _fingerprint_check(module: Any) -> bool:
     """Whether every loop this CPU runs gives the known answer, and the same sums as the
     scalar loop over a buffer long enough for the vector loops, copying it or not, or in
-    two pieces."""
+    two pieces; and a transposed view's sums and copy are those of its logical bytes."""
     small = torch.arange(37, dtype=torch.uint8)
     large = torch.arange(4099, dtype=torch.int64).mul_(0x5851F42D).view(torch.uint8)[3:-2]
     want = module.fingerprint_sums(large, 0)
     copied = torch.empty_like(large)
+    turned = large[:4095].view(315, 13).t()  # rows of 13 bytes: words across rows
+    logical = turned.contiguous()
+    turned_want = module.fingerprint_sums(logical, 0)
+    turned_copy = torch.empty_like(logical)
     return all(
         module.fingerprint_sums(small, level) == _FINGERPRINT_KNOWN
         and module.fingerprint_sums(large, level) == want
@@ -281,6 +285,8 @@ def _fingerprint_check(module: Any) -> bool:
         and torch.equal(copied, large)
         and _added(module.fingerprint_sums(large[:4096], level),
                    module.fingerprint_sums(large[4096:], level, None, 512)) == want
+        and module.fingerprint_sums(turned, level, turned_copy.zero_()) == turned_want
+        and torch.equal(turned_copy, logical)
         for level in range(module.fingerprint_level() + 1)
     )
 

@@ -397,15 +397,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return Arg(0, None, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
-                       t.dtype, None)
+            return _new(Arg, (0, None, tuple(t.shape), tuple(t.stride()),
+                              int(t.storage_offset()), t.dtype, None))
         sid = storage._cdata
         known = self.lineage.writers.get(sid)
-        if known is not None:
-            return Arg(sid, known[0], tuple(t.shape), tuple(t.stride()),
-                       int(t.storage_offset()), t.dtype, None)
-        return Arg(sid, None, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
-                   t.dtype, self.lineage.kept(storage, sid))
+        return _new(Arg, (sid, None if known is None else known[0], tuple(t.shape),
+                          tuple(t.stride()), int(t.storage_offset()), t.dtype,
+                          None if known is not None else self.lineage.kept(storage, sid)))
 
     def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         lineage = self.lineage
@@ -623,8 +621,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     @staticmethod
     def _arg_written(t: torch.Tensor, sid: int) -> Arg:
-        return Arg(sid, None, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
-                   t.dtype, None)
+        return _new(Arg, (sid, None, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
+                          t.dtype, None))
 
     def _handle_tensor(self, out: Any) -> None:
         """A small int64 tensor holding an int an op returned: written by that op."""
@@ -654,6 +652,9 @@ def recording(
 
 
 _NO_FUNCTION_MODES = torch._C.DisableTorchFunction
+_new = tuple.__new__
+"""Makes an `Arg` from a tuple of its fields, as its `__new__` does (without a Python
+frame: an `Arg` per tensor argument is the recorder's hot path)."""
 _EXPIRED = torch.UntypedStorage._expired
 _compiling = torch.compiler.is_compiling
 

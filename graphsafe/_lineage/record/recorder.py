@@ -167,7 +167,7 @@ class _Held:
         self.refs: dict[int, int] = {}
 
     def __del__(self, free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref
-                ) -> None:
+                ) -> None:  # `free` kept: the `torch` module may be gone at shutdown
         for ref in self.refs.values():
             free(ref)
 
@@ -266,7 +266,9 @@ class Lineage:
         lives."""
         refs = self._held.refs
         if sid not in refs:
-            refs[sid] = storage._weak_ref()  # type: ignore[assignment]
+            ref: int = storage._weak_ref()  # type: ignore[assignment]
+            if refs.setdefault(sid, ref) != ref:  # a thread it follows held it meanwhile
+                _FREE(ref)  # type: ignore[no-untyped-call]
 
     def kept(self, storage: torch.UntypedStorage, sid: int) -> StorageWeakRef:
         """A weak reference to `storage` (identity `sid`), one per storage, for an `Arg`
@@ -656,6 +658,7 @@ _new = tuple.__new__
 """Makes an `Arg` from a tuple of its fields, as its `__new__` does (without a Python
 frame: an `Arg` per tensor argument is the recorder's hot path)."""
 _EXPIRED = torch.UntypedStorage._expired
+_FREE = torch.UntypedStorage._free_weak_ref
 _compiling = torch.compiler.is_compiling
 
 

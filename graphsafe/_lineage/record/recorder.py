@@ -17,8 +17,9 @@ identity once the load ends. A tensor read as a NumPy array (`.numpy()`) is note
 (`Lineage.unfollowed`): what is made from the array cannot be followed.
 
 Storages are told apart by identity (`_cdata`), never by address, and each is held by a
-`StorageWeakRef` for as long as the recording lives, so an identity freed meanwhile is
-never reused under it. What the recording means for a model is resolved once the load
+weak reference for as long as the recording lives (`_Held`; an `Arg` of a storage made
+before the recording keeps a `StorageWeakRef` of its own), so an identity freed meanwhile
+is never reused under it. What the recording means for a model is resolved once the load
 ends (`graphsafe._lineage.resolve`).
 """
 
@@ -36,7 +37,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe._lineage.record.hooks import NUMPY, TOLIST, Hooks
 from graphsafe._lineage.record.threads import STRAYS, Stray, followed
-from graphsafe._memory.walk import storage_key
 
 __all__ = [
     "DERIVED_COPY", "RECORDING", "Arg", "Call", "Lineage", "Recorder", "ambiguous", "record",
@@ -141,12 +141,43 @@ def sid_of(t: torch.Tensor) -> int:
         return 0
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """`t`'s storage, read once per tensor an op touches (None for a tensor without one)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _key(storage: torch.UntypedStorage) -> int:
+    """`storage_key` of a tensor whose storage is `storage`."""
+    return storage.data_ptr() if storage.nbytes() else 0
+
+
+class _Held:
+    """Weak references to storages (`c10::weak_intrusive_ptr`s, as the ints
+    `UntypedStorage._weak_ref` gives) by identity, released when this dies: a storage
+    freed while they are held keeps its identity (its `StorageImpl` is not freed), so
+    that identity is never reused under the recording. One object for them all: a
+    `StorageWeakRef` each costs a Python object and a finalizer per storage."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self) -> None:
+        self.refs: dict[int, int] = {}
+
+    def __del__(self, free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref
+                ) -> None:  # `free` kept: the `torch` module may be gone at shutdown
+        for ref in self.refs.values():
+            free(ref)
+
+
 class Lineage:
     """What a recording found: the latest writer of each storage it saw written, and the
     values that left torch, with the call that made each."""
 
-    __slots__ = ("__weakref__", "_atoms", "_refs", "before", "copied", "epoch", "foreign",
-                 "handles", "replaced", "scopes", "strays", "unfollowed", "values",
+    __slots__ = ("__weakref__", "_atoms", "_held", "_kept", "before", "copied", "epoch",
+                 "foreign", "handles", "replaced", "scopes", "strays", "unfollowed", "values",
                  "weight_writes", "writers")
 
     def __init__(self) -> None:
@@ -186,7 +217,8 @@ class Lineage:
         (`bool`s, small `int`s), and floats, taken before the recording made the first
         number: a place that held the same value then was not set by the recording (a
         float it set that is none it took was computed in Python: not followed)."""
-        self._refs: dict[int, StorageWeakRef] = {}
+        self._held = _Held()
+        self._kept: dict[int, StorageWeakRef] = {}
         self._atoms: Callable[[], dict[str, object]] | None = None
         self.epoch = 0
         """0 while a load records; k while the k-th forward of the bring-up does."""
@@ -203,7 +235,7 @@ class Lineage:
         """Parameter `new` was bound where `old` was (see `replaced`)."""
         was, now = sid_of(old), sid_of(new)
         if was and now and was != now:
-            self.hold(old, was)
+            self.hold(old.untyped_storage(), was)
             self.replaced[now] = was
 
     def note_scope(self, frame: FrameType | None) -> None:
@@ -229,17 +261,28 @@ class Lineage:
             self.before = self._atoms()
         self.values.setdefault(id(value), []).append((call, value))
 
-    def hold(self, t: torch.Tensor, sid: int) -> StorageWeakRef:
-        """Keep `sid` from being reused while the recording lives."""
-        ref = self._refs.get(sid)
+    def hold(self, storage: torch.UntypedStorage, sid: int) -> None:
+        """Keep `sid` (the identity of `storage`) from being reused while the recording
+        lives."""
+        refs = self._held.refs
+        if sid not in refs:
+            ref: int = storage._weak_ref()  # type: ignore[assignment]
+            if refs.setdefault(sid, ref) != ref:  # a thread it follows held it meanwhile
+                _FREE(ref)  # type: ignore[no-untyped-call]
+
+    def kept(self, storage: torch.UntypedStorage, sid: int) -> StorageWeakRef:
+        """A weak reference to `storage` (identity `sid`), one per storage, for an `Arg`
+        to keep: it holds the identity as long as the `Arg` lives, and gives the storage
+        back while it is alive (`resolve` replays a call with it)."""
+        ref = self._kept.get(sid)
         if ref is None:
-            ref = self._refs[sid] = StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+            ref = self._kept[sid] = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
         return ref
 
     def alive(self) -> set[int]:
         """Identities of the written storages that are still alive."""
-        refs = self._refs
-        return {sid for sid in self.writers if not refs[sid].expired()}  # type: ignore[no-untyped-call]
+        refs, expired = self._held.refs, _EXPIRED
+        return {sid for sid in self.writers if not expired(refs[sid])}
 
     def release(self) -> None:
         """Forget everything (the storages' identities may be reused from now on)."""
@@ -248,7 +291,8 @@ class Lineage:
         self.values.clear()
         self.weight_writes.clear()
         self.copied.clear()
-        self._refs.clear()
+        self._held = _Held()
+        self._kept.clear()
         self.before = None
         self._atoms = None
         self.strays.clear()
@@ -352,12 +396,16 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         `copy_`) is not recorded, since lineage stops at a weight."""
 
     def _arg(self, t: torch.Tensor) -> Arg:
-        sid = sid_of(t)
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return _new(Arg, (0, None, tuple(t.shape), tuple(t.stride()),
+                              int(t.storage_offset()), t.dtype, None))
+        sid = storage._cdata
         known = self.lineage.writers.get(sid)
-        writer = None if known is None else known[0]
-        keep = self.lineage.hold(t, sid) if writer is None and sid else None
-        return Arg(sid, writer, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
-                   t.dtype, keep)
+        return _new(Arg, (sid, None if known is None else known[0], tuple(t.shape),
+                          tuple(t.stride()), int(t.storage_offset()), t.dtype,
+                          None if known is not None else self.lineage.kept(storage, sid)))
 
     def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         lineage = self.lineage
@@ -386,27 +434,28 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 t = args[pos]
             else:  # passed by keyword, as `out=` is
                 where, t = kw, kwargs.get(kw)
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not t.is_meta:
                 wrote.append(where)
-                sid = sid_of(t)
-                if sid:
-                    lineage.hold(t, sid)
+                storage = _storage(t)
+                if storage is not None:
+                    sid = storage._cdata
+                    lineage.hold(storage, sid)
                     writers[sid] = (call, self._arg_written(t, sid))
-                    if self.weights and storage_key(t) in self.weights:
+                    if self.weights and _key(storage) in self.weights:
                         lineage.wrote_weight(sid, info.schema_name, call)
         call.mutated = tuple(wrote)
         aten = info.aten
         results = out if isinstance(out, (list, tuple)) else (out,)
         for i, r in enumerate(results):
             if isinstance(r, torch.Tensor):
-                if r.device.type == "meta":
+                if r.is_meta or (storage := _storage(r)) is None:
                     continue
-                sid = sid_of(r)
-                if not sid or sid in in_sids:  # a view of (or the mutated) argument
+                sid = storage._cdata
+                if sid in in_sids:  # a view of (or the mutated) argument
                     continue
                 arg = self._arg_written(r, sid)
                 call.outs[i] = arg
-                lineage.hold(r, sid)
+                lineage.hold(storage, sid)
                 writers[sid] = (call, arg)
             elif aten or not seen:
                 continue
@@ -447,8 +496,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._handle_tensor(out)  # `torch.tensor(<int>)` is a `lift_fresh`
             return out
         weights = self.weights
-        if weights and func is _COPY and storage_key(args[0]) in weights:
-            self._copied_into(func, args, kwargs, out, sid_of(args[0]))
+        if weights and func is _COPY and (dst := _storage(args[0])) is not None and _key(
+                dst) in weights:
+            self._copied_into(func, args, kwargs, out, dst._cdata)
             return out
         # A tensor without a storage (a wrapper subclass) has no lineage to follow.
         with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
@@ -460,17 +510,19 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """`copy_` into the weight whose storage is `written`: a load, or a rewrite."""
         src = args[1]
         lineage = self.lineage
-        sid = sid_of(src) if isinstance(src, torch.Tensor) else 0
-        if sid and (sid in lineage.writers  # computed here: maybe a post-load rewrite
-                    or (lineage.foreign  # another model's weight
-                        and storage_key(src) in lineage.foreign)):
+        storage = _storage(src) if isinstance(src, torch.Tensor) else None
+        sid = 0 if storage is None else storage._cdata
+        if storage is not None and (
+                sid in lineage.writers  # computed here: maybe a post-load rewrite
+                or (lineage.foreign  # another model's weight
+                    and _key(storage) in lineage.foreign)):
             with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
                 self._note(func, args, kwargs, out)
         else:  # a weight loaded: what reads it stops there
             lineage.writers.pop(written, None)
             lineage.wrote_weight(written, _COPY_NAME, None)
-        if sid and src.shape == args[0].shape:
-            lineage.hold(src, sid)
+        if storage is not None and src.shape == args[0].shape:
+            lineage.hold(storage, sid)
             lineage.copied[sid] = written
 
     def __enter__(self) -> Recorder:
@@ -550,7 +602,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _conv_into(self, a: Any, sids: set[int]) -> Any:
         """`_conv`, adding the storage of each tensor argument (in a list too) to `sids`."""
         if isinstance(a, torch.Tensor):
-            if a.device.type == "meta":
+            if a.is_meta:
                 return None
             arg = self._arg(a)
             sids.add(arg.sid)
@@ -564,15 +616,15 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _conv(self, a: Any) -> Any:
         """An argument as recorded: a tensor as its `Arg` (None for a meta tensor)."""
         if isinstance(a, torch.Tensor):
-            return None if a.device.type == "meta" else self._arg(a)
+            return None if a.is_meta else self._arg(a)
         if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
             return type(a)(self._conv(x) for x in a)
         return a
 
     @staticmethod
     def _arg_written(t: torch.Tensor, sid: int) -> Arg:
-        return Arg(sid, None, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
-                   t.dtype, None)
+        return _new(Arg, (sid, None, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
+                          t.dtype, None))
 
     def _handle_tensor(self, out: Any) -> None:
         """A small int64 tensor holding an int an op returned: written by that op."""
@@ -583,9 +635,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for v in out.reshape(-1).tolist():
             call = handles.get(v)
             if call is not None:
-                sid = sid_of(out)
-                self.lineage.hold(out, sid)
-                self.lineage.writers[sid] = (call, self._arg_written(out, sid))
+                storage = _storage(out)
+                if storage is not None:
+                    sid = storage._cdata
+                    self.lineage.hold(storage, sid)
+                    self.lineage.writers[sid] = (call, self._arg_written(out, sid))
                 return
 
 
@@ -600,6 +654,11 @@ def recording(
 
 
 _NO_FUNCTION_MODES = torch._C.DisableTorchFunction
+_new = tuple.__new__
+"""Makes an `Arg` from a tuple of its fields, as its `__new__` does (without a Python
+frame: an `Arg` per tensor argument is the recorder's hot path)."""
+_EXPIRED = torch.UntypedStorage._expired
+_FREE = torch.UntypedStorage._free_weak_ref
 _compiling = torch.compiler.is_compiling
 
 

@@ -297,15 +297,23 @@ class _Unsettled(Journal):
         self._last = None
 
 
-def _repeated_then_one(journal: Journal) -> tuple[list[int], list[int], list[str]]:
-    """Three storages written as one frozenset twice (the second time: one step), then one
-    of them alone: (their epochs, the clocks of the three writes, what wrote each)."""
+def _written_twice(journal: Journal) -> tuple[list[torch.Tensor], list[int],
+                                              dict[int, torch.UntypedStorage]]:
+    """Three storages written into `journal` as one frozenset twice (the second time: one
+    step): (the tensors, their storage keys, key -> storage)."""
     tensors = [torch.zeros(256) for _ in range(3)]
     keys = [storage_key(t) for t in tensors]
     storages = {storage_key(t): t.untyped_storage() for t in tensors}
     written = frozenset(keys)
     journal.advance(written, "load 1", storages.get)
     journal.advance(written, "load 2", storages.get)
+    return tensors, keys, storages
+
+
+def _repeated_then_one(journal: Journal) -> tuple[list[int], list[int], list[str]]:
+    """Three storages written as one frozenset twice (the second time: one step), then one
+    of them alone: (their epochs, the clocks of the three writes, what wrote each)."""
+    _, keys, storages = _written_twice(journal)
     second = journal.clock
     journal.advance([keys[0]], "load 3", storages.get)
     return (journal.epochs_of(keys), [second, journal.clock],
@@ -348,13 +356,8 @@ def test_witnesses_see_a_frozenset_written_again_in_one_step() -> None:
 
 def test_a_storage_of_a_write_in_one_step_that_dies_is_forgotten_and_the_rest_kept() -> None:
     journal = Journal()
-    tensors = [torch.zeros(256) for _ in range(3)]
-    keys = [storage_key(t) for t in tensors]
-    storages = {storage_key(t): t.untyped_storage() for t in tensors}
-    written = frozenset(keys)
-    journal.advance(written, "load 1", storages.get)
-    journal.advance(written, "load 2", storages.get)
-    second = journal.clock
+    tensors, keys, storages = _written_twice(journal)
+    written, second = frozenset(keys), journal.clock
     del tensors[0], storages[keys[0]]
     gc.collect()
     assert len(journal) == 2

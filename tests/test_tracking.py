@@ -26,13 +26,19 @@ def tracker(request: pytest.FixtureRequest) -> Callable[[dict[int, str]], Tracke
     """Makes a tracker of either kind over the watched storage keys."""
     if request.param == "python":
         return WriteTracker
+    native = _native_library()
+    return lambda watched: NativeWriteTracker(watched, native)  # type: ignore[arg-type]
+
+
+def _native_library() -> object:
+    """The compiled library, built if need be (the test skips where no C++ compiler is)."""
     try:
         _native.build()
     except _native.NativeBuildError as exc:  # no C++ compiler on this machine
         pytest.skip(f"the compiled tracker cannot be built here: {exc}")
     native = _native.loader._load()
     assert native is not None
-    return lambda watched: NativeWriteTracker(watched, native)  # type: ignore[arg-type]
+    return native
 
 
 def _param() -> nn.Parameter:
@@ -156,12 +162,7 @@ def test_the_compiled_tracker_fails_closed_when_record_function_is_off() -> None
     """With torch's RecordFunction off, the compiled tracker cannot see ops: it reports
     every watched storage as written, so a load refreshes everything rather than miss a
     write. Control: with it on, only what was written is reported."""
-    try:
-        _native.build()
-    except _native.NativeBuildError as exc:
-        pytest.skip(f"the compiled tracker cannot be built here: {exc}")
-    native = _native.loader._load()
-    assert native is not None
+    native = _native_library()
     p, q = _param(), _param()
     watched = {storage_key(p): "p", storage_key(q): "q"}
     on = NativeWriteTracker(watched, native)  # type: ignore[arg-type]
@@ -356,12 +357,7 @@ def test_trackers_of_one_watched_set_report_each_its_own_writes(
 
 
 def test_the_compiled_tracker_gives_the_same_set_back_only_for_the_same_writes() -> None:
-    try:
-        _native.build()
-    except _native.NativeBuildError as exc:
-        pytest.skip(f"the compiled tracker cannot be built here: {exc}")
-    native = _native.loader._load()
-    assert native is not None
+    native = _native_library()
     a, b = _param(), _param()
     watched = frozenset((storage_key(a), storage_key(b)))
     sets = []

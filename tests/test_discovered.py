@@ -639,3 +639,15 @@ def test_a_registry_added_after_capture_is_refused_as_such() -> None:
     assert not isinstance(info.value, gs.StorageMovedError)  # nothing moved
     graph.reset()  # released: the registry can be added
     gs.runtime(m, gs.Registry())
+
+
+def test_a_closure_cell_emptied_after_capture_is_refused_by_name() -> None:
+    """`del` of a closure's variable leaves an empty cell, which raises ValueError when
+    read: the guard reports the tensor as removed, never the raw error. Control: the same
+    graph replays while the cell holds the tensor."""
+    m, g, _ = _captured(CASES[2], guard=True)
+    g.replay()  # the control: held, nothing refused
+    del m.lin.kernel_fn.__closure__[0].cell_contents
+    with pytest.raises(gs.StorageMovedError,
+                       match=r"lin\.kernel_fn\.<closure packed> was removed after graph capture"):
+        g.replay()

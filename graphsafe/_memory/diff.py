@@ -60,7 +60,7 @@ def holder_drift(r: Ref) -> Drift | None:
         value = (attrs if slot is None else attrs[slot])[r.key]
         for k in r.chain:
             value = step(value, k)
-    except (*CHECK_ERRORS, ValueError):
+    except CHECK_ERRORS:
         value = _MISSING
     if value is r.obj:
         return None
@@ -85,7 +85,7 @@ def resolve_pin(p: Pin) -> tuple[object, str]:
     leaves `__dict__` but is still `m.x`, and describing it beats reporting it removed."""
     try:
         return _resolve(p), ""
-    except (*RESOLVE_ERRORS, ValueError):
+    except RESOLVE_ERRORS:
         pass
     s = p.site
     if not isinstance(s.key, str):
@@ -94,7 +94,7 @@ def resolve_pin(p: Pin) -> tuple[object, str]:
         value: Any = getattr(s.module, s.key)
         for k in s.chain:
             value = step(value, k)
-    except (*RESOLVE_ERRORS, ValueError):
+    except RESOLVE_ERRORS:
         return None, "missing"
     return value, ""
 

@@ -17,8 +17,9 @@ from graphsafe._memory.walk import Site, storage_key
 
 __all__ = ["CHECK_ERRORS", "RESOLVE_ERRORS", "SubmodulePin", "Pin", "has_storage", "pin"]
 
-# Raised while re-resolving a path whose container entry is gone or is no tensor.
-RESOLVE_ERRORS = (KeyError, IndexError, TypeError, AttributeError)
+# Raised while re-resolving a path whose container entry is gone or is no tensor (a
+# closure cell emptied by `del`: ValueError).
+RESOLVE_ERRORS = (KeyError, IndexError, TypeError, AttributeError, ValueError)
 # Also raised by the flat check, by `data_ptr()` of a tensor that has no storage.
 CHECK_ERRORS = (*RESOLVE_ERRORS, RuntimeError)
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import graphsafe as gs
+from graphsafe import _native
 
 C, V = 4, 6
 
@@ -217,6 +218,18 @@ def test_a_cache_outside_the_model_is_guarded_named_by_its_key() -> None:
     assert found.sources == ("lin.weight",)
     m.load_weights({"lin.weight": _head(1)})  # in place: the cache keeps the old packing
     with pytest.raises(gs.StaleError, match=r"_PACKED\[\([\s\S]*lin\.weight"):
+        g.replay()
+
+
+@pytest.mark.skipif(_native.get() is None,
+                    reason="a `.data` write outside any load is seen by the compiled observer")
+def test_a_caches_source_written_outside_any_load_after_the_capture_is_refused() -> None:
+    """The cache is found at the capture, after the pin: the observer watches its source
+    from then on (a bare sync by `param.data.copy_`, which no version counter sees)."""
+    m, g, _ = _cached_capture(guard=True)
+    with torch.no_grad():
+        m.lin.weight.data.copy_(_head(1))
+    with pytest.raises(gs.StaleError, match=r"_PACKED\[[\s\S]*outside any tracked load"):
         g.replay()
 
 

@@ -613,6 +613,70 @@ def test_the_full_post_load_step_after_every_load_is_no_false_alarm(
         assert torch.allclose(y, _expected(rewrite, _folded_weights(seed)))
 
 
+_OBSERVED = pytest.mark.skipif(
+    _native.get() is None,
+    reason="a `.data` write outside any load is seen by the compiled write observer",
+)
+
+
+@_OBSERVED
+@pytest.mark.parametrize(("rewrite", "op"), REWRITES, ids=REWRITE_IDS)
+def test_raw_values_copied_into_a_rewritten_weight_outside_any_load_are_refused(
+    rewrite: Callable[[Folded], None], op: str
+) -> None:
+    """An RL framework's bare sync (`param.data.copy_(w)`, no version bump, no load):
+    the process-wide observer sees it, and no load re-applied the rewrite."""
+    m = Folded(rewrite)
+    m.load_weights(_folded_weights(0))
+    g, _ = _capture(m, guard=True)
+    with torch.no_grad():
+        m.lin.weight.data.copy_(_folded_weights(1)["lin.weight"])
+    with pytest.raises(gs.StaleError, match=r"lin\.weight") as info:
+        g.replay()
+    message = str(info.value)
+    assert "outside any tracked load" in message and "not re-applied" in message
+    with pytest.raises(gs.StaleError, match=r"lin\.weight"):
+        g.replay()  # stays refused
+    m.load_weights(_folded_weights(2))  # a whole load heals it
+    g.replay()
+    assert torch.allclose(m(torch.ones(2, C)), _expected(rewrite, _folded_weights(2)))
+
+
+@_OBSERVED
+def test_control_unguarded_raw_values_copied_outside_any_load_replay_raw() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    g, y = _capture(m, guard=True)
+    gs.runtime(m).exempt("lin.weight", why="the control: nothing refuses")
+    new = _folded_weights(1)
+    with torch.no_grad():
+        m.lin.weight.data.copy_(new["lin.weight"])
+    g.replay()
+    assert not torch.allclose(y, _expected(_fold_scale, new), atol=1e-4)
+
+
+def test_raw_values_written_in_place_through_a_rewritten_weight_are_refused() -> None:
+    """The same outside any load through the parameter itself: its version moved (both
+    guard paths)."""
+    m = Folded(_negate_exp)
+    m.load_weights(_folded_weights(0))
+    g, _ = _capture(m, guard=True)
+    with torch.no_grad():
+        m.lin.weight.copy_(_folded_weights(1)["lin.weight"])
+    with pytest.raises(gs.StaleError, match=r"lin\.weight[\s\S]*not re-applied"):
+        g.replay()
+
+
+def test_a_rewritten_weight_no_write_reached_after_a_load_is_no_false_alarm() -> None:
+    m = Folded(_fold_scale)
+    m.load_weights(_folded_weights(0))
+    g, y = _capture(m, guard=True)
+    m.load_weights(_folded_weights(1))
+    for _ in range(3):
+        g.replay()
+    assert torch.allclose(y, _expected(_fold_scale, _folded_weights(1)))
+
+
 def test_the_rewrite_re_run_over_a_weight_no_load_wrote_is_refused() -> None:
     m = Folded(_fold_scale)
     m.load_weights(_folded_weights(0))

@@ -139,12 +139,15 @@ class Discovery:
         self._witnesses: Witnesses | None = None
         self._owner: list[int] = []  # witness row -> entry index
         self._recorded = False
-        self._rewritten = Rewrites()  # weight path -> its rewrite
+        self._rewritten = Rewrites(journal)  # weight path -> its rewrite
         self._window: Window | None = None  # the bring-up's forwards, until the capture
         # What a recording could not follow (weights read as NumPy arrays, numbers made
         # in Python from taken ones) -> (the weights' paths, why), for the audit.
         self._unfollowed: dict[str, tuple[tuple[str, ...], str]] = {}
         self._later = LaterValues()  # what a later load's numbers are told new against
+        self.generation = 0
+        """Bumped whenever the entries or the rewritten weights change (what the
+        process-wide write observer must watch: `source_keys`)."""
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._rewritten)
@@ -196,6 +199,7 @@ class Discovery:
         """`Rewrites.sequenced_keys` of a load of `model` that begins, each weight read
         where the model holds it now (`Rewrites.rehome`)."""
         self._rehome_rewrites(model)
+        self._rewritten.written_outside()  # before this load's own writes
         return self._rewritten.sequenced_keys()
 
     def _rehome_rewrites(self, model: nn.Module) -> None:
@@ -210,11 +214,15 @@ class Discovery:
         """`Rewrites.judge` of a load of `model` that ended, exemptions left out; each
         weight and input read where the model holds it now (`Rewrites.rehome`)."""
         self._rehome_rewrites(model)
-        return self._rewritten.judge(written, ops, before, tainted, self._exempt)
+        broken = self._rewritten.judge(written, ops, before, tainted, self._exempt)
+        self._rewritten.witness()  # this load's writes are judged
+        return broken
 
     def written_elsewhere(self, keys: Set[int]) -> None:
         """`Rewrites.written_elsewhere`: a load of another model wrote `keys`."""
+        self._rewritten.written_outside()
         self._rewritten.written_elsewhere(keys)
+        self._rewritten.witness()
 
     def after_load(self, model: nn.Module, written: Set[int],
                    tainted: Mapping[int, tuple[tuple[int, ...], str]] | None = None,
@@ -262,6 +270,9 @@ class Discovery:
         for rewrite in () if lazily else find_rewrites(lineage, sources, derived):
             self._rewritten[rewrite.weight.path] = Rewritten(
                 rewrite, classes.get(id(rewrite.weight.holder), type(model).__name__))
+        if not lazily and self._rewritten:
+            self._rewritten.witness()
+            self.generation += 1
         if foreign:
             # A weight of its own last written from another model's weights (a draft
             # copying the target's head into its own) is derived from them, not loaded.
@@ -416,6 +427,7 @@ class Discovery:
         old_rows = {id(e): by_entry.get(i, []) for i, e in enumerate(self._entries)}
         self._entries = (self._entries if kept is None else kept) + fresh
         self._rebuild(old_rows)
+        self.generation += 1
 
     def _rows_by_entry(self) -> dict[int, list[int]]:
         by_entry: dict[int, list[int]] = {}
@@ -498,11 +510,16 @@ class Discovery:
         return tuple(out)
 
     def source_keys(self) -> frozenset[int]:
-        """Storage keys of every source (for the process-wide write observer)."""
+        """Storage keys of every source, and of every weight rewritten in place and what
+        its rewrite reads (for the process-wide write observer)."""
+        sites = [(s.holder, s.key) for e in self._entries for s in e.sources]
+        for r in self._rewritten.values():
+            sites.append(r.site)
+            sites.extend((holder, key) for _, holder, key in r.inputs)
         with PLAIN():
             return frozenset(
-                storage_key(t) for e in self._entries for s in e.sources
-                if isinstance(t := s.holder.get(s.key), torch.Tensor)
+                storage_key(t) for holder, key in sites
+                if isinstance(t := holder.get(key), torch.Tensor)  # type: ignore[attr-defined]
             )
 
     def audit_items(self) -> list[AuditItem]:
@@ -544,7 +561,10 @@ class Discovery:
         return w is None or w.unchanged()
 
     def broken_rewrites(self) -> list[Rewritten]:
-        """The weights rewritten in place that a load left wrong, not exempted."""
+        """The weights rewritten in place that a load, or a write outside any load, left
+        wrong, not exempted."""
+        if self._rewritten:
+            self._rewritten.written_outside()
         return self._rewritten.broken(self._exempt)
 
     def _stale_rows(

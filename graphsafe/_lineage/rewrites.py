@@ -8,8 +8,10 @@ each in order, a `copy_` of values computed from the weights (`w.copy_(1 + w)`) 
 apart from a copy of loaded values by what its source was computed from (the trackers'
 taint). A load whose last writes are not (raw values with the rewrite not re-applied, or
 the rewrite alone over its own output: a fold applied twice) leaves it wrong, and it
-stays so until a load writes it whole again. `Discovery` keeps one `Rewritten` per such
-weight, in its `Rewrites`.
+stays so until a load writes it whole again; so does a write outside any tracked load
+(raw values copied in by hand, `p.data.copy_(w)`, seen by the process-wide write observer
+or by the parameter's version), which re-applies nothing. `Discovery` keeps one
+`Rewritten` per such weight, in its `Rewrites`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 from graphsafe._errors import StaleError
 from graphsafe._lineage.record.recorder import DERIVED_COPY
 from graphsafe._lineage.resolve import Rewrite, Source
-from graphsafe._memory.snapshot import PLAIN
+from graphsafe._memory.journal import Journal
+from graphsafe._memory.snapshot import PLAIN, Witnesses
 from graphsafe._memory.walk import storage_key
 
 __all__ = ["Rewrites", "Rewritten", "rewritten_error"]
@@ -116,7 +119,49 @@ class Rewritten:
 
 class Rewrites(dict[str, "Rewritten"]):
     """The weights of one model rewritten by its post-load step, by path, and how each
-    load that ends leaves them."""
+    load that ends leaves them; between loads, each is witnessed where it is held
+    (`witness`, `written_outside`)."""
+
+    def __init__(self, journal: Journal | None = None) -> None:
+        super().__init__()
+        self._journal = journal
+        self._witnesses: Witnesses | None = None
+        self._sites: list[tuple[int, object]] = []  # (id of the holder, key) per weight
+
+    def witness(self) -> None:
+        """What each weight holds now is what every load so far left there, judged: a
+        write from now on that no load makes (`written_outside`) leaves it wrong."""
+        if self._journal is None or not self:
+            self._witnesses, self._sites = None, []
+            return
+        sites = [r.site for r in self.values()]
+        ids = _ids(sites)
+        if self._witnesses is not None and ids == self._sites:
+            self._witnesses.record(range(len(sites)))
+        else:
+            self._witnesses, self._sites = Witnesses(sites, self._journal), ids
+
+    def written_outside(self) -> None:
+        """Each weight written or rebound since `witness` outside any tracked load (the
+        process-wide write observer saw the write, or the parameter's version moved) is
+        left wrong: no load wrote it and re-applied the rewrite. One flat check when none
+        was."""
+        w = self._witnesses
+        if w is None:
+            return
+        if _ids([r.site for r in self.values()]) != self._sites:  # rehomed: see `rehome`
+            self.witness()
+            return
+        if w.unchanged():
+            return
+        rows = list(self.values())
+        for row, how in w.changed(by_journal=True):
+            r = rows[row]
+            if r.broken is None:
+                r.raw = False
+                r.broken = (f"{how}: the post-load rewrite ({r.chain}) was not re-applied "
+                            "(no tracked load wrote it since)")
+        w.record(range(len(rows)))
 
     def sequenced_keys(self) -> frozenset[int]:
         """Storage keys of the weights rewritten in place: a load keeps the ops that write
@@ -195,6 +240,11 @@ class Rewrites(dict[str, "Rewritten"]):
         return [r for r in self.values() if r.broken is not None and r.path not in exempt]
 
 
+def _ids(sites: Sequence[tuple[object, object]]) -> list[tuple[int, object]]:
+    """Sites told apart by their holders' identity (a holder's `==` compares tensors)."""
+    return [(id(holder), key) for holder, key in sites]
+
+
 def _computed(key: int, tainted: Mapping[int, tuple[tuple[int, ...], str]] | None) -> bool:
     """Whether the load computed storage `key` from weights other than itself (`tainted`:
     its tracker's; a storage it overwrote with loaded values is its own source only)."""
@@ -207,8 +257,8 @@ def rewritten_error(broken: list[Rewritten]) -> StaleError:
     step rewrites in place with the wrong values."""
     first = broken[0]
     return StaleError(
-        f"{len(broken)} weight(s) the post-load step rewrites in place were written by a "
-        "load that did not rewrite them the same way",
+        f"{len(broken)} weight(s) the post-load step rewrites in place were written "
+        "without that rewrite re-applied the same way (by a load, or outside any load)",
         paths=[r.path for r in broken],
         module_class=first.module_class,
         path=", ".join(r.path for r in broken[:8]) + (" ..." if len(broken) > 8 else ""),

@@ -113,6 +113,8 @@ class Runtime(metaclass=_OnePerModel):
         self._loads: Final = LoadDriver(self._lock, JOURNAL, self._binder,
                                  pinned=lambda: self.holds_addresses,
                                  discovery=self._discovery)
+        self._watched = -1  # the discovery's generation the observer last watched
+        self._loads.add_load_check(self._watch_sources)
 
     # -- binding ---------------------------------------------------------------------
 
@@ -534,14 +536,27 @@ class Runtime(metaclass=_OnePerModel):
             JOURNAL.know(t.untyped_storage() for t in self._binder.tensors())
             # Writes into what the derivations read or write, outside any tracked load and
             # in any thread, are seen from now on (`_runtime.writes.observer`).
+            self._watched = -1
+            self._watch_sources()
+
+    def _watch_sources(self) -> None:
+        """While pinned: the observer watches what the derivations read or write and the
+        sources of every discovered entry, those found since the pin too (a cache the
+        capture read, state the bring-up's forwards made, what a later load made)."""
+        with self._lock:
+            generation = self._discovery.generation
+            if not self._holders or generation == self._watched:
+                return
             OBSERVER.watch(self, self._bound_engine().watch.storage_keys()
                            | self._discovery.source_keys(), self._binder.tensors)
+            self._watched = generation
 
     def take_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
         """A capture read `tensors`, which the model does not hold: those its bring-up
         computed from the weights are guarded (`Discovery.take_inputs`)."""
         with self._lock:
             self._discovery.take_inputs(self.model, tensors)
+            self._watch_sources()
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -557,6 +572,7 @@ class Runtime(metaclass=_OnePerModel):
                 self._capturing -= 1
                 if not self._capturing:
                     self._discovery.close_window(self.model, self._binder.walked)
+                    self._watch_sources()
 
     def unpin(self, holder: object = _MANUAL) -> None:
         """Release `holder`'s pin (graphs captured under it must be re-captured)."""

@@ -82,6 +82,11 @@ def _post_on_parameter(m: Engine) -> None:
     m.lin.weight.packed = m.lin.weight.t().contiguous()
 
 
+def _post_buffer(m: Engine) -> None:
+    # A buffer the checkpoint does not hold, made from the weight: no load refills it.
+    m.lin.register_buffer("packed", m.lin.weight.t().contiguous(), persistent=False)
+
+
 def _run_on_parameter(m: Engine, x: torch.Tensor) -> torch.Tensor:
     return x @ m.lin.weight.packed  # type: ignore[no-any-return]
 
@@ -107,8 +112,10 @@ CASES: list[tuple[Post, Run, str]] = [
     (_post_partial, _run_apply, "lin.kernel_fn.keywords.other"),
     (_post_handle, _run_apply, "lin.kernel_fn.<closure handler>.handle"),
     (_post_on_parameter, _run_on_parameter, "lin.weight.packed"),
+    (_post_buffer, _run_attr, "lin.packed"),
 ]
-IDS = ["attribute", "kernel-object", "closure", "partial", "handle", "on-the-parameter"]
+IDS = ["attribute", "kernel-object", "closure", "partial", "handle", "on-the-parameter",
+       "non-persistent-buffer"]
 RECOMPUTABLE = [c for c, i in zip(CASES, IDS, strict=True) if i != "handle"]
 
 
@@ -369,6 +376,72 @@ def test_a_declared_derivation_is_not_discovered_again() -> None:
     m.load_weights(_weights(0))
     assert gs.runtime(m).discovered == ()
     assert gs.runtime(m).stale == ()
+
+
+@gs.graphsafe
+class Buffered(nn.Module):
+    """Buffers registered up front (`persistent=False`: no checkpoint holds them), which
+    the post-load step fills in place: one from the weight, one from the config only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+        self.register_buffer("packed", torch.zeros(C, C), persistent=False)
+        self.register_buffer("cos", torch.zeros(C), persistent=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+            if post:
+                self.packed.copy_(self.lin.weight.t())
+                self.cos.copy_(torch.arange(C, dtype=torch.float32).cos())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.packed + self.cos
+
+
+def _buffered(*, guard: bool) -> tuple[Buffered, gs.Graph, torch.Tensor]:
+    m = Buffered()
+    m.load_weights(_weights(0))
+    g = gs.Graph(backend="cpu", guard=m if guard else None)
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(2, C))
+    return m, g, y
+
+
+def test_a_buffer_filled_in_place_from_the_weights_is_discovered_and_guarded() -> None:
+    m, g, y = _buffered(guard=True)
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found) == {"packed"}  # not `cos`: no weight feeds it
+    assert found["packed"].sources == ("lin.weight",)
+    m.load_weights(_weights(1), post=False)
+    with pytest.raises(gs.StaleError, match=r"packed[\s\S]*lin\.weight"):
+        g.replay()
+    m.load_weights(_weights(2))  # the post-load step fills it again, in place
+    g.replay()
+    assert torch.allclose(y, _reference(_weights(2), torch.ones(2, C)))
+
+
+def test_control_unguarded_the_buffer_filled_once_replays_stale() -> None:
+    m, g, y = _buffered(guard=False)
+    new = _weights(1)
+    m.load_weights(new, post=False)
+    g.replay()
+    assert not torch.allclose(y, _reference(new, torch.ones(2, C)))
+
+
+def test_a_declared_derived_buffer_is_not_discovered_as_a_buffer_made_by_the_load() -> None:
+    reg = gs.Registry()
+
+    @reg.derive(Buffered, "twice", inputs=["lin.weight"])
+    def twice(m: nn.Module, w: torch.Tensor, *, out: Any = None) -> torch.Tensor:
+        return 2 * w if out is None else out.copy_(2 * w)
+
+    m = Buffered()
+    gs.runtime(m, reg)
+    m.load_weights(_weights(0))
+    assert {d.path for d in gs.runtime(m).discovered} == {"packed"}
 
 
 def _probe(handle: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,11 +125,14 @@ class Discovery:
     """
 
     def __init__(self, journal: Journal,
-                 others: Callable[[], Iterable[nn.Module]] = tuple) -> None:
+                 others: Callable[[], Iterable[nn.Module]] = tuple,
+                 declared: Callable[[], Iterable[str]] = tuple) -> None:
         self._journal = journal
         self._others = others
         """The other models graphsafe binds: their weights are sources too (a draft that
         packs or copies its head from the target's, by reference)."""
+        self._declared = declared
+        """Paths of the model's declared derived buffers (sources, never discovered)."""
         self._entries: list[Entry] = []
         self._values: list[Entry] = []  # the numbers and handles among them
         # Their check before each replay while pinned; built at the first, dropped
@@ -273,6 +276,8 @@ class Discovery:
         if not lazily and self._rewritten:
             self._rewritten.witness()
             self.generation += 1
+        for sid in self._made_buffers(lineage, model, sources, foreign, alive):
+            del sources[sid]  # derived state the model holds as a buffer: found below
         if foreign:
             # A weight of its own last written from another model's weights (a draft
             # copying the target's head into its own) is derived from them, not loaded.
@@ -323,6 +328,25 @@ class Discovery:
                 warn_untraced(untraced, type(model).__name__)
         kept = [e for e in self._entries if e.path not in found and still_held(e)]
         self._add([Entry(f) for f in found.values()], kept)
+
+    def _made_buffers(self, lineage: Lineage, model: nn.Module, sources: dict[int, Source],
+                      foreign: dict[int, Source], alive: Set[int]) -> list[int]:
+        """The buffers no load fills (`persistent=False`) and no declaration makes, that
+        the recording computed from the weights (a packed copy the post-load step
+        registered as a buffer, or wrote into one): derived state, not sources."""
+        declared = set(self._declared())
+        made = [
+            sid for prefix, m in model.named_modules(remove_duplicate=False)
+            for name in m._non_persistent_buffers_set
+            if isinstance(b := m._buffers.get(name), torch.Tensor)
+            and (sid := _sid(b)) in sources and sid in alive
+            and (f"{prefix}.{name}" if prefix else name) not in declared
+        ]
+        if not made:
+            return []
+        rest = {**foreign, **{k: v for k, v in sources.items() if k not in made}}
+        return [sid for sid in dict.fromkeys(made)
+                if trace(lineage.writers[sid][0], rest)[0]]
 
     def _foreign(self, model: nn.Module, own: dict[int, Source]) -> dict[int, Source]:
         return foreign_sources(self._others(), model, own)

@@ -109,7 +109,8 @@ class Runtime(metaclass=_OnePerModel):
         self._capturing = 0  # graphs capturing now (the bring-up ends when they end)
         # Every model storage while pinned: poison on any refuses the graphs' replays.
         self._pinned_keys: frozenset[int] = frozenset()
-        self._discovery: Final = Discovery(JOURNAL, others=_bound_models)
+        self._discovery: Final = Discovery(JOURNAL, others=_bound_models,
+                                           declared=self._declared_paths)
         self._loads: Final = LoadDriver(self._lock, JOURNAL, self._binder,
                                  pinned=lambda: self.holds_addresses,
                                  discovery=self._discovery)
@@ -165,6 +166,11 @@ class Runtime(metaclass=_OnePerModel):
             self._binder.add(registry)
 
     # -- what the user reads -----------------------------------------------------------
+
+    def _declared_paths(self) -> list[str]:
+        """The output paths of the derivations bound now (none before the first bind)."""
+        engine = self._binder.current
+        return [] if engine is None else [p for b in engine.bound for p in b.out_paths]
 
     @property
     def derivations(self) -> tuple[DerivationInfo, ...]:

@@ -941,16 +941,20 @@ class Repacked(nn.Module):
     weight in its place (`replace_parameter`), the weight loader kept, so that a later
     load writes its values raw into the packed layout."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, by_data: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(C, C, bias=False)
         self.lin.weight.weight_loader = _copy_loader
+        self.by_data = by_data
+        """Bind the packed memory under the same parameter (`p.data = packed`)."""
 
     def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
         for name, w in weights.items():
             p = self.get_parameter(name)
             p.weight_loader(p, w)
-        if post:
+        if post and self.by_data:
+            self.lin.weight.data = _blocked(self.lin.weight.data)
+        elif post:
             packed = nn.Parameter(_blocked(self.lin.weight.detach()), requires_grad=False)
             packed.weight_loader = self.lin.weight.weight_loader
             self.lin.weight = packed
@@ -968,8 +972,13 @@ def _copy_loader(p: torch.Tensor, w: torch.Tensor) -> None:
         p.copy_(w)
 
 
-def test_a_weight_rebound_to_its_prepacked_copy_is_discovered_as_rewritten() -> None:
-    m = Repacked()
+BY = pytest.mark.parametrize("by_data", [False, True], ids=["replaced", "by-data"])
+
+
+@BY
+def test_a_weight_rebound_to_its_prepacked_copy_is_discovered_as_rewritten(
+        by_data: bool) -> None:
+    m = Repacked(by_data=by_data)
     m.load_weights(_packed_weights(0))
     (found,) = gs.runtime(m).discovered
     assert (found.path, found.kind, found.sources) == ("lin.weight", "rewritten",
@@ -977,8 +986,9 @@ def test_a_weight_rebound_to_its_prepacked_copy_is_discovered_as_rewritten() -> 
     assert found.chain.startswith("lin.weight as loaded -> aten.")
 
 
-def test_a_raw_sync_into_the_prepacked_weight_is_refused_by_name() -> None:
-    m = Repacked()
+@BY
+def test_a_raw_sync_into_the_prepacked_weight_is_refused_by_name(by_data: bool) -> None:
+    m = Repacked(by_data=by_data)
     m.load_weights(_packed_weights(0))
     g, _ = _capture(m, guard=True)
     with pytest.raises(gs.StaleError, match=r"lin\.weight: written by aten::copy_: raw "
@@ -988,8 +998,10 @@ def test_a_raw_sync_into_the_prepacked_weight_is_refused_by_name() -> None:
         g.replay()
 
 
-def test_control_unguarded_a_raw_sync_into_the_prepacked_weight_serves_wrong_values() -> None:
-    m = Repacked()
+@BY
+def test_control_unguarded_a_raw_sync_into_the_prepacked_weight_serves_wrong_values(
+        by_data: bool) -> None:
+    m = Repacked(by_data=by_data)
     m.load_weights(_packed_weights(0))
     g, y = _capture(m, guard=False)
     new = _packed_weights(1)
@@ -1007,6 +1019,37 @@ def test_the_full_post_load_step_rebinding_a_new_prepacked_copy_is_no_false_alar
     m.load_weights(new)  # loaded, then packed anew and bound in its place
     gs.runtime(m).assert_fresh()
     assert torch.allclose(m(torch.ones(2, C)), torch.ones(2, C) @ new["lin.weight"].t())
+
+
+@gs.graphsafe
+class Cast(nn.Module):
+    """A post-load step that casts the loaded weight under the same parameter: the
+    values in their own order, which a later load's `copy_` writes the same way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], *, post: bool = True) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+        if post and self.lin.weight.dtype != torch.float64:
+            self.lin.weight.data = self.lin.weight.data.to(torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.double() @ self.lin.weight.t()).float()
+
+
+def test_a_weight_cast_under_its_parameter_is_no_rewrite_and_a_raw_sync_replays() -> None:
+    m = Cast()
+    m.load_weights(_packed_weights(0))
+    assert gs.runtime(m).discovered == ()
+    g, y = _capture(m, guard=True)
+    new = _packed_weights(1)
+    m.load_weights(new, post=False)  # copy_ casts as the post-load step did
+    g.replay()
+    assert torch.allclose(y, torch.ones(2, C) @ new["lin.weight"].t())
 
 
 def test_control_a_load_binding_raw_values_at_the_prepacked_weight_is_refused() -> None:

@@ -245,12 +245,42 @@ def _rebound(lineage: Lineage, sources: dict[int, Source],
             loaded[old] = Source(f"{weight.path} as loaded", {}, "", old)
             old = lineage.replaced.get(old)
         srcs, chain, _ = trace(last[0], {**sources, **loaded})
-        if any(s.sid in loaded for s in srcs):
+        if any(s.sid in loaded for s in srcs) and not _same_values(last[0], loaded, weight):
             ops = chain[1:] or ("a copy",)
             mine = tuple(s for s in srcs if s.sid not in loaded)
             out.append(Rewrite(weight, tuple(ops), (weight, *mine), (chain[0], *ops),
                                rebound=True))
     return out
+
+
+_COPIES = frozenset({"aten.clone", "aten._to_copy", "aten.contiguous", "aten.to"})
+"""Ops whose result holds their argument's values (cast, or laid out anew)."""
+
+
+def _same_values(call: Call, loaded: Container[int], weight: Source) -> bool:
+    """Whether `call` made the tensor bound at `weight` as a copy of the loaded values in
+    their own order (`p.data = p.data.to(torch.bfloat16)`, `.contiguous()`): a later load
+    that copies loaded values into it writes what re-binding the copy would, so it is no
+    rewrite. A copy of a view that reorders them (`p.data.t().contiguous()`) is one."""
+    if call.name not in _COPIES or not call.args:
+        return False
+    arg, out = call.args[0], call.outs.get(0)
+    now = weight.holder.get(weight.key)
+    if not isinstance(arg, Arg) or arg.sid not in loaded or out is None or not isinstance(
+            now, torch.Tensor):
+        return False
+    with PLAIN():
+        geometry = (tuple(now.shape), tuple(now.stride()), int(now.storage_offset()))
+    return (arg.offset == 0 and arg.stride == _row_major(arg.size) and arg.size == geometry[0]
+            and (out.size, out.stride, out.offset) == geometry)
+
+
+def _row_major(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _written_as(op: str, call: Call | None, weights: dict[int, Source]) -> str | None:

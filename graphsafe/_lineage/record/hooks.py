@@ -13,8 +13,10 @@ untracked time again. These hooks wrap only the calls through which a value leav
   recorder's `took`;
 - `OpOverload.__call__` and `OpOverloadPacket.__call__` whose result is no tensor and no
   plain value (an int handle, an opaque object): the recorder's `returned`;
-- `nn.Module.register_parameter` (which `setattr` of a parameter calls): a parameter bound
-  in place of another (`Lineage.note_replaced`).
+- `nn.Module.register_parameter` (which `setattr` of a parameter calls), and the
+  `Tensor.data` setter (`p.data = packed`, which keeps the parameter object and binds
+  new memory under it): a parameter bound in place of another
+  (`Lineage.note_replaced`).
 
 Each hook calls the original first, then, only in a thread whose recorder stack
 (`enter`/`exit`) is not empty and only outside dynamo's tracing, hands the result to the
@@ -115,11 +117,35 @@ def _register_parameter_hook(original: Any) -> Any:
     return register_parameter
 
 
+def _data_hook(original: Any) -> Any:
+    """`Tensor.data` as a property: reads pass through; a set in a recording thread tells
+    the recorder the memory it replaced (the old memory, then the new)."""
+
+    def get(self: torch.Tensor) -> torch.Tensor:
+        return original.__get__(self)  # type: ignore[no-any-return]
+
+    def set_(self: torch.Tensor, value: torch.Tensor) -> None:
+        stack = getattr(_LOCAL, "stack", None)
+        if not stack or _compiling() or not isinstance(value, torch.Tensor):
+            original.__set__(self, value)
+            return
+        old = original.__get__(self)  # an alias of the memory it held
+        original.__set__(self, value)
+        watcher = stack.pop()
+        try:
+            watcher.replaced(old, value)
+        finally:
+            stack.append(watcher)
+
+    return property(get, set_, doc=original.__doc__)
+
+
 _SITES: tuple[tuple[type, str, Any], ...] = (
     *((torch.Tensor, name, _tensor_hook) for name in _TENSOR_METHODS),
     (OpOverload, "__call__", _op_hook),
     (OpOverloadPacket, "__call__", _op_hook),
     (nn.Module, "register_parameter", _register_parameter_hook),
+    (torch.Tensor, "data", _data_hook),
 )
 
 

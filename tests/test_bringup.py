@@ -368,14 +368,63 @@ class Inverted(Scaled):
             self.inv_scale = 1.0 / self._k_scale_float
 
 
-def test_a_number_computed_in_python_from_a_taken_one_is_warned_of_and_listed() -> None:
+def test_a_number_computed_in_python_from_a_taken_one_is_warned_of_guarded_and_listed(
+) -> None:
     m = Inverted()
     with pytest.warns(gs.GraphSafetyWarning, match=r"Inverted: its bring-up set inv_scale "
                       r"to floats computed in Python from numbers it took from k_scale"):
         m.load_weights(_scaled(0.5, 3))
-    assert {d.path for d in gs.runtime(m).discovered} == {"_k_scale_float", "zp"}
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found) == {"_k_scale_float", "zp", "inv_scale"}
+    assert found["inv_scale"].kind == "scalar"
+    assert set(found["inv_scale"].sources) == {"k_scale", "zero_point"}  # every number taken
     unchecked = {u.path: u.why for u in gs.audit(m).unchecked}
     assert list(unchecked) == ["inv_scale"] and "in Python" in unchecked["inv_scale"]
+
+
+@gs.graphsafe
+class Divided(Inverted):
+    """Its kernel multiplies by the inverse computed in Python (the graph bakes it in)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.lin.weight.t()) * self.inv_scale
+
+
+def _divided(*, guard: bool) -> tuple[Divided, gs.Graph, torch.Tensor]:
+    m = Divided()
+    with pytest.warns(gs.GraphSafetyWarning, match="computed in Python"):
+        m.load_weights(_scaled(0.5))
+    g, y = _capture(m, guard=guard)
+    return m, g, y
+
+
+def test_a_bare_sync_leaves_a_number_computed_in_python_stale_and_is_refused() -> None:
+    m, g, _ = _divided(guard=True)
+    m.load_weights(_scaled(2.0, seed=1), post=False)
+    with pytest.raises(gs.StaleError, match=r"inv_scale"):
+        g.replay()
+
+
+def test_control_unguarded_the_number_computed_in_python_replays_stale() -> None:
+    m, g, y = _divided(guard=False)
+    new = _scaled(2.0, seed=1)
+    m.load_weights(new, post=False)
+    g.replay()
+    fresh = torch.ones(2, C) @ new["lin.weight"].t()
+    assert not torch.allclose(y, fresh * 0.5)  # 1 / 2.0, what a fresh engine computes
+    assert torch.allclose(y, fresh * 2.0)  # the inverse of the old scale, baked in
+
+
+def test_a_number_computed_in_python_again_by_the_full_post_load_step_is_no_false_alarm(
+) -> None:
+    m, g, y = _divided(guard=True)
+    new = _scaled(0.5, seed=1)  # new weights, the same scale: the same inverse
+    m.load_weights(new)
+    g.replay()
+    assert torch.allclose(y, (torch.ones(2, C) @ new["lin.weight"].t()) * 2.0)
+    m.load_weights(_scaled(4.0, seed=2))  # a new scale: the graph holds the old inverse
+    with pytest.raises(gs.StorageMovedError, match=r"inv_scale[\s\S]*2\.0 at capture"):
+        g.replay()
 
 
 def test_control_numbers_taken_or_set_before_any_is_taken_are_not_warned_of() -> None:

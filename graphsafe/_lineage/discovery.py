@@ -55,7 +55,6 @@ from graphsafe._lineage.record.threads import STRAYS
 from graphsafe._lineage.refusals import (
     STRAY,
     UNFOLLOWED,
-    UNTRACED,
     moved_error,
     stale_error,
     strays,
@@ -323,9 +322,10 @@ class Discovery:
                                            if isinstance(f.site, ValueSite)))
             found.update((f.site.path, f) for f in values)
             untraced = untraced_numbers(lineage, model, sources, found, held)
-            if untraced:  # numbers computed in Python from taken ones: said, listed
-                self._unfollowed.update((p, (s, UNTRACED)) for p, s in untraced.items())
-                warn_untraced(untraced, type(model).__name__)
+            if untraced:  # numbers computed in Python from taken ones: said, guarded
+                found.update((f.site.path, f) for f in untraced)
+                warn_untraced({f.site.path: tuple(s.path for s in f.sources)
+                               for f in untraced}, type(model).__name__)
         kept = [e for e in self._entries if e.path not in found and still_held(e)]
         self._add([Entry(f) for f in found.values()], kept)
 

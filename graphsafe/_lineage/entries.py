@@ -22,6 +22,7 @@ from graphsafe import _native
 from graphsafe._lineage.probes import PROBES
 from graphsafe._lineage.record.recorder import Arg, Call
 from graphsafe._lineage.resolve import (
+    COMPUTED,
     Found,
     Source,
     arguments_now,
@@ -31,7 +32,7 @@ from graphsafe._lineage.resolve import (
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, step, storage_key
 
-__all__ = ["AFTER_CAPTURE", "UNRECORDED", "AuditItem", "Entry", "PinnedValues", "Place",
+__all__ = ["AFTER_CAPTURE", "UNRECORDED", "UNTRACED", "AuditItem", "Entry", "PinnedValues", "Place",
            "read_place", "ref_to", "refusal", "same_number", "still_held"]
 
 
@@ -186,7 +187,7 @@ class Entry:
     def audit_item(self) -> AuditItem | None:
         """What the content audit recomputes and compares for this entry (None: nothing
         is held at its place now)."""
-        why = "" if self.writer else UNRECORDED
+        why = "" if self.writer else UNTRACED if self.chain.endswith(COMPUTED) else UNRECORDED
         paths = self.source_paths()
         if self.kind == "scalar":
             now = self.value()
@@ -327,6 +328,11 @@ def read_place(site: Place) -> object:
         return None
     return value
 
+
+UNTRACED = ("a number the bring-up set in Python from numbers it took from the weights "
+            "(`1.0 / s.item()`): how it was computed is not followed, so it cannot be "
+            "recomputed (it is guarded: stale once its weights are written and the post-load "
+            "step did not run again, refused once changed since the capture)")
 
 UNRECORDED = ("a later load that was not recorded made it: which ops computed it from its "
                "weights is not known, so it cannot be recomputed (GRAPHSAFE_PROVENANCE=all "

@@ -20,7 +20,7 @@ from torch import nn
 
 from graphsafe._lineage.entries import AFTER_CAPTURE, Entry, ref_to
 from graphsafe._lineage.record.recorder import ambiguous
-from graphsafe._lineage.resolve import NOTHING, Found, Source, sources_of
+from graphsafe._lineage.resolve import COMPUTED, NOTHING, Found, Source, sources_of
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import ValueSite, storage_key, walk_values
 
@@ -114,8 +114,12 @@ def find_taken(
 
 def taken_again(e: Entry, now: object, taken: Sequence[Taken]) -> bool:
     """Whether a load took from `e`'s sources a number that gives what it holds now (a
-    number found without its ops holds so)."""
+    number found without its ops holds so); for a number the bring-up computed in Python
+    from the numbers it took (`COMPUTED`), any number taken from them: the post-load step
+    that computes it ran again."""
     keys = e.source_keys()
+    if e.chain.endswith(COMPUTED):
+        return any(not t[0] and not keys.isdisjoint(t[2]) for t in taken)
     return any(not t[0] and gives(now, t[1]) and not keys.isdisjoint(t[2]) for t in taken)
 
 

@@ -22,7 +22,7 @@ from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import storage_key
 
 __all__ = [
-    "STRAY", "UNFOLLOWED", "UNTRACED", "Named", "moved_error", "stale_error", "strays",
+    "STRAY", "UNFOLLOWED", "Named", "moved_error", "stale_error", "strays",
     "unfollowed", "warn_strays", "warn_unfollowed", "warn_untraced",
 ]
 
@@ -141,22 +141,18 @@ def warn_unfollowed(reads: Mapping[str, tuple[str, ...]], model_class: str) -> N
     )
 
 
-UNTRACED = ("a number the bring-up set in Python from numbers it took from the weights "
-            "(`1.0 / s.item()`): how it was computed is not followed, so it cannot be "
-            "recomputed or checked")
-
-
 def warn_untraced(numbers: Mapping[str, tuple[str, ...]], model_class: str) -> None:
     """Warn of floats the bring-up set that no number it took explains (`untraced_numbers`):
-    computed in Python, they go stale after a sync, and nothing refuses."""
+    computed in Python, they are guarded as numbers of those weights, but never audited."""
     weights = ", ".join(dict.fromkeys(p for paths in numbers.values() for p in paths))
     warnings.warn(
         f"{model_class}: its bring-up set {', '.join(numbers)} to floats computed in Python "
-        f"from numbers it took from {weights}: that arithmetic is not followed, so after a "
-        "sync that writes those weights they go stale and no replay is refused. Compute "
-        "them in torch and take the result's number (`(1.0 / s).item()`: followed), "
-        "declare them with `gs.derive`, or re-run the post-load step and re-capture after "
-        "each sync",
+        f"from numbers it took from {weights}: that arithmetic is not followed. They are "
+        "guarded as numbers of those weights (a sync that writes them without re-running "
+        "the post-load step leaves them stale, a value changed since the capture is "
+        "refused), but the audit cannot recompute them. Compute them in torch and take the "
+        "result's number (`(1.0 / s).item()`: followed and audited), or declare them with "
+        "`gs.derive`",
         GraphSafetyWarning, stacklevel=2,
     )
 

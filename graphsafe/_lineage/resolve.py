@@ -25,7 +25,7 @@ from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 
 __all__ = [
-    "NOTHING", "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find",
+    "COMPUTED", "NOTHING", "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find",
     "find_rewrites", "find_tainted", "find_values", "foreign_keys", "foreign_sources",
     "recompute", "recompute_scalar", "sources_of", "trace", "untraced_numbers",
 ]
@@ -366,28 +366,36 @@ def _atom(value: object) -> bool:
 def untraced_numbers(
     lineage: Lineage, model: nn.Module, sources: dict[int, Source], found: Container[str],
     held: Sequence[ValueSite] | None = None,
-) -> dict[str, tuple[str, ...]]:
+) -> list[Found]:
     """Floats the model keeps at places the recording set (`Lineage.before`), none of
     them a number it took or one found at `found`, when it took numbers from the weights:
-    computed in Python from them (`1.0 / s.item()`), which no recording follows. Each
-    path -> the paths of the weights numbers were taken from. `held`: as `find_values`'."""
+    computed in Python from them (`1.0 / s.item()`), which no recording follows. Each is
+    found with the weights numbers were taken from as its sources, its ops not known
+    (its chain ends with `COMPUTED`). `held`: as `find_values`'."""
     before = lineage.before
     if before is None:
-        return {}
-    taken: dict[str, None] = {}
+        return []
+    taken: dict[str, Source] = {}
     for made in lineage.values.values():
         for call, value in made:
             if type(value) in (bool, int, float):
-                taken.update(dict.fromkeys(s.path for s in trace(call, sources)[0]))
+                taken.update((s.path, s) for s in trace(call, sources)[0])
     if not taken:
-        return {}
+        return []
     values = lineage.values
-    return {
-        site.path: tuple(taken)
+    srcs = tuple(taken.values())
+    chain = (srcs[0].path, "...", COMPUTED)
+    return [
+        Found(site, srcs, chain, False, None)
         for site in _held(model, lambda v: type(v) is float, held)
         if site.path not in found and id(site.value) not in values
         and before.get(site.path, NOTHING) is not site.value
-    }
+    ]
+
+
+COMPUTED = "computed in Python"
+"""The last step of the chain of a number the bring-up computed in Python from numbers it
+took from the weights (`untraced_numbers`): its arithmetic is not followed."""
 
 
 def _held(model: nn.Module, wanted: Callable[[Any], bool],

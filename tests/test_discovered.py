@@ -87,6 +87,12 @@ def _post_buffer(m: Engine) -> None:
     m.lin.register_buffer("packed", m.lin.weight.t().contiguous(), persistent=False)
 
 
+def _post_new_parameter(m: Engine) -> None:
+    # A parameter of a name no checkpoint holds, made from the weight (vLLM's post-load
+    # steps register such kernel-layout copies): no load writes it.
+    m.lin.packed = nn.Parameter(m.lin.weight.t().contiguous(), requires_grad=False)
+
+
 def _run_on_parameter(m: Engine, x: torch.Tensor) -> torch.Tensor:
     return x @ m.lin.weight.packed  # type: ignore[no-any-return]
 
@@ -113,9 +119,10 @@ CASES: list[tuple[Post, Run, str]] = [
     (_post_handle, _run_apply, "lin.kernel_fn.<closure handler>.handle"),
     (_post_on_parameter, _run_on_parameter, "lin.weight.packed"),
     (_post_buffer, _run_attr, "lin.packed"),
+    (_post_new_parameter, _run_attr, "lin.packed"),
 ]
 IDS = ["attribute", "kernel-object", "closure", "partial", "handle", "on-the-parameter",
-       "non-persistent-buffer"]
+       "non-persistent-buffer", "new-parameter"]
 RECOMPUTABLE = [c for c, i in zip(CASES, IDS, strict=True) if i != "handle"]
 
 
@@ -442,6 +449,41 @@ def test_a_declared_derived_buffer_is_not_discovered_as_a_buffer_made_by_the_loa
     gs.runtime(m, reg)
     m.load_weights(_weights(0))
     assert {d.path for d in gs.runtime(m).discovered} == {"packed"}
+
+
+@gs.graphsafe
+class LazyInit(nn.Module):
+    """A loader that creates its parameters as it loads them (lazy initialisation), from
+    the checkpoint's values only: weights, not derived state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, w in weights.items():
+            self.lin.register_parameter(name.split(".")[-1], nn.Parameter(
+                torch.empty_like(w), requires_grad=False))
+            with torch.no_grad():
+                self.get_parameter(name).copy_(w)
+        self.scale = nn.Parameter(torch.ones(()), requires_grad=False)  # from no weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.lin.weight.t() * self.scale
+
+
+def test_parameters_a_loader_creates_from_checkpoint_values_are_weights() -> None:
+    m = LazyInit()
+    m.load_weights(_weights(0))
+    assert gs.runtime(m).discovered == ()
+    g = gs.Graph(backend="cpu", guard=m)
+    with torch.no_grad(), g.capture():
+        y = m(torch.ones(2, C))
+    new = _weights(1)
+    with torch.no_grad():
+        m.lin.weight.copy_(new["lin.weight"])
+    g.replay()
+    assert torch.allclose(y, torch.ones(2, C) @ new["lin.weight"].t())
 
 
 def _probe(handle: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,7 +174,7 @@ class Discovery:
         what it gives is shared by every step; values it found for `values_wanted`
         spare their walks)."""
         once = _once(reach)  # not kept past this call: the walk holds the model's modules
-        self.settle(lineage, model, once)
+        self.settle(lineage, model, once, weights=bring_up)
         self._recorded = True
         self._later.walked(model, lambda: once().values)
         if bring_up is not None and self._window is None and RECORDING[0] != "off":
@@ -249,12 +249,14 @@ class Discovery:
 
     def settle(
         self, lineage: Lineage, model: nn.Module, reach: Callable[[], Reach], *,
-        lazily: bool = False,
+        lazily: bool = False, weights: frozenset[int] | None = None,
     ) -> None:
         """Take what a completed load recorded: entries it computed (anew or again) are
         witnessed now; the rest keep their witnesses. `reach()` gives every tensor the
         model holds (a walk, called once), and the values it keeps where `values_wanted`
-        asked for them. `lazily`: what the bring-up's forwards recorded: only
+        asked for them. `weights`: the storage keys of the model's weights when the
+        recorded load began (a parameter it created is no weight, where the recording
+        computed it from them). `lazily`: what the bring-up's forwards recorded: only
         tensors last written before the last forward, and not found already, are taken
         (what the last forward wrote again, every forward computes)."""
         alive = lineage.alive()
@@ -275,7 +277,7 @@ class Discovery:
         if not lazily and self._rewritten:
             self._rewritten.witness()
             self.generation += 1
-        for sid in self._made_buffers(lineage, model, sources, foreign, alive):
+        for sid in self._made_state(lineage, model, sources, foreign, alive, weights):
             del sources[sid]  # derived state the model holds as a buffer: found below
         if foreign:
             # A weight of its own last written from another model's weights (a draft
@@ -329,19 +331,30 @@ class Discovery:
         kept = [e for e in self._entries if e.path not in found and still_held(e)]
         self._add([Entry(f) for f in found.values()], kept)
 
-    def _made_buffers(self, lineage: Lineage, model: nn.Module, sources: dict[int, Source],
-                      foreign: dict[int, Source], alive: Set[int]) -> list[int]:
-        """The buffers no load fills (`persistent=False`) and no declaration makes, that
-        the recording computed from the weights (a packed copy the post-load step
-        registered as a buffer, or wrote into one): derived state, not sources."""
+    def _made_state(self, lineage: Lineage, model: nn.Module, sources: dict[int, Source],
+                    foreign: dict[int, Source], alive: Set[int],
+                    weights: frozenset[int] | None) -> list[int]:
+        """The buffers no load fills (`persistent=False`) and no declaration makes, and
+        the parameters the recorded load created (not weights when it began, `weights`;
+        not bound in place of one: a rewrite), that the recording computed from the
+        weights: derived state, not sources (a packed copy the post-load step registered
+        as a buffer or a new parameter, or wrote into a buffer)."""
         declared = set(self._declared())
-        made = [
-            sid for prefix, m in model.named_modules(remove_duplicate=False)
-            for name in m._non_persistent_buffers_set
-            if isinstance(b := m._buffers.get(name), torch.Tensor)
-            and (sid := _sid(b)) in sources and sid in alive
-            and (f"{prefix}.{name}" if prefix else name) not in declared
-        ]
+        made = []
+        for prefix, m in model.named_modules(remove_duplicate=False):
+            for name in m._non_persistent_buffers_set:
+                b = m._buffers.get(name)
+                if (isinstance(b, torch.Tensor) and (sid := _sid(b)) in sources
+                        and sid in alive
+                        and (f"{prefix}.{name}" if prefix else name) not in declared):
+                    made.append(sid)
+            if weights is None:
+                continue
+            for p in m._parameters.values():
+                if (isinstance(p, torch.Tensor) and (sid := _sid(p)) in sources
+                        and sid in alive and sid not in lineage.replaced
+                        and storage_key(p) not in weights):
+                    made.append(sid)
         if not made:
             return []
         rest = {**foreign, **{k: v for k, v in sources.items() if k not in made}}

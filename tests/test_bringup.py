@@ -1235,6 +1235,70 @@ def test_state_made_inside_the_capture_is_no_false_alarm() -> None:
     assert torch.allclose(y, _lazy_reference(_weights(1), torch.ones(2, C)))
 
 
+@gs.graphsafe
+class LazyScale(nn.Module):
+    """A kernel that takes its scale as a Python number on first use and keeps it: the
+    graph bakes the number in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+        self.scale = nn.Parameter(torch.ones(()), requires_grad=False)
+        self.taken: float | None = None
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.taken is None:
+            self.taken = self.scale.item()
+        return x @ self.lin.weight.t() * self.taken
+
+
+def _lazy_scale(seed: int, scale: float) -> dict[str, torch.Tensor]:
+    return {**_weights(seed), "scale": torch.tensor(scale)}
+
+
+def _lazy_scaled(*, guard: bool, warmups: int) -> tuple[LazyScale, gs.Graph, torch.Tensor]:
+    m = LazyScale()
+    m.load_weights(_lazy_scale(0, 0.5))
+    with torch.no_grad():
+        for _ in range(warmups):
+            m(torch.ones(2, C))
+    g, y = _capture(m, guard=guard)
+    return m, g, y
+
+
+def test_a_number_taken_on_first_use_is_discovered_and_guarded() -> None:
+    """Taken in a warm-up (a capture refuses `.item()`): the graph holds it, and no replay
+    takes it again."""
+    m, g, _ = _lazy_scaled(guard=True, warmups=1)
+    found = {d.path: d for d in gs.runtime(m).discovered}
+    assert set(found) == {"taken"}
+    assert (found["taken"].kind, found["taken"].sources) == ("scalar", ("scale",))
+    m.load_weights(_lazy_scale(1, 2.0))
+    with pytest.raises(gs.StaleError, match=r"number\(s\)[\s\S]*taken \(from scale"):
+        g.replay()
+
+
+def test_control_unguarded_a_number_taken_on_first_use_replays_stale() -> None:
+    m, g, y = _lazy_scaled(guard=False, warmups=1)
+    new = _lazy_scale(1, 2.0)
+    m.load_weights(new)
+    g.replay()
+    assert torch.allclose(y, torch.ones(2, C) @ new["lin.weight"].t() * 0.5)  # the old scale
+
+
+def test_a_sync_that_leaves_the_lazily_taken_numbers_source_alone_is_no_false_alarm() -> None:
+    m, g, y = _lazy_scaled(guard=True, warmups=1)
+    new = _weights(1)
+    m.load_weights(new)  # the weight only: the scale the number came from is as it was
+    g.replay()
+    assert torch.allclose(y, torch.ones(2, C) @ new["lin.weight"].t() * 0.5)
+
+
 def test_the_bring_up_ends_with_the_first_capture() -> None:
     m = Lazy()
     graph, _ = _brought_up(m, guard=True, warmups=0)

@@ -313,6 +313,12 @@ class Discovery:
                      if f.writer and 1 <= f.writer[0].epoch < lineage.epoch
                      and p not in known}
             found.update((f.site.path, f) for f in made)
+            # A number or handle a forward took and the model keeps (cached on first use:
+            # `self._s = self.k_scale.item()`) is baked into a graph whichever forward
+            # took it, the capture's included: no replay takes it again.
+            found.update((f.site.path, f) for f in find_values(
+                lineage, model, sources, reach().values)
+                if f.writer and f.writer[0].epoch >= 1 and f.site.path not in known)
             if not found:
                 return
         else:
@@ -329,7 +335,12 @@ class Discovery:
                 warn_untraced({f.site.path: tuple(s.path for s in f.sources)
                                for f in untraced}, type(model).__name__)
         kept = [e for e in self._entries if e.path not in found and still_held(e)]
-        self._add([Entry(f) for f in found.values()], kept)
+        fresh = [Entry(f) for f in found.values()]
+        if self._later.pinned:  # found at the capture's end: the graph holds them now
+            for e in fresh:
+                if e.kind != "tensor":
+                    e.pinned = ref_to(e.value())
+        self._add(fresh, kept)
 
     def _made_state(self, lineage: Lineage, model: nn.Module, sources: dict[int, Source],
                     foreign: dict[int, Source], alive: Set[int],

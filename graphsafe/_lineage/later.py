@@ -160,6 +160,11 @@ class LaterValues:
             self._numbers = numbers_of(model)
         return fresh
 
+    @property
+    def pinned(self) -> bool:
+        """Whether a graph holds the model."""
+        return self._pinned
+
     def pin(self) -> None:
         """A graph holds the model from now on: what its numbers are now is what the
         graph baked."""

@@ -56,8 +56,11 @@ def stale_error(model_class: type, stale: Sequence[tuple[Named, str]]) -> StaleE
         for e, why in stale[:4]
     )
     declare = _declare_line(first)
+    kinds = {e.kind for e, _ in stale}
+    what = ("tensor(s)" if kinds == {"tensor"} else "number(s)" if kinds == {"scalar"}
+            else "value(s)")
     return StaleError(
-        f"{len(stale)} tensor(s) the model derived from its weights (found without a "
+        f"{len(stale)} {what} the model derived from its weights (found without a "
         "declaration) were not recomputed after their sources were written",
         paths=paths,
         module_class=first.module_class,

@@ -571,9 +571,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             arg = self._conv(t)
             if func is TOLIST:  # numbers read without any op: each element the caller keeps
                 for i, number in enumerate(_leaves(out)):
-                    lineage.keep(Call(Element(i), (arg,), {}), number)
+                    lineage.keep(Call(Element(i), (arg,), {}, lineage.epoch), number)
             else:  # the number the caller gets (the dispatcher's is a copy)
-                lineage.keep(Call(func, (arg,), {}), out)
+                lineage.keep(Call(func, (arg,), {}, lineage.epoch), out)
             lineage.note_scope(frame)
 
     def returned(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

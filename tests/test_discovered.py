@@ -77,6 +77,15 @@ def _post_handle(m: Engine) -> None:
     m.lin.kernel_fn = lambda x: handle_mm(x, handler.handle)
 
 
+def _post_int_handle(m: Engine) -> None:
+    # The op's int kept as a Python int, never put in a tensor: the kernel's argument.
+    m.lin.int_handle = make_handle(m.lin.weight)
+
+
+def _run_int_handle(m: Engine, x: torch.Tensor) -> torch.Tensor:
+    return x @ _PACKED[m.lin.int_handle]  # type: ignore[no-any-return]
+
+
 def _post_on_parameter(m: Engine) -> None:
     # Kept on the nn.Parameter object itself, as engines keep quantization state.
     m.lin.weight.packed = m.lin.weight.t().contiguous()
@@ -120,10 +129,11 @@ CASES: list[tuple[Post, Run, str]] = [
     (_post_on_parameter, _run_on_parameter, "lin.weight.packed"),
     (_post_buffer, _run_attr, "lin.packed"),
     (_post_new_parameter, _run_attr, "lin.packed"),
+    (_post_int_handle, _run_int_handle, "lin.int_handle"),
 ]
 IDS = ["attribute", "kernel-object", "closure", "partial", "handle", "on-the-parameter",
-       "non-persistent-buffer", "new-parameter"]
-RECOMPUTABLE = [c for c, i in zip(CASES, IDS, strict=True) if i != "handle"]
+       "non-persistent-buffer", "new-parameter", "int-handle"]
+RECOMPUTABLE = [c for c, i in zip(CASES, IDS, strict=True) if not i.endswith("handle")]
 
 
 @gs.graphsafe
@@ -210,7 +220,7 @@ def test_control_unguarded_the_replay_reads_the_stale_copy(
     assert not torch.allclose(y, _reference(new, x))
 
 
-@pytest.mark.parametrize("case", RECOMPUTABLE, ids=[i for i in IDS if i != "handle"])
+@pytest.mark.parametrize("case", RECOMPUTABLE, ids=[i for i in IDS if not i.endswith("handle")])
 def test_the_full_load_with_its_post_load_step_replays_exactly(
     case: tuple[Post, Run, str],
 ) -> None:
@@ -486,9 +496,12 @@ def test_parameters_a_loader_creates_from_checkpoint_values_are_weights() -> Non
     assert torch.allclose(y, torch.ones(2, C) @ new["lin.weight"].t())
 
 
-def _probe(handle: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The handle's kernel on a probe input, against the reference over its weight now."""
+def _probe(handle: torch.Tensor | int, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The handle's kernel on a probe input, against the reference over its weight now
+    (the handle in a tensor, or the int itself)."""
     x = torch.randn(3, C, generator=torch.Generator().manual_seed(5))
+    if isinstance(handle, int):
+        handle = torch.tensor(handle)
     return handle_mm(x, handle), x @ args[0].t()
 
 

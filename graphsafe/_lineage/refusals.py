@@ -57,8 +57,8 @@ def stale_error(model_class: type, stale: Sequence[tuple[Named, str]]) -> StaleE
     )
     declare = _declare_line(first)
     kinds = {e.kind for e, _ in stale}
-    what = ("tensor(s)" if kinds == {"tensor"} else "number(s)" if kinds == {"scalar"}
-            else "value(s)")
+    what = {"tensor": "tensor(s)", "scalar": "number(s)", "handle": "handle(s)"}.get(
+        kinds.pop(), "value(s)") if len(kinds) == 1 else "value(s)"
     return StaleError(
         f"{len(stale)} {what} the model derived from its weights (found without a "
         "declaration) were not recomputed after their sources were written",

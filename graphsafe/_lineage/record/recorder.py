@@ -591,9 +591,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         {k: self._conv(v) for k, v in kwargs.items()}, lineage.epoch)
         call.opaque = True
         if isinstance(out, int):
-            lineage.handles[out] = call
-        elif id(out) not in lineage.values:  # the dispatch mode may have kept it
-            lineage.keep(call, out)
+            lineage.handles[out] = call  # made into a tensor: `torch.tensor(handle)`
+        if id(out) not in lineage.values:  # the dispatch mode may have kept it
+            lineage.keep(call, out)  # the object the caller keeps (an int too)
 
     def replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Parameter `new` was bound where `old` was."""

@@ -350,27 +350,32 @@ class Discovery:
         not bound in place of one: a rewrite), that the recording computed from the
         weights: derived state, not sources (a packed copy the post-load step registered
         as a buffer or a new parameter, or wrote into a buffer)."""
+        written = [sid for sid in sources if sid in alive]  # a loaded weight is not
+        if not written:
+            return []
+        tables: dict[int, tuple[str, nn.Module]] = {}
+        for prefix, m in model.named_modules(remove_duplicate=False):
+            tables.setdefault(id(m._buffers), (prefix, m))
+            tables.setdefault(id(m._parameters), (prefix, m))
         declared = set(self._declared())
         made = []
-        for prefix, m in model.named_modules(remove_duplicate=False):
-            for name in m._non_persistent_buffers_set:
-                b = m._buffers.get(name)
-                if (isinstance(b, torch.Tensor) and (sid := _sid(b)) in sources
-                        and sid in alive
-                        and (f"{prefix}.{name}" if prefix else name) not in declared):
-                    made.append(sid)
-            if weights is None:
+        for sid in written:
+            src = sources[sid]
+            prefix, m = tables.get(id(src.holder), ("", None))
+            if m is None:
                 continue
-            for p in m._parameters.values():
-                if (isinstance(p, torch.Tensor) and (sid := _sid(p)) in sources
-                        and sid in alive and sid not in lineage.replaced
-                        and storage_key(p) not in weights):
+            if src.holder is m._buffers:
+                if (src.key in m._non_persistent_buffers_set
+                        and (f"{prefix}.{src.key}" if prefix else src.key) not in declared):
                     made.append(sid)
+            elif (weights is not None and sid not in lineage.replaced
+                    and isinstance(p := src.holder.get(src.key), torch.Tensor)
+                    and storage_key(p) not in weights):
+                made.append(sid)
         if not made:
             return []
         rest = {**foreign, **{k: v for k, v in sources.items() if k not in made}}
-        return [sid for sid in dict.fromkeys(made)
-                if trace(lineage.writers[sid][0], rest)[0]]
+        return [sid for sid in made if trace(lineage.writers[sid][0], rest)[0]]
 
     def _foreign(self, model: nn.Module, own: dict[int, Source]) -> dict[int, Source]:
         return foreign_sources(self._others(), model, own)

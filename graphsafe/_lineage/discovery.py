@@ -572,7 +572,7 @@ class Discovery:
         with PLAIN():
             return frozenset(
                 storage_key(t) for holder, key in sites
-                if isinstance(t := holder.get(key), torch.Tensor)  # type: ignore[attr-defined]
+                if isinstance(t := holder.get(key), torch.Tensor)
             )
 
     def audit_items(self) -> list[AuditItem]:

@@ -405,6 +405,13 @@ def test_a_bare_sync_leaves_a_number_computed_in_python_stale_and_is_refused() -
         g.replay()
 
 
+def test_the_audit_reports_a_stale_number_computed_in_python_it_cannot_recompute() -> None:
+    m, _, _ = _divided(guard=False)
+    m.load_weights(_scaled(2.0, seed=1), post=False)
+    with pytest.raises(gs.StaleError, match=r"inv_scale[\s\S]*held stale by the guard"):
+        gs.audit(m)
+
+
 def test_control_unguarded_the_number_computed_in_python_replays_stale() -> None:
     m, g, y = _divided(guard=False)
     new = _scaled(2.0, seed=1)

@@ -527,10 +527,15 @@ def test_control_a_handle_without_a_probe_is_listed_unchecked() -> None:
     try:
         m = Engine(_post_handle, _run_apply)
         m.load_weights(_weights(0))
-        m.load_weights(_weights(1), post=False)
-        report = gs.audit(m)  # stale, but nothing can check it: said, not passed
+        with pytest.warns(gs.GraphSafetyWarning, match="checked nothing"):
+            report = gs.audit(m)  # nothing can check it: said, not passed
         assert [u.path for u in report.unchecked] == ["lin.kernel_fn.<closure handler>.handle"]
         assert "probe" in report.unchecked[0].why
+        m.load_weights(_weights(1), post=False)
+        # Its source written since and the post-load step not re-run: the guard holds it
+        # stale, and the audit says so rather than listing it unchecked.
+        with pytest.raises(gs.StaleError, match=r"handle[\s\S]*held stale by the guard"):
+            gs.audit(m)
     finally:
         if saved is not None:
             PROBES["gstest.make_handle"] = saved

@@ -356,6 +356,11 @@ def _discovered(
             else:
                 discovered.append(item.path)
             return pair[0].nbytes
+    if r is None and item.stale:  # cannot be recomputed, and the guard holds it stale
+        mismatches.append(_Mismatch(
+            item.path, what, None, f"held stale by the guard ({item.stale}); it cannot be "
+            "recomputed to compare", how))
+        return 0
     if r is None:
         why = item.why or (
             "an opaque result (a value that left torch, such as a packed-kernel handle) "

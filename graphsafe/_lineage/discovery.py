@@ -576,17 +576,23 @@ class Discovery:
             )
 
     def audit_items(self) -> list[AuditItem]:
-        """Every entry not exempted, for the content audit."""
+        """Every entry not exempted, for the content audit, each with why the guard
+        holds it stale (where it does)."""
+        broken = {r.path: r.broken for r in self.broken_rewrites()}
         items: list[AuditItem | None] = [
             AuditItem(r.path, torch.empty(0), lambda: None, r.sources, False,
                       why="a weight the post-load step rewrote in place: the loaded values "
                       "it was computed from are gone (the guard checks every later load's "
-                      "writes into it instead)")
+                      "writes into it instead)", stale=broken.get(r.path) or "")
             for r in self._rewritten.values() if r.path not in self._exempt
         ]
         items += [AuditItem(what, torch.empty(0), lambda: None, paths, True, why=why)
                   for what, (paths, why) in self._unfollowed.items()]
-        items += [e.audit_item() for e in self._entries if e.path not in self._exempt]
+        stale = dict(self._stale_rows(None))
+        for i, e in enumerate(self._entries):
+            item = e.audit_item() if e.path not in self._exempt else None
+            items.append(item if item is None or i not in stale
+                         else item._replace(stale=stale[i]))
         return [i for i in items if i is not None]
 
     # -- the guard's check ------------------------------------------------------------

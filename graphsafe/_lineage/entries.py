@@ -107,6 +107,9 @@ class AuditItem(NamedTuple):
     rtol: float = 0.0
     why: str = ""
     """Why it cannot be recomputed, when that is known before trying."""
+    stale: str = ""
+    """Why the guard holds it stale now (a source written since, a rewrite not
+    re-applied), or empty: what the audit reports where it cannot recompute it."""
 
 
 class Entry:

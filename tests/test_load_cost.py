@@ -24,6 +24,7 @@ import graphsafe as gs
 from graphsafe import _native
 from graphsafe._memory import walk as walk_module
 from graphsafe._memory.journal import JOURNAL
+from graphsafe._lineage.record import recorder
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.bind import model_map
 from graphsafe._runtime.bind.model_map import ModelMap
@@ -498,11 +499,11 @@ MOVES = [name for name, (_, holds) in CHANGES.items() if not holds]
 
 
 @pytest.mark.parametrize("name", MOVES)
-def test_control_a_change_during_the_refresh_of_a_recorded_load_is_walked_again(
+def test_control_a_change_during_the_refresh_of_a_recorded_load_is_in_its_one_walk(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What changes after the walk taken ahead (here, as the refresh ends) is not taken
-    for walked: the end walks again, and the map kept describes the model as it is."""
+    """What changes as the refresh ends is in the map the load keeps: its end walks the
+    model after the refresh (a walk taken before it would describe the model as it was)."""
     change = CHANGES[name][0]
     model = BroughtUp()
     real = Load.end
@@ -515,7 +516,79 @@ def test_control_a_change_during_the_refresh_of_a_recorded_load_is_walked_again(
     monkeypatch.setattr(Load, "end", end)
     walks = _counting_walks(monkeypatch)
     model.load_weights([("folded.w", torch.ones(4, 6))])
-    count = len(walks)  # as it began, ahead of the refresh, and again
+    assert len(walks) == 2  # as it began, and once after the refresh
     kept = gs.runtime(model)._binder._map  # as the load left it, not checked again
     assert kept is not None and _describes(kept, model)
-    assert count == 3
+
+
+@gs.graphsafe
+class Packing(nn.Module):
+    """A layer whose loader packs a copy of its weight into a new attribute (an engine's
+    post-load step), so that the first materialization runs after the model changed;
+    its derivation does `how` with that copy, or nothing ("own": it writes in place
+    only into what it made)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+
+    @gs.derive("w_t", inputs=["w"])
+    def _t(self, w: torch.Tensor) -> torch.Tensor:
+        if self.how == "reads":
+            return w.t() + self.packed.sum()
+        if self.how == "returns":
+            return self.packed  # type: ignore[no-any-return]
+        if self.how == "writes":
+            self.packed.add_(1.0)
+        x = w.t() * 2  # [6, 4]
+        x.add_(1.0)
+        return x
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            gs.load_into(getattr(self, name), w, name=name)
+        self.packed = self.w.t().contiguous()  # [6, 4]
+
+
+def _unrecorded_load(model: nn.Module) -> None:
+    saved, recorder.RECORDING[0] = recorder.RECORDING[0], "off"
+    try:
+        model.load_weights([("w", torch.ones(4, 6))])
+    finally:
+        recorder.RECORDING[0] = saved
+
+
+def test_a_first_materialization_that_reads_only_its_inputs_does_not_walk_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its read and write checks ask the model's storages only for what the function
+    did not make: here nothing, and the load walks the model once, as it begins."""
+    model = Packing("own")
+    walks = _counting_walks(monkeypatch)
+    _unrecorded_load(model)
+    assert len(walks) == 1
+    assert torch.equal(model.w_t, torch.full((6, 4), 3.0))
+
+
+def test_control_an_undeclared_read_of_what_the_loader_attached_is_refused() -> None:
+    """The tensor it reads was attached after the load's walk: the check walks the
+    model when the read is of nothing the function made, and finds it there."""
+    model = Packing("reads")
+    with pytest.raises(gs.RegistrationError, match="reads 'packed', a tensor of the model"):
+        _unrecorded_load(model)
+
+
+def test_control_a_write_into_what_the_loader_attached_is_refused_before_it_lands() -> None:
+    model = Packing("writes")
+    with pytest.raises(gs.ImpureDerivationError, match="wrote into 'packed'"):
+        _unrecorded_load(model)
+    assert torch.equal(model.packed, torch.ones(6, 4))  # the write was refused
+
+
+def test_control_a_result_that_is_a_tensor_the_loader_attached_is_copied() -> None:
+    """A buffer over the model's own tensor would change with it: it gets a copy."""
+    model = Packing("returns")
+    _unrecorded_load(model)
+    assert torch.equal(model.w_t, model.packed)
+    assert storage_key(model.w_t) != storage_key(model.packed)

@@ -22,9 +22,9 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
+from graphsafe._lineage.record import recorder
 from graphsafe._memory import walk as walk_module
 from graphsafe._memory.journal import JOURNAL
-from graphsafe._lineage.record import recorder
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.bind import model_map
 from graphsafe._runtime.bind.model_map import ModelMap
@@ -592,3 +592,18 @@ def test_control_a_result_that_is_a_tensor_the_loader_attached_is_copied() -> No
     _unrecorded_load(model)
     assert torch.equal(model.w_t, model.packed)
     assert storage_key(model.w_t) != storage_key(model.packed)
+
+
+def test_the_walk_reads_every_tensor_the_same_in_flat_passes_or_one_by_one() -> None:
+    """A model whose tensors all read in flat passes, and the same model holding a
+    sparse tensor (no storage: the passes give way to one read per tensor), give the
+    same record of what they share."""
+    model = HoldingStack()
+    flat = ModelMap(model)
+    model.layers[2].sparse = torch.eye(2).to_sparse()  # type: ignore[assignment]
+    apart = ModelMap(model)
+    assert model_map._read_all(walk_module.walk(model).sites) is None  # the control
+    assert apart.by_path == {**flat.by_path, "layers.2.sparse": 0}
+    assert (apart.keys, apart.weights, apart.rows.ptrs) == (flat.keys, flat.weights,
+                                                            flat.rows.ptrs)
+    assert apart.holds() and flat.holds() is False  # the attribute is a change

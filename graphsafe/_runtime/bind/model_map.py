@@ -79,21 +79,22 @@ class ModelMap:
         nested: list[tuple[int, Any, tuple[Any, ...], int, int, int]] = []
         tables_at = _tables_by_id(modules)
         by_path, keys = self.by_path, self.keys
+        sites = reach.sites
+        read = _read_all(sites)
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
-            for site in reach.sites:
+            for site, (key, ptr, stride) in zip(sites, read or map(_read_one, sites),
+                                                strict=True):
                 path, module, container, name, chain, t, _ = site
-                try:  # `storage_key`, `_data_ptr` and `_stride`, read in one go
-                    storage = t.untyped_storage()
-                    key = storage.data_ptr() if storage.nbytes() else 0
-                    ptr: int | None = t.data_ptr()
-                    stride: tuple[int, ...] | None = t.stride()
-                except (RuntimeError, NotImplementedError):  # each read apart, as they say
-                    key, ptr, stride = storage_key(t), _data_ptr(t), _stride(t)
                 by_path[path] = key
                 if key and key not in keys:
                     keys[key] = path
+                if chain:  # held through an object on the way: no table of a module
+                    if ptr is not None:
+                        nested.append((at[id(module)], *_from_dict(site, tables_at), id(t),
+                                       ptr, site.via))
+                    continue
                 # A weight: a parameter, or a buffer not marked non-persistent.
-                table = None if chain else tables_at.get(id(container))
+                table = tables_at.get(id(container))
                 if (table is not None and container is _DICT(module).get(table)
                         and (table == "_parameters"
                              or name not in module._non_persistent_buffers_set)
@@ -231,6 +232,38 @@ class ModelMap:
         """Every path whose storage is among `keys`."""
         wanted = set(keys)
         return [p for p, k in self.by_path.items() if k and k in wanted]
+
+
+_Row = tuple[int, int | None, tuple[int, ...] | None]
+_TENSOR = operator.attrgetter("tensor")
+_UNTYPED = torch.Tensor.untyped_storage
+_NBYTES = torch.UntypedStorage.nbytes
+_STORAGE_PTR = torch.UntypedStorage.data_ptr
+_DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+
+
+def _read_all(sites: list[Site]) -> list[_Row] | None:
+    """`(storage key, data pointer, strides)` of each site's tensor, read in flat passes
+    (maps of C calls: a walk of thousands of tensors); None when one of them cannot be
+    read so (a wrapper subclass, a sparse tensor): `_read_one` reads each apart."""
+    tensors = list(map(_TENSOR, sites))
+    try:
+        with PLAIN():
+            storages = list(map(_UNTYPED, tensors))
+            keys = [ptr if size else 0 for ptr, size in
+                    zip(map(_STORAGE_PTR, storages), map(_NBYTES, storages))]
+            ptrs: list[int | None] = list(map(_DATA_PTR, tensors))
+            strides: list[tuple[int, ...] | None] = list(map(_STRIDE, tensors))
+    except (RuntimeError, NotImplementedError):
+        return None
+    return list(zip(keys, ptrs, strides))
+
+
+def _read_one(site: Site) -> _Row:
+    """`_read_all`'s row of one site, each read apart, as it can be made."""
+    t = site.tensor
+    return storage_key(t), _data_ptr(t), _stride(t)
 
 
 def _tables_by_id(modules: Iterable[nn.Module]) -> dict[int, str]:

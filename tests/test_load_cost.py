@@ -539,6 +539,9 @@ class Packing(nn.Module):
             return w.t() + self.packed.sum()
         if self.how == "returns":
             return self.packed  # type: ignore[no-any-return]
+        if self.how == "aliases":  # a tensor it made, pointed at the copy's memory
+            alias = torch.empty(0).set_(self.packed.untyped_storage(), 0, (6, 4), (4, 1))
+            return w.t() + alias
         if self.how == "writes":
             self.packed.add_(1.0)
         x = w.t() * 2  # [6, 4]
@@ -571,10 +574,12 @@ def test_a_first_materialization_that_reads_only_its_inputs_does_not_walk_the_mo
     assert torch.equal(model.w_t, torch.full((6, 4), 3.0))
 
 
-def test_control_an_undeclared_read_of_what_the_loader_attached_is_refused() -> None:
+@pytest.mark.parametrize("how", ["reads", "aliases"])
+def test_control_an_undeclared_read_of_what_the_loader_attached_is_refused(how: str) -> None:
     """The tensor it reads was attached after the load's walk: the check walks the
-    model when the read is of nothing the function made, and finds it there."""
-    model = Packing("reads")
+    model when the read is of nothing the function made, and finds it there (a tensor
+    it made and then pointed at that memory with `set_` is not one it made)."""
+    model = Packing(how)
     with pytest.raises(gs.RegistrationError, match="reads 'packed', a tensor of the model"):
         _unrecorded_load(model)
 
@@ -607,3 +612,18 @@ def test_the_walk_reads_every_tensor_the_same_in_flat_passes_or_one_by_one() -> 
     assert (apart.keys, apart.weights, apart.rows.ptrs) == (flat.keys, flat.weights,
                                                             flat.rows.ptrs)
     assert apart.holds() and flat.holds() is False  # the attribute is a change
+
+
+def test_a_load_hands_the_journal_each_storage_as_a_read_one_by_one_would() -> None:
+    """What a first load's end tells the journal of each storage it wrote, read in flat
+    passes: the same keys and storages as `storage_key` and `untyped_storage` per tensor
+    (views share their base's; zero-size and meta tensors have key 0)."""
+    from graphsafe._runtime.loads.load import _storages
+
+    base = torch.randn(4, 6)
+    tensors = [base, base[1], base.t(), torch.empty(0), torch.randn(3),
+               torch.empty(2, device="meta")]
+    found = _storages(iter(tensors))
+    one_by_one = {storage_key(t): t.untyped_storage() for t in tensors}
+    assert found.keys() == one_by_one.keys() and len(found) == 3
+    assert all(found[k]._cdata == s._cdata for k, s in one_by_one.items())

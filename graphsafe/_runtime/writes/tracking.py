@@ -382,8 +382,8 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
         self.allowed = allowed
         self.on_read = on_read
         self.fresh: set[int] = set()
-        """Storages the ops run under it returned that none of their arguments held:
-        made while it ran, so no storage the model held before."""
+        """Storages that ops writing none of their arguments returned and none of their
+        arguments held: made while it ran, so no storage the model held before."""
 
     def __torch_dispatch__(
         self,
@@ -407,6 +407,8 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
                     if key and key not in allowed and key not in fresh and key in watched:
                         self.on_read(key, str(func))
         out = func(*args, **kwargs)
+        if written_args(func):  # what it returns is what it wrote (`set_` may point it
+            return out          # at any storage): nothing new
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)

@@ -22,6 +22,7 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
+from graphsafe._lineage.record import recorder
 from graphsafe._memory import walk as walk_module
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
@@ -498,11 +499,11 @@ MOVES = [name for name, (_, holds) in CHANGES.items() if not holds]
 
 
 @pytest.mark.parametrize("name", MOVES)
-def test_control_a_change_during_the_refresh_of_a_recorded_load_is_walked_again(
+def test_control_a_change_during_the_refresh_of_a_recorded_load_is_in_its_one_walk(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What changes after the walk taken ahead (here, as the refresh ends) is not taken
-    for walked: the end walks again, and the map kept describes the model as it is."""
+    """What changes as the refresh ends is in the map the load keeps: its end walks the
+    model after the refresh (a walk taken before it would describe the model as it was)."""
     change = CHANGES[name][0]
     model = BroughtUp()
     real = Load.end
@@ -515,7 +516,114 @@ def test_control_a_change_during_the_refresh_of_a_recorded_load_is_walked_again(
     monkeypatch.setattr(Load, "end", end)
     walks = _counting_walks(monkeypatch)
     model.load_weights([("folded.w", torch.ones(4, 6))])
-    count = len(walks)  # as it began, ahead of the refresh, and again
+    assert len(walks) == 2  # as it began, and once after the refresh
     kept = gs.runtime(model)._binder._map  # as the load left it, not checked again
     assert kept is not None and _describes(kept, model)
-    assert count == 3
+
+
+@gs.graphsafe
+class Packing(nn.Module):
+    """A layer whose loader packs a copy of its weight into a new attribute (an engine's
+    post-load step), so that the first materialization runs after the model changed;
+    its derivation does `how` with that copy, or nothing ("own": it writes in place
+    only into what it made)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+
+    @gs.derive("w_t", inputs=["w"])
+    def _t(self, w: torch.Tensor) -> torch.Tensor:
+        if self.how == "reads":
+            return w.t() + self.packed.sum()
+        if self.how == "returns":
+            return self.packed  # type: ignore[no-any-return]
+        if self.how == "aliases":  # a tensor it made, pointed at the copy's memory
+            alias = torch.empty(0).set_(self.packed.untyped_storage(), 0, (6, 4), (4, 1))
+            return w.t() + alias
+        if self.how == "writes":
+            self.packed.add_(1.0)
+        x = w.t() * 2  # [6, 4]
+        x.add_(1.0)
+        return x
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            gs.load_into(getattr(self, name), w, name=name)
+        self.packed = self.w.t().contiguous()  # [6, 4]
+
+
+def _unrecorded_load(model: nn.Module) -> None:
+    saved, recorder.RECORDING[0] = recorder.RECORDING[0], "off"
+    try:
+        model.load_weights([("w", torch.ones(4, 6))])
+    finally:
+        recorder.RECORDING[0] = saved
+
+
+def test_a_first_materialization_that_reads_only_its_inputs_does_not_walk_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its read and write checks ask the model's storages only for what the function
+    did not make: here nothing, and the load walks the model once, as it begins."""
+    model = Packing("own")
+    walks = _counting_walks(monkeypatch)
+    _unrecorded_load(model)
+    assert len(walks) == 1
+    assert torch.equal(model.w_t, torch.full((6, 4), 3.0))
+
+
+@pytest.mark.parametrize("how", ["reads", "aliases"])
+def test_control_an_undeclared_read_of_what_the_loader_attached_is_refused(how: str) -> None:
+    """The tensor it reads was attached after the load's walk: the check walks the
+    model when the read is of nothing the function made, and finds it there (a tensor
+    it made and then pointed at that memory with `set_` is not one it made)."""
+    model = Packing(how)
+    with pytest.raises(gs.RegistrationError, match="reads 'packed', a tensor of the model"):
+        _unrecorded_load(model)
+
+
+def test_control_a_write_into_what_the_loader_attached_is_refused_before_it_lands() -> None:
+    model = Packing("writes")
+    with pytest.raises(gs.ImpureDerivationError, match="wrote into 'packed'"):
+        _unrecorded_load(model)
+    assert torch.equal(model.packed, torch.ones(6, 4))  # the write was refused
+
+
+def test_control_a_result_that_is_a_tensor_the_loader_attached_is_copied() -> None:
+    """A buffer over the model's own tensor would change with it: it gets a copy."""
+    model = Packing("returns")
+    _unrecorded_load(model)
+    assert torch.equal(model.w_t, model.packed)
+    assert storage_key(model.w_t) != storage_key(model.packed)
+
+
+def test_the_walk_reads_every_tensor_the_same_in_flat_passes_or_one_by_one() -> None:
+    """A model whose tensors all read in flat passes, and the same model holding a
+    sparse tensor (no storage: the passes give way to one read per tensor), give the
+    same record of what they share."""
+    model = HoldingStack()
+    flat = ModelMap(model)
+    model.layers[2].sparse = torch.eye(2).to_sparse()  # type: ignore[assignment]
+    apart = ModelMap(model)
+    assert model_map._read_all(walk_module.walk(model).sites) is None  # the control
+    assert apart.by_path == {**flat.by_path, "layers.2.sparse": 0}
+    assert (apart.keys, apart.weights, apart.rows.ptrs) == (flat.keys, flat.weights,
+                                                            flat.rows.ptrs)
+    assert apart.holds() and flat.holds() is False  # the attribute is a change
+
+
+def test_a_load_hands_the_journal_each_storage_as_a_read_one_by_one_would() -> None:
+    """What a first load's end tells the journal of each storage it wrote, read in flat
+    passes: the same keys and storages as `storage_key` and `untyped_storage` per tensor
+    (views share their base's; zero-size and meta tensors have key 0)."""
+    from graphsafe._runtime.loads.load import _storages
+
+    base = torch.randn(4, 6)
+    tensors = [base, base[1], base.t(), torch.empty(0), torch.randn(3),
+               torch.empty(2, device="meta")]
+    found = _storages(iter(tensors))
+    one_by_one = {storage_key(t): t.untyped_storage() for t in tensors}
+    assert found.keys() == one_by_one.keys() and len(found) == 3
+    assert all(found[k]._cdata == s._cdata for k, s in one_by_one.items())

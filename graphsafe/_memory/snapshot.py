@@ -157,22 +157,6 @@ class Identities(Sites):
             self._seen = SitesRead(self.holders, self.keys, tensors, self.ids, self.ptrs)
         return ok
 
-    def joined(self, rows: Sequence[tuple[Any, Any, object, int, tuple[int, ...]]]
-               ) -> Identities:
-        """These sites as recorded, then `rows` (as the constructor takes them), every one
-        checking its stride (these must all do); nothing remembered of any check."""
-        assert self.n_strided == len(self.keys)
-        more = Identities(rows, len(rows))
-        out = Identities([], 0)
-        Sites.__init__(out, [*zip(self.holders, self.keys), *zip(more.holders, more.keys)])
-        out.ids = self.ids + more.ids
-        out.ptrs = self.ptrs + more.ptrs
-        out.n_strided = len(out.keys)
-        out.strides = self.strides + more.strides
-        out.native = _native.get() if out.compiled else None
-        out._looked = bytearray(_BOUND_ROW * len(out.keys)) if out.native is not None else None
-        return out
-
     def take_read(self) -> SitesRead | None:
         """What the last passing check read, once (a full refresh's witnesses reuse it);
         None if nothing since."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from graphsafe import _native
 from graphsafe._memory.snapshot import PLAIN, Identities
 from graphsafe._memory.walk import Reach, Ref, Site, step, storage_key, walk, walk_modules
 
-__all__ = ["ModelMap"]
+__all__ = ["ModelMap", "ModelStorages"]
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _TABLES = ("_parameters", "_buffers", "_modules")
@@ -79,21 +79,22 @@ class ModelMap:
         nested: list[tuple[int, Any, tuple[Any, ...], int, int, int]] = []
         tables_at = _tables_by_id(modules)
         by_path, keys = self.by_path, self.keys
+        sites = reach.sites
+        read = _read_all(sites)
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
-            for site in reach.sites:
+            for site, (key, ptr, stride) in zip(sites, read or map(_read_one, sites),
+                                                strict=True):
                 path, module, container, name, chain, t, _ = site
-                try:  # `storage_key`, `_data_ptr` and `_stride`, read in one go
-                    storage = t.untyped_storage()
-                    key = storage.data_ptr() if storage.nbytes() else 0
-                    ptr: int | None = t.data_ptr()
-                    stride: tuple[int, ...] | None = t.stride()
-                except (RuntimeError, NotImplementedError):  # each read apart, as they say
-                    key, ptr, stride = storage_key(t), _data_ptr(t), _stride(t)
                 by_path[path] = key
                 if key and key not in keys:
                     keys[key] = path
+                if chain:  # held through an object on the way: no table of a module
+                    if ptr is not None:
+                        nested.append((at[id(module)], *_from_dict(site, tables_at), id(t),
+                                       ptr, site.via))
+                    continue
                 # A weight: a parameter, or a buffer not marked non-persistent.
-                table = None if chain else tables_at.get(id(container))
+                table = tables_at.get(id(container))
                 if (table is not None and container is _DICT(module).get(table)
                         and (table == "_parameters"
                              or name not in module._non_persistent_buffers_set)
@@ -221,45 +222,6 @@ class ModelMap:
         index, names = self._tables
         return list(map(dict.__getitem__, map(dicts.__getitem__, index), names))
 
-    def with_buffers(self, added: Iterable[Site]) -> ModelMap | None:
-        """This walk's record, with the buffers of `added` (sites in a walked module's
-        `_buffers` table, under names it did not hold, not persistent: what a first
-        refresh registers) as if the walk had found them; None where one is not such a
-        buffer. What the walk recorded of everything else stays as recorded then, so that
-        the new record holds only if nothing else changed since the walk."""
-        added = list(added)
-        at = {id(ref()): i for i, ref in enumerate(self._modules)}
-        index, names = self._tables
-        where = {(i, name): j for j, (i, name) in enumerate(zip(index, names))}
-        n = len(self._modules)
-        free = set(zip(self._holders, self._names))  # table slots holding None, by name
-        out = ModelMap.__new__(ModelMap)
-        for slot in ModelMap.__slots__:
-            setattr(out, slot, getattr(self, slot))
-        out.keys, out.by_path, out._lens = dict(self.keys), dict(self.by_path), list(self._lens)
-        rows = []
-        with PLAIN():
-            for site in added:
-                module, t = site.module, site.tensor
-                i = at.get(id(module))
-                j = None if i is None else where.get((i, "_buffers"))
-                ptr, stride = _data_ptr(t), _stride(t)
-                if (j is None or site.container is not _DICT(module).get("_buffers")
-                        or site.chain or site.path in out.by_path or (n + j, site.key) in free
-                        or site.key not in module._non_persistent_buffers_set
-                        or ptr is None or stride is None):
-                    return None
-                key = storage_key(t)
-                out.by_path[site.path] = key
-                if key:
-                    out.keys.setdefault(key, site.path)
-                out._lens[n + j] += 1
-                rows.append((site.container, site.key, t, ptr, stride))
-        out.key_set = frozenset(out.keys)
-        out._identities = self._identities.joined(rows)
-        out._looked = bytearray(len(self._looked))  # nothing remembered of any look
-        return out
-
     @property
     def rows(self) -> Identities:
         """What the walk found in the parameter and buffer tables (identity, pointer,
@@ -270,6 +232,38 @@ class ModelMap:
         """Every path whose storage is among `keys`."""
         wanted = set(keys)
         return [p for p, k in self.by_path.items() if k and k in wanted]
+
+
+_Row = tuple[int, int | None, tuple[int, ...] | None]
+_TENSOR = operator.attrgetter("tensor")
+_UNTYPED = torch.Tensor.untyped_storage
+_NBYTES = torch.UntypedStorage.nbytes
+_STORAGE_PTR = torch.UntypedStorage.data_ptr
+_DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+
+
+def _read_all(sites: list[Site]) -> list[_Row] | None:
+    """`(storage key, data pointer, strides)` of each site's tensor, read in flat passes
+    (maps of C calls: a walk of thousands of tensors); None when one of them cannot be
+    read so (a wrapper subclass, a sparse tensor): `_read_one` reads each apart."""
+    tensors = list(map(_TENSOR, sites))
+    try:
+        with PLAIN():
+            storages = list(map(_UNTYPED, tensors))
+            keys = [ptr if size else 0 for ptr, size in
+                    zip(map(_STORAGE_PTR, storages), map(_NBYTES, storages))]
+            ptrs: list[int | None] = list(map(_DATA_PTR, tensors))
+            strides: list[tuple[int, ...] | None] = list(map(_STRIDE, tensors))
+    except (RuntimeError, NotImplementedError):
+        return None
+    return list(zip(keys, ptrs, strides))
+
+
+def _read_one(site: Site) -> _Row:
+    """`_read_all`'s row of one site, each read apart, as it can be made."""
+    t = site.tensor
+    return storage_key(t), _data_ptr(t), _stride(t)
 
 
 def _tables_by_id(modules: Iterable[nn.Module]) -> dict[int, str]:
@@ -335,3 +329,63 @@ def _module_dict(dicts: dict[int, dict[str, Any]], modules: list[weakref.ref[nn.
     if found is None:
         found = dicts[i] = _DICT(modules[i]())
     return found
+
+
+class ModelStorages(Mapping[int, str]):
+    """`{storage key: first path}` of every storage of a model, walked when a key is
+    first looked up, not before.
+
+    A first materialization asks for the model's storages to refuse what its function
+    reads or writes undeclared; a function that reads only its inputs and what its own
+    ops made (`ReadGuard.fresh`) asks for none, and the model is not walked for it.
+    Buffers noted before the walk (`setdefault`: what a materialization registered) are
+    kept beside what it finds.
+
+    Args:
+        walk: Walks the model now and returns the mapping (`storage_paths`).
+
+    Examples:
+        >>> from graphsafe._memory.walk import storage_paths
+        >>> m = nn.Linear(2, 2)
+        >>> found = ModelStorages(lambda: storage_paths(m))
+        >>> found.walked, storage_key(m.weight) in found, found.walked
+        (False, True, True)
+    """
+
+    __slots__ = ("_found", "_noted", "_walk")
+
+    def __init__(self, walk: Callable[[], dict[int, str]]) -> None:
+        self._walk = walk
+        self._found: dict[int, str] | None = None
+        self._noted: dict[int, str] = {}
+
+    @property
+    def walked(self) -> bool:
+        """Whether a lookup has walked the model."""
+        return self._found is not None
+
+    def _all(self) -> dict[int, str]:
+        found = self._found
+        if found is None:
+            found = self._found = self._walk()
+            for key, path in self._noted.items():
+                found.setdefault(key, path)
+            self._noted = {}
+        return found
+
+    def __getitem__(self, key: int) -> str:
+        return self._all()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._all()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def setdefault(self, key: int, path: str) -> str:
+        """Note `path` for `key` unless a path is known for it (without walking)."""
+        found = self._noted if self._found is None else self._found
+        return found.setdefault(key, path)

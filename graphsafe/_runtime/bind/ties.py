@@ -73,18 +73,20 @@ class Ties:
         over the same memory (the same object, or views of one region); weights that only
         share a storage at other offsets (a flat buffer of many weights) are no tie."""
         found: dict[_Region, list[str]] = {}
-        persistent = {
-            f"{prefix}{'.' if prefix else ''}{name}"
-            for prefix, m in model.named_modules(remove_duplicate=False)
-            for name in m._buffers if name not in m._non_persistent_buffers_set
-        }
-        weights = itertools.chain(
-            model.named_parameters(remove_duplicate=False),
-            ((p, t) for p, t in model.named_buffers(remove_duplicate=False) if p in persistent),
-        )
+        # `named_parameters` then the persistent `named_buffers`, both without removing
+        # duplicates (a shared module's weights at each of its paths), in one pass.
+        params: list[tuple[str, torch.Tensor]] = []
+        buffers: list[tuple[str, torch.Tensor]] = []
+        for prefix, m in model.named_modules(remove_duplicate=False):
+            head = f"{prefix}." if prefix else ""
+            params += [(head + name, t) for name, t in m._parameters.items() if t is not None]
+            if m._buffers:
+                skip = m._non_persistent_buffers_set
+                buffers += [(head + name, t) for name, t in m._buffers.items()
+                            if t is not None and name not in skip]
         by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
-            for path, t in weights:
+            for path, t in itertools.chain(params, buffers):
                 key = storage_key(t)
                 if key:
                     by_storage.setdefault(key, []).append((path, t))

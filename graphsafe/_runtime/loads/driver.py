@@ -271,24 +271,10 @@ class LoadDriver:
         the storage key of each path when it began (a tensor rebound since was written),
         `untied`: the ties broken then.
 
-        A recorded load's end walks the model once, before its refresh: that walk serves
-        the refresh's first materializations and what the recording found, and is kept
-        for the next load where it provably still describes the model
-        (`Binder.walk_ahead`)."""
-        wanted = None
-        if exc is None and load.record:
-            wanted = values_wanted(load.lineage)
-            self._binder.walk_ahead(wanted)
-        try:
-            self._ended(load, what, exc, witnesses, before, untied, wanted)
-        finally:
-            self._binder.forget_ahead()
-
-    def _ended(
-        self, load: Load, what: str, exc: BaseException | None, witnesses: bool,
-        before: dict[str, int] | None, untied: frozenset[tuple[str, ...]],
-        wanted: Callable[[object], bool] | None,
-    ) -> None:
+        A recorded load's end walks the model once, after its refresh (whose first
+        materializations walk it only if a derivation reads what it did not make or
+        declare): that walk serves what the recording found and the values it keeps,
+        and is kept as the map the next load checks (`Binder.walked`)."""
         ended = False
         try:
             written = load.end(what, exc, pinned=self._pinned(),
@@ -310,6 +296,7 @@ class LoadDriver:
             broken = self._discovery.judge_rewrites(self._binder.model, written,
                                                     load.write_ops(), before, tainted)
             if load.record:  # what it made; its forwards until the capture are recorded on
+                wanted = values_wanted(load.lineage)
                 self._discovery.take(load.lineage, self._binder.model,
                                      lambda: self._binder.walked(wanted),
                                      bring_up=load.weights)

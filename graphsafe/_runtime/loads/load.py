@@ -447,8 +447,7 @@ def _storage_finder(
     def storage_of(key: int) -> torch.UntypedStorage | None:
         nonlocal found, walked
         if found is None:
-            found = {storage_key(t): t.untyped_storage()
-                     for t in (model_tensors if own_tensors is None else own_tensors)()}
+            found = _storages((model_tensors if own_tensors is None else own_tensors)())
         storage = found.get(key)
         if storage is None and not walked:
             walked = True
@@ -458,6 +457,24 @@ def _storage_finder(
         return storage
 
     return storage_of
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """`{storage_key(t): t.untyped_storage()}` of `tensors`, in flat passes (maps of C
+    calls: a first load asks for thousands); one by one where one cannot be read so."""
+    tensors = list(tensors)
+    try:
+        storages = list(map(_UNTYPED, tensors))
+        keys = [ptr if size else 0 for ptr, size in
+                zip(map(_STORAGE_PTR, storages), map(_NBYTES, storages))]
+    except (RuntimeError, NotImplementedError):
+        return {storage_key(t): t.untyped_storage() for t in tensors}
+    return dict(zip(keys, storages))
+
+
+_UNTYPED = torch.Tensor.untyped_storage
+_NBYTES = torch.UntypedStorage.nbytes
+_STORAGE_PTR = torch.UntypedStorage.data_ptr
 
 
 class LoaderClosed(Exception):

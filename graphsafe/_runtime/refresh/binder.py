@@ -22,10 +22,10 @@ from graphsafe._declare.registry import Registry, default_registry
 from graphsafe._declare.spec import Derivation, Drift
 from graphsafe._errors import GraphSafetyError, RegistrationError, StaleError, StorageMovedError
 from graphsafe._memory.journal import Journal
-from graphsafe._memory.walk import Reach, Site, storage_paths, walk, walk_tensors
+from graphsafe._memory.walk import Reach, storage_paths, walk, walk_tensors
 from graphsafe._runtime.bind.binding import Binding, bind
 from graphsafe._runtime.bind.experts import ExpertLayouts
-from graphsafe._runtime.bind.model_map import ModelMap
+from graphsafe._runtime.bind.model_map import ModelMap, ModelStorages
 from graphsafe._runtime.bind.ties import Ties
 from graphsafe._runtime.refresh.engine import Engine
 
@@ -45,7 +45,7 @@ class Binder:
         on_bind: Called with the model and the engine of each new binding.
     """
 
-    __slots__ = ("_agreed", "_ahead", "_engine", "_journal", "_map", "_model_class",
+    __slots__ = ("_agreed", "_engine", "_journal", "_map", "_model_class",
                  "_model_ref", "_on_bind", "_own", "_strict", "_ties", "experts", "registries")
 
     def __init__(
@@ -73,9 +73,6 @@ class Binder:
         # (`bound`); whatever replaces either clears it.
         self._agreed = False
         self._ties: Ties | None = None
-        # A walk taken ahead for the load ending now (`walk_ahead`): the walk, its map (a
-        # refresh's `model_tensors` get a copy of its storages) and what it was asked for.
-        self._ahead: tuple[Reach, ModelMap, Callable[[Any], bool] | None] | None = None
         self.experts: Final = ExpertLayouts()
         """The model's expert layouts, and the loads refused for writing them."""
 
@@ -180,62 +177,20 @@ class Binder:
         self._engine = None
         self._agreed = False
 
-    def model_tensors(self) -> dict[int, str]:
-        """`{storage key: path}` of every tensor of the model (the walk taken ahead for
-        the load ending now, while it is kept: see `walk_ahead`)."""
-        ahead = self._ahead
-        if ahead is not None:
-            return dict(ahead[1].keys)
-        return storage_paths(self.model)
-
-    def walk_ahead(self, wanted: Callable[[Any], bool] | None = None) -> None:
-        """Walk the model now, once, for all that the load ending now asks of a walk: its
-        refresh's first materialization (`model_tensors`) and, once that is done,
-        `walked(wanted)`, which takes it if it provably still describes the model."""
+    def model_tensors(self) -> ModelStorages:
+        """`{storage key: path}` of every tensor of the model, walked when first looked
+        up (a first materialization that reads only its inputs looks up none)."""
         model = self.model
-        reach = walk(model, wanted)
-        self._ahead = (reach, ModelMap(model, reach), wanted)
-
-    def forget_ahead(self) -> None:
-        """Drop the walk taken ahead, if `walked` did not take it (the load ended)."""
-        self._ahead = None
+        return ModelStorages(lambda: storage_paths(model))
 
     def walked(self, wanted: Callable[[Any], bool] | None = None) -> Reach:
         """A walk of the model now, kept as the next `model_map` (one walk for both); with
-        `wanted`, the values it asks for too (`walk`). The walk taken ahead
-        (`walk_ahead`) is taken instead when its record still holds, the buffers a
-        refresh registered since added to it (anything else changed: walked anew)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[2] is wanted:
-            reach, found = self._still(*ahead[:2])
-            if found is not None:
-                self._map = found
-                self._agreed = False
-                return reach
+        `wanted`, the values it asks for too (`walk`). A load's end asks for it after its
+        refresh, so that the walk sees the buffers the refresh registered."""
         reach = walk(self.model, wanted)
         self._map = ModelMap(self.model, reach)
         self._agreed = False
         return reach
-
-    def _still(self, reach: Reach, found: ModelMap) -> tuple[Reach, ModelMap | None]:
-        """`reach` and its map, if the model is still as walked there but for buffers
-        the engine registered since (its first materializations: added to both, one
-        check of the whole); else (`reach`, None)."""
-        engine = self._engine
-        added = []
-        for b in () if engine is None else engine.bound:
-            module = b.module_ref()
-            if b.buffers is None or module is None:
-                continue
-            for name, path, t in zip(b.outputs, b.out_paths, b.buffers, strict=True):
-                if path not in found.by_path:
-                    added.append(Site(path, module, module._buffers, name, (), t))
-        if added:
-            grown = found.with_buffers(added)
-            if grown is None or not grown.holds():
-                return reach, None
-            return Reach(reach.sites + added, reach.refs, reach.values), grown
-        return (reach, found) if found.holds() else (reach, None)
 
     def model_map(self) -> ModelMap:
         """Where every storage of the model is, walked again only if the model changed

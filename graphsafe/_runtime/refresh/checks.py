@@ -100,7 +100,7 @@ def refuse_resized(b: BoundDerivation, cause: BaseException | None) -> None:
         ) from cause
 
 
-def impurity_refusal(b: BoundDerivation, watch: dict[int, str]) -> Callable[[int, str], None]:
+def impurity_refusal(b: BoundDerivation, watch: Mapping[int, str]) -> Callable[[int, str], None]:
     """The `on_write` hook of a `WriteTracker` that refuses, before it happens, a write by
     `b`'s function into a model tensor (`watch`: storage key -> path), with
     `ImpureDerivationError`."""

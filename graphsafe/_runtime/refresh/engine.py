@@ -21,6 +21,7 @@ from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Witnesses
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.bind.binding import Binding, BoundDerivation
+from graphsafe._runtime.bind.model_map import ModelStorages
 from graphsafe._runtime.refresh.checks import geometry_held, rebound_error, refuse_resized
 from graphsafe._runtime.refresh.materialize import (
     FAST,
@@ -43,14 +44,15 @@ class Engine:
     """Derived buffers of one binding (`bind`'s plan), and how to bring them up to date.
 
     `model_tensors` returns `{storage key: path}` of every model tensor (for the purity
-    and read checks); failures poison storage in `journal`; `strict` checks purity on
-    every refresh, not only at materialization.
+    and read checks; a `ModelStorages` walks the model only when a check asks); failures
+    poison storage in `journal`; `strict` checks purity on every refresh, not only at
+    materialization.
     """
 
     def __init__(
         self,
         binding: Binding,
-        model_tensors: Callable[[], dict[int, str]],
+        model_tensors: Callable[[], ModelStorages | dict[int, str]],
         *,
         journal: Journal,
         strict: bool = False,

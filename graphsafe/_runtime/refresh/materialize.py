@@ -9,6 +9,7 @@ the buffers as they were.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.bind.binding import BoundDerivation
 from graphsafe._runtime.bind.inputs import join, pin_storage
+from graphsafe._runtime.bind.model_map import ModelStorages
 from graphsafe._runtime.refresh.checks import (
     adoptee,
     as_results,
@@ -42,7 +44,7 @@ def copy_apart(b: BoundDerivation, ret: Any) -> int:
     return SLOW
 
 
-def refresh_checked(b: BoundDerivation, purity: dict[int, str] | None) -> int:
+def refresh_checked(b: BoundDerivation, purity: Mapping[int, str] | None) -> int:
     """Every other case: several outputs, no `out=`, strict purity."""
     module = b.module_ref()
     buffers = b.buffers
@@ -81,21 +83,25 @@ def refresh_checked(b: BoundDerivation, purity: dict[int, str] | None) -> int:
     return SLOW
 
 
-def materialize(b: BoundDerivation, watch: dict[int, str]) -> list[torch.Tensor]:
+def materialize(b: BoundDerivation, watch: ModelStorages | dict[int, str]
+                ) -> list[torch.Tensor]:
     """First call: refuse impure writes and undeclared reads, then allocate the buffers
-    (or adopt the class's own tensors) and return them."""
+    (or adopt the class's own tensors) and return them. `watch` (the model's storages)
+    is looked up only for what the function did not make itself (`ReadGuard.fresh`)."""
     module = b.module_ref()
     assert module is not None
     args = [c[k] for c, k in b.in_refs]
     declared = {storage_key(t) for t in args}
-    with ReadGuard(watch, impurity_refusal(b, watch), declared, read_refusal(b, watch)):
+    guard = ReadGuard(watch, impurity_refusal(b, watch), declared, read_refusal(b, watch))
+    with guard:
         ret = b.fn(module, *args)
     results = as_results(b, ret)
     fresh: list[torch.Tensor] = []
     for r in results:
         t = r.detach()
         key = storage_key(t)
-        if (key and key in watch) or t.untyped_storage().nbytes() != t.nbytes:
+        if t.untyped_storage().nbytes() != t.nbytes or (
+                key and key not in guard.fresh and key in watch):
             # Shares memory with a model tensor (a view of an input): own a copy.
             t = t.clone(memory_format=torch.contiguous_format)
         if t.is_inference():  # computed under inference_mode: keep a versioned copy

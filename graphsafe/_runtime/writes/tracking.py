@@ -367,6 +367,8 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
     A derivation's first call runs under one: reading a model tensor it did not declare
     as an input would leave its buffer stale whenever that tensor changes. `on_read(key,
     op_name)` runs before an op reads a `watched` key that is not `allowed` (the inputs).
+    What the function's own ops made (`fresh`) is no model tensor: reading or writing it
+    asks nothing of `watched` (a `ModelStorages` walks the model only when asked).
     """
 
     def __init__(
@@ -379,6 +381,9 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
         super().__init__(watched, on_write)
         self.allowed = allowed
         self.on_read = on_read
+        self.fresh: set[int] = set()
+        """Storages that ops writing none of their arguments returned and none of their
+        arguments held: made while it ran, so no storage the model held before."""
 
     def __torch_dispatch__(
         self,
@@ -391,15 +396,33 @@ class ReadGuard(WriteTracker):  # type: ignore[no-untyped-call]
         self._check_writes(func, args, kwargs)  # an impure write is the first thing to refuse
         if getattr(func, "is_view", False):
             return func(*args, **kwargs)  # a view reads no data (what reads it is checked)
-        watched, allowed = self.watched, self.allowed
+        watched, allowed, fresh = self.watched, self.allowed, self.fresh
+        read: set[int] = set()
         for arg in (*args, *kwargs.values()):
             items = arg if isinstance(arg, (list, tuple)) else (arg,)
             for item in items:
                 if isinstance(item, torch.Tensor):
                     key = storage_key(item)
-                    if key and key in watched and key not in allowed:
+                    read.add(key)
+                    if key and key not in allowed and key not in fresh and key in watched:
                         self.on_read(key, str(func))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if written_args(func):  # what it returns is what it wrote (`set_` may point it
+            return out          # at any storage): nothing new
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key and key not in read:
+                    fresh.add(key)
+        return out
+
+    def _note(
+        self, t: torch.Tensor, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """A write into what the function made is its own; any other is checked."""
+        if storage_key(t) in self.fresh:
+            return None
+        return super()._note(t, func, args, kwargs)
 
 
 class NativeWriteTracker:

@@ -121,9 +121,6 @@ def _data_hook(original: Any) -> Any:
     """`Tensor.data` as a property: reads pass through; a set in a recording thread tells
     the recorder the memory it replaced (the old memory, then the new)."""
 
-    def get(self: torch.Tensor) -> torch.Tensor:
-        return original.__get__(self)  # type: ignore[no-any-return]
-
     def set_(self: torch.Tensor, value: torch.Tensor) -> None:
         stack = getattr(_LOCAL, "stack", None)
         if not stack or _compiling() or not isinstance(value, torch.Tensor):
@@ -137,7 +134,7 @@ def _data_hook(original: Any) -> Any:
         finally:
             stack.append(watcher)
 
-    return property(get, set_, doc=original.__doc__)
+    return property(original.__get__, set_, doc=original.__doc__)  # reads: no Python frame
 
 
 _SITES: tuple[tuple[type, str, Any], ...] = (

@@ -77,7 +77,8 @@ __all__ = [
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "checks.cpp", _HERE / "witnesses.cpp", _HERE / "tracker.cpp",
-            _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp")
+            _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp",
+            _HERE / "recorder.cpp")
 _HEADERS = (_HERE / "sites.h", _HERE / "tracker.h")
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.

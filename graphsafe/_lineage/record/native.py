@@ -107,9 +107,9 @@ class _Log:
                 keep = kept.get(sid)
                 if ref:
                     if keep is None:
-                        keep = kept[sid] = StorageWeakRef.from_weakref(ref)
+                        keep = kept[sid] = StorageWeakRef.from_weakref(ref)  # type: ignore[no-untyped-call]
                     else:
-                        _FREE(ref)
+                        _FREE(ref)  # type: ignore[no-untyped-call]
             return _new(Arg, (sid, writer_of(w), size, stride, offset, dtype, keep))
 
         def written(t: tuple[Any, ...]) -> Arg:
@@ -159,7 +159,7 @@ class _Log:
                     lineage.copied[csrc] = cdst
             for sid, ref in holds:
                 if held.setdefault(sid, ref) != ref:
-                    _FREE(ref)
+                    _FREE(ref)  # type: ignore[no-untyped-call]
 
 
 class NativeRecorder:

@@ -61,7 +61,7 @@ _SET_UP: list[bool] = []
 def _func(native: _native.Native, index: int) -> tuple[Any, str]:
     found = _FUNCS.get(index)
     if found is None:
-        qualified, overload = native.recorder_op(index)  # type: ignore[attr-defined]
+        qualified, overload = native.recorder_op(index)
         ns, _, name = qualified.partition("::")
         packet = getattr(getattr(torch.ops, ns), name)
         func = getattr(packet, overload or "default")
@@ -78,18 +78,18 @@ class _Log:
 
     def __init__(self, native: _native.Native) -> None:
         self.native = native
-        self.id: int = native.recorder_new()  # type: ignore[attr-defined]
+        self.id: int = native.recorder_new()
         self.calls: list[Call | None] = []
         self.externals: list[Call] = []
         self.lock = threading.Lock()
 
     def __del__(self) -> None:
-        self.native.recorder_free(self.id)  # type: ignore[attr-defined]
+        self.native.recorder_free(self.id)
 
     def apply(self, lineage: Lineage) -> None:
         """Build what the records since the last call say into `lineage`."""
         with self.lock:
-            records = self.native.recorder_drain(self.id)  # type: ignore[attr-defined]
+            records = self.native.recorder_drain(self.id)
             if records:
                 self._apply(lineage, records)
 
@@ -185,13 +185,13 @@ class NativeRecorder:
         Hooks.enter(self)
         self._here = followed(self)
         self._here.__enter__()
-        self._native.recorder_push(  # type: ignore[attr-defined]
+        self._native.recorder_push(
             (self._log.id, self.weights, self.lineage.foreign, self.lineage.epoch))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            if not self._native.recorder_pop(self._log.id):  # type: ignore[attr-defined]
+            if not self._native.recorder_pop(self._log.id):
                 warnings.warn(
                     "graphsafe's compiled recorder missed ops of this recording (RecordFunction "
                     "was turned off, or an op could not be noted): what the load derived from "
@@ -216,11 +216,11 @@ class NativeRecorder:
     def _quiet(self) -> Iterator[None]:
         """The records so far applied; the ops the notes run are not recorded."""
         self._log.apply(self.lineage)
-        self._native.recorder_quiet(True)  # type: ignore[attr-defined]
+        self._native.recorder_quiet(True)
         try:
             yield
         finally:
-            self._native.recorder_quiet(False)  # type: ignore[attr-defined]
+            self._native.recorder_quiet(False)
 
     def took(self, func: Any, t: torch.Tensor, out: Any, frame: FrameType | None) -> None:
         """As `Recorder.took`."""
@@ -238,7 +238,7 @@ class NativeRecorder:
             if isinstance(out, int) and (call := handles.get(out)) is not before and call:
                 log = self._log
                 log.externals.append(call)
-                self._native.recorder_handle(  # type: ignore[attr-defined]
+                self._native.recorder_handle(
                     (log.id, out, -1 - len(log.externals)))
 
     def replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
@@ -254,7 +254,7 @@ def recorder(lineage: Lineage | None = None, weights: frozenset[int] = frozenset
     if native is None or not hasattr(native, "recorder_new"):
         return Recorder(lineage, weights)
     if not _SET_UP:
-        native.recorder_setup(_UNRECORDABLE)  # type: ignore[attr-defined]
+        native.recorder_setup(_UNRECORDABLE)
         _SET_UP.append(True)
     return NativeRecorder(native, lineage, weights)
 

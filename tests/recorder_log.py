@@ -30,19 +30,19 @@ def _note(*entry: Any) -> None:
 
 
 def _plant() -> None:
-    """The control's bug: the compiled recorder forgets what every third op it recorded
-    wrote as a result (a lost writer, as a record dropped by mistake would lose it)."""
-    apply = native._Log._apply
+    """The control's bug: the compiled recorder forgets every third storage it saw an op
+    make (a lost writer, as a record dropped by mistake would lose it)."""
+    apply = native._Log.apply
 
-    def planted(self: Any, lineage: Any, records: list[tuple[Any, ...]]) -> None:
-        kept = []
-        for i, rec in enumerate(records):
-            if rec[0] == 0 and rec[8] and i % 3 == 0:
-                rec = (*rec[:8], [], *rec[9:])
-            kept.append(rec)
-        apply(self, lineage, kept)
+    def planted(self: Any, lineage: Any) -> None:
+        before = set(lineage.writers)
+        apply(self, lineage)
+        made = [sid for sid, (call, _) in lineage.writers.items()
+                if sid not in before and call is not None and call.outs]
+        for sid in made[::3]:
+            del lineage.writers[sid]
 
-    native._Log._apply = planted  # type: ignore[method-assign]
+    native._Log.apply = planted  # type: ignore[method-assign]
 
 
 def pytest_configure(config: pytest.Config) -> None:

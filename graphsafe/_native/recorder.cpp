@@ -1083,6 +1083,393 @@ PyObject* py_record(Record& r) {
                        static_cast<long long>(r.whole ? r.src : 0));
 }
 
+// What `recorder_apply` builds into: the lineage's dicts and the types of what it holds.
+struct Into {
+  PyObject* calls;          // list: a record's index -> its Call (None for a load)
+  PyObject* externals;      // list: calls Python made whose ints are handles
+  PyObject* writers;        // Lineage.writers
+  PyObject* held;           // Lineage._held.refs
+  PyObject* kept;           // Lineage._kept
+  PyObject* weight_writes;  // Lineage.weight_writes
+  PyObject* copied;         // Lineage.copied
+  PyObject* handles;        // Lineage.handles
+  PyTypeObject* call_type;  // recorder.Call
+  PyTypeObject* arg_type;   // recorder.Arg
+  PyTypeObject* weak_type;  // StorageWeakRef
+  PyObject* free_ref;       // torch.UntypedStorage._free_weak_ref (a StorageWeakRef's)
+  PyObject* funcs;          // dict: op index -> (the OpOverload, its schema name)
+  PyObject* func_of;        // op index -> that pair, on a miss
+};
+
+// Interned attribute names of `Call` and `StorageWeakRef`.
+struct Names {
+  PyObject* func;
+  PyObject* args;
+  PyObject* kwargs;
+  PyObject* outs;
+  PyObject* mutated;
+  PyObject* opaque;
+  PyObject* epoch;
+  PyObject* cdata;
+  PyObject* free_ref;
+};
+const Names& names() {
+  static const Names n{PyUnicode_InternFromString("func"),    PyUnicode_InternFromString("args"),
+                       PyUnicode_InternFromString("kwargs"),  PyUnicode_InternFromString("outs"),
+                       PyUnicode_InternFromString("mutated"), PyUnicode_InternFromString("opaque"),
+                       PyUnicode_InternFromString("epoch"),   PyUnicode_InternFromString("cdata"),
+                       PyUnicode_InternFromString("_free_weak_ref")};
+  return n;
+}
+
+// Owns a new reference for the scope (null allowed).
+struct Ref {
+  PyObject* p;
+  explicit Ref(PyObject* o) : p(o) {}
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  ~Ref() {
+    Py_XDECREF(p);
+  }
+  PyObject* get() const {
+    return p;
+  }
+  PyObject* release() {
+    PyObject* o = p;
+    p = nullptr;
+    return o;
+  }
+};
+
+// A record's writer (borrowed; None for none), or null with an exception set.
+PyObject* writer_of(const Into& into, int32_t w) {
+  if (w == -1) {
+    return Py_None;
+  }
+  PyObject* list = w >= 0 ? into.calls : into.externals;
+  const Py_ssize_t i = w >= 0 ? w : -2 - w;
+  if (i < 0 || i >= PyList_GET_SIZE(list)) {
+    PyErr_SetString(PyExc_RuntimeError, "a record names a writer not built");
+    return nullptr;
+  }
+  return PyList_GET_ITEM(list, i);
+}
+
+// `Arg(sid, writer, size, stride, offset, dtype, keep)` (new reference; null on error).
+PyObject* make_arg(const Into& into, const TensorNote& n, PyObject* writer, PyObject* keep) {
+  PyObject* dtype = n.dtype == c10::ScalarType::Undefined
+                        ? nullptr
+                        : reinterpret_cast<PyObject*>(torch::getTHPDtype(n.dtype));
+  if (dtype == nullptr) {
+    dtype = Py_None;
+  }
+  PyObject* fields[7] = {PyLong_FromLongLong(n.sid), Py_NewRef(writer), int_tuple(n.size),
+                         int_tuple(n.stride), PyLong_FromLongLong(n.offset), Py_NewRef(dtype),
+                         Py_NewRef(keep)};
+  PyObject* arg = into.arg_type->tp_alloc(into.arg_type, 7);
+  bool ok = arg != nullptr;
+  for (int i = 0; i < 7; ++i) {
+    ok = ok && fields[i] != nullptr;
+  }
+  if (!ok) {
+    for (PyObject* f : fields) {
+      Py_XDECREF(f);
+    }
+    Py_XDECREF(arg);
+    return nullptr;
+  }
+  for (int i = 0; i < 7; ++i) {
+    PyTuple_SET_ITEM(arg, i, fields[i]);
+  }
+  return arg;
+}
+
+// The `Arg` of a tensor a record read: its `keep` (a StorageWeakRef, one per storage,
+// for a storage no record wrote) from `kept`, made from the reference the record hands
+// over the first time.
+PyObject* read_arg(const Into& into, TensorNote& n) {
+  PyObject* writer = writer_of(into, n.writer);
+  if (writer == nullptr) {
+    return nullptr;
+  }
+  PyObject* keep = Py_None;
+  Ref made(nullptr);
+  if (n.writer == -1 && n.sid != 0) {
+    Ref sid(PyLong_FromLongLong(n.sid));
+    if (sid.get() == nullptr) {
+      return nullptr;
+    }
+    keep = PyDict_GetItemWithError(into.kept, sid.get());
+    if (keep == nullptr && PyErr_Occurred()) {
+      return nullptr;
+    }
+    if (keep == nullptr && n.keep) {
+      made.p = into.weak_type->tp_alloc(into.weak_type, 0);
+      Ref cdata(PyLong_FromLongLong(reinterpret_cast<long long>(n.keep->release())));
+      n.keep.reset();
+      if (made.get() == nullptr || cdata.get() == nullptr ||
+          PyObject_SetAttr(made.get(), names().cdata, cdata.get()) != 0 ||
+          PyObject_SetAttr(made.get(), names().free_ref, into.free_ref) != 0 ||
+          PyDict_SetItem(into.kept, sid.get(), made.get()) != 0) {
+        return nullptr;
+      }
+      keep = made.get();
+    }
+    if (keep == nullptr) {
+      keep = Py_None;
+    }
+  }
+  return make_arg(into, n, writer, keep);
+}
+
+// writers[sid] = (writer, Arg of what it wrote).
+bool set_writer(const Into& into, const TensorNote& n, PyObject* writer, PyObject** arg_out) {
+  Ref arg(make_arg(into, n, Py_None, Py_None));
+  Ref sid(PyLong_FromLongLong(n.sid));
+  if (arg.get() == nullptr || sid.get() == nullptr) {
+    return false;
+  }
+  Ref pair(PyTuple_Pack(2, writer, arg.get()));
+  if (pair.get() == nullptr || PyDict_SetItem(into.writers, sid.get(), pair.get()) != 0) {
+    return false;
+  }
+  if (arg_out != nullptr) {
+    *arg_out = arg.release();
+  }
+  return true;
+}
+
+// weight_writes.setdefault(sid, []).append((op, loaded, call)).
+bool wrote_weight(const Into& into, int64_t sid, const char* op, bool loaded, PyObject* call) {
+  Ref key(PyLong_FromLongLong(sid));
+  Ref empty(PyList_New(0));
+  if (key.get() == nullptr || empty.get() == nullptr) {
+    return false;
+  }
+  PyObject* list = PyDict_SetDefault(into.weight_writes, key.get(), empty.get());
+  Ref row(Py_BuildValue("(sOO)", op, loaded ? Py_True : Py_False, call));
+  return list != nullptr && row.get() != nullptr && PyList_Append(list, row.get()) == 0;
+}
+
+// held.setdefault(sid, ref): the first reference to each identity is kept, the rest freed.
+bool hold_all(const Into& into, std::vector<std::pair<int64_t, WeakStorage>>& holds) {
+  for (auto& h : holds) {
+    Ref key(PyLong_FromLongLong(h.first));
+    if (key.get() == nullptr) {
+      return false;
+    }
+    const int has = PyDict_Contains(into.held, key.get());
+    if (has < 0) {
+      return false;
+    }
+    if (has == 0) {
+      Ref ref(PyLong_FromLongLong(reinterpret_cast<long long>(h.second.release())));
+      if (ref.get() == nullptr || PyDict_SetItem(into.held, key.get(), ref.get()) != 0) {
+        return false;
+      }
+    }  // else the weak reference is released as `holds` is cleared
+  }
+  holds.clear();
+  return true;
+}
+
+bool set_int_item(PyObject* dict, int64_t key, int64_t value) {
+  Ref k(PyLong_FromLongLong(key));
+  Ref v(PyLong_FromLongLong(value));
+  return k.get() != nullptr && v.get() != nullptr && PyDict_SetItem(dict, k.get(), v.get()) == 0;
+}
+
+bool apply_call(const Into& into, Record& r) {
+  const OpInfo* info;
+  {
+    std::lock_guard<std::mutex> g(ops_mu);
+    info = op_table[r.op].get();
+  }
+  Ref index(PyLong_FromLong(r.op));
+  if (index.get() == nullptr) {
+    return false;
+  }
+  PyObject* found = PyDict_GetItemWithError(into.funcs, index.get());  // borrowed
+  Ref fetched(nullptr);
+  if (found == nullptr) {
+    if (PyErr_Occurred()) {
+      return false;
+    }
+    fetched.p = PyObject_CallOneArg(into.func_of, index.get());
+    if (fetched.get() == nullptr) {
+      return false;
+    }
+    found = fetched.get();
+  }
+  PyObject* func = PyTuple_GET_ITEM(found, 0);
+  const char* name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(found, 1));
+  if (name == nullptr) {
+    return false;
+  }
+  Ref args(PyList_New(0));
+  Ref kwargs(PyDict_New());
+  if (args.get() == nullptr || kwargs.get() == nullptr) {
+    return false;
+  }
+  for (size_t i = 0; i < r.args.size(); ++i) {
+    Slot& s = r.args[i];
+    Ref value(nullptr);
+    if (s.kind == Slot::kValue) {
+      value.p = py_of(s.value, i < info->kinds.size() ? info->kinds[i] : kPlain);
+    } else if (s.kind == Slot::kMeta) {
+      value.p = Py_NewRef(Py_None);
+    } else if (s.kind == Slot::kTensor) {
+      value.p = read_arg(into, r.tensors[s.tensor]);
+    } else {
+      value.p = PyList_New(static_cast<Py_ssize_t>(s.list.size()));
+      for (size_t j = 0; value.get() != nullptr && j < s.list.size(); ++j) {
+        PyObject* item = s.list[j] >= 0 ? read_arg(into, r.tensors[s.list[j]]) : Py_NewRef(Py_None);
+        if (item == nullptr) {
+          return false;
+        }
+        PyList_SET_ITEM(value.get(), static_cast<Py_ssize_t>(j), item);
+      }
+    }
+    if (value.get() == nullptr) {
+      return false;
+    }
+    if (i < info->kwarg_only.size() && info->kwarg_only[i]) {
+      if (PyDict_SetItemString(kwargs.get(), info->names[i].c_str(), value.get()) != 0) {
+        return false;
+      }
+    } else if (PyList_Append(args.get(), value.get()) != 0) {
+      return false;
+    }
+  }
+  Ref mutated(PyTuple_New(static_cast<Py_ssize_t>(r.mutated.size())));
+  if (mutated.get() == nullptr) {
+    return false;
+  }
+  for (size_t i = 0; i < r.mutated.size(); ++i) {
+    const size_t pos = r.mutated[i];
+    const bool kw = pos < info->kwarg_only.size() && info->kwarg_only[pos];
+    PyObject* where = kw ? PyUnicode_FromString(info->names[pos].c_str())
+                         : PyLong_FromSsize_t(static_cast<Py_ssize_t>(pos));
+    if (where == nullptr) {
+      return false;
+    }
+    PyTuple_SET_ITEM(mutated.get(), static_cast<Py_ssize_t>(i), where);
+  }
+  Ref call(into.call_type->tp_alloc(into.call_type, 0));
+  Ref arg_tuple(PyList_AsTuple(args.get()));
+  Ref outs(PyDict_New());
+  Ref epoch(PyLong_FromLong(r.epoch));
+  const Names& n = names();
+  if (call.get() == nullptr || arg_tuple.get() == nullptr || outs.get() == nullptr ||
+      epoch.get() == nullptr || PyObject_SetAttr(call.get(), n.func, func) != 0 ||
+      PyObject_SetAttr(call.get(), n.args, arg_tuple.get()) != 0 ||
+      PyObject_SetAttr(call.get(), n.kwargs, kwargs.get()) != 0 ||
+      PyObject_SetAttr(call.get(), n.outs, outs.get()) != 0 ||
+      PyObject_SetAttr(call.get(), n.mutated, mutated.get()) != 0 ||
+      PyObject_SetAttr(call.get(), n.opaque, r.handles.empty() ? Py_False : Py_True) != 0 ||
+      PyObject_SetAttr(call.get(), n.epoch, epoch.get()) != 0 ||
+      PyList_Append(into.calls, call.get()) != 0) {
+    return false;
+  }
+  for (auto& w : r.written) {
+    if (!set_writer(into, w.first, call.get(), nullptr) ||
+        (w.second && !wrote_weight(into, w.first.sid, name, false, call.get()))) {
+      return false;
+    }
+  }
+  for (auto& o : r.outs) {
+    PyObject* arg = nullptr;
+    if (!set_writer(into, o.second, call.get(), &arg)) {
+      return false;
+    }
+    Ref owned(arg);
+    Ref at(PyLong_FromSsize_t(static_cast<Py_ssize_t>(o.first)));
+    if (at.get() == nullptr || PyDict_SetItem(outs.get(), at.get(), arg) != 0) {
+      return false;
+    }
+  }
+  for (int64_t h : r.handles) {
+    Ref key(PyLong_FromLongLong(h));
+    if (key.get() == nullptr || PyDict_SetItem(into.handles, key.get(), call.get()) != 0) {
+      return false;
+    }
+  }
+  for (auto& h : r.handle_tensors) {
+    PyObject* writer = writer_of(into, h.second);
+    if (writer == nullptr || !set_writer(into, h.first, writer, nullptr)) {
+      return false;
+    }
+  }
+  return !(r.whole && r.dst != 0 && !set_int_item(into.copied, r.src, r.dst));
+}
+
+bool apply_record(const Into& into, Record& r) {
+  bool ok = true;
+  if (r.kind == Record::kLoad) {
+    Ref dst(PyLong_FromLongLong(r.dst));
+    ok = dst.get() != nullptr;
+    if (ok) {
+      const int has = PyDict_Contains(into.writers, dst.get());
+      ok = has >= 0 && (has == 0 || PyDict_DelItem(into.writers, dst.get()) == 0);
+    }
+    ok = ok && wrote_weight(into, r.dst, "aten::copy_", true, Py_None);
+    ok = ok && (!r.whole || set_int_item(into.copied, r.src, r.dst));
+    ok = ok && PyList_Append(into.calls, Py_None) == 0;
+  } else if (r.kind == Record::kHandleTensor) {
+    for (auto& h : r.handle_tensors) {
+      PyObject* writer = writer_of(into, h.second);
+      ok = ok && writer != nullptr && set_writer(into, h.first, writer, nullptr);
+    }
+    ok = ok && PyList_Append(into.calls, Py_None) == 0;
+  } else {
+    ok = apply_call(into, r);
+  }
+  return ok && hold_all(into, r.holds);
+}
+
+// recorder_apply((id, calls, externals, writers, held, kept, weight_writes, copied, handles,
+//                 Call, Arg, StorageWeakRef, free_weak_ref, funcs, func_of)):
+// builds the records since the last call into the lineage those objects are, as
+// `native._Log` would from `recorder_drain`'s tuples.
+PyObject* recorder_apply(PyObject* /*self*/, PyObject* arg) {
+  PyObject* id = nullptr;
+  Into into{};
+  PyObject* call_type = nullptr;
+  PyObject* arg_type = nullptr;
+  PyObject* weak_type = nullptr;
+  if (!PyArg_ParseTuple(arg, "OO!O!O!O!O!O!O!O!O!O!O!OO!O", &id, &PyList_Type, &into.calls,
+                        &PyList_Type, &into.externals, &PyDict_Type, &into.writers,
+                        &PyDict_Type, &into.held, &PyDict_Type, &into.kept, &PyDict_Type,
+                        &into.weight_writes, &PyDict_Type, &into.copied, &PyDict_Type,
+                        &into.handles, &PyType_Type, &call_type, &PyType_Type, &arg_type,
+                        &PyType_Type, &weak_type, &into.free_ref, &PyDict_Type, &into.funcs,
+                        &into.func_of)) {
+    return nullptr;
+  }
+  into.call_type = reinterpret_cast<PyTypeObject*>(call_type);
+  into.arg_type = reinterpret_cast<PyTypeObject*>(arg_type);
+  into.weak_type = reinterpret_cast<PyTypeObject*>(weak_type);
+  if (!PyType_IsSubtype(into.arg_type, &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "Arg must be a tuple type");
+    return nullptr;
+  }
+  std::shared_ptr<Rec> rec = find(id);
+  if (rec == nullptr) {
+    return nullptr;
+  }
+  std::vector<Record> records;
+  {
+    std::lock_guard<std::mutex> g(rec->mu);
+    records.swap(rec->records);
+  }
+  for (Record& r : records) {
+    if (!apply_record(into, r)) {
+      return nullptr;
+    }
+  }
+  Py_RETURN_NONE;
+}
+
 // recorder_drain(id) -> list of records (see `py_record`), in order; emptied.
 PyObject* recorder_drain(PyObject* /*self*/, PyObject* id) {
   std::shared_ptr<Rec> rec = find(id);
@@ -1153,6 +1540,7 @@ PyMethodDef recorder_methods[] = {
     {"recorder_handle", recorder_handle, METH_O, "An int handle a Python-made call returned."},
     {"recorder_op", recorder_op, METH_O, "An op's (qualified name, overload name)."},
     {"recorder_drain", recorder_drain, METH_O, "The records so far, emptied."},
+    {"recorder_apply", recorder_apply, METH_O, "Build the records so far into a lineage."},
     {"recorder_free", recorder_free, METH_O, "Forget it."},
     {nullptr, nullptr, 0, nullptr},
 };

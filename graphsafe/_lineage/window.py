@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from graphsafe._lineage.record.native import NativeRecorder, recorder
 from graphsafe._lineage.record.recorder import Lineage, Recorder
 
 __all__ = ["FORWARDS", "Window"]
@@ -61,8 +62,8 @@ class Window:
             model.register_forward_hook(self._after, always_call=True),
         ]
 
-    def _stack(self) -> list[Recorder | None]:
-        stack: list[Recorder | None] | None = getattr(self._local, "stack", None)
+    def _stack(self) -> list[Recorder | NativeRecorder | None]:
+        stack: list[Recorder | NativeRecorder | None] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
@@ -75,9 +76,9 @@ class Window:
             stack.append(None)
             return
         self.lineage.epoch += 1
-        recorder = Recorder(self.lineage, self.weights)
-        recorder.__enter__()
-        stack.append(recorder)
+        rec = recorder(self.lineage, self.weights)
+        rec.__enter__()
+        stack.append(rec)
 
     def _after(self, module: nn.Module, args: Any, out: Any) -> None:
         if torch.compiler.is_compiling():

@@ -245,6 +245,10 @@ void track_registrations() {
   });
 }
 
+uint64_t ops_generation() {
+  return op_generation.load(std::memory_order_acquire);
+}
+
 const OpWrites& writes_of(const at::RecordFunction& fn) {
   return writes_in(here, fn);
 }

@@ -1,6 +1,7 @@
 """The built library's self-check: before a process trusts the compiled checks, each gives
 on a few tensors the answers the Python path gives (the flat checks, the remembered dict
-sites, the trackers' taint, the observer, the strays hook, the fingerprint), or the
+sites, the trackers' taint, the observer, the strays hook, the recorder, the
+fingerprint), or the
 library is refused and the Python path runs."""
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def check(module: Any) -> bool:
     module.tracker_free(tracker)
     ok = ok and _taint_check(module, b)
     ok = ok and _observer_check(module, b, c) and _strays_check(module, torch.zeros(2, 3))
-    return ok and _fingerprint_check(module)
+    return ok and _recorder_check(module, torch.zeros(2, 3)) and _fingerprint_check(module)
 
 
 def _dict_tag_check(module: Any) -> bool:
@@ -191,6 +192,45 @@ def _taint_check(module: Any, weight: torch.Tensor) -> bool:
             and plain.untyped_storage().data_ptr() not in got
             and got.get(overwritten.untyped_storage().data_ptr())
             == ((overwritten.untyped_storage().data_ptr(),), "aten::copy_"))
+
+
+def _recorder_check(module: Any, weight: torch.Tensor) -> bool:
+    """Whether the compiled recorder records what the dispatch mode sees: the `clone` a
+    `contiguous` runs (not `contiguous`, nor what `clone` runs), with the weight it read
+    and the storage it made; a copy of values it did not compute into a weight as a load;
+    a boxed call's result, and a Python number passed to it as that number."""
+    free = torch.UntypedStorage._free_weak_ref
+    src = torch.ones(2, 3)
+    rec = module.recorder_new()
+    module.recorder_push(
+        (rec, frozenset({weight.untyped_storage().data_ptr()}), frozenset(), 0))
+    try:
+        with torch.no_grad():
+            packed = weight.t().contiguous()
+            weight.copy_(src)
+            boxed = torch.ops.aten.mul.Tensor(weight, 2)
+    finally:
+        ok = bool(module.recorder_pop(rec))
+    records = module.recorder_drain(rec)
+    module.recorder_free(rec)
+    for r in records:  # the weak references handed over: (sid, ref) pairs and `keep`s
+        for _, ref in r[11] if r[0] == 0 else r[-1]:
+            free(ref)  # type: ignore[no-untyped-call]
+        for _, _, t in r[5] if r[0] == 0 else ():
+            if t[6]:
+                free(t[6])  # type: ignore[no-untyped-call]
+    sid = weight.untyped_storage()._cdata
+    try:
+        clone, load, mul = records
+        return (ok and module.recorder_op(clone[1]) == ("aten::clone", "")
+                and [(t[0], t[1]) for _, _, t in clone[5]] == [(sid, -1)]
+                and [o[1][0] for o in clone[8]] == [packed.untyped_storage()._cdata]
+                and load[:4] == (1, sid, src.untyped_storage()._cdata, True)
+                and module.recorder_op(mul[1]) == ("aten::mul", "Tensor")
+                and mul[3][1] == 2 and [t[0] for _, _, t in mul[5]] == [sid]
+                and [o[1][0] for o in mul[8]] == [boxed.untyped_storage()._cdata])
+    except (ValueError, TypeError, IndexError):
+        return False
 
 
 def _observer_check(module: Any, watched: torch.Tensor, other: torch.Tensor) -> bool:

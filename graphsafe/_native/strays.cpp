@@ -145,8 +145,8 @@ void note_read(const std::string& op, std::vector<int64_t> touched, bool wrote) 
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-  if (followed != 0) {
-    return nullptr;
+  if (followed != 0 || graphsafe_native::recorder_here()) {
+    return nullptr;  // a recording sees it (the compiled one: carried by `at::launch` too)
   }
   const uint64_t now = session.load(std::memory_order_acquire);
   if (depths_session != now) {

@@ -22,6 +22,13 @@ namespace graphsafe_native {
 // a null entry as PyModule_AddFunctions expects.
 extern PyMethodDef tracker_methods[];
 
+// recorder_* (recorder.cpp), likewise.
+extern PyMethodDef recorder_methods[];
+
+// Whether the compiled recorder records this thread's ops (a recording entered here, or
+// carried here by `at::launch`): the strays watcher leaves them to it.
+bool recorder_here();
+
 // fingerprint_* (fingerprint.cpp), likewise.
 extern PyMethodDef fingerprint_methods[];
 
@@ -108,6 +115,10 @@ class KeySet {
 // name (stable while the op is registered: any registration or deregistration empties
 // every thread's cache). The reference is valid until this thread's next call.
 const OpWrites& writes_of(const at::RecordFunction& fn);
+
+// Bumped by every op registration or deregistration (once `track_registrations` ran):
+// an op's schema, and the address of its name, may then be another op's.
+uint64_t ops_generation();
 
 // Empties the caches of `writes_of` whenever an op is registered or deregistered (once
 // per process; before the first callback that uses them is added).

@@ -40,7 +40,7 @@ from graphsafe._lineage.record.threads import STRAYS, Stray, followed
 
 __all__ = [
     "DERIVED_COPY", "RECORDING", "Arg", "Call", "Lineage", "Recorder", "ambiguous", "record",
-    "recording", "schema_name", "sid_of",
+    "schema_name", "sid_of",
 ]
 
 def _mode(value: str) -> str:
@@ -176,7 +176,7 @@ class Lineage:
     """What a recording found: the latest writer of each storage it saw written, and the
     values that left torch, with the call that made each."""
 
-    __slots__ = ("__weakref__", "_atoms", "_held", "_kept", "before", "copied", "epoch",
+    __slots__ = ("__weakref__", "_atoms", "_held", "_kept", "_log", "before", "copied", "epoch",
                  "foreign", "handles", "replaced", "scopes", "strays", "unfollowed", "values",
                  "weight_writes", "writers")
 
@@ -220,6 +220,8 @@ class Lineage:
         self._held = _Held()
         self._kept: dict[int, StorageWeakRef] = {}
         self._atoms: Callable[[], dict[str, object]] | None = None
+        self._log: Any = None
+        """The compiled recording that fills it (`native._Log`), if one does."""
         self.epoch = 0
         """0 while a load records; k while the k-th forward of the bring-up does."""
 
@@ -296,6 +298,7 @@ class Lineage:
         self.before = None
         self._atoms = None
         self.strays.clear()
+        self._log = None
         STRAYS.release(self)
 
 
@@ -643,16 +646,6 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 return
 
 
-def recording(
-    lineage: Lineage, weights: frozenset[int] = frozenset()
-) -> contextlib.AbstractContextManager[object]:
-    """What a recording load runs its loader's code under: a `Recorder` into `lineage`
-    (`weights`: see `Recorder.weights`), unless recording is off."""
-    if RECORDING[0] != "off":
-        return Recorder(lineage, weights)
-    return contextlib.nullcontext()
-
-
 _NO_FUNCTION_MODES = torch._C.DisableTorchFunction
 _new = tuple.__new__
 """Makes an `Arg` from a tuple of its fields, as its `__new__` does (without a Python
@@ -702,7 +695,8 @@ _COPY_NAME = "aten::copy_"
 
 @contextlib.contextmanager
 def record(lineage: Lineage | None = None) -> Iterator[Lineage]:
-    """Record the lineage of every op run in the block (this thread), for a model not
+    """With the Python recorder (`native.record` picks the compiled one where it is
+    built): record the lineage of every op run in the block (this thread), for a model not
     known yet: an engine's first load and post-load step. Hand the result to
     `gs.runtime(model).adopt_lineage(lineage)` once the model exists.
 

@@ -27,7 +27,8 @@ import torch
 
 from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import one_line
-from graphsafe._lineage.record.recorder import RECORDING, Lineage, recording
+from graphsafe._lineage.record.native import recording
+from graphsafe._lineage.record.recorder import RECORDING, Lineage
 from graphsafe._lineage.record.threads import followed
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Identities

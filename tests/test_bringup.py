@@ -602,6 +602,15 @@ def _folded_weights(seed: int) -> dict[str, torch.Tensor]:
             "scale": torch.rand(C, generator=g) + 0.5}
 
 
+def _folded(rewrite: Callable[[Folded], None], *, guard: bool
+            ) -> tuple[Folded, gs.Graph, torch.Tensor]:
+    """A `Folded` model loaded (and rewritten) once, then captured."""
+    m = Folded(rewrite)
+    m.load_weights(_folded_weights(0))
+    g, y = _capture(m, guard=guard)
+    return m, g, y
+
+
 def _expected(rewrite: Callable[[Folded], None], weights: dict[str, torch.Tensor]
               ) -> torch.Tensor:
     """What a fresh model loaded with `weights` computes."""
@@ -629,9 +638,7 @@ def test_a_weight_rewritten_in_place_is_discovered_with_its_ops(
 def test_a_raw_sync_into_a_rewritten_weight_is_refused_by_name(
     rewrite: Callable[[Folded], None], op: str
 ) -> None:
-    m = Folded(rewrite)
-    m.load_weights(_folded_weights(0))
-    g, _ = _capture(m, guard=True)
+    m, g, _ = _folded(rewrite, guard=True)
     with pytest.raises(gs.StaleError, match=r"lin\.weight") as info:
         m.load_weights(_folded_weights(1), post=False)  # raw values, no rewrite
     assert op in str(info.value) and "post-load" in str(info.value)
@@ -646,9 +653,7 @@ def test_a_raw_sync_into_a_rewritten_weight_is_refused_by_name(
 def test_control_unguarded_a_raw_sync_replays_raw_values(
     rewrite: Callable[[Folded], None], op: str
 ) -> None:
-    m = Folded(rewrite)
-    m.load_weights(_folded_weights(0))
-    g, y = _capture(m, guard=False)
+    m, g, y = _folded(rewrite, guard=False)
     new = _folded_weights(1)
     gs.runtime(m).exempt("lin.weight", why="the control: nothing refuses")
     m.load_weights(new, post=False)
@@ -660,9 +665,7 @@ def test_control_unguarded_a_raw_sync_replays_raw_values(
 def test_the_full_post_load_step_after_every_load_is_no_false_alarm(
     rewrite: Callable[[Folded], None], op: str
 ) -> None:
-    m = Folded(rewrite)
-    m.load_weights(_folded_weights(0))
-    g, y = _capture(m, guard=True)
+    m, g, y = _folded(rewrite, guard=True)
     for seed in (1, 2, 3):
         m.load_weights(_folded_weights(seed))
         g.replay()
@@ -682,9 +685,7 @@ def test_raw_values_copied_into_a_rewritten_weight_outside_any_load_are_refused(
 ) -> None:
     """An RL framework's bare sync (`param.data.copy_(w)`, no version bump, no load):
     the process-wide observer sees it, and no load re-applied the rewrite."""
-    m = Folded(rewrite)
-    m.load_weights(_folded_weights(0))
-    g, _ = _capture(m, guard=True)
+    m, g, _ = _folded(rewrite, guard=True)
     with torch.no_grad():
         m.lin.weight.data.copy_(_folded_weights(1)["lin.weight"])
     with pytest.raises(gs.StaleError, match=r"lin\.weight") as info:
@@ -700,9 +701,7 @@ def test_raw_values_copied_into_a_rewritten_weight_outside_any_load_are_refused(
 
 @_OBSERVED
 def test_control_unguarded_raw_values_copied_outside_any_load_replay_raw() -> None:
-    m = Folded(_fold_scale)
-    m.load_weights(_folded_weights(0))
-    g, y = _capture(m, guard=True)
+    m, g, y = _folded(_fold_scale, guard=True)
     gs.runtime(m).exempt("lin.weight", why="the control: nothing refuses")
     new = _folded_weights(1)
     with torch.no_grad():
@@ -714,9 +713,7 @@ def test_control_unguarded_raw_values_copied_outside_any_load_replay_raw() -> No
 def test_raw_values_written_in_place_through_a_rewritten_weight_are_refused() -> None:
     """The same outside any load through the parameter itself: its version moved (both
     guard paths)."""
-    m = Folded(_negate_exp)
-    m.load_weights(_folded_weights(0))
-    g, _ = _capture(m, guard=True)
+    m, g, _ = _folded(_negate_exp, guard=True)
     with torch.no_grad():
         m.lin.weight.copy_(_folded_weights(1)["lin.weight"])
     with pytest.raises(gs.StaleError, match=r"lin\.weight[\s\S]*not re-applied"):
@@ -724,9 +721,7 @@ def test_raw_values_written_in_place_through_a_rewritten_weight_are_refused() ->
 
 
 def test_a_rewritten_weight_no_write_reached_after_a_load_is_no_false_alarm() -> None:
-    m = Folded(_fold_scale)
-    m.load_weights(_folded_weights(0))
-    g, y = _capture(m, guard=True)
+    m, g, y = _folded(_fold_scale, guard=True)
     m.load_weights(_folded_weights(1))
     for _ in range(3):
         g.replay()
@@ -734,9 +729,7 @@ def test_a_rewritten_weight_no_write_reached_after_a_load_is_no_false_alarm() ->
 
 
 def test_the_rewrite_re_run_over_a_weight_no_load_wrote_is_refused() -> None:
-    m = Folded(_fold_scale)
-    m.load_weights(_folded_weights(0))
-    g, y = _capture(m, guard=True)
+    m, g, y = _folded(_fold_scale, guard=True)
     # ROCm/ATOM #2028's shape: the post-load step runs again over weights the sync did
     # not write: the scale is folded in twice.
     with pytest.raises(gs.StaleError, match=r"applied twice"):
@@ -752,9 +745,7 @@ def test_the_rewrite_alone_over_raw_values_a_refused_load_left_makes_the_weight_
     """A raw sync is refused and leaves the loaded values; the post-load step run alone
     afterwards folds them once: whole, not "applied twice" (found by the state machine).
     The control is the test above: the rewrite alone over a rewritten weight is refused."""
-    m = Folded(_fold_scale)
-    m.load_weights(_folded_weights(0))
-    g, y = _capture(m, guard=True)
+    m, g, y = _folded(_fold_scale, guard=True)
     with pytest.raises(gs.StaleError, match=r"not re-apply"):
         m.load_weights(_folded_weights(1), post=False)
     gs.runtime(m).run_load(lambda mod: _fold_scale(mod), m, (), {})  # the rewrite alone
@@ -792,9 +783,7 @@ def test_control_a_rewrite_by_copy_alone_over_its_own_output_is_refused(
 ) -> None:
     """The same rewrite run alone over a weight that is already whole applies it twice:
     refused naming the weight and the op, and what the graph would read is wrong."""
-    m = Folded(rewrite)
-    m.load_weights(_folded_weights(0))
-    g, y = _capture(m, guard=True)
+    m, g, y = _folded(rewrite, guard=True)
     with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*copy_ \(computed from the "
                        r"weights\)(.|\n)*applied twice"):
         gs.runtime(m).run_load(rewrite, m, (), {})
@@ -901,9 +890,7 @@ def test_a_rewritten_weight_a_load_binds_to_new_memory_is_refused() -> None:
 
 
 def test_a_fold_applied_again_after_the_load_in_one_update_is_refused() -> None:
-    m = Folded(_fold_scale)
-    m.load_weights(_folded_weights(0))
-    g, _ = _capture(m, guard=True)
+    m, g, _ = _folded(_fold_scale, guard=True)
     new = _folded_weights(1)
     with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*applied again"), \
             gs.weight_update(m):
@@ -915,9 +902,7 @@ def test_a_fold_applied_again_after_the_load_in_one_update_is_refused() -> None:
 
 
 def test_a_scale_the_rewrite_reads_loaded_without_the_rewrite_is_refused() -> None:
-    m = Folded(_fold_scale)
-    m.load_weights(_folded_weights(0))
-    g, _ = _capture(m, guard=True)
+    m, g, _ = _folded(_fold_scale, guard=True)
     scale = _folded_weights(1)["scale"]
     with pytest.raises(gs.StaleError, match=r"lin\.weight(.|\n)*scale, which the post-load"):
         m.load_weights({"scale": scale}, post=False)

@@ -48,6 +48,8 @@
 namespace {
 
 using graphsafe_native::KeySet;
+using graphsafe_native::int_tuple;
+using graphsafe_native::read_keys;
 using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
 
 // How an argument's int is read back in Python, by its schema type.
@@ -713,56 +715,19 @@ void register_callback() {
 }
 
 std::shared_ptr<Rec> find(PyObject* id) {
-  const int64_t key = PyLong_AsLongLong(id);
-  if (key == -1 && PyErr_Occurred()) {
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> g(registry_mu);
-  auto it = registry.find(key);
-  if (it == registry.end()) {
-    PyErr_Format(PyExc_KeyError, "no recorder %lld", static_cast<long long>(key));
-    return nullptr;
-  }
-  return it->second;
+  return graphsafe_native::find_entry(registry, registry_mu, id, "recorder");
 }
 
-// The int keys of a frozenset, the last two read kept (a load's weights are one
-// frozenset, pushed again by every thread and forward that records).
-struct CachedKeys {
-  PyObject* set;
-  std::shared_ptr<const KeySet> keys;
-};
-std::vector<CachedKeys> cached;  // guarded by the GIL
-
-std::shared_ptr<const KeySet> read_keys(PyObject* keys) {
-  for (const auto& c : cached) {
-    if (c.set == keys) {
-      return c.keys;
-    }
+// The records recorder `id` kept so far, taken into `out` (it keeps none); false with an
+// error set where there is no such recorder.
+bool take_records(PyObject* id, std::vector<Record>& out) {
+  std::shared_ptr<Rec> rec = find(id);
+  if (rec == nullptr) {
+    return false;
   }
-  std::vector<int64_t> read;
-  PyObject* it = PyObject_GetIter(keys);
-  if (it == nullptr) {
-    return nullptr;
-  }
-  while (PyObject* item = PyIter_Next(it)) {
-    read.push_back(PyLong_AsLongLong(item));
-    Py_DECREF(item);
-  }
-  Py_DECREF(it);
-  if (PyErr_Occurred()) {
-    return nullptr;
-  }
-  auto out = std::make_shared<const KeySet>(read);
-  if (PyFrozenSet_CheckExact(keys)) {
-    Py_INCREF(keys);
-    cached.push_back({keys, out});
-    if (cached.size() > 4) {
-      Py_DECREF(cached.front().set);
-      cached.erase(cached.begin());
-    }
-  }
-  return out;
+  std::lock_guard<std::mutex> g(rec->mu);
+  out.swap(rec->records);
+  return true;
 }
 
 // recorder_new() -> int
@@ -944,22 +909,6 @@ PyObject* py_of(const c10::IValue& v, uint8_t kind) {
   }
   Py_INCREF(unrecordable);
   return unrecordable;
-}
-
-PyObject* int_tuple(const std::vector<int64_t>& xs) {
-  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(xs.size()));
-  if (out == nullptr) {
-    return nullptr;
-  }
-  for (size_t i = 0; i < xs.size(); ++i) {
-    PyObject* x = PyLong_FromLongLong(xs[i]);
-    if (x == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), x);
-  }
-  return out;
 }
 
 // (sid, writer, size, stride, offset, dtype, keep: a weak reference as an int, or 0)
@@ -1453,14 +1402,9 @@ PyObject* recorder_apply(PyObject* /*self*/, PyObject* arg) {
     PyErr_SetString(PyExc_TypeError, "Arg must be a tuple type");
     return nullptr;
   }
-  std::shared_ptr<Rec> rec = find(id);
-  if (rec == nullptr) {
-    return nullptr;
-  }
   std::vector<Record> records;
-  {
-    std::lock_guard<std::mutex> g(rec->mu);
-    records.swap(rec->records);
+  if (!take_records(id, records)) {
+    return nullptr;
   }
   for (Record& r : records) {
     if (!apply_record(into, r)) {
@@ -1472,14 +1416,9 @@ PyObject* recorder_apply(PyObject* /*self*/, PyObject* arg) {
 
 // recorder_drain(id) -> list of records (see `py_record`), in order; emptied.
 PyObject* recorder_drain(PyObject* /*self*/, PyObject* id) {
-  std::shared_ptr<Rec> rec = find(id);
-  if (rec == nullptr) {
-    return nullptr;
-  }
   std::vector<Record> records;
-  {
-    std::lock_guard<std::mutex> g(rec->mu);
-    records.swap(rec->records);
+  if (!take_records(id, records)) {
+    return nullptr;
   }
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(records.size()));
   if (out == nullptr) {

@@ -361,7 +361,7 @@ PyObject* strays_reads(PyObject* /*self*/, PyObject* /*unused*/) {
     return nullptr;
   }
   for (const Read& r : taken) {
-    PyObject* weights = key_tuple(r.weights);
+    PyObject* weights = int_tuple(r.weights);
     PyObject* row = weights == nullptr ? nullptr
                                        : Py_BuildValue("(LsNO)", static_cast<long long>(r.thread),
                                                        r.op.c_str(), weights,
@@ -389,7 +389,7 @@ PyObject* strays_tainted(PyObject* /*self*/, PyObject* /*unused*/) {
       continue;
     }
     PyObject* k = PyLong_FromLongLong(key);
-    PyObject* sources = key_tuple(*taint.sources);
+    PyObject* sources = int_tuple(*taint.sources);
     PyObject* v = sources == nullptr ? nullptr : Py_BuildValue("(Ns)", sources, taint.op.c_str());
     if (k == nullptr || v == nullptr || PyDict_SetItem(out, k, v) != 0) {
       Py_XDECREF(k);

@@ -50,6 +50,7 @@ struct Taint {
 };
 
 using graphsafe_native::KeySet;
+using graphsafe_native::read_keys;
 
 // An empty set: what a tracker watches before it is given keys.
 const std::shared_ptr<const KeySet>& no_keys() {
@@ -350,17 +351,7 @@ void register_callback() {
 }
 
 std::shared_ptr<Tracker> find(PyObject* id) {
-  const int64_t key = PyLong_AsLongLong(id);
-  if (key == -1 && PyErr_Occurred()) {
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> g(registry_mu);
-  auto it = registry.find(key);
-  if (it == registry.end()) {
-    PyErr_Format(PyExc_KeyError, "no write tracker %lld", static_cast<long long>(key));
-    return nullptr;
-  }
-  return it->second;
+  return graphsafe_native::find_entry(registry, registry_mu, id, "write tracker");
 }
 
 // Sets of storage keys read from frozensets, by the frozenset, most recent last: a load
@@ -373,10 +364,12 @@ struct CachedKeys {
   std::shared_ptr<const KeySet> keys;
 };
 constexpr size_t kCachedKeys = 8;
-std::vector<CachedKeys> cached_keys;  // guarded by the GIL (only tracker_* touch it)
+std::vector<CachedKeys> cached_keys;  // guarded by the GIL
 
-// The int keys of `keys` (any iterable; a frozenset is read once, then shared), or null
-// with a Python error set.
+}  // namespace
+
+namespace graphsafe_native {
+
 std::shared_ptr<const KeySet> read_keys(PyObject* keys) {
   const bool frozen = PyFrozenSet_CheckExact(keys);
   if (frozen) {
@@ -414,6 +407,10 @@ std::shared_ptr<const KeySet> read_keys(PyObject* keys) {
   }
   return out;
 }
+
+}  // namespace graphsafe_native
+
+namespace {
 
 // tracker_new(watched: iterable of int) -> int
 PyObject* tracker_new(PyObject* /*self*/, PyObject* watched) {
@@ -648,7 +645,7 @@ PyObject* tracker_tainted(PyObject* /*self*/, PyObject* id) {
     if (entry.second.storage.expired()) {
       continue;
     }
-    PyObject* keys = graphsafe_native::key_tuple(*entry.second.sources);
+    PyObject* keys = graphsafe_native::int_tuple(*entry.second.sources);
     if (keys == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -684,7 +681,7 @@ PyObject* tracker_taken(PyObject* /*self*/, PyObject* id) {
     } else {
       value = PyUnicode_FromString(t.value.toStringRef().c_str());
     }
-    PyObject* keys = graphsafe_native::key_tuple(*t.sources);
+    PyObject* keys = graphsafe_native::int_tuple(*t.sources);
     if (value == nullptr || keys == nullptr) {
       Py_XDECREF(value);
       Py_XDECREF(keys);

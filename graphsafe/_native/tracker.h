@@ -9,7 +9,10 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -195,14 +198,15 @@ void each_tensor(const c10::IValue& v, F&& f) {
   }
 }
 
-// A tuple of the storage keys `keys` (a new reference; nullptr with an exception set).
-inline PyObject* key_tuple(const std::vector<int64_t>& keys) {
-  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(keys.size()));
+// A tuple of the ints `xs` (storage keys, sizes, strides; a new reference; nullptr with
+// an exception set).
+inline PyObject* int_tuple(const std::vector<int64_t>& xs) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(xs.size()));
   if (out == nullptr) {
     return nullptr;
   }
-  for (size_t i = 0; i < keys.size(); ++i) {
-    PyObject* key = PyLong_FromLongLong(keys[i]);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    PyObject* key = PyLong_FromLongLong(xs[i]);
     if (key == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -210,6 +214,29 @@ inline PyObject* key_tuple(const std::vector<int64_t>& keys) {
     PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), key);
   }
   return out;
+}
+
+// The int keys of `keys` (any iterable; a frozenset is read once, then shared by every
+// reader: a load's weights are one frozenset, which its tracker and its recorder both
+// read), or null with a Python error set. Under the GIL (tracker.cpp).
+std::shared_ptr<const KeySet> read_keys(PyObject* keys);
+
+// The entry of `registry` (guarded by `mu`) under the Python int `id`, or null with an
+// error set: a KeyError naming `what` where there is none.
+template <class T>
+std::shared_ptr<T> find_entry(std::unordered_map<int64_t, std::shared_ptr<T>>& registry,
+                              std::mutex& mu, PyObject* id, const char* what) {
+  const int64_t key = PyLong_AsLongLong(id);
+  if (key == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(mu);
+  auto it = registry.find(key);
+  if (it == registry.end()) {
+    PyErr_Format(PyExc_KeyError, "no %s %lld", what, static_cast<long long>(key));
+    return nullptr;
+  }
+  return it->second;
 }
 
 }  // namespace graphsafe_native

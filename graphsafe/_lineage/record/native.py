@@ -29,9 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphsafe import _native
 from graphsafe._errors import GraphSafetyWarning
-from graphsafe._lineage.record.hooks import Hooks
-from graphsafe._lineage.record.recorder import RECORDING, Arg, Call, Lineage, Recorder
-from graphsafe._lineage.record.threads import STRAYS, followed
+from graphsafe._lineage.record.recorder import RECORDING, Arg, Call, Lineage, Recorder, Scopes
 
 __all__ = ["NATIVE_RECORDER", "NativeRecorder", "record", "recorder", "recording"]
 
@@ -111,10 +109,7 @@ class NativeRecorder:
         self._log: _Log = log
 
     def __enter__(self) -> NativeRecorder:
-        self._strays = STRAYS.enter(self.lineage, self.weights)
-        Hooks.enter(self)
-        self._here = followed(self)
-        self._here.__enter__()
+        self._scopes = Scopes(self)
         self._native.recorder_push(
             (self._log.id, self.weights, self.lineage.foreign, self.lineage.epoch))
         return self
@@ -130,13 +125,7 @@ class NativeRecorder:
                     GraphSafetyWarning, stacklevel=2)
             self._log.apply(self.lineage)
         finally:
-            try:
-                self._here.__exit__(None, None, None)
-            finally:
-                try:
-                    Hooks.exit()
-                finally:
-                    STRAYS.exit(self._strays, self.lineage, self.weights)
+            self._scopes.exit()
 
     def fork(self) -> NativeRecorder:
         """A recorder into the same lineage, for a thread this one started."""

@@ -39,8 +39,8 @@ from graphsafe._lineage.record.hooks import NUMPY, TOLIST, Hooks
 from graphsafe._lineage.record.threads import STRAYS, Stray, followed
 
 __all__ = [
-    "DERIVED_COPY", "RECORDING", "Arg", "Call", "Lineage", "Recorder", "ambiguous", "record",
-    "schema_name", "sid_of",
+    "DERIVED_COPY", "RECORDING", "Arg", "Call", "Lineage", "Recorder", "Scopes", "ambiguous",
+    "record", "schema_name", "sid_of",
 ]
 
 def _mode(value: str) -> str:
@@ -387,6 +387,36 @@ _INFO: dict[int, tuple[Any, _OpInfo]] = {}
 """`id` of an op -> (the op, its `_OpInfo`), as `_OPS` is keyed."""
 
 
+class Scopes:
+    """What a recorder (of either kind) enters around its own recording, in order, and
+    leaves in reverse, each even if the one before failed: the watch of threads nothing
+    here started (first: the compiled build's first use checks itself with a thread of
+    its own, which nothing follows); the hooks that see above the dispatcher (numbers the
+    caller keeps, ops registered CompositeImplicitAutograd such as vLLM's
+    `create_onednn_mm_handler`, parameters replaced); the following of threads and pool
+    tasks started here."""
+
+    __slots__ = ("_here", "_lineage", "_strays", "_weights")
+
+    def __init__(self, recorder: Any) -> None:
+        # Not the recorder itself: a recorder holds its scopes, and a cycle would keep it
+        # (and what it holds) until a collection.
+        self._lineage, self._weights = recorder.lineage, recorder.weights
+        self._strays = STRAYS.enter(self._lineage, self._weights)
+        Hooks.enter(recorder)
+        self._here = followed(recorder)
+        self._here.__enter__()
+
+    def exit(self) -> None:
+        try:
+            self._here.__exit__(None, None, None)
+        finally:
+            try:
+                Hooks.exit()
+            finally:
+                STRAYS.exit(self._strays, self._lineage, self._weights)
+
+
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records every op run under it into `lineage` (see the module)."""
 
@@ -529,27 +559,14 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             lineage.copied[sid] = written
 
     def __enter__(self) -> Recorder:
-        # Threads nothing here started are watched while this runs (first: the compiled
-        # build's first use checks itself with a thread of its own, which nothing follows).
-        self._strays = STRAYS.enter(self.lineage, self.weights)
-        # Numbers the caller keeps, ops registered CompositeImplicitAutograd (vLLM's
-        # `create_onednn_mm_handler`), parameters replaced: seen above the dispatcher.
-        Hooks.enter(self)
-        self._here = followed(self)  # threads and pool tasks started here follow
-        self._here.__enter__()
+        self._scopes = Scopes(self)
         return super().__enter__()  # type: ignore[no-any-return,no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
-            try:
-                self._here.__exit__(None, None, None)
-            finally:
-                try:
-                    Hooks.exit()
-                finally:
-                    STRAYS.exit(self._strays, self.lineage, self.weights)
+            self._scopes.exit()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -695,18 +712,7 @@ _COPY_NAME = "aten::copy_"
 
 @contextlib.contextmanager
 def record(lineage: Lineage | None = None) -> Iterator[Lineage]:
-    """With the Python recorder (`native.record` picks the compiled one where it is
-    built): record the lineage of every op run in the block (this thread), for a model not
-    known yet: an engine's first load and post-load step. Hand the result to
-    `gs.runtime(model).adopt_lineage(lineage)` once the model exists.
-
-    Examples:
-        >>> w = torch.ones(2, 2)
-        >>> with record() as lin:
-        ...     packed = w.t().contiguous()
-        >>> sid_of(packed) in lin.writers
-        True
-    """
-    rec = Recorder(lineage)
-    with rec:
+    """`native.record` with the Python recorder always (the reference the compiled one is
+    held to)."""
+    with Recorder(lineage) as rec:
         yield rec.lineage

@@ -71,6 +71,7 @@ from graphsafe._lineage.resolve import (
     find_values,
     foreign_keys,
     foreign_sources,
+    made_sources,
     sources_of,
     trace,
     untraced_numbers,
@@ -277,7 +278,8 @@ class Discovery:
         if not lazily and self._rewritten:
             self._rewritten.witness()
             self.generation += 1
-        for sid in self._made_state(lineage, model, sources, foreign, alive, weights):
+        for sid in made_sources(lineage, model, sources, foreign, alive, weights,
+                                set(self._declared())):
             del sources[sid]  # derived state the model holds as a buffer: found below
         if foreign:
             # A weight of its own last written from another model's weights (a draft
@@ -341,41 +343,6 @@ class Discovery:
                 if e.kind != "tensor":
                     e.pinned = ref_to(e.value())
         self._add(fresh, kept)
-
-    def _made_state(self, lineage: Lineage, model: nn.Module, sources: dict[int, Source],
-                    foreign: dict[int, Source], alive: Set[int],
-                    weights: frozenset[int] | None) -> list[int]:
-        """The buffers no load fills (`persistent=False`) and no declaration makes, and
-        the parameters the recorded load created (not weights when it began, `weights`;
-        not bound in place of one: a rewrite), that the recording computed from the
-        weights: derived state, not sources (a packed copy the post-load step registered
-        as a buffer or a new parameter, or wrote into a buffer)."""
-        written = [sid for sid in sources if sid in alive]  # a loaded weight is not
-        if not written:
-            return []
-        tables: dict[int, tuple[str, nn.Module]] = {}
-        for prefix, m in model.named_modules(remove_duplicate=False):
-            tables.setdefault(id(m._buffers), (prefix, m))
-            tables.setdefault(id(m._parameters), (prefix, m))
-        declared = set(self._declared())
-        made = []
-        for sid in written:
-            src = sources[sid]
-            prefix, m = tables.get(id(src.holder), ("", None))
-            if m is None:
-                continue
-            if src.holder is m._buffers:
-                if (src.key in m._non_persistent_buffers_set
-                        and (f"{prefix}.{src.key}" if prefix else src.key) not in declared):
-                    made.append(sid)
-            elif (weights is not None and sid not in lineage.replaced
-                    and isinstance(p := src.holder.get(src.key), torch.Tensor)
-                    and storage_key(p) not in weights):
-                made.append(sid)
-        if not made:
-            return []
-        rest = {**foreign, **{k: v for k, v in sources.items() if k not in made}}
-        return [sid for sid in made if trace(lineage.writers[sid][0], rest)[0]]
 
     def _foreign(self, model: nn.Module, own: dict[int, Source]) -> dict[int, Source]:
         return foreign_sources(self._others(), model, own)

@@ -14,7 +14,7 @@ the walk reaches, found by its identity (`find_values`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +27,7 @@ from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 __all__ = [
     "COMPUTED", "NOTHING", "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find",
     "find_rewrites", "find_tainted", "find_values", "foreign_keys", "foreign_sources",
-    "recompute", "recompute_scalar", "sources_of", "trace", "untraced_numbers",
+    "made_sources", "recompute", "recompute_scalar", "sources_of", "trace", "untraced_numbers",
 ]
 
 _CHAIN = 4
@@ -199,6 +199,42 @@ class Rewrite(NamedTuple):
     rebound: bool = False
     """Rewritten by binding a new tensor computed from the loaded one at its path (vLLM's
     `replace_parameter` of a prepacked copy), not by writing it in place."""
+
+
+def made_sources(lineage: Lineage, model: nn.Module, sources: dict[int, Source],
+                 foreign: dict[int, Source], alive: Set[int],
+                 weights: frozenset[int] | None, declared: Set[str]) -> list[int]:
+    """The sources (by storage identity) that are derived state, not weights: the
+    buffers no load fills (`persistent=False`) and no declaration makes (`declared`: the
+    declared outputs' paths), and the parameters the recorded load created (not weights
+    when it began, `weights`; not bound in place of one: a rewrite), that the recording
+    computed from the weights (a packed copy the post-load step registered as a buffer or
+    a new parameter, or wrote into a buffer). `alive`: the written storages alive now."""
+    written = [sid for sid in sources if sid in alive]  # a loaded weight is not
+    if not written:
+        return []
+    tables: dict[int, tuple[str, nn.Module]] = {}
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        tables.setdefault(id(m._buffers), (prefix, m))
+        tables.setdefault(id(m._parameters), (prefix, m))
+    made = []
+    for sid in written:
+        src = sources[sid]
+        prefix, m = tables.get(id(src.holder), ("", None))
+        if m is None:
+            continue
+        if src.holder is m._buffers:
+            if (src.key in m._non_persistent_buffers_set
+                    and (f"{prefix}.{src.key}" if prefix else src.key) not in declared):
+                made.append(sid)
+        elif (weights is not None and sid not in lineage.replaced
+                and isinstance(p := src.holder.get(src.key), torch.Tensor)
+                and storage_key(p) not in weights):
+            made.append(sid)
+    if not made:
+        return []
+    rest = {**foreign, **{k: v for k, v in sources.items() if k not in made}}
+    return [sid for sid in made if trace(lineage.writers[sid][0], rest)[0]]
 
 
 def find_rewrites(lineage: Lineage, sources: dict[int, Source],

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from graphsafe._lineage.window import end_here
+
 __all__ = [
     "add_machine_args",
     "machine",
@@ -176,9 +178,13 @@ def interleave(
         for _ in range(warmup):
             for name in names:
                 cases[name]()
+                end_here()
         for r in range(repeats):
             for name in names if r % 2 == 0 else reversed(names):
                 samples[name].append(cases[name]())
+                # A recorded first load leaves its thread recording until the model's
+                # first forward (the bring-up's tail): not into the next case's sample.
+                end_here()
     return {name: Stat.of(s) for name, s in samples.items()}
 
 

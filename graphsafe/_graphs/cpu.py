@@ -141,7 +141,9 @@ class _ValueReadGuard(TorchFunctionMode):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        what = _VALUE_READ_METHODS.get(func)
+        # A method a recording hooks (`.tolist()`, `.item()`) is looked up as itself.
+        what = _VALUE_READ_METHODS.get(func) or _VALUE_READ_METHODS.get(
+            getattr(func, "__wrapped__", None))
         if what is not None:
             raise CaptureError(
                 f"{what} reads a tensor's value into Python during capture",

@@ -77,7 +77,7 @@ from graphsafe._lineage.resolve import (
     untraced_numbers,
 )
 from graphsafe._lineage.rewrites import Rewrites, Rewritten, rewritten_error
-from graphsafe._lineage.window import Window
+from graphsafe._lineage.window import TAIL_EPOCH, Window, sweep
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
 from graphsafe._memory.walk import Reach, ValueSite, storage_key
@@ -186,14 +186,28 @@ class Discovery:
                 if now is not None:
                     self.close_window(now, reach)
 
-            self._window = Window(model, lineage, bring_up, full)
+            def tail(lineage: Lineage) -> None:  # recorded after the load: as the load's
+                now = ref()
+                if now is not None:
+                    walked = _once(reach)
+                    self.settle(lineage, now, walked, weights=bring_up, tail=True)
+                    self._later.walked(now, lambda: walked().values)
+
+            self._window = Window(model, lineage, bring_up, full, tail)
         else:
             lineage.release()
+
+    def flush_tail(self) -> None:
+        """What the bring-up recorded after its first load so far is settled (see
+        `Window.flush_tail`)."""
+        if self._window is not None:
+            self._window.flush_tail()
 
     def close_window(self, model: nn.Module, reach: Callable[[], Reach]) -> None:
         """The model's bring-up ended (its first capture ended, an engine that captured
         its own graphs pinned it, a later load began, or it ran `FORWARDS` forwards): what
         its forwards made lazily from the weights is discovered."""
+        sweep()  # the tails of dropped models: left at the next load, pin or capture
         window, self._window = self._window, None
         if window is not None:
             window.close(lambda lineage: self.settle(lineage, model, reach, lazily=True))
@@ -250,7 +264,7 @@ class Discovery:
 
     def settle(
         self, lineage: Lineage, model: nn.Module, reach: Callable[[], Reach], *,
-        lazily: bool = False, weights: frozenset[int] | None = None,
+        lazily: bool = False, weights: frozenset[int] | None = None, tail: bool = False,
     ) -> None:
         """Take what a completed load recorded: entries it computed (anew or again) are
         witnessed now; the rest keep their witnesses. `reach()` gives every tensor the
@@ -259,7 +273,12 @@ class Discovery:
         recorded load began (a parameter it created is no weight, where the recording
         computed it from them). `lazily`: what the bring-up's forwards recorded: only
         tensors last written before the last forward, and not found already, are taken
-        (what the last forward wrote again, every forward computes)."""
+        (what the last forward wrote again, every forward computes). `tail`: what the
+        bring-up recorded after the load returned (`Window.tail`, its records of epoch
+        `TAIL_EPOCH`), taken as the load's, but for weights rewritten in place (a step that
+        rewrites weights there runs again after each load, where no load sees it) and
+        floats set in Python, which are not found; an entry found already that it did not
+        write again keeps its state (adopted, witnesses)."""
         alive = lineage.alive()
         if (not alive and not lineage.values and not lineage.weight_writes
                 and not lineage.unfollowed and not lineage.strays):
@@ -272,10 +291,10 @@ class Discovery:
             if isinstance(b := m._buffers.get(name), torch.Tensor) and (sid := _sid(b)))
         classes = {id(m._parameters): type(m).__name__ for m in modules}
         classes.update((id(m._buffers), type(m).__name__) for m in modules)
-        for rewrite in () if lazily else find_rewrites(lineage, sources, derived):
+        for rewrite in find_rewrites(lineage, sources, derived) if not (tail or lazily) else ():
             self._rewritten[rewrite.weight.path] = Rewritten(
                 rewrite, classes.get(id(rewrite.weight.holder), type(model).__name__))
-        if not lazily and self._rewritten:
+        if not (tail or lazily) and self._rewritten:
             self._rewritten.witness()
             self.generation += 1
         for sid in made_sources(lineage, model, sources, foreign, alive, weights,
@@ -331,7 +350,15 @@ class Discovery:
                                           (id(f.site.value) for f in values
                                            if isinstance(f.site, ValueSite)))
             found.update((f.site.path, f) for f in values)
-            untraced = untraced_numbers(lineage, model, sources, found, held)
+            # After the load returned, floats set in Python are the caller's as often as
+            # the post-load step's: not taken for numbers computed from taken ones.
+            untraced = [] if tail else untraced_numbers(lineage, model, sources, found, held)
+            if tail:  # what the load found, and the tail did not write again, stays as is
+                known = {e.path for e in self._entries}
+                found = {p: f for p, f in found.items() if p not in known or (
+                    f.writer is not None and f.writer[0].epoch == TAIL_EPOCH)}
+                if not found:
+                    return
             if untraced:  # numbers computed in Python from taken ones: said, guarded
                 found.update((f.site.path, f) for f in untraced)
                 warn_untraced({f.site.path: tuple(s.path for s in f.sources)
@@ -510,7 +537,9 @@ class Discovery:
                 e.adopted = True
 
     def info(self) -> tuple[Discovered, ...]:
-        """What was discovered, with sources, how, and why stale."""
+        """What was discovered, with sources, how, and why stale (what the bring-up's
+        tail recorded so far included)."""
+        self.flush_tail()
         stale = dict(self._stale_rows(None, exempted=True))
         out = []
         for i, e in enumerate(self._entries):
@@ -545,6 +574,7 @@ class Discovery:
     def audit_items(self) -> list[AuditItem]:
         """Every entry not exempted, for the content audit, each with why the guard
         holds it stale (where it does)."""
+        self.flush_tail()
         broken = {r.path: r.broken for r in self.broken_rewrites()}
         items: list[AuditItem | None] = [
             AuditItem(r.path, torch.empty(0), lambda: None, r.sources, False,
@@ -641,7 +671,18 @@ class Discovery:
         if repair:
             stale = [(i, why) for i, why in stale if not self._repair(i)]
         if stale:
+            stale = [(i, why) for i, why in stale if not self._again(i)]
+        if stale:
             raise stale_error(model_class, [(self._entries[i], why) for i, why in stale])
+
+    def _again(self, i: int) -> bool:
+        """Entry `i`, stale by its witnesses, holds what its sources give now (a
+        post-load step run after the load re-derived it in place): witnessed anew."""
+        if not self._entries[i].holds_again():
+            return False
+        assert self._witnesses is not None
+        self._witnesses.record(self._rows_by_entry().get(i, []))
+        return True
 
     def _repair(self, i: int) -> bool:
         e = self._entries[i]

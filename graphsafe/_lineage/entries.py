@@ -166,6 +166,23 @@ class Entry:
             return None
         return recompute((self.writer[0], self.writer[1]), held, self.sources)
 
+    def holds_again(self) -> bool:
+        """A tensor or a number whose sources were written: whether what the model holds
+        is, bit for bit, what its recorded ops give from its sources now (re-derived
+        where no load saw it: a post-load step run after the load returned). False where
+        it cannot be recomputed."""
+        if self.kind == "scalar":
+            return self.scalar_holds()
+        held = self.held()
+        if held is None:
+            return False
+        try:
+            with torch.no_grad():
+                again = self.recompute()
+                return again is not None and same_bits(again, held)
+        except Exception:  # a chain that no longer runs: stale, as before
+            return False
+
     def scalar_holds(self) -> bool:
         """A scalar: whether the value held is what its sources give now."""
         now = self.value()
@@ -241,6 +258,25 @@ def _probing(
         return None if args is None else run(held, args)
 
     return probe
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal tensors, bit for bit (a NaN equals itself where its bits do).
+
+    Examples:
+        >>> nan = torch.tensor([float("nan"), 1.0])
+        >>> same_bits(nan, nan.clone()), same_bits(nan, torch.tensor([0.0, 1.0]))
+        (True, False)
+    """
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    kind = _BITS.get(a.element_size())
+    if kind is None or not (a.is_floating_point() or a.is_complex()):
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.view(kind), b.view(kind)))
 
 
 def same_number(a: object, b: object) -> bool:

@@ -1,6 +1,7 @@
 // The provenance recorder in C++: graphsafe/_lineage/record/recorder.py's `Recorder`
 // without a Python call per op (recorder_new, recorder_push, recorder_pop, recorder_drain,
-// recorder_handle, recorder_quiet, recorder_op, recorder_free; the Python side is
+// recorder_handle, recorder_quiet, recorder_op, recorder_limit, recorder_close,
+// recorder_free; the Python side is
 // graphsafe/_lineage/record/native.py).
 //
 // A thread-local RecordFunction callback sees every dispatcher op of a thread that
@@ -24,6 +25,8 @@
 
 #include <Python.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -233,7 +236,23 @@ struct Rec {
   std::unordered_set<int64_t> kept;  // identities handed out with a `keep`
   std::unordered_map<int64_t, int32_t> handles;  // an int an op returned -> its record
   bool blind = false;
+  // Closed (`recorder_close`, or `limit` records kept): it records nothing more, and the
+  // thread that pushed it drops it at its next push or pop.
+  // Both atomic: closed without the lock (a garbage collection may close it, from a
+  // finalizer run wherever Python allocated).
+  std::atomic<bool> closed{false};
+  int32_t limit = 0;  // the most records it keeps (0: no limit)
+  std::atomic<bool> capped{false};  // closed by `limit`
 };
+
+// One more record kept in `r` (under its lock): at its limit, it closes.
+void kept_one(Rec& r) {
+  r.next++;
+  if (r.limit != 0 && r.next >= r.limit) {
+    r.capped = true;
+    r.closed = true;
+  }
+}
 
 std::mutex registry_mu;
 std::unordered_map<int64_t, std::shared_ptr<Rec>> registry;
@@ -438,6 +457,9 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
     }
     recs = launched.get();
   }
+  if (std::all_of(recs->begin(), recs->end(), [](const auto& r) { return r->closed.load(); })) {
+    return nullptr;  // closed from another thread: dropped at this thread's next push or pop
+  }
   if (!nest.empty()) {  // inside an op recorded (or skipped) whole
     nest.push_back(&fn);
     return nullptr;
@@ -460,7 +482,7 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
   pending->info = info;
   pending->op = index;
   for (const auto& r : *recs) {
-    if (std::find(pending->recs.begin(), pending->recs.end(), r) == pending->recs.end()) {
+    if (!r->closed && std::find(pending->recs.begin(), pending->recs.end(), r) == pending->recs.end()) {
       pending->recs.push_back(r);
     }
   }
@@ -508,7 +530,7 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
         load.holds.emplace_back(
             src_sid, WeakStorage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(src_s)));
       }
-      r->next++;
+      kept_one(*r);
       r->records.push_back(std::move(load));
     }
     pending->recs = std::move(rest);
@@ -596,7 +618,7 @@ void end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
       record.kind = Record::kHandleTensor;
       handle_tensor(rec, record, outs);
       if (!record.handle_tensors.empty()) {
-        rec.next++;
+        kept_one(rec);
         rec.records.push_back(std::move(record));
       }
       continue;
@@ -660,7 +682,7 @@ void end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
         record.handle_tensors.empty()) {
       continue;  // read only: the dispatch mode's call of it is referenced by nothing
     }
-    rec.next++;
+    kept_one(rec);
     rec.records.push_back(std::move(record));
   }
 }
@@ -696,6 +718,9 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
 
 // (Re)registers this thread's callback for the recordings it has now (see `carried`).
 void register_callback() {
+  active.erase(std::remove_if(active.begin(), active.end(),
+                              [](const auto& r) { return r->closed.load(); }),
+               active.end());
   if (callback != 0) {
     at::removeCallback(callback);
     std::lock_guard<std::mutex> g(carried_mu);
@@ -782,11 +807,12 @@ PyObject* recorder_pop(PyObject* /*self*/, PyObject* id) {
     return nullptr;
   }
   auto it = std::find(active.rbegin(), active.rend(), rec);
-  if (it == active.rend()) {
+  if (it != active.rend()) {
+    active.erase(std::next(it).base());
+  } else if (!rec->closed) {  // a closed one may have been dropped already
     PyErr_SetString(PyExc_RuntimeError, "recorder popped in a thread that did not push it");
     return nullptr;
   }
-  active.erase(std::next(it).base());
   register_callback();
   std::lock_guard<std::mutex> g(rec->mu);
   if (!at::isRecordFunctionEnabled()) {
@@ -1444,6 +1470,41 @@ PyObject* recorder_setup(PyObject* /*self*/, PyObject* stand_in) {
   Py_RETURN_NONE;
 }
 
+// recorder_limit((id, limit)): it closes once it kept `limit` records (0: never).
+PyObject* recorder_limit(PyObject* /*self*/, PyObject* arg) {
+  PyObject* id = nullptr;
+  int limit = 0;
+  if (!PyArg_ParseTuple(arg, "Oi", &id, &limit)) {
+    return nullptr;
+  }
+  std::shared_ptr<Rec> rec = find(id);
+  if (rec == nullptr) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(rec->mu);
+  rec->limit = limit;
+  Py_RETURN_NONE;
+}
+
+// recorder_close((id, close)) -> bool: with `close`, from any thread, it records nothing
+// more (the threads that pushed it drop it at their next push or pop); True if its limit
+// closed it.
+PyObject* recorder_close(PyObject* /*self*/, PyObject* arg) {
+  PyObject* id = nullptr;
+  int close = 0;
+  if (!PyArg_ParseTuple(arg, "Op", &id, &close)) {
+    return nullptr;
+  }
+  std::shared_ptr<Rec> rec = find(id);
+  if (rec == nullptr) {
+    return nullptr;
+  }
+  if (close != 0) {
+    rec->closed = true;
+  }
+  return PyBool_FromLong(rec->capped.load());
+}
+
 // recorder_free(id): forget it (it must not be pushed in any thread).
 PyObject* recorder_free(PyObject* /*self*/, PyObject* id) {
   const int64_t key = PyLong_AsLongLong(id);
@@ -1467,7 +1528,8 @@ PyObject* recorder_free(PyObject* /*self*/, PyObject* id) {
 namespace graphsafe_native {
 
 bool recorder_here() {
-  return !active.empty() || carried_here() != nullptr;
+  return std::any_of(active.begin(), active.end(), [](const auto& r) { return !r->closed; }) ||
+         carried_here() != nullptr;
 }
 
 PyMethodDef recorder_methods[] = {
@@ -1480,6 +1542,8 @@ PyMethodDef recorder_methods[] = {
     {"recorder_op", recorder_op, METH_O, "An op's (qualified name, overload name)."},
     {"recorder_drain", recorder_drain, METH_O, "The records so far, emptied."},
     {"recorder_apply", recorder_apply, METH_O, "Build the records so far into a lineage."},
+    {"recorder_limit", recorder_limit, METH_O, "Close it after so many records."},
+    {"recorder_close", recorder_close, METH_O, "(Close it;) True if its limit closed it."},
     {"recorder_free", recorder_free, METH_O, "Forget it."},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -85,6 +85,7 @@ def _tensor_hook(original: Any) -> Any:
 
     hook.__name__ = getattr(original, "__name__", "hook")
     hook.__doc__ = getattr(original, "__doc__", None)
+    hook.__wrapped__ = original  # type: ignore[attr-defined]  # what a mode looks up by
     return hook
 
 
@@ -156,8 +157,9 @@ class Hooks:
     the hook)."""
 
     @classmethod
-    def enter(cls, watcher: Watcher) -> None:
-        """`watcher` records this thread until the matching `exit`."""
+    def enter(cls, watcher: Watcher) -> list[Watcher]:
+        """`watcher` records this thread until the matching `exit`; returns the thread's
+        stack of watchers, for that `exit`."""
         stack = _stack()
         if stack is None:
             stack = _LOCAL.stack = []
@@ -166,13 +168,16 @@ class Hooks:
             cls._active += 1
             if cls._active == 1:
                 cls._install()
+        return stack
 
     @classmethod
-    def exit(cls) -> None:
-        """The innermost recorder of this thread stops."""
-        stack = _stack()
-        if stack:
-            stack.pop()
+    def exit(cls, stack: list[Watcher], watcher: Watcher | None) -> None:
+        """`watcher`, entered into `stack`, stops (from any thread: the innermost one of
+        that stack that is `watcher`, whatever was entered after it)."""
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is watcher:
+                del stack[i]
+                break
         with cls._lock:
             cls._active -= 1
             if not cls._active:

@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphsafe import _native
 from graphsafe._errors import GraphSafetyWarning
+from graphsafe._lineage.record.hooks import NUMPY
 from graphsafe._lineage.record.recorder import RECORDING, Arg, Call, Lineage, Recorder, Scopes
 
 __all__ = ["NATIVE_RECORDER", "NativeRecorder", "record", "recorder", "recording"]
@@ -68,6 +69,9 @@ class _Log:
         self.lock = threading.Lock()
 
     def __del__(self) -> None:
+        # Closed first: a thread that still has it pushed (a bring-up's tail, left in the
+        # thread that loaded) records nothing more into it, and drops it.
+        self.native.recorder_close((self.id, True))
         self.native.recorder_free(self.id)
 
     def apply(self, lineage: Lineage) -> None:
@@ -107,6 +111,17 @@ class NativeRecorder:
         if log is None or log.native is not native:
             log = self.lineage._log = _Log(native)
         self._log: _Log = log
+        self._scopes: Scopes | None = None  # entered by `__enter__`, left once
+        self.follows = True
+        """Whether threads and pool tasks started while it records are recorded too (see
+        `threads.followed`)."""
+        self.numpy = True
+        """Whether weights read as NumPy arrays are noted (`Lineage.unfollowed`): not by
+        a bring-up's tail, which records the caller's own code as well (a weight looked
+        at through NumPy is as often inspection as derivation)."""
+        self.closed = False
+        """Set by `drop` (maybe from a finalizer, before the hooks are left): what the
+        hooks hand over is not noted any more."""
 
     def __enter__(self) -> NativeRecorder:
         self._scopes = Scopes(self)
@@ -115,6 +130,8 @@ class NativeRecorder:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._scopes is None:  # left already (`drop`, `detach`)
+            return
         try:
             if not self._native.recorder_pop(self._log.id):
                 warnings.warn(
@@ -125,7 +142,54 @@ class NativeRecorder:
                     GraphSafetyWarning, stacklevel=2)
             self._log.apply(self.lineage)
         finally:
-            self._scopes.exit()
+            self._leave(here=True)
+
+    def limit(self, records: int) -> None:
+        """Keep at most `records` records from now on: then it records nothing more
+        (`capped` says so)."""
+        self._native.recorder_limit((self._log.id, records))
+
+    @property
+    def capped(self) -> bool:
+        """Whether its `limit` stopped it."""
+        return bool(self._native.recorder_close((self._log.id, False)))
+
+    def close(self, *, pop: bool = False) -> None:
+        """From any thread, even a finalizer: the compiled callback records nothing more
+        into its lineage (the threads that pushed it drop it at their next push or pop;
+        `pop`: this one, which pushed it, now)."""
+        self._native.recorder_close((self._log.id, True))
+        if pop:
+            self._native.recorder_pop(self._log.id)
+
+    def drop(self, *, here: bool) -> None:
+        """Stop, for a lineage no one will read (its model is gone): nothing applied; the
+        hooks and the following of threads it entered left (`here`: in the thread that
+        entered it, which stops recording now; from another, that thread's callback
+        stops at its next push or pop). Once, whichever of `__exit__`, `drop` and
+        `detach` comes first."""
+        self.closed = True
+        self._native.recorder_close((self._log.id, True))
+        if self._scopes is None:
+            return
+        if here:
+            self._native.recorder_pop(self._log.id)
+        self._leave(here=here)
+
+    def detach(self) -> None:
+        """Leave it from a thread other than the one that entered it: the records so far
+        applied, the hooks and the following of threads it entered left; the compiled
+        callback records on in that thread until the lineage is released (it is closed
+        then) or its `limit`."""
+        if self._scopes is None:
+            return
+        self._log.apply(self.lineage)
+        self._leave(here=False)
+
+    def _leave(self, *, here: bool) -> None:
+        scopes, self._scopes = self._scopes, None
+        if scopes is not None:
+            scopes.exit(here=here)
 
     def fork(self) -> NativeRecorder:
         """A recorder into the same lineage, for a thread this one started."""
@@ -142,14 +206,19 @@ class NativeRecorder:
             self._native.recorder_quiet(False)
 
     def took(self, func: Any, t: torch.Tensor, out: Any, frame: FrameType | None) -> None:
-        """As `Recorder.took`."""
+        """As `Recorder.took` (nothing once its `limit` or `drop` stopped it)."""
+        if self.closed or self.capped or (func in NUMPY and not self.numpy):
+            return
         with self._quiet():
             self._notes.took(func, t, out, frame)
 
     def returned(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  out: Any) -> None:
         """As `Recorder.returned`; an int handle it notes is told to the compiled
-        recorder (a small tensor made of it is written by that call)."""
+        recorder (a small tensor made of it is written by that call). Nothing once its
+        `limit` or `drop` stopped it."""
+        if self.closed or self.capped:
+            return
         with self._quiet():
             handles = self.lineage.handles
             before = handles.get(out) if isinstance(out, int) else None
@@ -161,8 +230,10 @@ class NativeRecorder:
                     (log.id, out, -1 - len(log.externals)))
 
     def replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """Parameter `new` was bound where `old` was."""
-        self.lineage.note_replaced(old, new)
+        """Parameter `new` was bound where `old` was (not noted once its `limit`
+        stopped it)."""
+        if not (self.closed or self.capped):
+            self.lineage.note_replaced(old, new)
 
 
 def recorder(lineage: Lineage | None = None, weights: frozenset[int] = frozenset()

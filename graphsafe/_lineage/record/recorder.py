@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, NamedTuple
@@ -396,25 +397,31 @@ class Scopes:
     `create_onednn_mm_handler`, parameters replaced); the following of threads and pool
     tasks started here."""
 
-    __slots__ = ("_here", "_lineage", "_strays", "_weights")
+    __slots__ = ("_here", "_hooks", "_lineage", "_strays", "_weights", "_what")
 
     def __init__(self, recorder: Any) -> None:
         # Not the recorder itself: a recorder holds its scopes, and a cycle would keep it
         # (and what it holds) until a collection.
         self._lineage, self._weights = recorder.lineage, recorder.weights
         self._strays = STRAYS.enter(self._lineage, self._weights)
-        Hooks.enter(recorder)
-        self._here = followed(recorder)
+        self._hooks = Hooks.enter(recorder)
+        self._what = weakref.ref(recorder)
+        # A recorder that must not follow threads (a bring-up's tail: the threads the
+        # caller starts then may live on, a pool's, a monitor's) leaves them to the watch
+        # of threads not followed.
+        self._here = (followed(recorder) if getattr(recorder, "follows", True)
+                      else contextlib.nullcontext())
         self._here.__enter__()
 
-    def exit(self) -> None:
+    def exit(self, *, here: bool = True) -> None:
+        """Leave them, in the thread that entered them (`here`) or from another."""
         try:
             self._here.__exit__(None, None, None)
         finally:
             try:
-                Hooks.exit()
+                Hooks.exit(self._hooks, self._what())
             finally:
-                STRAYS.exit(self._strays, self._lineage, self._weights)
+                STRAYS.exit(self._strays, self._lineage, self._weights, here=here)
 
 
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]

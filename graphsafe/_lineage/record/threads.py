@@ -59,8 +59,11 @@ def followed(watcher: Any) -> Iterator[None]:
     _install()
     try:
         yield
-    finally:
-        stack.pop()
+    finally:  # the innermost entry that is `watcher`: it may end in another thread
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is watcher:
+                del stack[i]
+                break
         _uninstall()
 
 
@@ -171,13 +174,15 @@ class Strays:
                 self._open[id(lineage)] = (lineage, entry[1] | weights, entry[2] + 1)
         return native
 
-    def exit(self, native: _native.Native | None, lineage: Any, weights: frozenset[int]
-             ) -> None:
+    def exit(self, native: _native.Native | None, lineage: Any, weights: frozenset[int],
+             *, here: bool = True) -> None:
         """That recorder ended (`native`: what `enter` returned); the last of its
-        lineage's takes what was noted."""
+        lineage's takes what was noted. `here`: in the thread that entered it (else that
+        thread stays followed: its ops are the recording's, not strays)."""
         if native is None:
             return
-        native.strays_follow(False)
+        if here:
+            native.strays_follow(False)
         if not weights:
             return
         with self._lock:

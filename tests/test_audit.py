@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import graphsafe as gs
-from graphsafe._audit.compare import compare
+from graphsafe._memory.compare import compare
 from graphsafe._memory.journal import JOURNAL
 
 

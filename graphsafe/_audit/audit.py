@@ -13,7 +13,7 @@ journal epoch, no witness changes.
 
 Memory: one derivation's result at a time, computed into one scratch block reused for
 every derivation that takes `out=` (on the host, kept with the model between audits);
-the comparison (`_audit.compare`) allocates nothing of the buffers' size.
+the comparison (`_memory.compare`) allocates nothing of the buffers' size.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
-from graphsafe._audit.compare import compare
 from graphsafe._errors import GraphSafetyError, GraphSafetyWarning, StaleError, one_line
 from graphsafe._lineage.discovery import AuditItem
+from graphsafe._memory.compare import compare
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.bind.binding import BoundDerivation

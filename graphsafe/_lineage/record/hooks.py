@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch._ops import OpOverload, OpOverloadPacket
 
+from graphsafe._lineage.record.threads import remove_innermost
+
 __all__ = ["NUMPY", "TAKEN", "TOLIST", "Hooks", "Watcher"]
 
 
@@ -174,10 +176,7 @@ class Hooks:
     def exit(cls, stack: list[Watcher], watcher: Watcher | None) -> None:
         """`watcher`, entered into `stack`, stops (from any thread: the innermost one of
         that stack that is `watcher`, whatever was entered after it)."""
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i] is watcher:
-                del stack[i]
-                break
+        remove_innermost(stack, watcher)
         with cls._lock:
             cls._active -= 1
             if not cls._active:

@@ -169,11 +169,7 @@ class NativeRecorder:
         stops at its next push or pop). Once, whichever of `__exit__`, `drop` and
         `detach` comes first."""
         self.closed = True
-        self._native.recorder_close((self._log.id, True))
-        if self._scopes is None:
-            return
-        if here:
-            self._native.recorder_pop(self._log.id)
+        self.close(pop=here and self._scopes is not None)
         self._leave(here=here)
 
     def detach(self) -> None:

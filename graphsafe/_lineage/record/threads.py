@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from graphsafe import _native
 
-__all__ = ["STRAYS", "Stray", "Strays", "followed", "following"]
+__all__ = ["STRAYS", "Stray", "Strays", "followed", "following", "remove_innermost"]
 
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
@@ -59,12 +59,18 @@ def followed(watcher: Any) -> Iterator[None]:
     _install()
     try:
         yield
-    finally:  # the innermost entry that is `watcher`: it may end in another thread
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i] is watcher:
-                del stack[i]
-                break
+    finally:  # it may end in another thread, after others entered
+        remove_innermost(stack, watcher)
         _uninstall()
+
+
+def remove_innermost(stack: list[Any], item: Any) -> None:
+    """Remove the innermost entry of `stack` that is `item` (by identity), whatever was
+    entered after it."""
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is item:
+            del stack[i]
+            return
 
 
 def following(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -113,6 +113,24 @@ def test_a_draft_derived_from_the_target_is_stale_after_a_target_only_sync(
     assert torch.allclose(y, _expected(_head(1)))
 
 
+def test_the_targets_weights_are_read_as_they_are_at_each_drafts_load() -> None:
+    """A recording reads the other models' weights from their walk while it holds (one
+    pass over every module of each is kept, not repeated per load); a head rebound since
+    is read anew, and what a later draft packs from it is found."""
+    target, first, second = Target(), PackingDraft(), PackingDraft()
+    target.load_weights({"lm_head.weight": _head(0)})
+    target.load_weights({"lm_head.weight": _head(0)})  # its bring-up over: its walk stays
+    first.load_weights(_draft_weights(), target)  # the target's weights, read and kept
+    assert [d.sources for d in gs.runtime(first).discovered] == [("Target:lm_head.weight",)]
+    target.lm_head.weight.data = _head(2)  # another tensor, unknown to what was kept
+    second.load_weights(_draft_weights(), target)
+    assert [d.sources for d in gs.runtime(second).discovered] == [("Target:lm_head.weight",)]
+    g, _ = _capture(second, guard=True)
+    target.load_weights({"lm_head.weight": _head(1)})
+    with pytest.raises(gs.StaleError, match=r"head_t[\s\S]*Target:lm_head.weight"):
+        g.replay()
+
+
 @pytest.mark.parametrize("draft_class", [PackingDraft, CopyingDraft])
 def test_control_unguarded_the_draft_replays_the_old_head(draft_class: type[nn.Module]) -> None:
     target, draft = Target(), draft_class()

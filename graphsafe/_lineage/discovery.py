@@ -64,6 +64,7 @@ from graphsafe._lineage.refusals import (
     warn_untraced,
 )
 from graphsafe._lineage.resolve import (
+    Foreign,
     Source,
     find,
     find_rewrites,
@@ -125,12 +126,13 @@ class Discovery:
     """
 
     def __init__(self, journal: Journal,
-                 others: Callable[[], Iterable[nn.Module]] = tuple,
+                 others: Callable[[nn.Module], Iterable[Foreign]] = lambda _: (),
                  declared: Callable[[], Iterable[str]] = tuple) -> None:
         self._journal = journal
         self._others = others
-        """The other models graphsafe binds: their weights are sources too (a draft that
-        packs or copies its head from the target's, by reference)."""
+        """The weights of the other models graphsafe binds, given this one: they are
+        sources too (a draft that packs or copies its head from the target's, by
+        reference)."""
         self._declared = declared
         """Paths of the model's declared derived buffers (sources, never discovered)."""
         self._entries: list[Entry] = []
@@ -372,7 +374,7 @@ class Discovery:
         self._add(fresh, kept)
 
     def _foreign(self, model: nn.Module, own: dict[int, Source]) -> dict[int, Source]:
-        return foreign_sources(self._others(), model, own)
+        return foreign_sources(self._others(model), own)
 
     def take_inputs(self, model: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
         """A capture of `model` read `tensors`, which no model holds: those the bring-up
@@ -394,10 +396,11 @@ class Discovery:
         return {k: e.path for e in self._entries
                 if e.site.outside is not None and (k := e.key())}
 
-    def foreign_keys(self, model: nn.Module) -> frozenset[int]:
-        """Storage keys of the other bound models' weights `model` does not hold (for a
-        recording: a copy from one is a derivation)."""
-        return foreign_keys(self._others(), model)
+    def foreign_keys(self, model: nn.Module, own: frozenset[int]) -> frozenset[int]:
+        """Storage keys of the other bound models' weights `model` does not hold (`own`:
+        the storage keys of its parameters and buffers); for a recording: a copy from
+        one is a derivation."""
+        return foreign_keys(self._others(model), own)
 
     def follow(self, written: Set[int], taken: Sequence[Taken] = ()) -> None:
         """After a load that was not recorded: an entry it wrote (re-derived in place), or

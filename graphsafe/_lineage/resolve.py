@@ -25,9 +25,10 @@ from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
 
 __all__ = [
-    "COMPUTED", "NOTHING", "Found", "Rewrite", "Source", "arguments_now", "atoms_of", "find",
-    "find_rewrites", "find_tainted", "find_values", "foreign_keys", "foreign_sources",
-    "made_sources", "recompute", "recompute_scalar", "sources_of", "trace", "untraced_numbers",
+    "COMPUTED", "NOTHING", "Foreign", "Found", "Rewrite", "Source", "arguments_now", "atoms_of",
+    "find", "find_rewrites", "find_tainted", "find_values", "foreign_keys", "foreign_of",
+    "foreign_sources", "made_sources", "recompute", "recompute_scalar", "sources_of", "trace",
+    "untraced_numbers",
 ]
 
 _CHAIN = 4
@@ -72,32 +73,57 @@ def sources_of(model: nn.Module) -> dict[int, Source]:
     return found
 
 
-def foreign_sources(others: Iterable[nn.Module], model: nn.Module,
-                    own: dict[int, Source]) -> dict[int, Source]:
-    """The weights of `others` (the other models graphsafe binds) that `model` does not
-    hold itself (`own`), by storage identity, each path led by its model's class
-    (`Target:lm_head.weight`)."""
+class Foreign(NamedTuple):
+    """Another bound model's weights as a recording of this one reads them (`foreign_of`):
+    its sources by storage identity, each path led by its model's class
+    (`Target:lm_head.weight`), and their storage keys (0 left out)."""
+
+    sources: dict[int, Source]
+    keys: frozenset[int]
+
+
+def foreign_of(other: nn.Module) -> Foreign:
+    """`other`'s weights as another model's recording reads them (see `Foreign`)."""
+    name = type(other).__name__
+    found = {sid: src._replace(path=f"{name}:{src.path}")
+             for sid, src in sources_of(other).items()}
+    with PLAIN():
+        keys = frozenset(storage_key(t) for src in found.values()
+                         if isinstance(t := src.holder.get(src.key), torch.Tensor))
+    return Foreign(found, keys - {0})
+
+
+def foreign_sources(others: Iterable[Foreign], own: Iterable[int]) -> dict[int, Source]:
+    """The weights of `others` (the other models graphsafe binds, `foreign_of` each) that
+    the model does not hold itself (`own`: its sources' storage identities), by storage
+    identity (the first model's where two hold one)."""
     found: dict[int, Source] = {}
-    for other in others:
-        if other is model:
-            continue
-        name = type(other).__name__
-        for sid, src in sources_of(other).items():
-            if sid not in own:
-                found.setdefault(sid, src._replace(path=f"{name}:{src.path}"))
+    for other in reversed(list(others)):
+        found.update(other.sources)
+    if found:
+        for sid in own:
+            found.pop(sid, None)
     return found
 
 
-def foreign_keys(others: Iterable[nn.Module], model: nn.Module) -> frozenset[int]:
-    """Storage keys of the weights of `others` that `model` does not hold (`model`'s own
-    are read only when there is another model)."""
-    others = [other for other in others if other is not model]
-    if not others:
-        return frozenset()
-    foreign = foreign_sources(others, model, sources_of(model))
-    with PLAIN():
-        return frozenset(storage_key(t) for s in foreign.values()
-                         if isinstance(t := s.holder.get(s.key), torch.Tensor))
+def foreign_keys(others: Iterable[Foreign], own: frozenset[int]) -> frozenset[int]:
+    """The storage keys of the weights of `others` (the other models graphsafe binds,
+    `foreign_of` each) but those in `own` (the model's parameters and buffers).
+
+    Every recorded load is given them: while the other models' weights stay as they
+    were, it gets the same set object (the compiled recorder reads a set it was given
+    before only once)."""
+    parts = tuple(other.keys for other in others)
+    last = _FOREIGN_KEYS[0]
+    if len(parts) != len(last[0]) or any(a is not b for a, b in zip(parts, last[0])):
+        last = _FOREIGN_KEYS[0] = (parts, frozenset().union(*parts))  # one assignment
+    union = last[1]
+    return union if union.isdisjoint(own) else union - own
+
+
+_FOREIGN_KEYS: list[tuple[tuple[frozenset[int], ...], frozenset[int]]] = [((), frozenset())]
+"""The last `foreign_keys` union, with the sets it was made of (process-wide: a model's
+first load is its only recorded one)."""
 
 
 def find_tainted(

@@ -25,6 +25,7 @@ from graphsafe._declare.spec import DerivationInfo, RefreshReport
 from graphsafe._errors import GraphSafetyError, RegistrationError
 from graphsafe._lineage.discovery import AuditItem, Discovered, Discovery
 from graphsafe._lineage.record.recorder import Lineage
+from graphsafe._lineage.resolve import Foreign, foreign_of
 from graphsafe._memory.journal import JOURNAL
 from graphsafe._memory.walk import storage_key
 from graphsafe._runtime.freshness import (
@@ -109,7 +110,7 @@ class Runtime(metaclass=_OnePerModel):
         self._capturing = 0  # graphs capturing now (the bring-up ends when they end)
         # Every model storage while pinned: poison on any refuses the graphs' replays.
         self._pinned_keys: frozenset[int] = frozenset()
-        self._discovery: Final = Discovery(JOURNAL, others=_bound_models,
+        self._discovery: Final = Discovery(JOURNAL, others=_others_weights,
                                            declared=self._declared_paths)
         self._loads: Final = LoadDriver(self._lock, JOURNAL, self._binder,
                                  pinned=lambda: self.holds_addresses,
@@ -623,11 +624,24 @@ def runtime(
     return rt
 
 
-def _bound_models() -> list[nn.Module]:
-    """Every model a live runtime binds (the sources of what another derives from them)."""
+def _others_weights(model: nn.Module) -> list[Foreign]:
+    """The weights of every model a live runtime binds but `model` (the sources of what
+    it derives from them), each kept with its model's walk. One that is loading in
+    another thread is read as it is, not kept: its walk is its load's."""
     with _CREATE:
         runtimes = list(_RUNTIMES.items())
-    return [model for model, rt in runtimes if rt._binder.alive]
+    out = []
+    for other, rt in runtimes:
+        if other is model or not rt._binder.alive:
+            continue
+        if rt._lock.acquire(blocking=False):
+            try:
+                out.append(rt._binder.foreign())
+            finally:
+                rt._lock.release()
+        else:
+            out.append(foreign_of(other))
+    return out
 
 
 def _consults(module: nn.Module, registry: Registry) -> bool | None:

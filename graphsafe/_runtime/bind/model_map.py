@@ -60,8 +60,10 @@ class ModelMap:
         "_table_ids",
         "_tables",
         "by_path",
+        "foreign",
         "key_set",
         "keys",
+        "table_keys",
         "weight_keys",
         "weights",
     )
@@ -75,6 +77,7 @@ class ModelMap:
         self.by_path: dict[str, int] = {}
         """Dotted path of every tensor -> its storage key (0: no bytes)."""
         weights: list[str] = []
+        owned: set[int] = set()
         direct: list[tuple[Any, Any, object, int, tuple[int, ...]]] = []
         nested: list[tuple[int, Any, tuple[Any, ...], int, int, int]] = []
         tables_at = _tables_by_id(modules)
@@ -95,11 +98,12 @@ class ModelMap:
                     continue
                 # A weight: a parameter, or a buffer not marked non-persistent.
                 table = tables_at.get(id(container))
-                if (table is not None and container is _DICT(module).get(table)
-                        and (table == "_parameters"
-                             or name not in module._non_persistent_buffers_set)
-                        and (t.numel() or t.device.type == "meta")):
-                    weights.append(path)
+                if table is not None and container is _DICT(module).get(table):
+                    owned.add(key)
+                    if ((table == "_parameters"
+                         or name not in module._non_persistent_buffers_set)
+                            and (t.numel() or t.device.type == "meta")):
+                        weights.append(path)
                 if ptr is None:
                     continue  # no storage to move (sparse, a wrapper subclass)
                 if table is None or stride is None:
@@ -113,6 +117,9 @@ class ModelMap:
         inputs), zero-size ones left out."""
         self.weight_keys = frozenset(self.by_path[p] for p in weights) - {0}
         """Storage keys of the weights."""
+        self.table_keys = frozenset(owned) - {0}
+        """Storage keys of every parameter and buffer (the weights, and buffers no
+        checkpoint holds)."""
         self.key_set = frozenset(self.keys)
         """The storage keys of `keys`, as one set kept with the walk: every load watches
         it (the compiled tracker reads a set it was given before once)."""
@@ -148,6 +155,10 @@ class ModelMap:
         # What the compiled pass remembers of each module dict and table it passed (its
         # version tag): one that kept its tag is not looked into again.
         self._looked = bytearray(24 * (len(self._modules) + len(self._table_ids)))
+        self.foreign: Any = None
+        """The model's weights as another model's recording reads them (`Binder.foreign`),
+        made when first asked for and kept with the walk (while it holds, no parameter or
+        buffer was added, removed, rebound or moved)."""
 
     def holds(self) -> bool:
         """Whether the model still has exactly the tensors and storages walked."""

@@ -21,6 +21,7 @@ from graphsafe._declare.decorators import class_registries
 from graphsafe._declare.registry import Registry, default_registry
 from graphsafe._declare.spec import Derivation, Drift
 from graphsafe._errors import GraphSafetyError, RegistrationError, StaleError, StorageMovedError
+from graphsafe._lineage.resolve import Foreign, foreign_of
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.walk import Reach, storage_paths, walk, walk_tensors
 from graphsafe._runtime.bind.binding import Binding, bind
@@ -200,6 +201,15 @@ class Binder:
             found = self._map = ModelMap(self.model)
             self._agreed = False
         return found
+
+    def foreign(self) -> Foreign:
+        """The model's weights as a recording of another bound model reads them
+        (`foreign_of`), kept with the walk while it holds: every recorded load of another
+        model asks for them, and finding them anew costs a pass over every module."""
+        found = self.model_map()
+        if found.foreign is None:
+            found.foreign = foreign_of(self.model)
+        return found.foreign  # type: ignore[no-any-return]
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor of the model."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from graphsafe._lineage.record.recorder import DERIVED_COPY, Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import Site, ValueSite, storage_key, walk_values
+from graphsafe._memory.walk import Site, ValueSite, storage_key, storage_rows, walk_values
 
 __all__ = [
     "COMPUTED", "NOTHING", "Foreign", "Found", "Rewrite", "Source", "arguments_now", "atoms_of",
@@ -59,17 +59,27 @@ class Found(NamedTuple):
 
 
 def sources_of(model: nn.Module) -> dict[int, Source]:
-    """Every parameter and buffer of `model` by storage identity (the first path of each)."""
+    """Every parameter and buffer of `model` by storage identity (the first path of each,
+    in `named_modules(remove_duplicate=False)` order)."""
+    held: list[tuple[str, dict[str, Any], str, torch.Tensor]] = []
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:  # depth first, in registration order, a shared module at each binding
+        head, module = stack.pop()
+        for table in (module._parameters, module._buffers):
+            held += [(head + name, table, name, t) for name, t in table.items()
+                     if isinstance(t, torch.Tensor)]
+        children = [(f"{head}{k}.", child) for k, child in module._modules.items()
+                    if child is not None]
+        stack += reversed(children)
+    tensors = [t for *_, t in held]
     found: dict[int, Source] = {}
     with PLAIN():
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            head = f"{prefix}." if prefix else ""
-            for table in (module._parameters, module._buffers):
-                for name, t in table.items():
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                        sid = sid_of(t)
-                        if sid and sid not in found:
-                            found[sid] = Source(head + name, table, name, sid)
+        rows = storage_rows(tensors)  # one compiled call, where the compiled checks are built
+        sids = [row[0] for row in rows] if rows is not None else list(map(sid_of, tensors))
+        metas = [t.is_meta for t in tensors]
+    for (path, table, name, _), sid, meta in zip(held, sids, metas, strict=True):
+        if sid and not meta and sid not in found:
+            found[sid] = Source(path, table, name, sid)
     return found
 
 
@@ -158,6 +168,20 @@ def trace(
     """The sources `writer`'s result was computed from, the op chain from the first of
     them, and whether a value left torch on the way (a handle)."""
     found: dict[int, Source] = {}
+    first: str | None = None
+    for a in writer.reads():  # most read only sources, or what no call wrote: one step
+        src = sources.get(a.sid)
+        if src is None:
+            if a.writer is not None:
+                break  # written by a call: followed below
+        else:
+            if first is None:
+                first = src.path
+            found.setdefault(src.sid, src)
+    else:
+        return (tuple(found.values()), () if first is None else (first, writer.name),
+                writer.opaque)
+    found = {}
     opaque = False
     chains: dict[int, tuple[str, ...] | None] = {}
 
@@ -199,8 +223,13 @@ def find(
     out: list[Found] = []
     taken: set[int] = set()
     sites = list(sites)
-    with PLAIN():  # once, not per site
-        sids = [sid_of(site.tensor) for site in sites]
+    tensors = [site.tensor for site in sites]
+    rows = storage_rows(tensors)  # one compiled call, where the compiled checks are built
+    if rows is not None:
+        sids = [row[0] for row in rows]
+    else:
+        with PLAIN():  # once, not per site
+            sids = [sid_of(t) for t in tensors]
     for site, sid in zip(sites, sids):
         if sid not in among or sid in taken or sid in sources:
             continue

@@ -48,6 +48,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from graphsafe import _native
+
 __all__ = [
     "Attr",
     "Cell",
@@ -60,6 +62,7 @@ __all__ = [
     "ValueSite",
     "step",
     "storage_key",
+    "storage_rows",
     "storage_paths",
     "walk",
     "walk_modules",
@@ -625,6 +628,16 @@ def _join(path: str, holder: Any, key: Any) -> str:
     if kind is Cell:
         return f"{path}.<closure {key.name}>"
     return f"{path}.{key}"
+
+
+def storage_rows(tensors: list[torch.Tensor]
+                 ) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
+    """`(storage identity, storage_key, data_ptr(), stride())` of each tensor, in one
+    compiled call (the storage identity is `untyped_storage()._cdata`); None where the
+    compiled checks are not built, or where one of the tensors is not a plain strided
+    tensor with a storage (the caller reads each apart, as it would without them)."""
+    native = _native.get()
+    return None if native is None else native.storage_rows(tensors)
 
 
 def storage_key(t: torch.Tensor) -> int:

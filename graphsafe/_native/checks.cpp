@@ -600,6 +600,81 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
   return PyBool_FromLong(same);
 }
 
+// storage_rows(tensors: list) -> list[(sid, key, ptr, strides)] | None: for each tensor,
+// what graphsafe reads of it in Python, in one call: `sid_of` (its StorageImpl's
+// address, `untyped_storage()._cdata`), `storage_key` (the storage's address, 0 when it
+// has no bytes), `data_ptr()` and `stride()`. None when one of them is not a plain
+// strided tensor with a storage (sparse, a subclass that dispatches in Python): the
+// caller reads each apart in Python, as it would have.
+PyObject* storage_rows(PyObject* /*self*/, PyObject* tensors) {
+  if (!PyList_Check(tensors)) {
+    PyErr_SetString(PyExc_TypeError, "storage_rows takes a list of tensors");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyList_GET_ITEM(tensors, i);
+    const c10::StorageImpl* storage = nullptr;
+    c10::TensorImpl* impl = nullptr;
+    if (is_tensor(obj)) {
+      impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+      if (impl->has_storage() && impl->layout() == c10::kStrided &&
+          !impl->is_python_dispatch()) {
+        try {
+          storage = impl->storage().unsafeGetStorageImpl();  // throws where Python would
+        } catch (...) {
+          storage = nullptr;
+        }
+      }
+    }
+    uintptr_t base = 0;
+    bool read = storage != nullptr;
+    if (read) {
+      try {
+        base = reinterpret_cast<uintptr_t>(storage->data_ptr().get());
+      } catch (...) {
+        read = false;
+      }
+    }
+    if (!read) {
+      Py_DECREF(out);
+      Py_RETURN_NONE;
+    }
+    const uintptr_t key = storage->nbytes() != 0 ? base : 0;
+    const uintptr_t ptr = impl->numel() == 0
+        ? 0 : base + impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
+    const c10::IntArrayRef strides = impl->strides();
+    PyObject* stride = PyTuple_New(static_cast<Py_ssize_t>(strides.size()));
+    PyObject* row = nullptr;
+    if (stride != nullptr) {
+      bool filled = true;
+      for (size_t d = 0; d < strides.size() && filled; ++d) {
+        PyObject* v = PyLong_FromLongLong(strides[d]);
+        filled = v != nullptr;
+        if (filled) {
+          PyTuple_SET_ITEM(stride, static_cast<Py_ssize_t>(d), v);
+        }
+      }
+      if (filled) {
+        row = Py_BuildValue(
+            "(KKKO)", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(storage)),
+            static_cast<unsigned long long>(key), static_cast<unsigned long long>(ptr), stride);
+      }
+      Py_DECREF(stride);
+    }
+    if (row == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, row);
+  }
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
@@ -608,6 +683,7 @@ PyMethodDef methods[] = {
     {"alive", alive, METH_O, "Whether every weak reference still has its object."},
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
+    {"storage_rows", storage_rows, METH_O, "(sid, key, ptr, strides) of each tensor."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -100,34 +100,62 @@ class Call:
     @property
     def name(self) -> str:
         """The op's name for messages (`aten.t`, `_C.convert_weight_packed`)."""
-        schema = getattr(self.func, "_schema", None)
-        name = schema.name if schema is not None else str(self.func)
-        ns, _, op = name.partition("::")
-        return f"{ns}.{op}" if op else name
+        func = self.func
+        if type(func) is _OpOverload:  # most: named once per op
+            name = _OP_NAMES.get(func)
+            if name is None:
+                name = _OP_NAMES[func] = _name_of(func)
+            return name
+        return _name_of(func)
 
-    def inputs(self) -> Iterator[Arg]:
+    def inputs(self) -> list[Arg]:
         """Every tensor argument."""
-        return _args(self.args, self.kwargs, frozenset())
+        return _args(self.args, self.kwargs, _NONE)
 
-    def reads(self) -> Iterator[Arg]:
+    def reads(self) -> list[Arg]:
         """Every tensor argument the op reads: not what it only overwrites (the
         destination of `copy_`, `fill_`, `zero_`; an `out=`)."""
-        overwritten = set(self.mutated) if self.name in _OVERWRITES else {
-            w for w in self.mutated if isinstance(w, str)}
-        return _args(self.args, self.kwargs, frozenset(overwritten))
+        mutated = self.mutated
+        if not mutated:
+            return _args(self.args, self.kwargs, _NONE)
+        overwritten = frozenset(mutated) if self.name in _OVERWRITES else frozenset(
+            w for w in mutated if isinstance(w, str))
+        return _args(self.args, self.kwargs, overwritten)
+
+
+_NONE: frozenset[int | str] = frozenset()
+
+
+_OpOverload = torch._ops.OpOverload
+_OP_NAMES: dict[Any, str] = {}
+"""`Call.name` of each op (torch's ops live as long as the process)."""
+
+
+def _name_of(func: Any) -> str:
+    schema = getattr(func, "_schema", None)
+    name = schema.name if schema is not None else str(func)
+    ns, _, op = name.partition("::")
+    return f"{ns}.{op}" if op else name
 
 
 def _args(args: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[int | str]
-          ) -> Iterator[Arg]:
+          ) -> list[Arg]:
     """The tensor arguments (`Arg`s, in lists too), but those at the positions or
     keywords of `skip`."""
-    for where, a in (*enumerate(args), *kwargs.items()):
-        if where in skip:
-            continue
-        if isinstance(a, Arg):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (x for x in a if isinstance(x, Arg))
+    out: list[Arg] = []
+    for where, a in enumerate(args):
+        if type(a) is Arg:  # an `Arg` is a tuple: told apart first
+            if where not in skip:
+                out.append(a)
+        elif isinstance(a, (list, tuple)) and where not in skip:
+            out += [x for x in a if type(x) is Arg]
+    for name, a in kwargs.items():
+        if type(a) is Arg:
+            if name not in skip:
+                out.append(a)
+        elif isinstance(a, (list, tuple)) and name not in skip:
+            out += [x for x in a if type(x) is Arg]
+    return out
 
 
 _OVERWRITES = frozenset({"aten.copy_", "aten.fill_", "aten.zero_"})

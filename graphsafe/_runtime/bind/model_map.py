@@ -28,7 +28,16 @@ from torch import nn
 
 from graphsafe import _native
 from graphsafe._memory.snapshot import PLAIN, Identities
-from graphsafe._memory.walk import Reach, Ref, Site, step, storage_key, walk, walk_modules
+from graphsafe._memory.walk import (
+    Reach,
+    Ref,
+    Site,
+    step,
+    storage_key,
+    storage_rows,
+    walk,
+    walk_modules,
+)
 
 __all__ = ["ModelMap", "ModelStorages"]
 
@@ -247,6 +256,7 @@ class ModelMap:
 
 _Row = tuple[int, int | None, tuple[int, ...] | None]
 _TENSOR = operator.attrgetter("tensor")
+_KEY_PTR_STRIDE = operator.itemgetter(1, 2, 3)
 _UNTYPED = torch.Tensor.untyped_storage
 _NBYTES = torch.UntypedStorage.nbytes
 _STORAGE_PTR = torch.UntypedStorage.data_ptr
@@ -259,6 +269,9 @@ def _read_all(sites: list[Site]) -> list[_Row] | None:
     (maps of C calls: a walk of thousands of tensors); None when one of them cannot be
     read so (a wrapper subclass, a sparse tensor): `_read_one` reads each apart."""
     tensors = list(map(_TENSOR, sites))
+    rows = storage_rows(tensors)  # one compiled call, where the compiled checks are built
+    if rows is not None:
+        return list(map(_KEY_PTR_STRIDE, rows))
     try:
         with PLAIN():
             storages = list(map(_UNTYPED, tensors))

@@ -381,7 +381,8 @@ class _Walker:
                     if value.__dict__ and _enterable(value):  # most hold nothing at all
                         self._visit(module, container, name, head + name, value)
                     else:
-                        self.sites.append(Site(head + name, module, container, name, (), value))
+                        self.sites.append(
+                            _new(Site, (head + name, module, container, name, (), value, -1)))
             attrs = module.__dict__
             for name, value in tuple(attrs.items()):
                 if name in _MODULE_INTERNALS:
@@ -404,7 +405,8 @@ class _Walker:
                     if value.__dict__ and _enterable(value):
                         self._visit(module, container, name, head + name, value)
                     else:
-                        self.sites.append(Site(head + name, module, container, name, (), value))
+                        self.sites.append(
+                            _new(Site, (head + name, module, container, name, (), value, -1)))
             attrs = module.__dict__
             for name, value in tuple(attrs.items()):
                 if name not in _MODULE_INTERNALS and type(value) not in _ATOMS:
@@ -431,12 +433,12 @@ class _Walker:
                     self.values.append(ValueSite(path, module, container, key, chain, value))
                 continue
             if isinstance(value, torch.Tensor):
-                sites.append(Site(path, module, container, key, chain, value, via))
+                sites.append(_new(Site, (path, module, container, key, chain, value, via)))
                 if not value.__dict__ or not _enterable(value):
                     continue
                 # A parameter's own attributes: entered once, every reference recorded.
                 index = len(refs)
-                refs.append(Ref(path, module, container, key, chain, value, via))
+                refs.append(_new(Ref, (path, module, container, key, chain, value, via)))
                 if id(value) in entered:
                     continue
                 entered.add(id(value))
@@ -447,7 +449,7 @@ class _Walker:
                 if wanted is not None and wanted(value):
                     self.values.append(ValueSite(path, module, container, key, chain, value))
                 index = len(refs)
-                refs.append(Ref(path, module, container, key, chain, value, via))
+                refs.append(_new(Ref, (path, module, container, key, chain, value, via)))
                 if id(value) in entered:
                     continue  # entered once; this reference is recorded all the same
                 entered.add(id(value))
@@ -527,6 +529,8 @@ class _Walker:
 
 def _holds_model(children: list[tuple[Any, Any]], model: nn.Module) -> bool:
     """Whether `model` is among `children` (an object that holds the root: not entered)."""
+    if len(children) < 8:  # most: a few cells and defaults
+        return any(child is model for _, child in children)
     return any(map(operator.is_, map(_SECOND, children), itertools.repeat(model)))
 
 
@@ -571,13 +575,20 @@ def _function_children(value: types.FunctionType) -> list[tuple[Any, Any]]:
             except ValueError:  # an empty cell
                 continue
     if value.__defaults__:
-        out.append((Field("__defaults__"), value.__defaults__))
+        out.append((_DEFAULTS, value.__defaults__))
     if value.__kwdefaults__:
-        out.append((Field("__kwdefaults__"), value.__kwdefaults__))
+        out.append((_KWDEFAULTS, value.__kwdefaults__))
     attrs = value.__dict__
     if attrs:
         out += [(Attr(n), v) for n, v in tuple(attrs.items())]
     return out
+
+
+_DEFAULTS = Field("__defaults__")
+_KWDEFAULTS = Field("__kwdefaults__")
+_new = tuple.__new__
+"""Builds a `Site` or `Ref` from all its fields, without the named tuple's own `__new__`
+(a Python call per tensor and per object of a walk)."""
 
 
 def _kept(wanted: Callable[[Any], bool] | None, atom: Any) -> bool:

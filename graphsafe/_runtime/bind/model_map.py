@@ -102,8 +102,13 @@ class ModelMap:
                     keys[key] = path
                 if chain:  # held through an object on the way: no table of a module
                     if ptr is not None:
-                        nested.append((at[id(module)], *_from_dict(site, tables_at), id(t),
-                                       ptr, site.via))
+                        table = tables_at.get(id(container))
+                        if table is None:  # most: what an attribute holds
+                            nested.append((at[id(module)], name, chain, id(t), ptr,
+                                           site.via))
+                        else:
+                            nested.append((at[id(module)], *_from_dict(site, tables_at),
+                                           id(t), ptr, site.via))
                     continue
                 # A weight: a parameter, or a buffer not marked non-persistent.
                 table = tables_at.get(id(container))
@@ -155,11 +160,15 @@ class ModelMap:
         # kept alive by this record.
         # Each is read in one step from the object on the way that holds it (`via`, read
         # before it: the walk lists parents first), or from its module's dict.
-        self._refs = [(at[id(r.module)], *_from_dict(r, tables_at), id(r.obj), r.via)
-                      for r in reach.refs]
+        self._refs = [
+            (at[id(r.module)], r.key, r.chain, id(r.obj), r.via)
+            if id(r.container) not in tables_at
+            else (at[id(r.module)], *_from_dict(r, tables_at), id(r.obj), r.via)
+            for r in reach.refs]
         # What each object on the way holds is read from the walk just made: it is what
         # its path leads to now.
-        self._lens = [*map(len, dicts), *map(len, tables), *[_size(r.obj) for r in reach.refs]]
+        self._lens = [*map(len, dicts), *map(len, tables), *[
+            len(o) if type(o) in _SIZED else _size(o) for o in map(_OBJ, reach.refs)]]
         self._native = _native.get()
         # What the compiled pass remembers of each module dict and table it passed (its
         # version tag): one that kept its tag is not looked into again.
@@ -256,6 +265,8 @@ class ModelMap:
 
 _Row = tuple[int, int | None, tuple[int, ...] | None]
 _TENSOR = operator.attrgetter("tensor")
+_OBJ = operator.attrgetter("obj")
+_SIZED = frozenset({list, tuple, dict})
 _KEY_PTR_STRIDE = operator.itemgetter(1, 2, 3)
 _UNTYPED = torch.Tensor.untyped_storage
 _NBYTES = torch.UntypedStorage.nbytes

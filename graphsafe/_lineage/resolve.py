@@ -303,8 +303,8 @@ def find_rewrites(lineage: Lineage, sources: dict[int, Source],
     out = []
     for sid, writes in lineage.weight_writes.items():
         weight = sources.get(sid)
-        if weight is None or sid in derived:
-            continue
+        if weight is None or sid in derived or writes[-1][2] is None:
+            continue  # last written by a load (most): nothing after it
         named = [_written_as(op, call, weights) for op, _, call in writes]
         after = len(named)
         while after and named[after - 1] is not None:
@@ -325,7 +325,9 @@ def _rebound(lineage: Lineage, sources: dict[int, Source],
     tensor it computed from that parameter (a prepacked copy put in the loaded weight's
     place, the loader kept: vLLM's `replace_parameter`): a later load writes its values
     raw into the packed layout."""
-    out = []
+    out: list[Rewrite] = []
+    if not lineage.replaced:  # most: no parameter was bound in place of another
+        return out
     for sid, weight in sources.items():
         old = lineage.replaced.get(sid)
         last = lineage.writers.get(sid)

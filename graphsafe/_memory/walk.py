@@ -164,6 +164,8 @@ class Reach(NamedTuple):
     sites: list[Site]
     refs: list[Ref]
     values: list[ValueSite] | None = None
+    modules: list[nn.Module] | None = None
+    """Each module of the tree once, at its first binding, in `walk_modules`' order."""
 
 
 class ValueSite(NamedTuple):
@@ -298,15 +300,24 @@ def walk_values(model: nn.Module, wanted: Callable[[Any], bool]) -> list[ValueSi
 
 def _each_module(model: nn.Module) -> tuple[set[int], list[tuple[str, nn.Module]]]:
     """The ids of the tree's modules, and each module once (at its first binding) with
-    its path prefix (`"layers.0."`, `""` for the root)."""
-    modules = list(walk_modules(model))
-    done: set[int] = set()
-    each = []
-    for where in modules:
-        if id(where.module) not in done:
-            done.add(id(where.module))
-            each.append((f"{where.path}." if where.path else "", where.module))
-    return {id(s.module) for s in modules}, each
+    its path prefix (`"layers.0."`, `""` for the root): `walk_modules`' order, without a
+    generator per module (a flagship model has thousands)."""
+    each = [("", model)]
+    tree = {id(model)}
+    stack = [("", iter(tuple(model._modules.items())))]
+    while stack:
+        head, items = stack[-1]
+        for key, child in items:
+            if child is None or id(child) in tree:
+                continue  # a module shared: its own submodules under its first path
+            tree.add(id(child))
+            prefix = f"{head}{key}."
+            each.append((prefix, child))
+            stack.append((prefix, iter(tuple(child._modules.items()))))
+            break
+        else:
+            stack.pop()
+    return tree, each
 
 
 # Types whose instances hold no tensor the walk could find: one set lookup per value.
@@ -391,7 +402,8 @@ class _Walker:
                     self._visit(module, attrs, name, head + name, value)
                 elif wanted is not None and wanted(value):
                     self.values.append(ValueSite(head + name, module, attrs, name, (), value))
-        return Reach(self.sites, self._needed(), None if wanted is None else self.values)
+        return Reach(self.sites, self._needed(), None if wanted is None else self.values,
+                     [module for _, module in each])
 
     def sites_only(self) -> list[Site]:
         """`run`'s sites, without sorting out its refs (what a caller of tensors alone

@@ -79,7 +79,8 @@ class ModelMap:
 
     def __init__(self, model: nn.Module, reach: Reach | None = None) -> None:
         reach = walk(model) if reach is None else reach  # `reach`: a walk of it just made
-        modules = list(dict.fromkeys(s.module for s in walk_modules(model)))
+        modules = reach.modules if reach.modules is not None else list(
+            dict.fromkeys(s.module for s in walk_modules(model)))
         at = {id(m): i for i, m in enumerate(modules)}
         self.keys: dict[int, str] = {}
         """Storage key -> the first path holding it (every storage with bytes)."""

@@ -124,8 +124,6 @@ class Call:
 
 
 _NONE: frozenset[int | str] = frozenset()
-
-
 _OpOverload = torch._ops.OpOverload
 _OP_NAMES: dict[Any, str] = {}
 """`Call.name` of each op (torch's ops live as long as the process)."""
@@ -143,17 +141,12 @@ def _args(args: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[int | s
     """The tensor arguments (`Arg`s, in lists too), but those at the positions or
     keywords of `skip`."""
     out: list[Arg] = []
-    for where, a in enumerate(args):
+    for where, a in (*enumerate(args), *kwargs.items()):
+        if where in skip:
+            continue
         if type(a) is Arg:  # an `Arg` is a tuple: told apart first
-            if where not in skip:
-                out.append(a)
-        elif isinstance(a, (list, tuple)) and where not in skip:
-            out += [x for x in a if type(x) is Arg]
-    for name, a in kwargs.items():
-        if type(a) is Arg:
-            if name not in skip:
-                out.append(a)
-        elif isinstance(a, (list, tuple)) and name not in skip:
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
             out += [x for x in a if type(x) is Arg]
     return out
 

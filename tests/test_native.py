@@ -933,3 +933,56 @@ def test_the_loader_makes_the_cache_private(
     for directory in (tmp_path / "new", root, root / "native"):
         assert directory.stat().st_mode & 0o777 == 0o700, directory
     assert (tmp_path / "plain").stat().st_mode & 0o777 == 0o777
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.int64,
+           torch.complex64, torch.float8_e4m3fn]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(_DTYPES), shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    start=st.integers(0, 3), transpose=st.booleans(), meta=st.booleans(),
+    parameter=st.booleans(),
+)
+def test_the_compiled_storage_reads_are_the_python_ones(
+    dtype: torch.dtype, shape: list[int], start: int, transpose: bool, meta: bool,
+    parameter: bool,
+) -> None:
+    """`storage_rows` and `storage_ids` (what a recorded load's end reads of thousands of
+    tensors in one call) give, for any plain tensor, what graphsafe reads in Python: the
+    storage identity, the storage key, `data_ptr()` and `stride()`; views at an offset, a
+    transposed view, empty and meta tensors included."""
+    from graphsafe._lineage.record.recorder import sid_of
+    from graphsafe._memory.walk import storage_key
+
+    with _native.using(True):
+        native = _native.get()
+    assert native is not None
+    base = torch.zeros(start + 6 * 6 * 6, dtype=dtype, device="meta" if meta else "cpu")
+    n = 1
+    for size in shape:
+        n *= size
+    t = base[start:start + n].view(shape)  # `[]`: a 0-d view of one element
+    if transpose and t.dim() >= 2:
+        t = t.transpose(0, 1)
+    if parameter and dtype.is_floating_point:
+        t = nn.Parameter(t, requires_grad=False)
+    tensors = [t, base, torch.ones(3)]
+    python = [(sid_of(x), storage_key(x), x.data_ptr(), x.stride()) for x in tensors]
+    assert native.storage_rows(tensors) == python
+    assert native.storage_ids(tensors) == [row[0] for row in python]
+
+
+def test_control_what_the_compiled_storage_reads_cannot_read_is_left_to_python() -> None:
+    """A sparse tensor among them: neither call answers (None), so the caller reads each
+    apart in Python, as it would have; and their answers are not the same numbers for
+    two views of one storage at other offsets (the pointer is the view's)."""
+    with _native.using(True):
+        native = _native.get()
+    assert native is not None
+    dense = torch.arange(8.0)
+    assert native.storage_rows([dense, torch.eye(2).to_sparse()]) is None
+    assert native.storage_ids([torch.eye(2).to_sparse()]) is None
+    a, b = native.storage_rows([dense[:4], dense[4:]])
+    assert a[0] == b[0] and a[1] == b[1] and b[2] - a[2] == 16

@@ -22,7 +22,7 @@ from torch import nn
 
 from graphsafe._lineage.record.recorder import DERIVED_COPY, Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import Site, ValueSite, storage_key, storage_rows, walk_values
+from graphsafe._memory.walk import Site, ValueSite, storage_ids, storage_key, walk_values
 
 __all__ = [
     "COMPUTED", "NOTHING", "Foreign", "Found", "Rewrite", "Source", "arguments_now", "atoms_of",
@@ -74,8 +74,9 @@ def sources_of(model: nn.Module) -> dict[int, Source]:
     tensors = [t for *_, t in held]
     found: dict[int, Source] = {}
     with PLAIN():
-        rows = storage_rows(tensors)  # one compiled call, where the compiled checks are built
-        sids = [row[0] for row in rows] if rows is not None else list(map(sid_of, tensors))
+        sids = storage_ids(tensors)  # one compiled call, where the compiled checks are built
+        if sids is None:
+            sids = list(map(sid_of, tensors))
         metas = [t.is_meta for t in tensors]
     for (path, table, name, _), sid, meta in zip(held, sids, metas, strict=True):
         if sid and not meta and sid not in found:
@@ -224,10 +225,8 @@ def find(
     taken: set[int] = set()
     sites = list(sites)
     tensors = [site.tensor for site in sites]
-    rows = storage_rows(tensors)  # one compiled call, where the compiled checks are built
-    if rows is not None:
-        sids = [row[0] for row in rows]
-    else:
+    sids = storage_ids(tensors)  # one compiled call, where the compiled checks are built
+    if sids is None:
         with PLAIN():  # once, not per site
             sids = [sid_of(t) for t in tensors]
     for site, sid in zip(sites, sids):

@@ -61,6 +61,7 @@ __all__ = [
     "Slot",
     "ValueSite",
     "step",
+    "storage_ids",
     "storage_key",
     "storage_rows",
     "storage_paths",
@@ -661,6 +662,12 @@ def storage_rows(tensors: list[torch.Tensor]
     tensor with a storage (the caller reads each apart, as it would without them)."""
     native = _native.get()
     return None if native is None else native.storage_rows(tensors)
+
+
+def storage_ids(tensors: list[torch.Tensor]) -> list[int] | None:
+    """The first of each of `storage_rows`' rows alone (None as it gives None)."""
+    native = _native.get()
+    return None if native is None else native.storage_ids(tensors)
 
 
 def storage_key(t: torch.Tensor) -> int:

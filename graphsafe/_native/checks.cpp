@@ -600,15 +600,34 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
   return PyBool_FromLong(same);
 }
 
+// The StorageImpl of a plain strided tensor with a storage, as graphsafe reads it in
+// Python (`untyped_storage()`); nullptr for anything else (sparse, a subclass that
+// dispatches in Python, a storage that refuses access).
+const c10::StorageImpl* plain_storage(PyObject* obj, c10::TensorImpl** impl_out) {
+  if (!is_tensor(obj)) {
+    return nullptr;
+  }
+  c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+  if (!impl->has_storage() || impl->layout() != c10::kStrided || impl->is_python_dispatch()) {
+    return nullptr;
+  }
+  *impl_out = impl;
+  try {
+    return impl->storage().unsafeGetStorageImpl();  // throws where Python would
+  } catch (...) {
+    return nullptr;
+  }
+}
+
 // storage_rows(tensors: list) -> list[(sid, key, ptr, strides)] | None: for each tensor,
 // what graphsafe reads of it in Python, in one call: `sid_of` (its StorageImpl's
 // address, `untyped_storage()._cdata`), `storage_key` (the storage's address, 0 when it
 // has no bytes), `data_ptr()` and `stride()`. None when one of them is not a plain
-// strided tensor with a storage (sparse, a subclass that dispatches in Python): the
-// caller reads each apart in Python, as it would have.
-PyObject* storage_rows(PyObject* /*self*/, PyObject* tensors) {
+// strided tensor with a storage: the caller reads each apart in Python, as it would have.
+// storage_ids(tensors: list) -> list[int] | None: the first of each row alone.
+PyObject* rows_of(PyObject* tensors, bool full) {
   if (!PyList_Check(tensors)) {
-    PyErr_SetString(PyExc_TypeError, "storage_rows takes a list of tensors");
+    PyErr_SetString(PyExc_TypeError, "takes a list of tensors");
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
@@ -617,23 +636,11 @@ PyObject* storage_rows(PyObject* /*self*/, PyObject* tensors) {
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = PyList_GET_ITEM(tensors, i);
-    const c10::StorageImpl* storage = nullptr;
     c10::TensorImpl* impl = nullptr;
-    if (is_tensor(obj)) {
-      impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-      if (impl->has_storage() && impl->layout() == c10::kStrided &&
-          !impl->is_python_dispatch()) {
-        try {
-          storage = impl->storage().unsafeGetStorageImpl();  // throws where Python would
-        } catch (...) {
-          storage = nullptr;
-        }
-      }
-    }
+    const c10::StorageImpl* storage = plain_storage(PyList_GET_ITEM(tensors, i), &impl);
     uintptr_t base = 0;
     bool read = storage != nullptr;
-    if (read) {
+    if (read && full) {
       try {
         base = reinterpret_cast<uintptr_t>(storage->data_ptr().get());
       } catch (...) {
@@ -644,35 +651,56 @@ PyObject* storage_rows(PyObject* /*self*/, PyObject* tensors) {
       Py_DECREF(out);
       Py_RETURN_NONE;
     }
+    PyObject* sid = PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(storage));
+    if (sid == nullptr || !full) {
+      if (sid == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      PyList_SET_ITEM(out, i, sid);
+      continue;
+    }
     const uintptr_t key = storage->nbytes() != 0 ? base : 0;
     const uintptr_t ptr = impl->numel() == 0
         ? 0 : base + impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
     const c10::IntArrayRef strides = impl->strides();
+    PyObject* row = PyTuple_New(4);
     PyObject* stride = PyTuple_New(static_cast<Py_ssize_t>(strides.size()));
-    PyObject* row = nullptr;
-    if (stride != nullptr) {
-      bool filled = true;
-      for (size_t d = 0; d < strides.size() && filled; ++d) {
-        PyObject* v = PyLong_FromLongLong(strides[d]);
-        filled = v != nullptr;
-        if (filled) {
-          PyTuple_SET_ITEM(stride, static_cast<Py_ssize_t>(d), v);
-        }
-      }
-      if (filled) {
-        row = Py_BuildValue(
-            "(KKKO)", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(storage)),
-            static_cast<unsigned long long>(key), static_cast<unsigned long long>(ptr), stride);
-      }
-      Py_DECREF(stride);
+    if (row == nullptr || stride == nullptr) {
+      Py_XDECREF(row);
+      Py_XDECREF(stride);
+      Py_DECREF(sid);
+      Py_DECREF(out);
+      return nullptr;
     }
-    if (row == nullptr) {
+    PyTuple_SET_ITEM(row, 0, sid);
+    PyTuple_SET_ITEM(row, 1, PyLong_FromUnsignedLongLong(key));
+    PyTuple_SET_ITEM(row, 2, PyLong_FromUnsignedLongLong(ptr));
+    PyTuple_SET_ITEM(row, 3, stride);
+    bool filled = PyTuple_GET_ITEM(row, 1) != nullptr && PyTuple_GET_ITEM(row, 2) != nullptr;
+    for (size_t d = 0; d < strides.size() && filled; ++d) {
+      PyObject* v = PyLong_FromLongLong(strides[d]);
+      filled = v != nullptr;
+      if (filled) {
+        PyTuple_SET_ITEM(stride, static_cast<Py_ssize_t>(d), v);
+      }
+    }
+    if (!filled) {
+      Py_DECREF(row);
       Py_DECREF(out);
       return nullptr;
     }
     PyList_SET_ITEM(out, i, row);
   }
   return out;
+}
+
+PyObject* storage_rows(PyObject* /*self*/, PyObject* tensors) {
+  return rows_of(tensors, true);
+}
+
+PyObject* storage_ids(PyObject* /*self*/, PyObject* tensors) {
+  return rows_of(tensors, false);
 }
 
 PyMethodDef methods[] = {
@@ -684,6 +712,7 @@ PyMethodDef methods[] = {
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {"storage_rows", storage_rows, METH_O, "(sid, key, ptr, strides) of each tensor."},
+    {"storage_ids", storage_ids, METH_O, "The storage identity of each tensor."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -22,7 +22,14 @@ from torch import nn
 
 from graphsafe._lineage.record.recorder import DERIVED_COPY, Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import Site, ValueSite, storage_ids, storage_key, walk_values
+from graphsafe._memory.walk import (
+    Site,
+    ValueSite,
+    module_prefixes,
+    storage_ids,
+    storage_key,
+    walk_values,
+)
 
 __all__ = [
     "COMPUTED", "NOTHING", "Foreign", "Found", "Rewrite", "Source", "arguments_now", "atoms_of",
@@ -62,15 +69,10 @@ def sources_of(model: nn.Module) -> dict[int, Source]:
     """Every parameter and buffer of `model` by storage identity (the first path of each,
     in `named_modules(remove_duplicate=False)` order)."""
     held: list[tuple[str, dict[str, Any], str, torch.Tensor]] = []
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:  # depth first, in registration order, a shared module at each binding
-        head, module = stack.pop()
+    for head, module in module_prefixes(model):
         for table in (module._parameters, module._buffers):
             held += [(head + name, table, name, t) for name, t in table.items()
                      if isinstance(t, torch.Tensor)]
-        children = [(f"{head}{k}.", child) for k, child in module._modules.items()
-                    if child is not None]
-        stack += reversed(children)
     tensors = [t for *_, t in held]
     found: dict[int, Source] = {}
     with PLAIN():

@@ -40,6 +40,7 @@ import enum
 import functools
 import itertools
 import operator
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -59,6 +60,7 @@ __all__ = [
     "Ref",
     "Site",
     "Slot",
+    "module_prefixes",
     "ValueSite",
     "step",
     "storage_ids",
@@ -297,6 +299,30 @@ def walk_values(model: nn.Module, wanted: Callable[[Any], bool]) -> list[ValueSi
                 for k, child in reversed(children):
                     stack.append((child, _join(path, value, k), (*chain, k)))
     return found
+
+
+def module_prefixes(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`(prefix, module)` of every binding, as `named_modules(remove_duplicate=False)`
+    gives them (a shared module, and what it holds, at each of its paths), each prefix
+    ending in a dot (`""` for the root), without a generator per module.
+
+    Examples:
+        >>> shared = nn.Linear(2, 2)
+        >>> [p for p, _ in module_prefixes(nn.Sequential(shared, nn.Sequential(shared)))]
+        ['', '0.', '1.', '1.0.']
+    """
+    out: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module, int]] = [("", model, 0)]
+    limit = sys.getrecursionlimit()
+    while stack:  # depth first, in registration order
+        head, module, depth = stack.pop()
+        if depth > limit:  # a module inside itself: named_modules would recurse forever
+            raise RecursionError(f"{type(model).__name__}'s modules nest deeper than "
+                                 f"{limit} at {head[:200]}...: a module inside itself?")
+        out.append((head, module))
+        stack += reversed([(f"{head}{key}.", child, depth + 1)
+                           for key, child in module._modules.items() if child is not None])
+    return out
 
 
 def _each_module(model: nn.Module) -> tuple[set[int], list[tuple[str, nn.Module]]]:

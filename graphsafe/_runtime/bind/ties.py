@@ -24,7 +24,7 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError, StaleError
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import storage_key
+from graphsafe._memory.walk import module_prefixes, storage_key
 
 __all__ = ["Ties"]
 
@@ -77,8 +77,7 @@ class Ties:
         # duplicates (a shared module's weights at each of its paths), in one pass.
         params: list[tuple[str, torch.Tensor]] = []
         buffers: list[tuple[str, torch.Tensor]] = []
-        for prefix, m in model.named_modules(remove_duplicate=False):
-            head = f"{prefix}." if prefix else ""
+        for head, m in module_prefixes(model):
             params += [(head + name, t) for name, t in m._parameters.items() if t is not None]
             if m._buffers:
                 skip = m._non_persistent_buffers_set

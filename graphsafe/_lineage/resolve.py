@@ -75,15 +75,22 @@ def sources_of(model: nn.Module) -> dict[int, Source]:
                      if isinstance(t, torch.Tensor)]
     tensors = [t for *_, t in held]
     found: dict[int, Source] = {}
+    sids = _sids(tensors)
     with PLAIN():
-        sids = storage_ids(tensors)  # one compiled call, where the compiled checks are built
-        if sids is None:
-            sids = list(map(sid_of, tensors))
         metas = [t.is_meta for t in tensors]
     for (path, table, name, _), sid, meta in zip(held, sids, metas, strict=True):
         if sid and not meta and sid not in found:
             found[sid] = Source(path, table, name, sid)
     return found
+
+
+def _sids(tensors: list[torch.Tensor]) -> list[int]:
+    """`sid_of` each tensor: one compiled call where the compiled checks are built."""
+    sids = storage_ids(tensors)
+    if sids is None:
+        with PLAIN():  # once, not per tensor
+            sids = list(map(sid_of, tensors))
+    return sids
 
 
 class Foreign(NamedTuple):
@@ -95,14 +102,16 @@ class Foreign(NamedTuple):
     keys: frozenset[int]
 
 
-def foreign_of(other: nn.Module) -> Foreign:
-    """`other`'s weights as another model's recording reads them (see `Foreign`)."""
+def foreign_of(other: nn.Module, keys: frozenset[int] | None = None) -> Foreign:
+    """`other`'s weights as another model's recording reads them (see `Foreign`);
+    `keys`: their storage keys where the caller has them (a walk's `table_keys`)."""
     name = type(other).__name__
     found = {sid: src._replace(path=f"{name}:{src.path}")
              for sid, src in sources_of(other).items()}
-    with PLAIN():
-        keys = frozenset(storage_key(t) for src in found.values()
-                         if isinstance(t := src.holder.get(src.key), torch.Tensor))
+    if keys is None:
+        with PLAIN():
+            keys = frozenset(storage_key(t) for src in found.values()
+                             if isinstance(t := src.holder.get(src.key), torch.Tensor))
     return Foreign(found, keys - {0})
 
 
@@ -226,11 +235,7 @@ def find(
     out: list[Found] = []
     taken: set[int] = set()
     sites = list(sites)
-    tensors = [site.tensor for site in sites]
-    sids = storage_ids(tensors)  # one compiled call, where the compiled checks are built
-    if sids is None:
-        with PLAIN():  # once, not per site
-            sids = [sid_of(t) for t in tensors]
+    sids = _sids([site.tensor for site in sites])
     for site, sid in zip(sites, sids):
         if sid not in among or sid in taken or sid in sources:
             continue

@@ -208,7 +208,7 @@ class Binder:
         model asks for them, and finding them anew costs a pass over every module."""
         found = self.model_map()
         if found.foreign is None:
-            found.foreign = foreign_of(self.model)
+            found.foreign = foreign_of(self.model, found.table_keys)
         return found.foreign  # type: ignore[no-any-return]
 
     def tensors(self) -> Iterator[torch.Tensor]:

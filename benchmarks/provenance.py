@@ -29,6 +29,7 @@ from torch import nn
 import graphsafe as gs
 import graphsafe.models.deepseek_v4 as dsv4
 from graphsafe._lineage.record.recorder import RECORDING
+from graphsafe._lineage.window import sweep
 
 __all__ = ["fig11"]
 
@@ -67,6 +68,7 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
         def case() -> float:
             last.clear()
             gc.collect()  # the last sample's model (the figures run with gc paused)
+            sweep()  # and its recording, which the next load would free (3-5 ms on 11a)
             model = make()  # untimed
             last.append(model)
             if not track:

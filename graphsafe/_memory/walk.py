@@ -411,6 +411,9 @@ class _Walker:
     def run(self) -> Reach:
         self.tree, each = _each_module(self.model)
         wanted = self.wanted
+        if self._compiled(each, needed=True):
+            return Reach(self.sites, self.refs, None if wanted is None else self.values,
+                         [module for _, module in each])
         for head, module in each:
             for container in (module._parameters, module._buffers):
                 for name, value in tuple(container.items()):
@@ -436,6 +439,8 @@ class _Walker:
         """`run`'s sites, without sorting out its refs (what a caller of tensors alone
         does not read)."""
         self.tree, each = _each_module(self.model)
+        if self._compiled(each, needed=False):
+            return self.sites
         for head, module in each:
             for container in (module._parameters, module._buffers):
                 for name, value in tuple(container.items()):
@@ -451,6 +456,18 @@ class _Walker:
                 if name not in _MODULE_INTERNALS and type(value) not in _ATOMS:
                     self._visit(module, attrs, name, head + name, value)
         return self.sites
+
+    def _compiled(self, each: list[tuple[str, nn.Module]], *, needed: bool) -> bool:
+        """`run`'s pass over `each`, in one compiled call (`walk.cpp`: the same steps in
+        the same order, asking `_stops`, `_children` and `wanted` as this walk does), and
+        with `needed` the refs `_needed` keeps; False where the compiled checks are not
+        built (the Python pass runs)."""
+        native = _native.get()
+        if native is None:
+            return False
+        self.sites, self.refs, self.values = native.walk_run(
+            self.model, [module for _, module in each], each, self.wanted, _COMPILED, needed)
+        return True
 
     def _visit(self, module: nn.Module, container: Any, key: Any, path: str, value: Any) -> None:
         """Everything reachable from `container[key]` (`value`), depth first, in order;
@@ -678,6 +695,13 @@ def _join(path: str, holder: Any, key: Any) -> str:
     if kind is Cell:
         return f"{path}.<closure {key.name}>"
     return f"{path}.{key}"
+
+
+_COMPILED = (Site, Ref, ValueSite, Attr, Slot, Field, Cell, _ATOMS, _MODULE_INTERNALS,
+             _MODULE_TABLES, torch.Tensor, nn.Parameter, nn.Module, _children, _stops,
+             _DEFAULTS, _KWDEFAULTS)
+"""What the compiled walk (`walk.cpp`) is handed of this one: its records, steps, sets and
+the functions it asks, in the order it reads them."""
 
 
 def storage_rows(tensors: list[torch.Tensor]

@@ -729,6 +729,7 @@ extern "C" PyMODINIT_FUNC GRAPHSAFE_CAT(PyInit_, GRAPHSAFE_NATIVE_ID)(void) {
   PyObject* m = PyModule_Create(&module);
   if (m != nullptr && (PyModule_AddFunctions(m, graphsafe_native::tracker_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::witness_methods) != 0 ||
+                       PyModule_AddFunctions(m, graphsafe_native::walk_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::recorder_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::fingerprint_methods) != 0)) {
     Py_DECREF(m);

@@ -20,6 +20,8 @@
   RecordFunction callback that notes the ops that write, instead of a Python dispatch
   mode's call per op.
 - `fingerprint.cpp`: the fingerprint's sums on a CPU (`_fingerprint`).
+- `walk.cpp`: the walk over a model (`_memory.walk`), step for step as the Python walk,
+  which it asks for what it does not enter itself.
 
 A built library is trusted only once it passes its self-check (`selfcheck`).
 
@@ -81,7 +83,7 @@ __all__ = [
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "checks.cpp", _HERE / "witnesses.cpp", _HERE / "tracker.cpp",
             _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp",
-            _HERE / "recorder.cpp")
+            _HERE / "recorder.cpp", _HERE / "walk.cpp")
 _HEADERS = (_HERE / "sites.h", _HERE / "tracker.h")
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
@@ -92,7 +94,7 @@ _LIBS = ("-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python")
 
 class Native(Protocol):
     """The compiled module's functions (see `checks.cpp`, `witnesses.cpp`, `tracker.cpp`,
-    `observer.cpp`, `strays.cpp`, `recorder.cpp`, `fingerprint.cpp`)."""
+    `observer.cpp`, `strays.cpp`, `recorder.cpp`, `fingerprint.cpp`, `walk.cpp`)."""
 
     def geometry(self, tensors: list[Any], /) -> bytes | None: ...
     def same_geometry(self, tensors: list[Any], expected: bytes, /) -> bool: ...
@@ -122,6 +124,10 @@ class Native(Protocol):
         self, tensors: list[Any], /,
     ) -> list[tuple[int, int, int, tuple[int, ...]]] | None: ...
     def storage_ids(self, tensors: list[Any], /) -> list[int] | None: ...
+    def walk_run(
+        self, model: Any, modules: list[Any], each: list[tuple[str, Any]], wanted: Any,
+        consts: tuple[Any, ...], needed: bool, /,
+    ) -> tuple[list[Any], list[Any], list[Any]]: ...
     def tracker_new(self, watched: Iterable[int], /) -> int: ...
     def tracker_push(self, tracker: int, /) -> None: ...
     def tracker_pop(self, tracker: int, /) -> bool: ...

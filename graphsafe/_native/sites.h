@@ -16,6 +16,9 @@ namespace graphsafe_native {
 // PyModule_AddFunctions expects.
 extern PyMethodDef witness_methods[];
 
+// walk_run (walk.cpp), likewise.
+extern PyMethodDef walk_methods[];
+
 // A real tensor object (torch.Tensor or a subclass), without `isinstance`'s
 // `__instancecheck__` lookups: only such an object can be unpacked.
 inline bool is_tensor(PyObject* obj) {

@@ -703,6 +703,211 @@ PyObject* storage_ids(PyObject* /*self*/, PyObject* tensors) {
   return rows_of(tensors, false);
 }
 
+// map_sites(sites, tables_at, at, from_dict) -> (keys, by_path, weights, owned, direct,
+// nested) | None: the pass of graphsafe/_runtime/bind/model_map.py's ModelMap over a
+// walk's sites, as its Python loop makes it (`_map_sites`), with each tensor read as
+// `storage_rows` reads it; None when one of them is not a plain strided tensor with a
+// storage (the Python loop reads each apart). `tables_at`: id of each module's parameter
+// and buffer table -> its name; `at`: id of each module -> its index; `from_dict(site)`:
+// the key and chain of a site from its module's `__dict__` (`_from_dict`).
+PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
+  PyObject *sites, *tables_at, *at, *from_dict;
+  if (!PyArg_ParseTuple(args, "O!O!O!O", &PyList_Type, &sites, &PyDict_Type, &tables_at,
+                        &PyDict_Type, &at, &from_dict)) {
+    return nullptr;
+  }
+  static PyObject* parameters = PyUnicode_InternFromString("_parameters");
+  static PyObject* non_persistent = PyUnicode_InternFromString("_non_persistent_buffers_set");
+  const Py_ssize_t n = PyList_GET_SIZE(sites);
+  // First, every tensor read: where one cannot be, the Python loop answers.
+  std::vector<c10::TensorImpl*> impls(static_cast<size_t>(n));
+  std::vector<uintptr_t> bases(static_cast<size_t>(n));
+  std::vector<uintptr_t> keys_of(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* site = PyList_GET_ITEM(sites, i);
+    if (!PyTuple_Check(site) || PyTuple_GET_SIZE(site) != 7) {
+      PyErr_SetString(PyExc_TypeError, "map_sites takes a list of Site");
+      return nullptr;
+    }
+    c10::TensorImpl* impl = nullptr;
+    const c10::StorageImpl* storage = plain_storage(PyTuple_GET_ITEM(site, 5), &impl);
+    if (storage == nullptr) {
+      Py_RETURN_NONE;
+    }
+    uintptr_t base = 0;
+    try {
+      base = reinterpret_cast<uintptr_t>(storage->data_ptr().get());
+    } catch (...) {
+      Py_RETURN_NONE;
+    }
+    impls[i] = impl;
+    bases[i] = base;
+    keys_of[i] = storage->nbytes() != 0 ? base : 0;
+  }
+  PyObject* by_path = PyDict_New();
+  PyObject* keys = PyDict_New();
+  PyObject* weights = PyList_New(0);
+  PyObject* owned = PySet_New(nullptr);
+  PyObject* direct = PyList_New(0);
+  PyObject* nested = PyList_New(0);
+  PyObject* out = PyTuple_New(6);
+  if (out == nullptr || by_path == nullptr || keys == nullptr || weights == nullptr ||
+      owned == nullptr || direct == nullptr || nested == nullptr) {
+    Py_XDECREF(out);
+    Py_XDECREF(by_path);
+    Py_XDECREF(keys);
+    Py_XDECREF(weights);
+    Py_XDECREF(owned);
+    Py_XDECREF(direct);
+    Py_XDECREF(nested);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(out, 0, keys);
+  PyTuple_SET_ITEM(out, 1, by_path);
+  PyTuple_SET_ITEM(out, 2, weights);
+  PyTuple_SET_ITEM(out, 3, owned);
+  PyTuple_SET_ITEM(out, 4, direct);
+  PyTuple_SET_ITEM(out, 5, nested);
+  auto fail = [out]() -> PyObject* {
+    Py_DECREF(out);
+    return nullptr;
+  };
+  // A new reference to the int of `obj`'s id.
+  auto id_of = [](PyObject* obj) { return PyLong_FromVoidPtr(obj); };
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* site = PyList_GET_ITEM(sites, i);
+    PyObject* path = PyTuple_GET_ITEM(site, 0);
+    PyObject* module = PyTuple_GET_ITEM(site, 1);
+    PyObject* container = PyTuple_GET_ITEM(site, 2);
+    PyObject* name = PyTuple_GET_ITEM(site, 3);
+    PyObject* chain = PyTuple_GET_ITEM(site, 4);
+    PyObject* t = PyTuple_GET_ITEM(site, 5);
+    PyObject* via = PyTuple_GET_ITEM(site, 6);
+    c10::TensorImpl* impl = impls[i];
+    const uintptr_t base_key = keys_of[i];
+    PyObject* key = PyLong_FromUnsignedLongLong(base_key);
+    if (key == nullptr || PyDict_SetItem(by_path, path, key) != 0 ||
+        (base_key != 0 && PyDict_SetDefault(keys, key, path) == nullptr)) {
+      Py_XDECREF(key);
+      return fail();
+    }
+    // The site's pointer, as `data_ptr()` reads it (`storage_rows`).
+    const uintptr_t ptr = impl->numel() == 0
+        ? 0 : bases[i] + impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
+    PyObject* container_id = id_of(container);
+    PyObject* module_id = id_of(module);
+    PyObject* table = container_id == nullptr ? nullptr : PyDict_GetItemWithError(
+        tables_at, container_id);  // borrowed
+    PyObject* index = module_id == nullptr ? nullptr : PyDict_GetItemWithError(at, module_id);
+    Py_XDECREF(container_id);
+    Py_XDECREF(module_id);
+    if (PyErr_Occurred()) {
+      Py_DECREF(key);
+      return fail();
+    }
+    // `(index, key, chain, id(t), ptr, via)` of a nested site, the key and chain from
+    // the site's own (`plain`) or from its module's dict (`_from_dict`).
+    auto add_nested = [&](bool plain) -> bool {
+      if (index == nullptr) {  // as `at[id(module)]` raises
+        PyErr_SetString(PyExc_KeyError, "a site's module is not among the modules walked");
+        return false;
+      }
+      PyObject* row = nullptr;
+      PyObject* ptr_obj = PyLong_FromUnsignedLongLong(ptr);
+      PyObject* tid = id_of(t);
+      if (ptr_obj != nullptr && tid != nullptr) {
+        if (plain) {
+          row = PyTuple_Pack(6, index, name, chain, tid, ptr_obj, via);
+        } else {
+          PyObject* got = PyObject_CallOneArg(from_dict, site);
+          if (got != nullptr && PyTuple_Check(got) && PyTuple_GET_SIZE(got) == 2) {
+            row = PyTuple_Pack(6, index, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1),
+                               tid, ptr_obj, via);
+          } else if (got != nullptr) {
+            PyErr_SetString(PyExc_TypeError, "from_dict gives (key, chain)");
+          }
+          Py_XDECREF(got);
+        }
+      }
+      Py_XDECREF(ptr_obj);
+      Py_XDECREF(tid);
+      if (row == nullptr) {
+        return false;
+      }
+      const int rc = PyList_Append(nested, row);
+      Py_DECREF(row);
+      return rc == 0;
+    };
+    if (PyTuple_GET_SIZE(chain) != 0) {  // held through an object on the way
+      Py_DECREF(key);
+      if (!add_nested(table == nullptr)) {
+        return fail();
+      }
+      continue;
+    }
+    bool ok = true;
+    if (table != nullptr) {
+      PyObject* attrs = PyObject_GenericGetDict(module, nullptr);
+      PyObject* own = attrs == nullptr ? nullptr : PyDict_GetItemWithError(attrs, table);
+      Py_XDECREF(attrs);
+      if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        return fail();
+      }
+      if (own == container) {  // a weight: a parameter, or a persistent buffer
+        ok = PySet_Add(owned, key) == 0;
+        int weight = 0;
+        const int is_parameters = ok ? PyObject_RichCompareBool(table, parameters, Py_EQ) : -1;
+        if (is_parameters < 0) {
+          ok = false;
+        } else if (is_parameters) {
+          weight = 1;
+        } else {
+          PyObject* kept = PyObject_GetAttr(module, non_persistent);
+          const int in = kept == nullptr ? -1 : PySequence_Contains(kept, name);
+          Py_XDECREF(kept);
+          ok = in >= 0;
+          weight = in == 0;
+        }
+        if (ok && weight && (impl->numel() != 0 || impl->device_type() == c10::kMeta)) {
+          ok = PyList_Append(weights, path) == 0;
+        }
+      }
+    }
+    Py_DECREF(key);
+    if (!ok) {
+      return fail();
+    }
+    if (table == nullptr) {
+      if (!add_nested(false)) {
+        return fail();
+      }
+      continue;
+    }
+    // A module's parameters or buffers: `(container, name, t, ptr, stride)`.
+    const c10::IntArrayRef strides = impl->strides();
+    PyObject* stride = PyTuple_New(static_cast<Py_ssize_t>(strides.size()));
+    PyObject* ptr_obj = PyLong_FromUnsignedLongLong(ptr);
+    bool filled = stride != nullptr && ptr_obj != nullptr;
+    for (size_t d = 0; d < strides.size() && filled; ++d) {
+      PyObject* v = PyLong_FromLongLong(strides[d]);
+      filled = v != nullptr;
+      if (filled) {
+        PyTuple_SET_ITEM(stride, static_cast<Py_ssize_t>(d), v);
+      }
+    }
+    PyObject* row = filled ? PyTuple_Pack(5, container, name, t, ptr_obj, stride) : nullptr;
+    Py_XDECREF(stride);
+    Py_XDECREF(ptr_obj);
+    if (row == nullptr || PyList_Append(direct, row) != 0) {
+      Py_XDECREF(row);
+      return fail();
+    }
+    Py_DECREF(row);
+  }
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
@@ -713,6 +918,7 @@ PyMethodDef methods[] = {
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {"storage_rows", storage_rows, METH_O, "(sid, key, ptr, strides) of each tensor."},
     {"storage_ids", storage_ids, METH_O, "The storage identity of each tensor."},
+    {"map_sites", map_sites, METH_VARARGS, "A model map's pass over a walk's sites."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -65,7 +65,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, Protocol, cast
@@ -124,6 +124,11 @@ class Native(Protocol):
         self, tensors: list[Any], /,
     ) -> list[tuple[int, int, int, tuple[int, ...]]] | None: ...
     def storage_ids(self, tensors: list[Any], /) -> list[int] | None: ...
+    def map_sites(
+        self, sites: list[Any], tables_at: dict[int, str], at: dict[int, int],
+        from_dict: Callable[[Any], tuple[Any, tuple[Any, ...]]], /,
+    ) -> tuple[dict[int, str], dict[str, int], list[str], set[int], list[Any],
+               list[Any]] | None: ...
     def walk_run(
         self, model: Any, modules: list[Any], each: list[tuple[str, Any]], wanted: Any,
         consts: tuple[Any, ...], needed: bool, /,

@@ -18,6 +18,7 @@ check reads what it recorded (`rows`) skips that check as a load begins.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -82,50 +83,12 @@ class ModelMap:
         modules = reach.modules if reach.modules is not None else list(
             dict.fromkeys(s.module for s in walk_modules(model)))
         at = {id(m): i for i, m in enumerate(modules)}
-        self.keys: dict[int, str] = {}
-        """Storage key -> the first path holding it (every storage with bytes)."""
-        self.by_path: dict[str, int] = {}
-        """Dotted path of every tensor -> its storage key (0: no bytes)."""
-        weights: list[str] = []
-        owned: set[int] = set()
-        direct: list[tuple[Any, Any, object, int, tuple[int, ...]]] = []
-        nested: list[tuple[int, Any, tuple[Any, ...], int, int, int]] = []
         tables_at = _tables_by_id(modules)
-        by_path, keys = self.by_path, self.keys
-        sites = reach.sites
-        read = _read_all(sites)
-        with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
-            for site, (key, ptr, stride) in zip(sites, read or map(_read_one, sites),
-                                                strict=True):
-                path, module, container, name, chain, t, _ = site
-                by_path[path] = key
-                if key and key not in keys:
-                    keys[key] = path
-                if chain:  # held through an object on the way: no table of a module
-                    if ptr is not None:
-                        table = tables_at.get(id(container))
-                        if table is None:  # most: what an attribute holds
-                            nested.append((at[id(module)], name, chain, id(t), ptr,
-                                           site.via))
-                        else:
-                            nested.append((at[id(module)], *_from_dict(site, tables_at),
-                                           id(t), ptr, site.via))
-                    continue
-                # A weight: a parameter, or a buffer not marked non-persistent.
-                table = tables_at.get(id(container))
-                if table is not None and container is _DICT(module).get(table):
-                    owned.add(key)
-                    if ((table == "_parameters"
-                         or name not in module._non_persistent_buffers_set)
-                            and (t.numel() or t.device.type == "meta")):
-                        weights.append(path)
-                if ptr is None:
-                    continue  # no storage to move (sparse, a wrapper subclass)
-                if table is None or stride is None:
-                    nested.append((at[id(module)], *_from_dict(site, tables_at), id(t), ptr,
-                                   site.via))
-                else:  # a module's parameters or buffers: tables that hold no module
-                    direct.append((container, name, t, ptr, stride))
+        keys, by_path, weights, owned, direct, nested = _map_sites(reach.sites, tables_at, at)
+        self.keys: dict[int, str] = keys
+        """Storage key -> the first path holding it (every storage with bytes)."""
+        self.by_path: dict[str, int] = by_path
+        """Dotted path of every tensor -> its storage key (0: no bytes)."""
         self.weights: tuple[str, ...] = tuple(weights)
         """Paths of the model's weights: parameters and persistent buffers (what a
         checkpoint holds), those on the meta device included (released transient
@@ -274,6 +237,65 @@ _NBYTES = torch.UntypedStorage.nbytes
 _STORAGE_PTR = torch.UntypedStorage.data_ptr
 _DATA_PTR = torch.Tensor.data_ptr
 _STRIDE = torch.Tensor.stride
+
+
+_Direct = tuple[Any, Any, object, int, tuple[int, ...]]
+_Nested = tuple[int, Any, tuple[Any, ...], int, int, int]
+
+
+def _map_sites(sites: list[Site], tables_at: dict[int, str], at: dict[int, int]) -> tuple[
+        dict[int, str], dict[str, int], list[str], set[int], list[_Direct], list[_Nested]]:
+    """`ModelMap`'s pass over a walk's sites: the first path of each storage key, the key
+    of each path, the weights' paths, the keys of every parameter and buffer, the rows
+    of what the modules' tables hold (`Identities`), and where each tensor held elsewhere
+    is reached from its module (`tables_at`: `_tables_by_id`; `at`: each module's index).
+    One compiled call where the compiled checks are built and every tensor is a plain
+    one (`map_sites`, held to this loop by a property test)."""
+    native = _native.get()
+    if native is not None:
+        found = native.map_sites(sites, tables_at, at,
+                                 functools.partial(_from_dict, tables=tables_at))
+        if found is not None:
+            return found
+    keys: dict[int, str] = {}
+    by_path: dict[str, int] = {}
+    weights: list[str] = []
+    owned: set[int] = set()
+    direct: list[_Direct] = []
+    nested: list[_Nested] = []
+    read = _read_all(sites)
+    with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+        for site, (key, ptr, stride) in zip(sites, read or map(_read_one, sites),
+                                            strict=True):
+            path, module, container, name, chain, t, _ = site
+            by_path[path] = key
+            if key and key not in keys:
+                keys[key] = path
+            if chain:  # held through an object on the way: no table of a module
+                if ptr is not None:
+                    table = tables_at.get(id(container))
+                    if table is None:  # most: what an attribute holds
+                        nested.append((at[id(module)], name, chain, id(t), ptr, site.via))
+                    else:
+                        nested.append((at[id(module)], *_from_dict(site, tables_at),
+                                       id(t), ptr, site.via))
+                continue
+            # A weight: a parameter, or a buffer not marked non-persistent.
+            table = tables_at.get(id(container))
+            if table is not None and container is _DICT(module).get(table):
+                owned.add(key)
+                if ((table == "_parameters"
+                     or name not in module._non_persistent_buffers_set)
+                        and (t.numel() or t.device.type == "meta")):
+                    weights.append(path)
+            if ptr is None:
+                continue  # no storage to move (sparse, a wrapper subclass)
+            if table is None or stride is None:
+                nested.append((at[id(module)], *_from_dict(site, tables_at), id(t), ptr,
+                               site.via))
+            else:  # a module's parameters or buffers: tables that hold no module
+                direct.append((container, name, t, ptr, stride))
+    return keys, by_path, weights, owned, direct, nested
 
 
 def _read_all(sites: list[Site]) -> list[_Row] | None:

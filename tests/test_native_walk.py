@@ -30,7 +30,7 @@ from torch import nn
 
 from graphsafe import _native
 from graphsafe._memory import walk as walk_module
-from graphsafe._memory.walk import Attr, Reach, walk, walk_tensors
+from graphsafe._memory.walk import Attr, Reach, Wanted, walk, walk_tensors
 from graphsafe._runtime.bind import model_map as model_map_module
 from graphsafe._runtime.bind.model_map import ModelMap
 
@@ -234,6 +234,18 @@ def test_the_compiled_walk_finds_what_the_python_walk_finds(recipes: list[Any],
                                                              wanted: str) -> None:
     model = _model(recipes)
     _same(_walked(model, True, _WANTED[wanted]), _walked(model, False, _WANTED[wanted]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(recipes=st.lists(_RECIPES, min_size=1, max_size=5))
+def test_a_wanted_by_kind_is_decided_as_it_is_called(recipes: list[Any]) -> None:
+    """A `Wanted` (numbers, and what the recording saw leave torch, by id: what a
+    recorded load's end asks for) is decided in the compiled walk without calling it:
+    the same values as the Python walk, which calls it."""
+    model = _model(recipes)
+    wanted = Wanted(frozenset({float, bool}),
+                    {id(v): None for k, v in vars(model).items() if k.startswith("x")})
+    _same(_walked(model, True, wanted), _walked(model, False, wanted))
 
 
 def test_the_compiled_walk_on_a_loaded_engine_style_model() -> None:

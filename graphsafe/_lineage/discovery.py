@@ -81,7 +81,7 @@ from graphsafe._lineage.rewrites import Rewrites, Rewritten, rewritten_error
 from graphsafe._lineage.window import TAIL_EPOCH, Window, sweep
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import PLAIN, Witnesses
-from graphsafe._memory.walk import Reach, ValueSite, storage_key
+from graphsafe._memory.walk import Reach, ValueSite, Wanted, storage_key
 
 __all__ = ["AuditItem", "Discovered", "Discovery", "moved_error", "stale_error", "values_wanted"]
 
@@ -702,12 +702,11 @@ class Discovery:
         return True
 
 
-def values_wanted(lineage: Lineage) -> Callable[[object], bool]:
+def values_wanted(lineage: Lineage) -> Wanted:
     """What `Discovery.take` reads of the values a model keeps, after a recorded load
     that made `lineage`: its numbers, and the values the recording saw leave torch (a walk
     that finds them as it finds tensors spares a walk of its own for each)."""
-    made = lineage.values
-    return lambda v: type(v) in _NUMBERS or id(v) in made
+    return Wanted(_NUMBERS, lineage.values)
 
 
 _NUMBERS = frozenset({int, float, bool})

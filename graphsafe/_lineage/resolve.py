@@ -80,8 +80,13 @@ def sources_of(model: nn.Module) -> dict[int, Source]:
         metas = [t.is_meta for t in tensors]
     for (path, table, name, _), sid, meta in zip(held, sids, metas, strict=True):
         if sid and not meta and sid not in found:
-            found[sid] = Source(path, table, name, sid)
+            found[sid] = _new(Source, (path, table, name, sid))
     return found
+
+
+_new = tuple.__new__
+"""Builds a `Source` or `Found` from all its fields, without the named tuple's own
+`__new__` (a Python call per weight, per tensor found)."""
 
 
 def _sids(tensors: list[torch.Tensor]) -> list[int]:
@@ -243,7 +248,7 @@ def find(
         writer = lineage.writers[sid]
         srcs, chain, opaque = trace(writer[0], sources)
         if srcs:
-            out.append(Found(site, srcs, chain, opaque, writer))
+            out.append(_new(Found, (site, srcs, chain, opaque, writer)))
     return out
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "Slot",
     "module_prefixes",
     "ValueSite",
+    "Wanted",
     "step",
     "storage_ids",
     "storage_key",
@@ -181,6 +182,21 @@ class ValueSite(NamedTuple):
     key: Any
     chain: tuple[Any, ...]
     value: Any
+
+
+class Wanted:
+    """What a walk asks for by kind (`walk`'s `wanted`): every value of one of `types`,
+    and every value whose id is a key of `ids`. Called as any `wanted` is; the compiled
+    walk decides it without a Python call per value."""
+
+    __slots__ = ("ids", "types")
+
+    def __init__(self, types: frozenset[type], ids: dict[int, Any]) -> None:
+        self.types = types
+        self.ids = ids
+
+    def __call__(self, value: object) -> bool:
+        return type(value) in self.types or id(value) in self.ids
 
 
 class ModuleSite(NamedTuple):
@@ -699,7 +715,7 @@ def _join(path: str, holder: Any, key: Any) -> str:
 
 _COMPILED = (Site, Ref, ValueSite, Attr, Slot, Field, Cell, _ATOMS, _MODULE_INTERNALS,
              _MODULE_TABLES, torch.Tensor, nn.Parameter, nn.Module, _children, _stops,
-             _DEFAULTS, _KWDEFAULTS)
+             _DEFAULTS, _KWDEFAULTS, Wanted)
 """What the compiled walk (`walk.cpp`) is handed of this one: its records, steps, sets and
 the functions it asks, in the order it reads them."""
 

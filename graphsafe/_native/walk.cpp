@@ -37,6 +37,7 @@ struct Names {
   PyObject* stops;       // _stops
   PyObject* defaults;    // Field("__defaults__")
   PyObject* kwdefaults;  // Field("__kwdefaults__")
+  PyObject* wanted;      // Wanted
 };
 
 // A strong reference released at scope end.
@@ -115,7 +116,19 @@ PyObject* dotted(PyObject* path, PyObject* name) {
 class Walk {
  public:
   Walk(const Names& names, PyObject* model, PyObject* wanted)
-      : n_(names), model_(model), wanted_(wanted == Py_None ? nullptr : wanted) {}
+      : n_(names), model_(model), wanted_(wanted == Py_None ? nullptr : wanted) {
+    // A `Wanted` over a dict of ids: decided here, as its `__call__` decides it.
+    if (wanted_ != nullptr && reinterpret_cast<PyObject*>(Py_TYPE(wanted_)) == n_.wanted) {
+      Ref types(PyObject_GetAttrString(wanted_, "types"));
+      Ref ids(PyObject_GetAttrString(wanted_, "ids"));
+      if (types.get() != nullptr && ids.get() != nullptr &&
+          PyFrozenSet_CheckExact(types.get()) && PyDict_CheckExact(ids.get())) {
+        wanted_types_ = std::move(types);
+        wanted_ids_ = std::move(ids);
+      }
+      PyErr_Clear();  // else it is called, as any `wanted`
+    }
+  }
 
   bool start(PyObject* modules) {
     sites_ = Ref(PyList_New(0));
@@ -665,6 +678,15 @@ class Walk {
     if (wanted_ == nullptr) {
       return 0;
     }
+    if (wanted_types_.get() != nullptr) {  // `type(v) in types or id(v) in ids`
+      const int typed =
+          PySet_Contains(wanted_types_.get(), reinterpret_cast<PyObject*>(Py_TYPE(v)));
+      if (typed != 0 || PyDict_GET_SIZE(wanted_ids_.get()) == 0) {
+        return typed;
+      }
+      Ref id(PyLong_FromVoidPtr(v));
+      return id.get() == nullptr ? -1 : PyDict_Contains(wanted_ids_.get(), id.get());
+    }
     Ref got(PyObject_CallOneArg(wanted_, v));
     return got.get() == nullptr ? -1 : PyObject_IsTrue(got.get());
   }
@@ -716,6 +738,8 @@ class Walk {
   const Names& n_;
   PyObject* model_;
   PyObject* wanted_;
+  Ref wanted_types_;  // a `Wanted`'s
+  Ref wanted_ids_;
   Ref sites_;
   Ref refs_;
   Ref values_;
@@ -744,7 +768,7 @@ PyObject* walk_run(PyObject* /*self*/, PyObject* args) {
                          &names.slot,      &names.field,    &names.cell,       &names.atoms,
                          &names.internals, &names.tables,   &names.tensor,     &names.parameter,
                          &names.module,    &names.children, &names.stops,      &names.defaults,
-                         &names.kwdefaults};
+                         &names.kwdefaults, &names.wanted};
   constexpr Py_ssize_t kFields = sizeof(fields) / sizeof(fields[0]);
   if (PyTuple_GET_SIZE(consts) != kFields) {
     PyErr_SetString(PyExc_TypeError, "walk_run: consts of another walk");

@@ -15,7 +15,6 @@ their memory again.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
@@ -24,7 +23,7 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError, StaleError
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import module_prefixes, storage_key
+from graphsafe._memory.walk import module_prefixes, storage_key, storage_rows
 
 __all__ = ["Ties"]
 
@@ -84,9 +83,12 @@ class Ties:
                 buffers += [(head + name, t) for name, t in m._buffers.items()
                             if t is not None and name not in skip]
         by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        held = params + buffers
+        tensors = [t for _, t in held]
+        rows = storage_rows(tensors)  # one compiled call, where the compiled checks are built
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
-            for path, t in itertools.chain(params, buffers):
-                key = storage_key(t)
+            keys = [r[1] for r in rows] if rows is not None else list(map(storage_key, tensors))
+            for (path, t), key in zip(held, keys, strict=True):
                 if key:
                     by_storage.setdefault(key, []).append((path, t))
             for shared in by_storage.values():  # a tie shares a storage: only those read

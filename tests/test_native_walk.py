@@ -336,3 +336,72 @@ def test_control_a_map_that_drops_a_weight_is_told_apart(
     monkeypatch.setattr(model_map_module._native, "get", lambda: Dropping())
     with pytest.raises(AssertionError):
         assert _map_rows(model, True) == honest
+
+
+def _mutate(model: nn.Module, how: str, pick: int) -> None:
+    """One change to what the model keeps off its tables: an object on the way grown or
+    replaced, or a tensor held through one rebound to other memory."""
+    reach = walk(model)
+    if how == "rebind":
+        held = [s for s in reach.sites if s.chain and type(s.tensor) is torch.Tensor]
+        if held:
+            t = held[pick % len(held)].tensor
+            t.data = torch.randn(t.shape)  # other memory, the same object
+        return
+    objs = [r.obj for r in reach.refs if not isinstance(r.obj, (tuple, torch.Tensor))]
+    if not objs:
+        return
+    obj = objs[pick % len(objs)]
+    if how == "grow":
+        if isinstance(obj, list):
+            obj.append(None)
+        elif isinstance(obj, dict):
+            obj["grown"] = 1
+        elif hasattr(obj, "__dict__") and not isinstance(obj, nn.Module):
+            obj.__dict__["grown"] = 1
+    elif how == "replace" and isinstance(obj, list) and obj:
+        obj[0] = [obj[0]]  # the object at its first place: another one
+
+
+@settings(max_examples=120, deadline=None)
+@given(recipes=st.lists(_RECIPES, min_size=1, max_size=5),
+       how=st.sampled_from(["none", "grow", "rebind", "replace"]), pick=st.integers(0, 50))
+def test_the_compiled_check_of_the_objects_on_the_way_agrees_with_python(
+    recipes: list[Any], how: str, pick: int,
+) -> None:
+    """`same_refs` (what a map's check runs before every load, over every object on the way
+    to tensors: kernel objects, closures) answers as the Python pass, after any change;
+    and says "the same" only when nothing changed."""
+    model = _model(recipes)
+    with _native.using(True):
+        native = _native.get()
+        found = ModelMap(model)
+    assert native is not None
+    _mutate(model, how, pick)
+    n = len(found._modules) + len(found._table_ids)
+    sizes = found._lens[n:]
+    python = found._off_modules_hold(sizes)
+    compiled = native.same_refs(found._modules, found._refs, sizes, found._nested,
+                                model_map_module._STEPS)
+    assert compiled == python
+    if how == "none":
+        assert compiled
+
+
+def test_control_a_rebound_tensor_behind_a_closure_is_seen_by_both() -> None:
+    """A packed copy in a kernel's default rebound to other memory: both passes say the
+    map no longer holds, and so does the map's check."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    packed = torch.ones(2)
+    model[0].kernel = lambda packed=packed: packed
+    with _native.using(True):
+        native = _native.get()
+        found = ModelMap(model)
+        assert found.holds()
+        packed.data = torch.zeros(4)
+        n = len(found._modules) + len(found._table_ids)
+        assert native is not None
+        assert not native.same_refs(found._modules, found._refs, found._lens[n:],
+                                    found._nested, model_map_module._STEPS)
+        assert not found._off_modules_hold(found._lens[n:])
+        assert not found.holds()

@@ -619,6 +619,165 @@ const c10::StorageImpl* plain_storage(PyObject* obj, c10::TensorImpl** impl_out)
   }
 }
 
+// `step(value, key)` of graphsafe/_memory/walk.py, as a new reference (nullptr with an
+// error set where Python raises): `kinds` its Attr, Slot, Field and Cell.
+PyObject* walk_step(PyObject* value, PyObject* key, PyObject* kinds) {
+  PyObject* kind = reinterpret_cast<PyObject*>(Py_TYPE(key));
+  if (kind == PyTuple_GET_ITEM(kinds, 0)) {  // Attr: vars(value)[name]
+    static PyObject* dunder = PyUnicode_InternFromString("__dict__");
+    PyObject* attrs = PyObject_GetAttr(value, dunder);
+    if (attrs == nullptr) {
+      return nullptr;
+    }
+    PyObject* out = PyObject_GetItem(attrs, PyTuple_GET_ITEM(key, 0));
+    Py_DECREF(attrs);
+    return out;
+  }
+  if (kind == PyTuple_GET_ITEM(kinds, 1) || kind == PyTuple_GET_ITEM(kinds, 2)) {
+    return PyObject_GetAttr(value, PyTuple_GET_ITEM(key, 0));  // Slot, Field
+  }
+  if (kind == PyTuple_GET_ITEM(kinds, 3)) {  // Cell: value.__closure__[at].cell_contents
+    static PyObject* closure = PyUnicode_InternFromString("__closure__");
+    static PyObject* contents = PyUnicode_InternFromString("cell_contents");
+    PyObject* cells = PyObject_GetAttr(value, closure);
+    if (cells == nullptr) {
+      return nullptr;
+    }
+    PyObject* cell = PyObject_GetItem(cells, PyTuple_GET_ITEM(key, 0));
+    Py_DECREF(cells);
+    if (cell == nullptr) {
+      return nullptr;
+    }
+    PyObject* out = PyObject_GetAttr(cell, contents);
+    Py_DECREF(cell);
+    return out;
+  }
+  return PyObject_GetItem(value, key);
+}
+
+// `_size(obj)` of graphsafe/_runtime/bind/model_map.py; -1 with an error set.
+Py_ssize_t held_size(PyObject* obj) {
+  if (PyList_Check(obj) || PyTuple_Check(obj) || PyDict_Check(obj)) {
+    return PyObject_Size(obj);
+  }
+  static PyObject* dunder = PyUnicode_InternFromString("__dict__");
+  PyObject* attrs = PyObject_GetAttr(obj, dunder);
+  if (attrs == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      return -1;
+    }
+    PyErr_Clear();
+    return 0;
+  }
+  const Py_ssize_t n = PyDict_CheckExact(attrs) ? PyDict_GET_SIZE(attrs) : 0;
+  Py_DECREF(attrs);
+  return n;
+}
+
+// same_refs(modules, refs, sizes, nested, kinds) -> bool: graphsafe/_runtime/bind/
+// model_map.py's ModelMap._off_modules_hold, compiled. Each ref row `(i, key, chain, id,
+// via)` is read in one step from the object of ref `via` (read before it), or from module
+// `i`'s `__dict__` through `key` and every step of `chain`, and must be the object of id
+// `id` holding `sizes[k]` things; each nested row `(i, key, chain, id, ptr, via)` likewise
+// a plain tensor of id `id` at data pointer `ptr`. True only when sure: anything it cannot
+// read, or a tensor it does not read itself (a wrapper subclass), answers False and the
+// Python pass answers (as `holds` takes it).
+PyObject* same_refs(PyObject* /*self*/, PyObject* args) {
+  PyObject *modules, *refs, *sizes, *nested, *kinds;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyList_Type, &modules, &PyList_Type, &refs,
+                        &PyList_Type, &sizes, &PyList_Type, &nested, &PyTuple_Type, &kinds)) {
+    return nullptr;
+  }
+  if (PyList_GET_SIZE(sizes) != PyList_GET_SIZE(refs) || PyTuple_GET_SIZE(kinds) != 4) {
+    PyErr_SetString(PyExc_TypeError, "same_refs: sizes differ from refs, or kinds of 4");
+    return nullptr;
+  }
+  const Py_ssize_t n_mod = PyList_GET_SIZE(modules);
+  std::vector<PyObject*> dicts(static_cast<size_t>(n_mod), nullptr);  // owned, read once
+  std::vector<PyObject*> now;  // what each ref's place holds now (owned)
+  now.reserve(static_cast<size_t>(PyList_GET_SIZE(refs)));
+  // What row `row`'s place holds now (a new reference; nullptr: not read).
+  auto read = [&](PyObject* row) -> PyObject* {
+    const Py_ssize_t size = PyTuple_GET_SIZE(row);
+    PyObject* chain = PyTuple_GET_ITEM(row, 2);
+    if (!PyTuple_Check(chain)) {
+      return nullptr;
+    }
+    const Py_ssize_t via = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, size - 1));
+    if (via >= 0) {
+      if (via >= static_cast<Py_ssize_t>(now.size()) || PyTuple_GET_SIZE(chain) == 0) {
+        return nullptr;
+      }
+      return walk_step(now[via], PyTuple_GET_ITEM(chain, PyTuple_GET_SIZE(chain) - 1), kinds);
+    }
+    const Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 0));
+    if (i < 0 || i >= n_mod) {
+      return nullptr;
+    }
+    if (dicts[i] == nullptr) {
+      PyObject* module = referent(PyList_GET_ITEM(modules, i));
+      dicts[i] = module == nullptr ? nullptr : PyObject_GenericGetDict(module, nullptr);
+      Py_XDECREF(module);
+      if (dicts[i] == nullptr) {
+        return nullptr;
+      }
+    }
+    PyObject* value = PyObject_GetItem(dicts[i], PyTuple_GET_ITEM(row, 1));
+    for (Py_ssize_t k = 0; value != nullptr && k < PyTuple_GET_SIZE(chain); ++k) {
+      PyObject* next = walk_step(value, PyTuple_GET_ITEM(chain, k), kinds);
+      Py_DECREF(value);
+      value = next;
+    }
+    return value;
+  };
+  bool same = true;
+  for (Py_ssize_t k = 0; same && k < PyList_GET_SIZE(refs); ++k) {
+    PyObject* row = PyList_GET_ITEM(refs, k);
+    PyObject* value = PyTuple_Check(row) && PyTuple_GET_SIZE(row) == 5 ? read(row) : nullptr;
+    same = value != nullptr &&
+           PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(row, 3)) ==
+               reinterpret_cast<uintptr_t>(value) &&
+           held_size(value) == PyLong_AsSsize_t(PyList_GET_ITEM(sizes, k));
+    if (value != nullptr) {
+      now.push_back(value);
+    }
+  }
+  for (Py_ssize_t k = 0; same && k < PyList_GET_SIZE(nested); ++k) {
+    PyObject* row = PyList_GET_ITEM(nested, k);
+    PyObject* t = PyTuple_Check(row) && PyTuple_GET_SIZE(row) == 6 ? read(row) : nullptr;
+    same = t != nullptr && is_tensor(t) &&
+           PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(row, 3)) ==
+               reinterpret_cast<uintptr_t>(t);
+    if (same) {
+      c10::TensorImpl* impl = nullptr;
+      const c10::StorageImpl* storage = plain_storage(t, &impl);
+      uintptr_t ptr = 0;
+      try {
+        same = storage != nullptr;
+        if (same && impl->numel() != 0) {
+          ptr = reinterpret_cast<uintptr_t>(storage->data_ptr().get()) +
+                impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
+        }
+      } catch (...) {
+        same = false;
+      }
+      same = same && PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(row, 4)) == ptr;
+    }
+    Py_XDECREF(t);
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    same = false;
+  }
+  for (PyObject* obj : now) {
+    Py_DECREF(obj);
+  }
+  for (PyObject* d : dicts) {
+    Py_XDECREF(d);
+  }
+  return PyBool_FromLong(same);
+}
+
 // storage_rows(tensors: list) -> list[(sid, key, ptr, strides)] | None: for each tensor,
 // what graphsafe reads of it in Python, in one call: `sid_of` (its StorageImpl's
 // address, `untyped_storage()._cdata`), `storage_key` (the storage's address, 0 when it
@@ -919,6 +1078,7 @@ PyMethodDef methods[] = {
     {"storage_rows", storage_rows, METH_O, "(sid, key, ptr, strides) of each tensor."},
     {"storage_ids", storage_ids, METH_O, "The storage identity of each tensor."},
     {"map_sites", map_sites, METH_VARARGS, "A model map's pass over a walk's sites."},
+    {"same_refs", same_refs, METH_VARARGS, "Whether the objects on the way hold as walked."},
     {nullptr, nullptr, 0, nullptr},
 };
 

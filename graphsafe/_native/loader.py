@@ -124,6 +124,10 @@ class Native(Protocol):
         self, tensors: list[Any], /,
     ) -> list[tuple[int, int, int, tuple[int, ...]]] | None: ...
     def storage_ids(self, tensors: list[Any], /) -> list[int] | None: ...
+    def same_refs(
+        self, modules: list[Any], refs: list[Any], sizes: list[int], nested: list[Any],
+        kinds: tuple[type, ...], /,
+    ) -> bool: ...
     def map_sites(
         self, sites: list[Any], tables_at: dict[int, str], at: dict[int, int],
         from_dict: Callable[[Any], tuple[Any, tuple[Any, ...]]], /,

@@ -30,9 +30,13 @@ from torch import nn
 from graphsafe import _native
 from graphsafe._memory.snapshot import PLAIN, Identities
 from graphsafe._memory.walk import (
+    Attr,
+    Cell,
+    Field,
     Reach,
     Ref,
     Site,
+    Slot,
     step,
     storage_key,
     storage_rows,
@@ -153,7 +157,8 @@ class ModelMap:
                                      self._holders, self._names, self._ids, self._lens[:n],
                                      self._looked)
                     and self._identities.unchanged()
-                    and self._off_modules_hold(self._lens[n:])
+                    and (not (self._refs or self._nested) or native.same_refs(
+                        self._modules, self._refs, self._lens[n:], self._nested, _STEPS))
                 )
             except (KeyError, IndexError, TypeError, AttributeError, ValueError):
                 same = False
@@ -228,6 +233,9 @@ class ModelMap:
 
 
 _Row = tuple[int, int | None, tuple[int, ...] | None]
+_STEPS = (Attr, Slot, Field, Cell)
+"""The walk's steps, as the compiled check of the objects on the way reads them
+(`same_refs`: `step` compiled)."""
 _TENSOR = operator.attrgetter("tensor")
 _OBJ = operator.attrgetter("obj")
 _SIZED = frozenset({list, tuple, dict})

@@ -8,6 +8,10 @@
   reaching them costs.
 - 9c: a guarded replay's ledger check of a graph that reads a tenth of the model (its read
   set), against the same check over the whole model: what the read set saves.
+- 9d: a tracked reload of every parameter of the engine-style model (`gs.weight_update`
+  around a copy into each, as a weight sync does each step), against the same copies
+  untracked: what a load pays for the objects on the way (before each load, the check
+  that the walk still holds reads every one of them).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from harness import Row, interleave
 from torch import nn
 
+import graphsafe as gs
 from graphsafe._memory.ledger import Ledger
 from graphsafe._memory.walk import walk, walk_modules
 
@@ -147,4 +152,31 @@ def fig9(ctx: Any) -> list[Row]:
         details={"per_1000_pinned_us": round(_per_1000(checks["whole"].median, len(whole))
                                               * 1e6, 1)},
     ))
+    if ctx.wants("9d"):
+        rows.append(_reload_row(ctx, engine))
     return rows
+
+
+def _reload_row(ctx: Any, engine: nn.Module) -> Row:
+    params = list(engine.parameters())
+    gen = torch.Generator().manual_seed(9)
+    new = [torch.randn(p.shape, generator=gen) for p in params]
+
+    def copies() -> None:
+        with torch.no_grad():
+            for p, w in zip(params, new):
+                p.copy_(w)
+
+    def tracked() -> None:
+        with gs.weight_update(engine):
+            copies()
+
+    tracked()  # the first load: binds, and records the bring-up
+    stats = interleave({"tracked": ctx.timer(tracked), "untracked": ctx.timer(copies)},
+                       ctx.sizes.repeats)
+    t, u = stats["tracked"], stats["untracked"]
+    return Row("9d", f"tracked reload of the engine-style model, {len(params)} parameters",
+               t.median, u.median, "the same copies untracked", ratio=t.median / u.median,
+               ratio_def="tracked / untracked",
+               details={"overhead_us_per_param": round((t.median - u.median) / len(params)
+                                                       * 1e6, 2)})

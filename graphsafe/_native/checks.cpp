@@ -637,6 +637,23 @@ PyObject* walk_step(PyObject* value, PyObject* key, PyObject* kinds) {
     return PyObject_GetAttr(value, PyTuple_GET_ITEM(key, 0));  // Slot, Field
   }
   if (kind == PyTuple_GET_ITEM(kinds, 3)) {  // Cell: value.__closure__[at].cell_contents
+    if (PyFunction_Check(value)) {
+      PyObject* cells = PyFunction_GET_CLOSURE(value);
+      const Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(key, 0));
+      if (cells == nullptr || !PyTuple_Check(cells) || at < 0 || at >= PyTuple_GET_SIZE(cells)) {
+        if (!PyErr_Occurred()) {
+          PyErr_SetString(PyExc_IndexError, "no such closure cell");
+        }
+        return nullptr;
+      }
+      PyObject* contents = PyCell_GET(PyTuple_GET_ITEM(cells, at));
+      if (contents == nullptr) {
+        PyErr_SetString(PyExc_ValueError, "Cell is empty");
+        return nullptr;
+      }
+      Py_INCREF(contents);
+      return contents;
+    }
     static PyObject* closure = PyUnicode_InternFromString("__closure__");
     static PyObject* contents = PyUnicode_InternFromString("cell_contents");
     PyObject* cells = PyObject_GetAttr(value, closure);
@@ -655,23 +672,37 @@ PyObject* walk_step(PyObject* value, PyObject* key, PyObject* kinds) {
   return PyObject_GetItem(value, key);
 }
 
-// `_size(obj)` of graphsafe/_runtime/bind/model_map.py; -1 with an error set.
-Py_ssize_t held_size(PyObject* obj) {
-  if (PyList_Check(obj) || PyTuple_Check(obj) || PyDict_Check(obj)) {
-    return PyObject_Size(obj);
+// `obj.__dict__` as a new reference; nullptr with no error set where it has none
+// (AttributeError), with one set where reading it raised otherwise. A function's is read
+// from the function (Python makes an empty one on first access: the same answers).
+PyObject* attrs_of(PyObject* obj) {
+  if (PyFunction_Check(obj)) {
+    PyObject* attrs = reinterpret_cast<PyFunctionObject*>(obj)->func_dict;
+    if (attrs == nullptr) {
+      attrs = PyDict_New();
+      return attrs;
+    }
+    Py_INCREF(attrs);
+    return attrs;
   }
   static PyObject* dunder = PyUnicode_InternFromString("__dict__");
   PyObject* attrs = PyObject_GetAttr(obj, dunder);
-  if (attrs == nullptr) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      return -1;
-    }
+  if (attrs == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
     PyErr_Clear();
-    return 0;
   }
-  const Py_ssize_t n = PyDict_CheckExact(attrs) ? PyDict_GET_SIZE(attrs) : 0;
-  Py_DECREF(attrs);
-  return n;
+  return attrs;
+}
+
+// `_size(obj)` of graphsafe/_runtime/bind/model_map.py, `attrs` its `attrs_of` where
+// read already (else nullptr); -1 with an error set.
+Py_ssize_t held_size(PyObject* obj, PyObject* attrs) {
+  if (PyList_Check(obj) || PyTuple_Check(obj) || PyDict_Check(obj)) {
+    return PyObject_Size(obj);
+  }
+  if (attrs == nullptr) {
+    return PyErr_Occurred() ? -1 : 0;
+  }
+  return PyDict_CheckExact(attrs) ? PyDict_GET_SIZE(attrs) : 0;
 }
 
 // same_refs(modules, refs, sizes, nested, kinds) -> bool: graphsafe/_runtime/bind/
@@ -695,7 +726,9 @@ PyObject* same_refs(PyObject* /*self*/, PyObject* args) {
   const Py_ssize_t n_mod = PyList_GET_SIZE(modules);
   std::vector<PyObject*> dicts(static_cast<size_t>(n_mod), nullptr);  // owned, read once
   std::vector<PyObject*> now;  // what each ref's place holds now (owned)
+  std::vector<PyObject*> now_attrs;  // its `__dict__`, where it is no list, tuple or dict
   now.reserve(static_cast<size_t>(PyList_GET_SIZE(refs)));
+  now_attrs.reserve(static_cast<size_t>(PyList_GET_SIZE(refs)));
   // What row `row`'s place holds now (a new reference; nullptr: not read).
   auto read = [&](PyObject* row) -> PyObject* {
     const Py_ssize_t size = PyTuple_GET_SIZE(row);
@@ -708,7 +741,13 @@ PyObject* same_refs(PyObject* /*self*/, PyObject* args) {
       if (via >= static_cast<Py_ssize_t>(now.size()) || PyTuple_GET_SIZE(chain) == 0) {
         return nullptr;
       }
-      return walk_step(now[via], PyTuple_GET_ITEM(chain, PyTuple_GET_SIZE(chain) - 1), kinds);
+      PyObject* last = PyTuple_GET_ITEM(chain, PyTuple_GET_SIZE(chain) - 1);
+      PyObject* attrs = now_attrs[via];
+      if (attrs != nullptr &&
+          reinterpret_cast<PyObject*>(Py_TYPE(last)) == PyTuple_GET_ITEM(kinds, 0)) {
+        return PyObject_GetItem(attrs, PyTuple_GET_ITEM(last, 0));  // Attr: read already
+      }
+      return walk_step(now[via], last, kinds);
     }
     const Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 0));
     if (i < 0 || i >= n_mod) {
@@ -734,12 +773,20 @@ PyObject* same_refs(PyObject* /*self*/, PyObject* args) {
   for (Py_ssize_t k = 0; same && k < PyList_GET_SIZE(refs); ++k) {
     PyObject* row = PyList_GET_ITEM(refs, k);
     PyObject* value = PyTuple_Check(row) && PyTuple_GET_SIZE(row) == 5 ? read(row) : nullptr;
+    PyObject* attrs = nullptr;
+    if (value != nullptr && !PyList_Check(value) && !PyTuple_Check(value) &&
+        !PyDict_Check(value)) {
+      attrs = attrs_of(value);
+    }
     same = value != nullptr &&
            PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(row, 3)) ==
                reinterpret_cast<uintptr_t>(value) &&
-           held_size(value) == PyLong_AsSsize_t(PyList_GET_ITEM(sizes, k));
+           held_size(value, attrs) == PyLong_AsSsize_t(PyList_GET_ITEM(sizes, k));
     if (value != nullptr) {
       now.push_back(value);
+      now_attrs.push_back(attrs);
+    } else {
+      Py_XDECREF(attrs);
     }
   }
   for (Py_ssize_t k = 0; same && k < PyList_GET_SIZE(nested); ++k) {
@@ -771,6 +818,9 @@ PyObject* same_refs(PyObject* /*self*/, PyObject* args) {
   }
   for (PyObject* obj : now) {
     Py_DECREF(obj);
+  }
+  for (PyObject* attrs : now_attrs) {
+    Py_XDECREF(attrs);
   }
   for (PyObject* d : dicts) {
     Py_XDECREF(d);

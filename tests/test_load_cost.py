@@ -274,7 +274,7 @@ def test_the_compiled_walk_check_answers_alone_when_nothing_changed(
     python_pass: list[bool] = []
     real = ModelMap._holds
     monkeypatch.setattr(model_map.ModelMap, "_holds",
-                        lambda self: python_pass.append(True) or real(self))
+                        lambda self, **kw: python_pass.append(True) or real(self, **kw))
     assert found.holds()
     assert python_pass == []
     _swap(model)
@@ -627,3 +627,27 @@ def test_a_load_hands_the_journal_each_storage_as_a_read_one_by_one_would() -> N
     one_by_one = {storage_key(t): t.untyped_storage() for t in tensors}
     assert found.keys() == one_by_one.keys() and len(found) == 3
     assert all(found[k]._cdata == s._cdata for k, s in one_by_one.items())
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_tables_hold_whatever_the_objects_on_the_way_do(compiled: bool) -> None:
+    """`tables_hold` (what another model's recording needs of this one: its weights) reads
+    the module tree, the modules' own dicts and their tables alone: a tensor rebound
+    inside a kernel's function leaves them holding, though the walk no longer does; a
+    parameter rebound to other memory, one registered, or a submodule swapped does
+    not."""
+    if compiled and _native.get() is None:
+        pytest.skip("the compiled checks are not built here")
+    with _native.using(compiled):
+        m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        m[0].kernel = lambda w=torch.ones(1): w
+        found = ModelMap(m)
+        assert found.holds() and found.tables_hold()
+        m[0].kernel.__defaults__ = (torch.zeros(1),)  # inside the kernel, after the walk
+        assert not found.holds() and found.tables_hold()
+        for change in (lambda: setattr(m[1].weight, "data", torch.zeros(2, 2)),
+                       lambda: m[1].register_parameter("extra", nn.Parameter(torch.ones(1))),
+                       lambda: m.__setitem__(1, nn.Linear(2, 2))):
+            found = ModelMap(m)
+            change()
+            assert not found.tables_hold() and not found.holds()

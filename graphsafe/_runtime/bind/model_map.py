@@ -148,6 +148,16 @@ class ModelMap:
 
     def holds(self) -> bool:
         """Whether the model still has exactly the tensors and storages walked."""
+        return self._check(refs=True)
+
+    def tables_hold(self) -> bool:
+        """Whether the module tree, its modules' own dicts and their tables still hold what
+        was walked (every module, attribute, parameter and buffer, each tensor of a table
+        unmoved), what the attributes hold below them left unread: what the model's
+        weights are depends on nothing else (`Binder.foreign`)."""
+        return self._check(refs=False)
+
+    def _check(self, *, refs: bool) -> bool:
         native = self._native
         if native is not None:  # the pass over the modules compiled: one call
             n = len(self._modules) + len(self._table_ids)
@@ -157,7 +167,7 @@ class ModelMap:
                                      self._holders, self._names, self._ids, self._lens[:n],
                                      self._looked)
                     and self._identities.unchanged()
-                    and (not (self._refs or self._nested) or native.same_refs(
+                    and (not refs or not (self._refs or self._nested) or native.same_refs(
                         self._modules, self._refs, self._lens[n:], self._nested, _STEPS))
                 )
             except (KeyError, IndexError, TypeError, AttributeError, ValueError):
@@ -167,7 +177,7 @@ class ModelMap:
             if same:
                 return True
             # Something changed, or could not be read: the Python pass answers.
-        return self._holds()
+        return self._holds(refs=refs)
 
     def _off_modules_hold(self, ref_sizes: list[int]) -> bool:
         """The objects on the way to tensors, and the tensors held through them, as walked
@@ -193,7 +203,7 @@ class ModelMap:
                 return False
         return True
 
-    def _holds(self) -> bool:
+    def _holds(self, *, refs: bool = True) -> bool:
         # Flat passes (maps of C calls): this runs before every load.
         modules = list(map(_CALL, self._modules))
         if None in modules:  # a module was dropped
@@ -207,7 +217,7 @@ class ModelMap:
                 and _ids_at([*dicts, *tables], self._holders, self._names) == self._ids
                 and [*map(len, dicts), *map(len, tables)] == self._lens[:n]
                 and self._identities.unchanged()
-                and self._off_modules_hold(self._lens[n:])
+                and (not refs or self._off_modules_hold(self._lens[n:]))
             )
         except (KeyError, IndexError, TypeError, AttributeError, ValueError):
             return False

@@ -204,9 +204,13 @@ class Binder:
 
     def foreign(self) -> Foreign:
         """The model's weights as a recording of another bound model reads them
-        (`foreign_of`), kept with the walk while it holds: every recorded load of another
-        model asks for them, and finding them anew costs a pass over every module."""
-        found = self.model_map()
+        (`foreign_of`), kept with the walk while its modules' dicts and tables hold
+        (`tables_hold`: what kernel objects and closures hold below them is not read, the
+        weights do not depend on it): every recorded load of another model asks for them,
+        and finding them anew costs a pass over every module."""
+        found = self._map
+        if found is None or not found.tables_hold():
+            found = self.model_map()
         if found.foreign is None:
             found.foreign = foreign_of(self.model, found.table_keys)
         return found.foreign  # type: ignore[no-any-return]

@@ -640,7 +640,7 @@ def test_the_tables_hold_whatever_the_objects_on_the_way_do(compiled: bool) -> N
         pytest.skip("the compiled checks are not built here")
     with _native.using(compiled):
         m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-        m[0].kernel = lambda w=torch.ones(1): w
+        m[0].kernel = lambda w=torch.ones(1): w  # noqa: B008
         found = ModelMap(m)
         assert found.holds() and found.tables_hold()
         m[0].kernel.__defaults__ = (torch.zeros(1),)  # inside the kernel, after the walk

@@ -37,7 +37,7 @@ STRIDE = torch.Tensor.stride
 VERSION = operator.attrgetter("_version")
 _ROW = 40
 """Bytes of one site's row in what the compiled witness check remembers (`Witnessed` in
-`checks.cpp`)."""
+`witnesses.cpp`)."""
 _NO_ROW = bytes(_ROW)
 _BOUND_ROW = 72
 """Bytes of one site's row in what the compiled rebinding check remembers (`Bound` in

@@ -19,6 +19,9 @@ extern PyMethodDef witness_methods[];
 // walk_run (walk.cpp), likewise.
 extern PyMethodDef walk_methods[];
 
+// same_tree, same_refs and map_sites (model_map.cpp), likewise.
+extern PyMethodDef model_map_methods[];
+
 // A real tensor object (torch.Tensor or a subclass), without `isinstance`'s
 // `__instancecheck__` lookups: only such an object can be unpacked.
 inline bool is_tensor(PyObject* obj) {
@@ -41,6 +44,25 @@ inline uint64_t dict_tag(PyObject* dict) {
 #else
 inline uint64_t dict_tag(PyObject* /*dict*/) { return 0; }
 #endif
+
+// The StorageImpl of a plain strided tensor with a storage, as graphsafe reads it in
+// Python (`untyped_storage()`); nullptr for anything else (sparse, a subclass that
+// dispatches in Python, a storage that refuses access).
+inline const c10::StorageImpl* plain_storage(PyObject* obj, c10::TensorImpl** impl_out) {
+  if (!is_tensor(obj)) {
+    return nullptr;
+  }
+  c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+  if (!impl->has_storage() || impl->layout() != c10::kStrided || impl->is_python_dispatch()) {
+    return nullptr;
+  }
+  *impl_out = impl;
+  try {
+    return impl->storage().unsafeGetStorageImpl();  // throws where Python would
+  } catch (...) {
+    return nullptr;
+  }
+}
 
 // What a snapshot site holds, borrowed, as graphsafe/_memory/snapshot.py's read_site
 // reads it: a dict's item, a closure cell's contents, or (key a one-item tuple, `Slot`)

@@ -4,8 +4,9 @@ Every tracked load watches every storage of its model, so that what it writes re
 the journal whoever else reads it. Walking a model of thousands of tensors costs more
 than tracking a load of them, so the binder keeps the walk's `ModelMap` and asks it,
 before each load, whether it still holds (`ModelMap.holds`): a flat check of what could
-change it, one compiled call where the compiled checks are built (`same_tree`; on any
-change the Python pass answers, so both paths agree). It sees a tensor rebound or moved
+change it, compiled where the compiled checks are built (`model_map.cpp`: `same_tree`
+over the modules, `same_refs` over the objects on the way; on any change the Python
+pass answers, so both paths agree). It sees a tensor rebound or moved
 where the walk found one (`.to()`, `share_memory_()`, `p.data = w`, a view at another
 stride, a new parameter object), any entry added to, removed from or replaced in a
 module's parameters, buffers, submodules or attributes, and an object on the way to
@@ -13,7 +14,9 @@ tensors (a list, a kernel object, a closure) replaced, grown or shrunk. It canno
 tensor put into an object that held none when it was walked (the watch of the
 derivations' own inputs and buffers, taken by the engine, never depends on it). While it
 holds, loads share its set of storage keys (`key_set`), and an engine whose rebinding
-check reads what it recorded (`rows`) skips that check as a load begins.
+check reads what it recorded (`rows`) skips that check as a load begins. Another model's
+recording asks only whether the modules' dicts and tables hold (`tables_hold`): the
+weights depend on nothing else.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+from graphsafe import _native
 from graphsafe._lineage.window import end_here
 
 # `ci` draws the same examples on every run, so that CI sees what a developer saw (a
@@ -41,3 +42,13 @@ def _no_tail_of_an_earlier_test() -> Iterator[None]:
     `graphsafe._lineage.window`): each test begins without it."""
     end_here()
     yield
+
+
+@pytest.fixture(scope="module")
+def compiled_checks() -> None:
+    """Build the compiled checks (cached after the first time; `scripts/setup` builds
+    them), or skip the module's tests where no C++ compiler can."""
+    try:
+        _native.build()
+    except _native.NativeBuildError as exc:  # no C++ compiler on this machine
+        pytest.skip(f"the compiled checks cannot be built here: {exc}")

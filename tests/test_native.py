@@ -44,14 +44,7 @@ from graphsafe._memory.ledger import Ledger
 from graphsafe._memory.snapshot import Witnesses
 from graphsafe._native import loader
 
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    """Build the extension (cached after the first time; `scripts/setup` builds it)."""
-    try:
-        _native.build()
-    except _native.NativeBuildError as exc:  # no C++ compiler on this machine
-        pytest.skip(f"the compiled guard cannot be built here: {exc}")
+pytestmark = pytest.mark.usefixtures("compiled_checks")
 
 
 Model = HoldingStack

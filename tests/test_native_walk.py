@@ -34,14 +34,7 @@ from graphsafe._memory.walk import Attr, Reach, Wanted, walk, walk_tensors
 from graphsafe._runtime.bind import model_map as model_map_module
 from graphsafe._runtime.bind.model_map import ModelMap
 
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    """Build the extension (cached after the first time; `scripts/setup` builds it)."""
-    try:
-        _native.build()
-    except _native.NativeBuildError as exc:  # no C++ compiler on this machine
-        pytest.skip(f"the compiled walk cannot be built here: {exc}")
+pytestmark = pytest.mark.usefixtures("compiled_checks")
 
 
 class _Plain:

@@ -477,31 +477,18 @@ PyObject* rows_of(PyObject* tensors, bool full) {
       continue;
     }
     const uintptr_t key = storage->nbytes() != 0 ? base : 0;
-    const uintptr_t ptr = impl->numel() == 0
-        ? 0 : base + impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
-    const c10::IntArrayRef strides = impl->strides();
     PyObject* row = PyTuple_New(4);
-    PyObject* stride = PyTuple_New(static_cast<Py_ssize_t>(strides.size()));
-    if (row == nullptr || stride == nullptr) {
-      Py_XDECREF(row);
-      Py_XDECREF(stride);
+    if (row == nullptr) {
       Py_DECREF(sid);
       Py_DECREF(out);
       return nullptr;
     }
     PyTuple_SET_ITEM(row, 0, sid);
     PyTuple_SET_ITEM(row, 1, PyLong_FromUnsignedLongLong(key));
-    PyTuple_SET_ITEM(row, 2, PyLong_FromUnsignedLongLong(ptr));
-    PyTuple_SET_ITEM(row, 3, stride);
-    bool filled = PyTuple_GET_ITEM(row, 1) != nullptr && PyTuple_GET_ITEM(row, 2) != nullptr;
-    for (size_t d = 0; d < strides.size() && filled; ++d) {
-      PyObject* v = PyLong_FromLongLong(strides[d]);
-      filled = v != nullptr;
-      if (filled) {
-        PyTuple_SET_ITEM(stride, static_cast<Py_ssize_t>(d), v);
-      }
-    }
-    if (!filled) {
+    PyTuple_SET_ITEM(row, 2, PyLong_FromUnsignedLongLong(data_ptr_at(impl, base)));
+    PyTuple_SET_ITEM(row, 3, strides_tuple(impl));
+    if (PyTuple_GET_ITEM(row, 1) == nullptr || PyTuple_GET_ITEM(row, 2) == nullptr ||
+        PyTuple_GET_ITEM(row, 3) == nullptr) {
       Py_DECREF(row);
       Py_DECREF(out);
       return nullptr;

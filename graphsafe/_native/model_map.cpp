@@ -369,9 +369,8 @@ PyObject* same_refs(PyObject* /*self*/, PyObject* args) {
       uintptr_t ptr = 0;
       try {
         same = storage != nullptr;
-        if (same && impl->numel() != 0) {
-          ptr = reinterpret_cast<uintptr_t>(storage->data_ptr().get()) +
-                impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
+        if (same) {
+          ptr = data_ptr_at(impl, reinterpret_cast<uintptr_t>(storage->data_ptr().get()));
         }
       } catch (...) {
         same = false;
@@ -485,8 +484,7 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
       return fail();
     }
     // The site's pointer, as `data_ptr()` reads it (`storage_rows`).
-    const uintptr_t ptr = impl->numel() == 0
-        ? 0 : bases[i] + impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
+    const uintptr_t ptr = data_ptr_at(impl, bases[i]);
     PyObject* container_id = id_of(container);
     PyObject* module_id = id_of(module);
     PyObject* table = container_id == nullptr ? nullptr : PyDict_GetItemWithError(
@@ -578,18 +576,10 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
       continue;
     }
     // A module's parameters or buffers: `(container, name, t, ptr, stride)`.
-    const c10::IntArrayRef strides = impl->strides();
-    PyObject* stride = PyTuple_New(static_cast<Py_ssize_t>(strides.size()));
+    PyObject* stride = strides_tuple(impl);
     PyObject* ptr_obj = PyLong_FromUnsignedLongLong(ptr);
-    bool filled = stride != nullptr && ptr_obj != nullptr;
-    for (size_t d = 0; d < strides.size() && filled; ++d) {
-      PyObject* v = PyLong_FromLongLong(strides[d]);
-      filled = v != nullptr;
-      if (filled) {
-        PyTuple_SET_ITEM(stride, static_cast<Py_ssize_t>(d), v);
-      }
-    }
-    PyObject* row = filled ? PyTuple_Pack(5, container, name, t, ptr_obj, stride) : nullptr;
+    PyObject* row = stride != nullptr && ptr_obj != nullptr
+        ? PyTuple_Pack(5, container, name, t, ptr_obj, stride) : nullptr;
     Py_XDECREF(stride);
     Py_XDECREF(ptr_obj);
     if (row == nullptr || PyList_Append(direct, row) != 0) {

@@ -64,6 +64,28 @@ inline const c10::StorageImpl* plain_storage(PyObject* obj, c10::TensorImpl** im
   }
 }
 
+// `data_ptr()` of a plain tensor whose storage's bytes begin at `base`: 0 without
+// elements, as Python reads it.
+inline uintptr_t data_ptr_at(const c10::TensorImpl* impl, uintptr_t base) {
+  return impl->numel() == 0
+      ? 0 : base + impl->itemsize() * static_cast<uint64_t>(impl->storage_offset());
+}
+
+// `stride()` of a tensor, as a new tuple of ints (nullptr with an error set on failure).
+inline PyObject* strides_tuple(const c10::TensorImpl* impl) {
+  const c10::IntArrayRef strides = impl->strides();
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(strides.size()));
+  for (size_t d = 0; out != nullptr && d < strides.size(); ++d) {
+    PyObject* v = PyLong_FromLongLong(strides[d]);
+    if (v == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(d), v);
+  }
+  return out;
+}
+
 // What a snapshot site holds, borrowed, as graphsafe/_memory/snapshot.py's read_site
 // reads it: a dict's item, a closure cell's contents, or (key a one-item tuple, `Slot`)
 // the attribute of that name, which the holder keeps alive. nullptr, no error set, when

@@ -246,75 +246,66 @@ class Walk {
       if (table.get() == nullptr) {
         return false;
       }
-      Ref items(PyMapping_Items(table.get()));  // `tuple(container.items())`
-      if (items.get() == nullptr) {
-        return false;
-      }
-      const Py_ssize_t n = PyList_GET_SIZE(items.get());
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* item = PyList_GET_ITEM(items.get(), i);
-        PyObject* name = PyTuple_GET_ITEM(item, 0);
-        PyObject* value = PyTuple_GET_ITEM(item, 1);
+      // `tuple(container.items())`
+      const bool ok = each_pair(PyMapping_Items(table.get()), [&](PyObject* name,
+                                                                 PyObject* value) {
         if (!is_tensor(value)) {
-          continue;
+          return true;
         }
         Ref path(PyUnicode_Concat(head, name));
-        if (path.get() == nullptr) {
-          return false;
-        }
-        const int enter = enterable_with_attrs(value);
-        if (enter < 0) {
-          return false;
-        }
-        if (enter) {
-          if (!visit(module, table.get(), name, path.get(), value)) {
+        const int enter = path.get() == nullptr ? -1 : enterable_with_attrs(value);
+        if (enter <= 0) {
+          if (enter < 0 || !add(sites_.get(), record(n_.site, {
+              path.get(), module, table.get(), name, empty_chain(), value, minus_one()}))) {
             return false;
           }
-        } else if (!add(sites_.get(), record(n_.site, {path.get(), module, table.get(), name,
-                                                       empty_chain(), value, minus_one()}))) {
-          return false;
-        } else {
           site_via_.push_back(-1);
+          return true;
         }
+        return visit(module, table.get(), name, path.get(), value);
+      });
+      if (!ok) {
+        return false;
       }
     }
     Ref attrs(PyObject_GenericGetDict(module, nullptr));
     if (attrs.get() == nullptr) {
       return false;
     }
-    Ref items(PyDict_Items(attrs.get()));
-    if (items.get() == nullptr) {
-      return false;
-    }
-    const Py_ssize_t n = PyList_GET_SIZE(items.get());
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = PyList_GET_ITEM(items.get(), i);
-      PyObject* name = PyTuple_GET_ITEM(item, 0);
-      PyObject* value = PyTuple_GET_ITEM(item, 1);
+    return each_pair(PyDict_Items(attrs.get()), [&](PyObject* name, PyObject* value) {
       const int internal = PySet_Contains(n_.internals, name);
       if (internal != 0) {
-        if (internal < 0) {
-          return false;
-        }
-        continue;
+        return internal > 0;
       }
       const bool atom = is_atom(value);
-      if (!atom || wanted_ != nullptr) {
-        Ref path(PyUnicode_Concat(head, name));
-        if (path.get() == nullptr) {
-          return false;
-        }
-        if (!atom) {
-          if (!visit(module, attrs.get(), name, path.get(), value)) {
-            return false;
-          }
-          continue;
-        }
-        const int want = wants(value);
-        if (want < 0 || (want && !add(values_.get(), record(n_.value_site, {
-            path.get(), module, attrs.get(), name, empty_chain(), value})))) {
-          return false;
-        }
+      if (atom && wanted_ == nullptr) {
+        return true;
+      }
+      Ref path(PyUnicode_Concat(head, name));
+      if (path.get() == nullptr) {
+        return false;
+      }
+      if (!atom) {
+        return visit(module, attrs.get(), name, path.get(), value);
+      }
+      const int want = wants(value);
+      return want == 0 || (want > 0 && add(values_.get(), record(n_.value_site, {
+          path.get(), module, attrs.get(), name, empty_chain(), value})));
+    });
+  }
+
+  // `fn(name, value)` for each `(name, value)` pair of `items` (a new reference to a
+  // list, as `dict.items()` gives it; nullptr: failed), until it returns false.
+  template <class Fn>
+  static bool each_pair(PyObject* items, Fn fn) {
+    Ref held(items);
+    if (items == nullptr) {
+      return false;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); ++i) {
+      PyObject* item = PyList_GET_ITEM(items, i);
+      if (!fn(PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1))) {
+        return false;
       }
     }
     return true;
@@ -363,14 +354,12 @@ class Walk {
           }
           continue;
         }
-        index = PyList_GET_SIZE(refs_.get());
-        if (!add(refs_.get(), record(n_.ref, {p, module, container, key, chain, v,
-                                              via.get()}))) {
-          return false;
-        }
-        ref_obj_.push_back(v);
-        ref_via_.push_back(top.via);
-        if (!entered_.insert(v).second) {
+        const int first = add_ref({p, module, container, key, chain, v, via.get()},
+                                  top.via, &index);
+        if (first <= 0) {
+          if (first < 0) {
+            return false;
+          }
           continue;
         }
         if (!attrs(v, &children)) {
@@ -385,14 +374,12 @@ class Walk {
             p, module, container, key, chain, v})))) {
           return false;
         }
-        index = PyList_GET_SIZE(refs_.get());
-        if (!add(refs_.get(), record(n_.ref, {p, module, container, key, chain, v,
-                                              via.get()}))) {
-          return false;
-        }
-        ref_obj_.push_back(v);
-        ref_via_.push_back(top.via);
-        if (!entered_.insert(v).second) {
+        const int first = add_ref({p, module, container, key, chain, v, via.get()},
+                                  top.via, &index);
+        if (first <= 0) {
+          if (first < 0) {
+            return false;
+          }
           continue;  // entered once; this reference is recorded all the same
         }
         PyTypeObject* kind = Py_TYPE(v);
@@ -501,6 +488,19 @@ class Walk {
       }
     }
     return true;
+  }
+
+  // Records a `Ref` of `fields` (its index into `*index`, `via` its holder's); 1 when its
+  // object is entered now, 0 when it was entered already, -1 on error.
+  int add_ref(std::initializer_list<PyObject*> fields, Py_ssize_t via, Py_ssize_t* index) {
+    *index = PyList_GET_SIZE(refs_.get());
+    if (!add(refs_.get(), record(n_.ref, fields))) {
+      return -1;
+    }
+    PyObject* obj = *(fields.begin() + 5);
+    ref_obj_.push_back(obj);
+    ref_via_.push_back(via);
+    return entered_.insert(obj).second ? 1 : 0;
   }
 
   // Push `child` under `step` of `holder` unless it is an atom no one asked for.

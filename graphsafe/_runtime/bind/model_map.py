@@ -42,7 +42,6 @@ from graphsafe._memory.walk import (
     Slot,
     step,
     storage_key,
-    storage_rows,
     walk,
     walk_modules,
 )
@@ -252,7 +251,6 @@ _STEPS = (Attr, Slot, Field, Cell)
 _TENSOR = operator.attrgetter("tensor")
 _OBJ = operator.attrgetter("obj")
 _SIZED = frozenset({list, tuple, dict})
-_KEY_PTR_STRIDE = operator.itemgetter(1, 2, 3)
 _UNTYPED = torch.Tensor.untyped_storage
 _NBYTES = torch.UntypedStorage.nbytes
 _STORAGE_PTR = torch.UntypedStorage.data_ptr
@@ -322,11 +320,9 @@ def _map_sites(sites: list[Site], tables_at: dict[int, str], at: dict[int, int])
 def _read_all(sites: list[Site]) -> list[_Row] | None:
     """`(storage key, data pointer, strides)` of each site's tensor, read in flat passes
     (maps of C calls: a walk of thousands of tensors); None when one of them cannot be
-    read so (a wrapper subclass, a sparse tensor): `_read_one` reads each apart."""
+    read so (a wrapper subclass, a sparse tensor): `_read_one` reads each apart. (Where
+    the compiled checks are built, `map_sites` read what a compiled call can.)"""
     tensors = list(map(_TENSOR, sites))
-    rows = storage_rows(tensors)  # one compiled call, where the compiled checks are built
-    if rows is not None:
-        return list(map(_KEY_PTR_STRIDE, rows))
     try:
         with PLAIN():
             storages = list(map(_UNTYPED, tensors))

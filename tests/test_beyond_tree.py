@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import types
 from collections.abc import Callable
 
@@ -19,6 +20,8 @@ from torch import nn
 
 import graphsafe as gs
 from graphsafe import _native
+from graphsafe._runtime import runtime as runtime_module
+from graphsafe._runtime.refresh.binder import Binder
 
 C, V = 4, 6
 
@@ -129,6 +132,78 @@ def test_the_targets_weights_are_read_as_they_are_at_each_drafts_load() -> None:
     target.load_weights({"lm_head.weight": _head(1)})
     with pytest.raises(gs.StaleError, match=r"head_t[\s\S]*Target:lm_head.weight"):
         g.replay()
+
+
+def test_a_recorded_load_reads_the_other_models_weights_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the recording is given as it begins (a copy from them is a derivation) is what
+    its end settles with: the other models are not checked again."""
+    target, draft = Target(), PackingDraft()
+    target.load_weights({"lm_head.weight": _head(0)})
+    target.load_weights({"lm_head.weight": _head(0)})
+    reads: list[str] = []
+    foreign = Binder.foreign
+    monkeypatch.setattr(Binder, "foreign",
+                        lambda self: reads.append(type(self.model).__name__) or foreign(self))
+    draft.load_weights(_draft_weights(), target)
+    assert reads == ["Target"]
+    assert [d.sources for d in gs.runtime(draft).discovered] == [("Target:lm_head.weight",)]
+
+
+@gs.graphsafe
+class WaitingDraft(PackingDraft):
+    """Runs `meanwhile` (another thread's work, waited for) before it packs."""
+
+    def __init__(self, meanwhile: Callable[[], None]) -> None:
+        super().__init__()
+        self.meanwhile = meanwhile
+
+    def load_weights(self, weights: dict[str, torch.Tensor], target: Target) -> None:
+        self.meanwhile()
+        super().load_weights(weights, target)
+
+
+@pytest.mark.parametrize("as_it_began", [False, True])
+def test_a_model_loading_as_the_recording_began_is_read_again_at_its_end(
+    as_it_began: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target's load, in another thread, holds its runtime as the draft's recorded
+    load begins, and rebinds its head before the draft packs from it: the target's
+    weights are read as they are as the draft's load begins, and again as it ends.
+    Control (`as_it_began`: the weights as the load began kept): the head the draft
+    packed from is no weight of any model, and nothing is found."""
+    target = Target()
+    target.load_weights({"lm_head.weight": _head(0)})
+    target.load_weights({"lm_head.weight": _head(0)})
+    if as_it_began:
+        read = runtime_module.foreign_of
+        monkeypatch.setattr(runtime_module, "foreign_of",
+                            lambda other, loading=False: read(other))
+    held, rebind, rebound = threading.Event(), threading.Event(), threading.Event()
+
+    def target_loading() -> None:
+        with gs.runtime(target)._lock:
+            held.set()
+            if rebind.wait(30):
+                target.lm_head.weight.data = _head(2)
+                rebound.set()
+
+    def meanwhile() -> None:
+        rebind.set()
+        assert rebound.wait(30)
+
+    draft = WaitingDraft(meanwhile)
+    thread = threading.Thread(target=target_loading)
+    thread.start()
+    try:
+        assert held.wait(30)
+        draft.load_weights(_draft_weights(), target)
+    finally:
+        rebind.set()
+        thread.join()
+    found = [d.sources for d in gs.runtime(draft).discovered]
+    assert found == ([] if as_it_began else [("Target:lm_head.weight",)])
 
 
 @pytest.mark.parametrize("draft_class", [PackingDraft, CopyingDraft])

@@ -135,6 +135,9 @@ class Discovery:
         reference)."""
         self._declared = declared
         """Paths of the model's declared derived buffers (sources, never discovered)."""
+        self._began: tuple[weakref.ref[Lineage], list[Foreign]] | None = None
+        """The recording of the load in progress, and the other models' weights as it
+        began (`foreign_keys`)."""
         self._entries: list[Entry] = []
         self._values: list[Entry] = []  # the numbers and handles among them
         # Their check before each replay while pinned; built at the first, dropped
@@ -177,7 +180,10 @@ class Discovery:
         what it gives is shared by every step; values it found for `values_wanted`
         spare their walks)."""
         once = _once(reach)  # not kept past this call: the walk holds the model's modules
-        self.settle(lineage, model, once, weights=bring_up)
+        try:
+            self.settle(lineage, model, once, weights=bring_up)
+        finally:
+            self._began = None  # the other models' weights are not held past their use
         self._recorded = True
         self._later.walked(model, lambda: once().values)
         if bring_up is not None and self._window is None and RECORDING[0] != "off":
@@ -286,7 +292,7 @@ class Discovery:
                 and not lineage.unfollowed and not lineage.strays):
             return
         sources = sources_of(model)
-        foreign = self._foreign(model, sources)
+        foreign = self._foreign(model, sources, None if tail or lazily else lineage)
         modules = list(model.modules())
         derived = frozenset(
             sid for m in modules for name in m._non_persistent_buffers_set
@@ -373,7 +379,18 @@ class Discovery:
                     e.pinned = ref_to(e.value())
         self._add(fresh, kept)
 
-    def _foreign(self, model: nn.Module, own: dict[int, Source]) -> dict[int, Source]:
+    def _foreign(self, model: nn.Module, own: dict[int, Source],
+                 lineage: Lineage | None = None) -> dict[int, Source]:
+        """The other bound models' weights `model` does not hold (`own`: its sources).
+        With `lineage`, a load's recording settled as the load ends: the other models'
+        weights as that load began, which its recording was given (`foreign_keys`), so
+        that both read them alike, once per load; read again where one of them was
+        loading in another thread then."""
+        began = self._began
+        if lineage is not None and began is not None and began[0]() is lineage:
+            self._began = None
+            if not any(other.loading for other in began[1]):
+                return foreign_sources(began[1], own)
         return foreign_sources(self._others(model), own)
 
     def take_inputs(self, model: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
@@ -396,11 +413,16 @@ class Discovery:
         return {k: e.path for e in self._entries
                 if e.site.outside is not None and (k := e.key())}
 
-    def foreign_keys(self, model: nn.Module, own: frozenset[int]) -> frozenset[int]:
+    def foreign_keys(self, model: nn.Module, own: frozenset[int],
+                     lineage: Lineage | None = None) -> frozenset[int]:
         """Storage keys of the other bound models' weights `model` does not hold (`own`:
         the storage keys of its parameters and buffers); for a recording: a copy from
-        one is a derivation."""
-        return foreign_keys(self._others(model), own)
+        one is a derivation. With `lineage` (the load's recording, as it begins), the
+        other models' weights are kept for its settling (see `settle`)."""
+        others = list(self._others(model))
+        if lineage is not None:
+            self._began = (weakref.ref(lineage), others)
+        return foreign_keys(others, own)
 
     def follow(self, written: Set[int], taken: Sequence[Taken] = ()) -> None:
         """After a load that was not recorded: an entry it wrote (re-derived in place), or
@@ -438,6 +460,7 @@ class Discovery:
     def failed(self) -> None:
         """A load failed: what it left at each entry's place is seen, and not taken for
         fresh by the next load (its witnesses stay as stale as the failure left them)."""
+        self._began = None
         for e in self._entries:
             now = read_place(e.site)
             if e.kind != "tensor":

@@ -101,15 +101,19 @@ def _sids(tensors: list[torch.Tensor]) -> list[int]:
 class Foreign(NamedTuple):
     """Another bound model's weights as a recording of this one reads them (`foreign_of`):
     its sources by storage identity, each path led by its model's class
-    (`Target:lm_head.weight`), and their storage keys (0 left out)."""
+    (`Target:lm_head.weight`), their storage keys (0 left out), and whether its model was
+    loading in another thread when they were read (read again where needed later)."""
 
     sources: dict[int, Source]
     keys: frozenset[int]
+    loading: bool = False
 
 
-def foreign_of(other: nn.Module, keys: frozenset[int] | None = None) -> Foreign:
+def foreign_of(other: nn.Module, keys: frozenset[int] | None = None, *,
+               loading: bool = False) -> Foreign:
     """`other`'s weights as another model's recording reads them (see `Foreign`);
-    `keys`: their storage keys where the caller has them (a walk's `table_keys`)."""
+    `keys`: their storage keys where the caller has them (a walk's `table_keys`);
+    `loading`: `other` is loading in another thread."""
     name = type(other).__name__
     found = {sid: src._replace(path=f"{name}:{src.path}")
              for sid, src in sources_of(other).items()}
@@ -117,7 +121,7 @@ def foreign_of(other: nn.Module, keys: frozenset[int] | None = None) -> Foreign:
         with PLAIN():
             keys = frozenset(storage_key(t) for src in found.values()
                              if isinstance(t := src.holder.get(src.key), torch.Tensor))
-    return Foreign(found, keys - {0})
+    return Foreign(found, keys - {0}, loading)
 
 
 def foreign_sources(others: Iterable[Foreign], own: Iterable[int]) -> dict[int, Source]:

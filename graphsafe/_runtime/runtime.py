@@ -640,7 +640,7 @@ def _others_weights(model: nn.Module) -> list[Foreign]:
             finally:
                 rt._lock.release()
         else:
-            out.append(foreign_of(other))
+            out.append(foreign_of(other, loading=True))
     return out
 
 

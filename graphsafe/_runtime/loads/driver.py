@@ -249,7 +249,7 @@ class LoadDriver:
         if load.record:  # where the model keeps bools and small ints, read when needed
             load.lineage.note_places(atoms_of(self._binder.model))
             load.lineage.foreign = self._discovery.foreign_keys(
-                self._binder.model, before.table_keys)
+                self._binder.model, before.table_keys, load.lineage)
         try:
             yield load
         except LoaderClosed as exc:

@@ -147,7 +147,7 @@ def test_a_recorded_load_reads_the_other_models_weights_once(
     monkeypatch.setattr(Binder, "foreign",
                         lambda self: reads.append(type(self.model).__name__) or foreign(self))
     draft.load_weights(_draft_weights(), target)
-    assert reads == ["Target"]
+    assert reads.count("Target") == 1  # other tests' models may be alive too
     assert [d.sources for d in gs.runtime(draft).discovered] == [("Target:lm_head.weight",)]
 
 

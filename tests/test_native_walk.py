@@ -1,6 +1,6 @@
 """The compiled walk (`walk.cpp`) finds what the Python walk finds, in the same order; and
-the model map's compiled pass over its sites (`map_sites`) records what its Python loop
-records.
+the model map's compiled passes over its sites, its modules' dicts and the objects on the
+way (`map_sites`, `map_modules`, `map_refs`) record what its Python loops record.
 
 Every place graphsafe looks for tensors walks the model (`graphsafe._memory.walk`); where
 the compiled checks are built, the walk runs in one C++ call. Discovery, the model map
@@ -295,6 +295,11 @@ def _map_rows(model: nn.Module, compiled: bool) -> dict[str, Any]:
                  rows.n_strided),
         "nested": [(i, type(k), k, _steps(chain), t, ptr, via)
                    for i, k, chain, t, ptr, via in found._nested],
+        "tables": (found._tables, found._table_ids),
+        "entries": (found._holders, [(type(k), k) for k in found._names], found._ids),
+        "refs": [(i, type(k), k, _steps(chain), obj, via)
+                 for i, k, chain, obj, via in found._refs],
+        "sizes": found._lens,
     }
 
 
@@ -327,6 +332,40 @@ def test_control_a_map_that_drops_a_weight_is_told_apart(
     model = _model([("tensor", "plain")])
     honest = _map_rows(model, True)
     monkeypatch.setattr(model_map_module._native, "get", lambda: Dropping())
+    with pytest.raises(AssertionError):
+        assert _map_rows(model, True) == honest
+
+
+@pytest.mark.parametrize("part", ["map_modules", "map_refs"])
+def test_control_a_map_that_misses_an_attribute_or_a_size_is_told_apart(
+    part: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The comparison above catches a compiled pass over the module dicts that drops one
+    attribute (a module's attribute rebound later would go unseen), and one over the
+    objects on the way that miscounts one (a list grown later would go unseen)."""
+    with _native.using(True):
+        native = _native.get()
+    assert native is not None
+
+    class Wrong:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(native, name)
+
+        def map_modules(self, *args: Any) -> Any:
+            found = native.map_modules(*args)
+            for column in found[4:7]:
+                column.pop()
+            return found
+
+        def map_refs(self, *args: Any) -> Any:
+            rows, sizes = native.map_refs(*args)
+            sizes[-1] += 1
+            return rows, sizes
+
+    model = _model([("list", [("tensor", "plain")], False)])
+    honest = _map_rows(model, True)
+    monkeypatch.setattr(model_map_module._native, "get", Wrong)
+    monkeypatch.delattr(Wrong, "map_refs" if part == "map_modules" else "map_modules")
     with pytest.raises(AssertionError):
         assert _map_rows(model, True) == honest
 

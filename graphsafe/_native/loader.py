@@ -136,6 +136,14 @@ class Native(Protocol):
         from_dict: Callable[[Any], tuple[Any, tuple[Any, ...]]], /,
     ) -> tuple[dict[int, str], dict[str, int], list[str], set[int], list[Any],
                list[Any]] | None: ...
+    def map_modules(
+        self, modules: list[Any], internals: frozenset[str], /,
+    ) -> tuple[dict[int, str], tuple[list[int], list[str]], list[dict[str, Any]],
+               list[int], list[Any], list[int], list[int]] | None: ...
+    def map_refs(
+        self, refs: list[Any], tables_at: dict[int, str], at: dict[int, int],
+        from_dict: Callable[[Any], tuple[Any, tuple[Any, ...]]], /,
+    ) -> tuple[list[Any], list[int]]: ...
     def walk_run(
         self, model: Any, modules: list[Any], each: list[tuple[str, Any]], wanted: Any,
         consts: tuple[Any, ...], needed: bool, /,

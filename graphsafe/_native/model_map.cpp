@@ -591,6 +591,236 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
   return out;
 }
 
+// map_modules(modules, internals) -> (tables_at, (slot_index, slot_names), tables, holders,
+// names, ids, sizes) | None: the pass of graphsafe/_runtime/bind/model_map.py's ModelMap
+// over the modules' own dicts, as its Python loop makes it (`_map_modules`): the id of
+// each parameter and buffer table -> its name; where each module's parameter, buffer and
+// submodule tables are, and the tables; every entry the tables' rows do not read (an
+// attribute not in `internals`, a table's slot holding no tensor), by holder index (a
+// dict's, a table's after them), key and the id of what it holds; the size of each dict
+// and table. None when a module's `__dict__` or one of its tables is no dict (the Python
+// loop answers).
+PyObject* map_modules(PyObject* /*self*/, PyObject* args) {
+  PyObject *modules, *internals;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &modules, &PyFrozenSet_Type,
+                        &internals)) {
+    return nullptr;
+  }
+  static PyObject* dict_name = PyUnicode_InternFromString("__dict__");
+  static PyObject* table_names[3] = {PyUnicode_InternFromString("_parameters"),
+                                     PyUnicode_InternFromString("_buffers"),
+                                     PyUnicode_InternFromString("_modules")};
+  const Py_ssize_t n = PyList_GET_SIZE(modules);
+  PyObject* dicts = PyList_New(n);
+  PyObject* tables_at = PyDict_New();
+  PyObject* slot_index = PyList_New(0);
+  PyObject* slot_names = PyList_New(0);
+  PyObject* tables = PyList_New(0);
+  PyObject* holders = PyList_New(0);
+  PyObject* names = PyList_New(0);
+  PyObject* ids = PyList_New(0);
+  PyObject* sizes = PyList_New(0);
+  PyObject* slots = slot_index && slot_names ? PyTuple_Pack(2, slot_index, slot_names) : nullptr;
+  Py_XDECREF(slot_index);
+  Py_XDECREF(slot_names);
+  PyObject* out = nullptr;
+  if (dicts && tables_at && slots && tables && holders && names && ids && sizes) {
+    out = PyTuple_Pack(7, tables_at, slots, tables, holders, names, ids, sizes);
+  }
+  Py_XDECREF(tables_at);
+  Py_XDECREF(slots);
+  Py_XDECREF(tables);
+  Py_XDECREF(holders);
+  Py_XDECREF(names);
+  Py_XDECREF(ids);
+  Py_XDECREF(sizes);
+  if (out == nullptr) {
+    Py_XDECREF(dicts);
+    return nullptr;
+  }
+  auto fail = [out, dicts]() -> PyObject* {
+    Py_DECREF(out);
+    Py_DECREF(dicts);
+    return nullptr;
+  };
+  auto give_way = [out, dicts]() -> PyObject* {  // the Python loop answers
+    Py_DECREF(out);
+    Py_DECREF(dicts);
+    Py_RETURN_NONE;
+  };
+  // Appends a new reference `item` to `list`, which takes it; false on failure.
+  auto append = [](PyObject* list, PyObject* item) {
+    const bool ok = item != nullptr && PyList_Append(list, item) == 0;
+    Py_XDECREF(item);
+    return ok;
+  };
+  // An entry: holder index `h`, key `k`, and the id of `value`.
+  auto entry = [&](Py_ssize_t h, PyObject* k, PyObject* value) {
+    Py_INCREF(k);
+    return append(holders, PyLong_FromSsize_t(h)) && append(names, k) &&
+           append(ids, PyLong_FromVoidPtr(value));
+  };
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* d = PyObject_GetAttr(PyList_GET_ITEM(modules, i), dict_name);
+    if (d == nullptr) {
+      return fail();
+    }
+    PyList_SET_ITEM(dicts, i, d);  // takes the reference
+    if (!PyDict_Check(d)) {
+      return give_way();
+    }
+    for (int t = 0; t < 3; ++t) {
+      PyObject* table = PyDict_GetItemWithError(d, table_names[t]);  // borrowed
+      if (table == nullptr) {
+        if (PyErr_Occurred()) {
+          return fail();
+        }
+        continue;
+      }
+      if (!PyDict_Check(table)) {
+        return give_way();
+      }
+      if (t < 2) {
+        PyObject* tid = PyLong_FromVoidPtr(table);
+        const int rc = tid == nullptr ? -1 : PyDict_SetItem(tables_at, tid, table_names[t]);
+        Py_XDECREF(tid);
+        if (rc != 0) {
+          return fail();
+        }
+      }
+      Py_INCREF(table_names[t]);
+      Py_INCREF(table);
+      if (!append(slot_index, PyLong_FromSsize_t(i)) ||
+          !append(slot_names, table_names[t]) || !append(tables, table)) {
+        return fail();
+      }
+    }
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* d = PyList_GET_ITEM(dicts, i);
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+      const int internal = PySet_Contains(internals, k);
+      if (internal < 0 || (!internal && !entry(i, k, v))) {
+        return fail();
+      }
+    }
+  }
+  const Py_ssize_t n_tables = PyList_GET_SIZE(tables);
+  for (Py_ssize_t j = 0; j < n_tables; ++j) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(PyList_GET_ITEM(tables, j), &pos, &k, &v)) {
+      if (!is_tensor(v) && !entry(n + j, k, v)) {
+        return fail();
+      }
+    }
+  }
+  for (Py_ssize_t i = 0; i < n + n_tables; ++i) {
+    PyObject* d = i < n ? PyList_GET_ITEM(dicts, i) : PyList_GET_ITEM(tables, i - n);
+    if (!append(sizes, PyLong_FromSsize_t(PyDict_GET_SIZE(d)))) {
+      return fail();
+    }
+  }
+  Py_DECREF(dicts);
+  return out;
+}
+
+// map_refs(refs, tables_at, at, from_dict) -> (rows, sizes): the pass of ModelMap over a
+// walk's objects on the way to tensors, as its Python loop makes it (`_map_refs`): for
+// each, `(index, key, chain, id(obj), via)`, the key and chain from the ref's own or,
+// where its container is a module's table, from its module's dict (`from_dict(ref)`);
+// and how many things each holds (`_size`: a list's, tuple's or dict's length, else its
+// `__dict__`'s, else 0).
+PyObject* map_refs(PyObject* /*self*/, PyObject* args) {
+  PyObject *refs, *tables_at, *at, *from_dict;
+  if (!PyArg_ParseTuple(args, "O!O!O!O", &PyList_Type, &refs, &PyDict_Type, &tables_at,
+                        &PyDict_Type, &at, &from_dict)) {
+    return nullptr;
+  }
+  static PyObject* dict_name = PyUnicode_InternFromString("__dict__");
+  const Py_ssize_t n = PyList_GET_SIZE(refs);
+  PyObject* rows = PyList_New(n);
+  PyObject* sizes = PyList_New(n);
+  PyObject* out = rows && sizes ? PyTuple_Pack(2, rows, sizes) : nullptr;
+  Py_XDECREF(rows);
+  Py_XDECREF(sizes);
+  if (out == nullptr) {
+    return nullptr;
+  }
+  auto fail = [out]() -> PyObject* {
+    Py_DECREF(out);
+    return nullptr;
+  };
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* ref = PyList_GET_ITEM(refs, i);
+    if (!PyTuple_Check(ref) || PyTuple_GET_SIZE(ref) != 7) {
+      PyErr_SetString(PyExc_TypeError, "map_refs takes a list of Ref");
+      return fail();
+    }
+    PyObject* module = PyTuple_GET_ITEM(ref, 1);
+    PyObject* container = PyTuple_GET_ITEM(ref, 2);
+    PyObject* obj = PyTuple_GET_ITEM(ref, 5);
+    PyObject* via = PyTuple_GET_ITEM(ref, 6);
+    PyObject* module_id = PyLong_FromVoidPtr(module);
+    PyObject* index = module_id == nullptr ? nullptr : PyDict_GetItemWithError(at, module_id);
+    Py_XDECREF(module_id);
+    if (index == nullptr) {
+      if (!PyErr_Occurred()) {  // as `at[id(module)]` raises
+        PyErr_SetString(PyExc_KeyError, "a ref's module is not among the modules walked");
+      }
+      return fail();
+    }
+    PyObject* container_id = PyLong_FromVoidPtr(container);
+    const int tabled = container_id == nullptr ? -1 : PyDict_Contains(tables_at, container_id);
+    Py_XDECREF(container_id);
+    PyObject* oid = tabled < 0 ? nullptr : PyLong_FromVoidPtr(obj);
+    if (oid == nullptr) {
+      return fail();
+    }
+    PyObject* row = nullptr;
+    if (!tabled) {
+      row = PyTuple_Pack(5, index, PyTuple_GET_ITEM(ref, 3), PyTuple_GET_ITEM(ref, 4), oid,
+                         via);
+    } else {
+      PyObject* got = PyObject_CallOneArg(from_dict, ref);
+      if (got != nullptr && PyTuple_Check(got) && PyTuple_GET_SIZE(got) == 2) {
+        row = PyTuple_Pack(5, index, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), oid,
+                           via);
+      } else if (got != nullptr) {
+        PyErr_SetString(PyExc_TypeError, "from_dict gives (key, chain)");
+      }
+      Py_XDECREF(got);
+    }
+    Py_DECREF(oid);
+    if (row == nullptr) {
+      return fail();
+    }
+    PyList_SET_ITEM(rows, i, row);
+    Py_ssize_t size = 0;
+    if (PyList_Check(obj) || PyTuple_Check(obj) || PyDict_Check(obj)) {
+      size = PyObject_Size(obj);
+    } else {
+      PyObject* d = PyObject_GetAttr(obj, dict_name);
+      if (d == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+      } else if (d != nullptr) {
+        size = PyDict_CheckExact(d) ? PyDict_GET_SIZE(d) : 0;
+        Py_DECREF(d);
+      } else {
+        return fail();
+      }
+    }
+    PyObject* size_obj = size < 0 ? nullptr : PyLong_FromSsize_t(size);
+    if (size_obj == nullptr) {
+      return fail();
+    }
+    PyList_SET_ITEM(sizes, i, size_obj);
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace graphsafe_native {
@@ -599,6 +829,8 @@ PyMethodDef model_map_methods[] = {
     {"same_tree", same_tree, METH_VARARGS, "Whether the modules still hold what was walked."},
     {"same_refs", same_refs, METH_VARARGS, "Whether the objects on the way hold as walked."},
     {"map_sites", map_sites, METH_VARARGS, "A model map's pass over a walk's sites."},
+    {"map_modules", map_modules, METH_VARARGS, "A model map's pass over the module dicts."},
+    {"map_refs", map_refs, METH_VARARGS, "A model map's pass over the objects on the way."},
     {nullptr, nullptr, 0, nullptr},
 };
 

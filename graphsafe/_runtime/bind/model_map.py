@@ -89,7 +89,8 @@ class ModelMap:
         modules = reach.modules if reach.modules is not None else list(
             dict.fromkeys(s.module for s in walk_modules(model)))
         at = {id(m): i for i, m in enumerate(modules)}
-        tables_at = _tables_by_id(modules)
+        tables_at, self._tables, tables, self._holders, self._names, self._ids, lens = (
+            _map_modules(modules))
         keys, by_path, weights, owned, direct, nested = _map_sites(reach.sites, tables_at, at)
         self.keys: dict[int, str] = keys
         """Storage key -> the first path holding it (every storage with bytes)."""
@@ -112,33 +113,9 @@ class ModelMap:
         # The modules, their dicts and tables are read through weak references each time:
         # a record that held them would keep a dropped model (and its runtime) alive.
         self._modules = [weakref.ref(m) for m in modules]
-        dicts = list(map(_DICT, modules))
-        slots = [(i, name) for i, d in enumerate(dicts) for name in _TABLES if name in d]
-        self._tables = ([i for i, _ in slots], [name for _, name in slots])
-        tables = self._tables_of(dicts)
         self._table_ids = list(map(id, tables))
-        # Every entry the bindings above do not read, by identity: attributes, submodules,
-        # and parameter or buffer slots holding None (holder: a dict's index, a table's
-        # index after them).
-        entries = [(i, k) for i, d in enumerate(dicts) for k in d if k not in _MODULE_INTERNALS]
-        entries += [(len(dicts) + j, k) for j, t in enumerate(tables) for k, v in t.items()
-                    if not isinstance(v, torch.Tensor)]
-        self._holders = [h for h, _ in entries]
-        self._names = [k for _, k in entries]
-        self._ids = _ids_at([*dicts, *tables], self._holders, self._names)
-        # Where each object on the way to tensors is, by id: nothing the model drops is
-        # kept alive by this record.
-        # Each is read in one step from the object on the way that holds it (`via`, read
-        # before it: the walk lists parents first), or from its module's dict.
-        self._refs = [
-            (at[id(r.module)], r.key, r.chain, id(r.obj), r.via)
-            if id(r.container) not in tables_at
-            else (at[id(r.module)], *_from_dict(r, tables_at), id(r.obj), r.via)
-            for r in reach.refs]
-        # What each object on the way holds is read from the walk just made: it is what
-        # its path leads to now.
-        self._lens = [*map(len, dicts), *map(len, tables), *[
-            len(o) if type(o) in _SIZED else _size(o) for o in map(_OBJ, reach.refs)]]
+        self._refs, sizes = _map_refs(reach.refs, tables_at, at)
+        self._lens = lens + sizes
         self._native = _native.get()
         # What the compiled pass remembers of each module dict and table it passed (its
         # version tag): one that kept its tag is not looked into again.
@@ -260,6 +237,56 @@ _STRIDE = torch.Tensor.stride
 
 _Direct = tuple[Any, Any, object, int, tuple[int, ...]]
 _Nested = tuple[int, Any, tuple[Any, ...], int, int, int]
+_Way = tuple[int, Any, tuple[Any, ...], int, int]
+
+
+def _map_modules(modules: list[nn.Module]) -> tuple[
+        dict[int, str], tuple[list[int], list[str]], list[dict[str, Any]], list[int],
+        list[Any], list[int], list[int]]:
+    """`ModelMap`'s pass over the modules' own dicts: the id of each parameter and buffer
+    table -> its name (`_tables_by_id`); where each module's
+    parameter, buffer and submodule tables are, and the tables; every entry the tables'
+    rows do not read (attributes, submodules, parameter or buffer slots holding None),
+    by holder (a dict's index, a table's index after them), key and the id of what it
+    holds; and the size of each dict and table. One compiled call where the compiled
+    checks are built and every dict is a dict (`map_modules`, held to this loop by a
+    property test)."""
+    native = _native.get()
+    if native is not None:
+        found = native.map_modules(modules, _MODULE_INTERNALS)
+        if found is not None:
+            return found
+    dicts = list(map(_DICT, modules))
+    tables_at = _tables_by_id(modules)
+    slots = [(i, name) for i, d in enumerate(dicts) for name in _TABLES if name in d]
+    index, names = [i for i, _ in slots], [name for _, name in slots]
+    tables = list(map(dict.__getitem__, map(dicts.__getitem__, index), names))
+    entries = [(i, k) for i, d in enumerate(dicts) for k in d if k not in _MODULE_INTERNALS]
+    entries += [(len(dicts) + j, k) for j, t in enumerate(tables) for k, v in t.items()
+                if not isinstance(v, torch.Tensor)]
+    holders = [h for h, _ in entries]
+    keys = [k for _, k in entries]
+    return (tables_at, (index, names), tables, holders, keys,
+            _ids_at([*dicts, *tables], holders, keys), [*map(len, dicts), *map(len, tables)])
+
+
+def _map_refs(refs: list[Ref], tables_at: dict[int, str],
+              at: dict[int, int]) -> tuple[list[_Way], list[int]]:
+    """`ModelMap`'s pass over a walk's objects on the way to tensors: where each is, by
+    id (nothing the model drops is kept alive by this record), read in one step from the
+    object on the way that holds it (`via`, read before it: the walk lists parents
+    first) or from its module's dict; and how many things each holds, read from the walk
+    just made (it is what its path leads to now). One compiled call where the compiled
+    checks are built (`map_refs`, held to this loop by a property test)."""
+    native = _native.get()
+    if native is not None:
+        return native.map_refs(refs, tables_at, at,
+                               functools.partial(_from_dict, tables=tables_at))
+    return ([(at[id(r.module)], r.key, r.chain, id(r.obj), r.via)
+             if id(r.container) not in tables_at
+             else (at[id(r.module)], *_from_dict(r, tables_at), id(r.obj), r.via)
+             for r in refs],
+            [len(o) if type(o) in _SIZED else _size(o) for o in map(_OBJ, refs)])
 
 
 def _map_sites(sites: list[Site], tables_at: dict[int, str], at: dict[int, int]) -> tuple[

@@ -1,6 +1,8 @@
 """The compiled walk (`walk.cpp`) finds what the Python walk finds, in the same order; and
 the model map's compiled passes over its sites, its modules' dicts and the objects on the
-way (`map_sites`, `map_modules`, `map_refs`) record what its Python loops record.
+way (`map_sites`, `map_modules`, `map_refs`) record what its Python loops record; and the
+compiled reading of every parameter and buffer by storage (`table_sources`) finds what
+`sources_of`'s loop finds.
 
 Every place graphsafe looks for tensors walks the model (`graphsafe._memory.walk`); where
 the compiled checks are built, the walk runs in one C++ call. Discovery, the model map
@@ -29,6 +31,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from graphsafe import _native
+from graphsafe._lineage import resolve as resolve_module
+from graphsafe._lineage.resolve import sources_of
 from graphsafe._memory import walk as walk_module
 from graphsafe._memory.walk import Attr, Reach, Wanted, walk, walk_tensors
 from graphsafe._runtime.bind import model_map as model_map_module
@@ -368,6 +372,47 @@ def test_control_a_map_that_misses_an_attribute_or_a_size_is_told_apart(
     monkeypatch.delattr(Wrong, "map_refs" if part == "map_modules" else "map_modules")
     with pytest.raises(AssertionError):
         assert _map_rows(model, True) == honest
+
+
+def _sources(model: nn.Module, compiled: bool) -> list[tuple[Any, ...]]:
+    """What `sources_of` finds, each table by identity, in its order."""
+    with _native.using(compiled):
+        found = sources_of(model)
+    return [(sid, type(src), src.path, id(src.holder), src.key, src.sid)
+            for sid, src in found.items()]
+
+
+@settings(max_examples=100, deadline=None)
+@given(recipes=st.lists(_RECIPES, min_size=1, max_size=5))
+def test_the_compiled_sources_are_the_python_sources(recipes: list[Any]) -> None:
+    """Every parameter and buffer by storage, first path first (a shared module's at its
+    first binding, one storage under two names once), meta tensors left out."""
+    model = _model(recipes)
+    model.tied = nn.Linear(2, 2)
+    model.tied.weight = model.sub.weight  # one storage, two paths
+    model.blocks.append(model.sub)  # a shared module at a third path
+    assert _sources(model, True) == _sources(model, False)
+
+
+def test_control_sources_that_drop_one_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _native.using(True):
+        native = _native.get()
+    assert native is not None
+
+    class Dropping:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(native, name)
+
+        def table_sources(self, *args: Any) -> Any:
+            found = native.table_sources(*args)
+            found.pop(next(iter(found)))
+            return found
+
+    model = _model([("tensor", "plain")])
+    honest = _sources(model, True)
+    monkeypatch.setattr(resolve_module._native, "get", Dropping)
+    with pytest.raises(AssertionError):
+        assert _sources(model, True) == honest
 
 
 def _mutate(model: nn.Module, how: str, pick: int) -> None:

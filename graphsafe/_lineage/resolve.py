@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from graphsafe import _native
 from graphsafe._lineage.record.recorder import DERIVED_COPY, Arg, Call, Lineage, ambiguous, sid_of
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import (
@@ -68,8 +69,14 @@ class Found(NamedTuple):
 def sources_of(model: nn.Module) -> dict[int, Source]:
     """Every parameter and buffer of `model` by storage identity (the first path of each,
     in `named_modules(remove_duplicate=False)` order)."""
+    prefixes = module_prefixes(model)
+    native = _native.get()
+    if native is not None:  # one compiled call (`table_sources`), held to this loop by a test
+        done = native.table_sources(prefixes, Source)
+        if done is not None:
+            return done
     held: list[tuple[str, dict[str, Any], str, torch.Tensor]] = []
-    for head, module in module_prefixes(model):
+    for head, module in prefixes:
         for table in (module._parameters, module._buffers):
             held += [(head + name, table, name, t) for name, t in table.items()
                      if isinstance(t, torch.Tensor)]

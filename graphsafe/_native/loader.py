@@ -144,6 +144,9 @@ class Native(Protocol):
         self, refs: list[Any], tables_at: dict[int, str], at: dict[int, int],
         from_dict: Callable[[Any], tuple[Any, tuple[Any, ...]]], /,
     ) -> tuple[list[Any], list[int]]: ...
+    def table_sources(
+        self, prefixes: list[tuple[str, Any]], source: type, /,
+    ) -> dict[int, Any] | None: ...
     def walk_run(
         self, model: Any, modules: list[Any], each: list[tuple[str, Any]], wanted: Any,
         consts: tuple[Any, ...], needed: bool, /,

@@ -821,6 +821,104 @@ PyObject* map_refs(PyObject* /*self*/, PyObject* args) {
   return out;
 }
 
+// table_sources(prefixes, source) -> dict | None: graphsafe/_lineage/resolve.py's
+// `sources_of` over `module_prefixes(model)` (`(prefix, module)` of every binding), as its
+// Python loop makes it: `{sid: source(path, table, name, sid)}` of every tensor a module's
+// `_parameters` or `_buffers` holds, at the first path of its storage (`sid`: the
+// StorageImpl's address, as `storage_ids` reads it), those on the meta device left out;
+// `source` a tuple type of four fields, built as `tuple.__new__` builds it. None where a
+// table is no dict or a tensor is not a plain one (the Python loop answers).
+PyObject* table_sources(PyObject* /*self*/, PyObject* args) {
+  PyObject* prefixes;
+  PyTypeObject* source;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &prefixes, &PyType_Type, &source)) {
+    return nullptr;
+  }
+  if (!PyType_IsSubtype(source, &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "table_sources: source must be a tuple type");
+    return nullptr;
+  }
+  static PyObject* table_names[2] = {PyUnicode_InternFromString("_parameters"),
+                                     PyUnicode_InternFromString("_buffers")};
+  PyObject* out = PyDict_New();
+  if (out == nullptr) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(prefixes);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(prefixes, i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+      PyErr_SetString(PyExc_TypeError, "table_sources takes (prefix, module) pairs");
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyObject* head = PyTuple_GET_ITEM(item, 0);
+    for (PyObject* table_name : table_names) {
+      PyObject* table = PyObject_GetAttr(PyTuple_GET_ITEM(item, 1), table_name);
+      if (table == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      if (!PyDict_Check(table)) {
+        Py_DECREF(table);
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+      }
+      Py_ssize_t pos = 0;
+      PyObject *name, *t;
+      int rc = 0;  // 1: give way, -1: an error
+      while (rc == 0 && PyDict_Next(table, &pos, &name, &t)) {
+        if (!is_tensor(t)) {
+          continue;
+        }
+        c10::TensorImpl* impl = nullptr;
+        const c10::StorageImpl* storage = plain_storage(t, &impl);
+        if (storage == nullptr) {
+          rc = 1;
+          break;
+        }
+        if (impl->device_type() == c10::kMeta) {
+          continue;
+        }
+        PyObject* sid = PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(storage));
+        const int seen = sid == nullptr ? -1 : PyDict_Contains(out, sid);
+        if (seen != 0) {
+          Py_XDECREF(sid);
+          rc = seen < 0 ? -1 : 0;
+          continue;
+        }
+        PyObject* path = PyUnicode_Concat(head, name);
+        PyObject* src = path == nullptr ? nullptr : source->tp_alloc(source, 4);
+        if (src == nullptr) {
+          Py_XDECREF(path);
+          Py_DECREF(sid);
+          rc = -1;
+          break;
+        }
+        Py_INCREF(table);
+        Py_INCREF(name);
+        Py_INCREF(sid);
+        PyTuple_SET_ITEM(src, 0, path);
+        PyTuple_SET_ITEM(src, 1, table);
+        PyTuple_SET_ITEM(src, 2, name);
+        PyTuple_SET_ITEM(src, 3, sid);
+        rc = PyDict_SetItem(out, sid, src) == 0 ? 0 : -1;
+        Py_DECREF(src);
+        Py_DECREF(sid);
+      }
+      Py_DECREF(table);
+      if (rc != 0) {
+        Py_DECREF(out);
+        if (rc < 0) {
+          return nullptr;
+        }
+        Py_RETURN_NONE;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace graphsafe_native {
@@ -831,6 +929,7 @@ PyMethodDef model_map_methods[] = {
     {"map_sites", map_sites, METH_VARARGS, "A model map's pass over a walk's sites."},
     {"map_modules", map_modules, METH_VARARGS, "A model map's pass over the module dicts."},
     {"map_refs", map_refs, METH_VARARGS, "A model map's pass over the objects on the way."},
+    {"table_sources", table_sources, METH_VARARGS, "Every parameter and buffer, by storage."},
     {nullptr, nullptr, 0, nullptr},
 };
 

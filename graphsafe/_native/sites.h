@@ -19,7 +19,8 @@ extern PyMethodDef witness_methods[];
 // walk_run (walk.cpp), likewise.
 extern PyMethodDef walk_methods[];
 
-// same_tree, same_refs, map_sites, map_modules and map_refs (model_map.cpp), likewise.
+// same_tree, same_refs, map_sites, map_modules, map_refs and table_sources
+// (model_map.cpp), likewise.
 extern PyMethodDef model_map_methods[];
 
 // A real tensor object (torch.Tensor or a subclass), without `isinstance`'s

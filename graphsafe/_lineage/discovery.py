@@ -135,9 +135,8 @@ class Discovery:
         reference)."""
         self._declared = declared
         """Paths of the model's declared derived buffers (sources, never discovered)."""
+        # The recording of the load in progress, and the other models' weights as it began.
         self._began: tuple[weakref.ref[Lineage], list[Foreign]] | None = None
-        """The recording of the load in progress, and the other models' weights as it
-        began (`foreign_keys`)."""
         self._entries: list[Entry] = []
         self._values: list[Entry] = []  # the numbers and handles among them
         # Their check before each replay while pinned; built at the first, dropped
@@ -180,10 +179,7 @@ class Discovery:
         what it gives is shared by every step; values it found for `values_wanted`
         spare their walks)."""
         once = _once(reach)  # not kept past this call: the walk holds the model's modules
-        try:
-            self.settle(lineage, model, once, weights=bring_up)
-        finally:
-            self._began = None  # the other models' weights are not held past their use
+        self.settle(lineage, model, once, weights=bring_up)
         self._recorded = True
         self._later.walked(model, lambda: once().values)
         if bring_up is not None and self._window is None and RECORDING[0] != "off":
@@ -287,12 +283,14 @@ class Discovery:
         rewrites weights there runs again after each load, where no load sees it) and
         floats set in Python, which are not found; an entry found already that it did not
         write again keeps its state (adopted, witnesses)."""
+        began, self._began = self._began, None  # not held past the load it began with
         alive = lineage.alive()
         if (not alive and not lineage.values and not lineage.weight_writes
                 and not lineage.unfollowed and not lineage.strays):
             return
         sources = sources_of(model)
-        foreign = self._foreign(model, sources, None if tail or lazily else lineage)
+        foreign = self._foreign(model, sources, None if tail or lazily or began is None
+                                or began[0]() is not lineage else began[1])
         modules = list(model.modules())
         derived = frozenset(
             sid for m in modules for name in m._non_persistent_buffers_set
@@ -380,17 +378,12 @@ class Discovery:
         self._add(fresh, kept)
 
     def _foreign(self, model: nn.Module, own: dict[int, Source],
-                 lineage: Lineage | None = None) -> dict[int, Source]:
-        """The other bound models' weights `model` does not hold (`own`: its sources).
-        With `lineage`, a load's recording settled as the load ends: the other models'
-        weights as that load began, which its recording was given (`foreign_keys`), so
-        that both read them alike, once per load; read again where one of them was
-        loading in another thread then."""
-        began = self._began
-        if lineage is not None and began is not None and began[0]() is lineage:
-            self._began = None
-            if not any(other.loading for other in began[1]):
-                return foreign_sources(began[1], own)
+                 given: list[Foreign] | None = None) -> dict[int, Source]:
+        """The other bound models' weights `model` does not hold (`own`: its sources): as
+        they were `given` to a load's recording as it began (`foreign_keys`), but where
+        one of them was loading in another thread then (read again)."""
+        if given is not None and not any(other.loading for other in given):
+            return foreign_sources(given, own)
         return foreign_sources(self._others(model), own)
 
     def take_inputs(self, model: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
@@ -417,8 +410,7 @@ class Discovery:
                      lineage: Lineage | None = None) -> frozenset[int]:
         """Storage keys of the other bound models' weights `model` does not hold (`own`:
         the storage keys of its parameters and buffers); for a recording: a copy from
-        one is a derivation. With `lineage` (the load's recording, as it begins), the
-        other models' weights are kept for its settling (see `settle`)."""
+        one is a derivation. Kept for `lineage`'s settle (see `_foreign`)."""
         others = list(self._others(model))
         if lineage is not None:
             self._began = (weakref.ref(lineage), others)

@@ -4,8 +4,9 @@
 // graphsafe/_memory/snapshot.py (same_bindings), without a Python call per field; and the
 // storage reads of many tensors in one call (storage_rows, storage_ids). This file also
 // creates the module; witnesses.cpp adds the witnesses' check and taking to it,
-// model_map.cpp the model map's passes, walk.cpp the walk, tracker.cpp the write
-// tracker's functions, fingerprint.cpp gs.fingerprint's kernel.
+// model_map.cpp the model map's check, map_rows.cpp its reading of a model, walk.cpp the
+// walk, tracker.cpp the write tracker's functions, fingerprint.cpp gs.fingerprint's
+// kernel.
 //
 // Every function answers True only when it is sure nothing changed; anything it cannot
 // read (a site that holds no tensor, a tensor without storage, an inference tensor's
@@ -533,6 +534,7 @@ extern "C" PyMODINIT_FUNC GRAPHSAFE_CAT(PyInit_, GRAPHSAFE_NATIVE_ID)(void) {
                        PyModule_AddFunctions(m, graphsafe_native::witness_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::walk_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::model_map_methods) != 0 ||
+                       PyModule_AddFunctions(m, graphsafe_native::map_rows_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::recorder_methods) != 0 ||
                        PyModule_AddFunctions(m, graphsafe_native::fingerprint_methods) != 0)) {
     Py_DECREF(m);

@@ -22,8 +22,11 @@
 - `fingerprint.cpp`: the fingerprint's sums on a CPU (`_fingerprint`).
 - `walk.cpp`: the walk over a model (`_memory.walk`), step for step as the Python walk,
   which it asks for what it does not enter itself.
-- `model_map.cpp`: the model map's check that a walk still holds, and its reading of a
-  walk's sites (`_runtime.bind.model_map`).
+- `model_map.cpp`: the model map's check that a walk still holds
+  (`_runtime.bind.model_map`).
+- `map_rows.cpp`: the model map's reading of a walk, of the modules' dicts and of the
+  objects on the way into its rows, and every parameter and buffer by storage
+  (`_lineage.resolve.sources_of`).
 
 A built library is trusted only once it passes its self-check (`selfcheck`).
 
@@ -85,7 +88,8 @@ __all__ = [
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "checks.cpp", _HERE / "witnesses.cpp", _HERE / "tracker.cpp",
             _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp",
-            _HERE / "recorder.cpp", _HERE / "walk.cpp", _HERE / "model_map.cpp")
+            _HERE / "recorder.cpp", _HERE / "walk.cpp", _HERE / "model_map.cpp",
+            _HERE / "map_rows.cpp")
 _HEADERS = (_HERE / "sites.h", _HERE / "tracker.h")
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
@@ -97,7 +101,7 @@ _LIBS = ("-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python")
 class Native(Protocol):
     """The compiled module's functions (see `checks.cpp`, `witnesses.cpp`, `tracker.cpp`,
     `observer.cpp`, `strays.cpp`, `recorder.cpp`, `fingerprint.cpp`, `walk.cpp`,
-    `model_map.cpp`)."""
+    `model_map.cpp`, `map_rows.cpp`)."""
 
     def geometry(self, tensors: list[Any], /) -> bytes | None: ...
     def same_geometry(self, tensors: list[Any], expected: bytes, /) -> bool: ...

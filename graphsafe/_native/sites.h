@@ -19,9 +19,11 @@ extern PyMethodDef witness_methods[];
 // walk_run (walk.cpp), likewise.
 extern PyMethodDef walk_methods[];
 
-// same_tree, same_refs, map_sites, map_modules, map_refs and table_sources
-// (model_map.cpp), likewise.
+// same_tree and same_refs (model_map.cpp), likewise.
 extern PyMethodDef model_map_methods[];
+
+// map_sites, map_modules, map_refs and table_sources (map_rows.cpp), likewise.
+extern PyMethodDef map_rows_methods[];
 
 // A real tensor object (torch.Tensor or a subclass), without `isinstance`'s
 // `__instancecheck__` lookups: only such an object can be unpacked.

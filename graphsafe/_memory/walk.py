@@ -61,6 +61,7 @@ __all__ = [
     "Site",
     "Slot",
     "module_prefixes",
+    "modules_once",
     "ValueSite",
     "Wanted",
     "step",
@@ -210,7 +211,7 @@ class ModuleSite(NamedTuple):
 
 
 def walk_modules(model: nn.Module) -> Iterator[ModuleSite]:
-    """Yield the root, then every submodule binding, depth first in registration order.
+    """The root, then every submodule binding, depth first in registration order.
 
     A module shared by several parents is yielded at each binding, so that replacing it at
     any of them can be seen; its own submodules are walked once, under its first path.
@@ -221,19 +222,30 @@ def walk_modules(model: nn.Module) -> Iterator[ModuleSite]:
         >>> [s.path for s in walk_modules(nn.Sequential(shared, nn.ReLU(), shared))]
         ['', '0', '1', '2']
     """
-    yield ModuleSite(path="", parent=None, key="", module=model)
-    yield from _bindings(model, "", {id(model)})
+    return iter(_bindings(model))
 
 
-def _bindings(module: nn.Module, head: str, seen: set[int]) -> Iterator[ModuleSite]:
-    for key, child in tuple(module._modules.items()):
-        if child is None:
-            continue
-        path = head + key
-        yield ModuleSite(path=path, parent=module, key=key, module=child)
-        if id(child) not in seen:
-            seen.add(id(child))
-            yield from _bindings(child, f"{path}.", seen)
+def _bindings(model: nn.Module) -> list[ModuleSite]:
+    """`walk_modules`' sites, in one pass with a stack (no generator per module: a
+    flagship model has thousands, bound at its first load)."""
+    new = tuple.__new__
+    out = [new(ModuleSite, ("", None, "", model))]
+    seen = {id(model)}
+    stack = [(model, "", iter(tuple(model._modules.items())))]
+    while stack:
+        module, head, items = stack[-1]
+        for key, child in items:
+            if child is None:
+                continue
+            path = head + key
+            out.append(new(ModuleSite, (path, module, key, child)))
+            if id(child) not in seen:
+                seen.add(id(child))
+                stack.append((child, f"{path}.", iter(tuple(child._modules.items()))))
+                break  # its submodules next, then the rest of this one's
+        else:
+            stack.pop()
+    return out
 
 
 def walk_tensors(model: nn.Module) -> Iterator[Site]:
@@ -339,6 +351,18 @@ def module_prefixes(model: nn.Module) -> list[tuple[str, nn.Module]]:
         stack += reversed([(f"{head}{key}.", child, depth + 1)
                            for key, child in module._modules.items() if child is not None])
     return out
+
+
+def modules_once(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Each module of the tree once, at its first binding, with its path prefix
+    (`"layers.0."`, `""` for the root): `named_modules()`' modules, in its order.
+
+    Examples:
+        >>> shared = nn.Linear(2, 2)
+        >>> [p for p, _ in modules_once(nn.Sequential(shared, nn.Sequential(shared)))]
+        ['', '0.', '1.']
+    """
+    return _each_module(model)[1]
 
 
 def _each_module(model: nn.Module) -> tuple[set[int], list[tuple[str, nn.Module]]]:

@@ -19,7 +19,7 @@ from graphsafe._declare.decorators import is_marked
 from graphsafe._declare.registry import accepts_out, check_signature
 from graphsafe._declare.spec import Derivation, DerivationInfo
 from graphsafe._errors import GraphSafetyError, RegistrationError
-from graphsafe._memory.walk import walk_modules
+from graphsafe._memory.walk import modules_once, walk_modules
 from graphsafe._runtime.bind.inputs import Input, join
 
 __all__ = ["Binding", "BoundDerivation", "bind"]
@@ -214,9 +214,14 @@ def _bind_modules(
     bound: list[BoundDerivation] = []
     produced: _Produced = {}
     absent: _Absent = {}
-    for mpath, module in model.named_modules(remove_duplicate=True):
+    of_class: dict[type, Sequence[Derivation]] = {}  # asked once per class, not module
+    for prefix, module in modules_once(model):  # as `named_modules()`
+        mpath = prefix[:-1]
         on_module(module)
-        for spec in derivations_for(type(module)):
+        specs = of_class.get(type(module))
+        if specs is None:
+            specs = of_class[type(module)] = derivations_for(type(module))
+        for spec in specs:
             if spec.when is not None and not spec.when(module):
                 for name in spec.outputs:
                     absent[(id(module), name)] = spec

@@ -943,10 +943,10 @@ def test_the_compiled_storage_reads_are_the_python_ones(
     dtype: torch.dtype, shape: list[int], start: int, transpose: bool, meta: bool,
     parameter: bool,
 ) -> None:
-    """`storage_rows` and `storage_ids` (what a recorded load's end reads of thousands of
-    tensors in one call) give, for any plain tensor, what graphsafe reads in Python: the
-    storage identity, the storage key, `data_ptr()` and `stride()`; views at an offset, a
-    transposed view, empty and meta tensors included."""
+    """`storage_rows`, `storage_ids` and `storage_keys` (what a recorded load's end and
+    the ties read of thousands of tensors in one call) give, for any plain tensor, what
+    graphsafe reads in Python: the storage identity, the storage key, `data_ptr()` and
+    `stride()`; views at an offset, a transposed view, empty and meta tensors included."""
     from graphsafe._lineage.record.recorder import sid_of
     from graphsafe._memory.walk import storage_key
 
@@ -966,6 +966,7 @@ def test_the_compiled_storage_reads_are_the_python_ones(
     python = [(sid_of(x), storage_key(x), x.data_ptr(), x.stride()) for x in tensors]
     assert native.storage_rows(tensors) == python
     assert native.storage_ids(tensors) == [row[0] for row in python]
+    assert native.storage_keys(tensors) == [row[1] for row in python]
 
 
 def test_control_what_the_compiled_storage_reads_cannot_read_is_left_to_python() -> None:
@@ -978,5 +979,6 @@ def test_control_what_the_compiled_storage_reads_cannot_read_is_left_to_python()
     dense = torch.arange(8.0)
     assert native.storage_rows([dense, torch.eye(2).to_sparse()]) is None
     assert native.storage_ids([torch.eye(2).to_sparse()]) is None
+    assert native.storage_keys([torch.eye(2).to_sparse()]) is None
     a, b = native.storage_rows([dense[:4], dense[4:]])
     assert a[0] == b[0] and a[1] == b[1] and b[2] - a[2] == 16

@@ -67,6 +67,7 @@ __all__ = [
     "step",
     "storage_ids",
     "storage_key",
+    "storage_keys",
     "storage_rows",
     "storage_paths",
     "walk",
@@ -758,6 +759,12 @@ def storage_ids(tensors: list[torch.Tensor]) -> list[int] | None:
     """The first of each of `storage_rows`' rows alone (None as it gives None)."""
     native = _native.get()
     return None if native is None else native.storage_ids(tensors)
+
+
+def storage_keys(tensors: list[torch.Tensor]) -> list[int] | None:
+    """The second of each of `storage_rows`' rows alone (None as it gives None)."""
+    native = _native.get()
+    return None if native is None else native.storage_keys(tensors)
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -441,8 +441,12 @@ PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
 // address, `untyped_storage()._cdata`), `storage_key` (the storage's address, 0 when it
 // has no bytes), `data_ptr()` and `stride()`. None when one of them is not a plain
 // strided tensor with a storage: the caller reads each apart in Python, as it would have.
-// storage_ids(tensors: list) -> list[int] | None: the first of each row alone.
-PyObject* rows_of(PyObject* tensors, bool full) {
+// storage_ids(tensors: list) -> list[int] | None: the first of each row alone;
+// storage_keys(tensors: list) -> list[int] | None: the second alone.
+enum class Rows { kIds, kKeys, kFull };
+
+PyObject* rows_of(PyObject* tensors, Rows what) {
+  const bool full = what != Rows::kIds;
   if (!PyList_Check(tensors)) {
     PyErr_SetString(PyExc_TypeError, "takes a list of tensors");
     return nullptr;
@@ -468,8 +472,11 @@ PyObject* rows_of(PyObject* tensors, bool full) {
       Py_DECREF(out);
       Py_RETURN_NONE;
     }
-    PyObject* sid = PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(storage));
-    if (sid == nullptr || !full) {
+    const uintptr_t key = storage->nbytes() != 0 ? base : 0;
+    PyObject* sid = what == Rows::kKeys
+        ? PyLong_FromUnsignedLongLong(key)
+        : PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(storage));
+    if (sid == nullptr || what != Rows::kFull) {
       if (sid == nullptr) {
         Py_DECREF(out);
         return nullptr;
@@ -477,7 +484,6 @@ PyObject* rows_of(PyObject* tensors, bool full) {
       PyList_SET_ITEM(out, i, sid);
       continue;
     }
-    const uintptr_t key = storage->nbytes() != 0 ? base : 0;
     PyObject* row = PyTuple_New(4);
     if (row == nullptr) {
       Py_DECREF(sid);
@@ -500,11 +506,15 @@ PyObject* rows_of(PyObject* tensors, bool full) {
 }
 
 PyObject* storage_rows(PyObject* /*self*/, PyObject* tensors) {
-  return rows_of(tensors, true);
+  return rows_of(tensors, Rows::kFull);
 }
 
 PyObject* storage_ids(PyObject* /*self*/, PyObject* tensors) {
-  return rows_of(tensors, false);
+  return rows_of(tensors, Rows::kIds);
+}
+
+PyObject* storage_keys(PyObject* /*self*/, PyObject* tensors) {
+  return rows_of(tensors, Rows::kKeys);
 }
 
 PyMethodDef methods[] = {
@@ -516,6 +526,7 @@ PyMethodDef methods[] = {
     {"same_bindings", same_bindings, METH_VARARGS, "The tensors, if none was rebound."},
     {"storage_rows", storage_rows, METH_O, "(sid, key, ptr, strides) of each tensor."},
     {"storage_ids", storage_ids, METH_O, "The storage identity of each tensor."},
+    {"storage_keys", storage_keys, METH_O, "The storage key of each tensor."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from graphsafe._errors import GraphSafetyError, StaleError
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import module_prefixes, storage_key, storage_rows
+from graphsafe._memory.walk import module_prefixes, storage_key, storage_keys
 
 __all__ = ["Ties"]
 
@@ -73,24 +73,29 @@ class Ties:
         share a storage at other offsets (a flat buffer of many weights) are no tie."""
         found: dict[_Region, list[str]] = {}
         # `named_parameters` then the persistent `named_buffers`, both without removing
-        # duplicates (a shared module's weights at each of its paths), in one pass.
-        params: list[tuple[str, torch.Tensor]] = []
-        buffers: list[tuple[str, torch.Tensor]] = []
+        # duplicates (a shared module's weights at each of its paths), in one pass; the
+        # paths made only for tensors that share a storage (most models share none).
+        params: list[tuple[str, str, torch.Tensor]] = []
+        buffers: list[tuple[str, str, torch.Tensor]] = []
         for head, m in module_prefixes(model):
-            params += [(head + name, t) for name, t in m._parameters.items() if t is not None]
+            params += [(head, name, t) for name, t in m._parameters.items() if t is not None]
             if m._buffers:
                 skip = m._non_persistent_buffers_set
-                buffers += [(head + name, t) for name, t in m._buffers.items()
+                buffers += [(head, name, t) for name, t in m._buffers.items()
                             if t is not None and name not in skip]
-        by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
         held = params + buffers
-        tensors = [t for _, t in held]
-        rows = storage_rows(tensors)  # one compiled call, where the compiled checks are built
+        tensors = [t for *_, t in held]
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
-            keys = [r[1] for r in rows] if rows is not None else list(map(storage_key, tensors))
-            for (path, t), key in zip(held, keys, strict=True):
+            keys = storage_keys(tensors)  # one compiled call, where the checks are built
+            if keys is None:
+                keys = list(map(storage_key, tensors))
+            some = [k for k in keys if k]
+            if len(set(some)) == len(some):
+                return cls(())
+            by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+            for (head, name, t), key in zip(held, keys, strict=True):
                 if key:
-                    by_storage.setdefault(key, []).append((path, t))
+                    by_storage.setdefault(key, []).append((head + name, t))
             for shared in by_storage.values():  # a tie shares a storage: only those read
                 if len(shared) > 1:
                     for path, t in shared:

@@ -2,7 +2,8 @@
 the model map's compiled passes over its sites, its modules' dicts and the objects on the
 way (`map_sites`, `map_modules`, `map_refs`) record what its Python loops record; and the
 compiled reading of every parameter and buffer by storage (`table_sources`) finds what
-`sources_of`'s loop finds.
+`sources_of`'s loop finds, and the compiled filter of the sites a recording wrote
+(`written_sites`) keeps what `find`'s loop keeps.
 
 Every place graphsafe looks for tensors walks the model (`graphsafe._memory.walk`); where
 the compiled checks are built, the walk runs in one C++ call. Discovery, the model map
@@ -32,6 +33,7 @@ from torch import nn
 
 from graphsafe import _native
 from graphsafe._lineage import resolve as resolve_module
+from graphsafe._lineage.record.recorder import sid_of
 from graphsafe._lineage.resolve import sources_of
 from graphsafe._memory import walk as walk_module
 from graphsafe._memory.walk import Attr, Reach, Wanted, walk, walk_tensors
@@ -413,6 +415,51 @@ def test_control_sources_that_drop_one_are_told_apart(monkeypatch: pytest.Monkey
     monkeypatch.setattr(resolve_module._native, "get", Dropping)
     with pytest.raises(AssertionError):
         assert _sources(model, True) == honest
+
+
+@settings(max_examples=100, deadline=None)
+@given(recipes=st.lists(_RECIPES, min_size=1, max_size=5), picks=st.data())
+def test_the_compiled_filter_of_written_sites_is_the_python_one(
+    recipes: list[Any], picks: st.DataObject,
+) -> None:
+    """`find`'s filter of a walk's sites: those whose storage was written (`among`) and is
+    no source (`skip`), each storage at its first site (a tensor held twice, a view of a
+    weight), in order."""
+    model = _model(recipes)
+    model.again = [model.sub.weight, model.sub.weight[:1]]  # one storage at three sites
+    sites = walk(model).sites
+    sids = sorted({sid_of(site.tensor) for site in sites})
+    among = set(picks.draw(st.lists(st.sampled_from(sids), unique=True)))
+    skip = dict.fromkeys(picks.draw(st.lists(st.sampled_from(sids), unique=True)))
+    with _native.using(True):
+        compiled = resolve_module._written_sites(sites, among, skip)
+    with _native.using(False):
+        python = resolve_module._written_sites(sites, among, skip)
+    assert compiled == python
+
+
+def test_control_a_filter_that_keeps_a_source_is_told_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The comparison above catches a compiled filter that ignores `skip`: a weight the
+    recording wrote would be taken for a tensor derived from the weights."""
+    with _native.using(True):
+        native = _native.get()
+    assert native is not None
+
+    class Keeping:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(native, name)
+
+        def written_sites(self, sites: Any, among: Any, skip: Any) -> Any:
+            return native.written_sites(sites, among, {})
+
+    sites = walk(_model([("tensor", "plain")])).sites
+    sids = {sid_of(site.tensor) for site in sites}
+    honest = resolve_module._written_sites(sites, sids, dict.fromkeys(sids))
+    assert honest == []
+    monkeypatch.setattr(resolve_module._native, "get", Keeping)
+    assert resolve_module._written_sites(sites, sids, dict.fromkeys(sids)) != honest
 
 
 def _mutate(model: nn.Module, how: str, pick: int) -> None:

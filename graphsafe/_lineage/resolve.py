@@ -249,17 +249,32 @@ def find(
     (written in the recording) and whose writers reach a source; one per storage, at its
     first path."""
     out: list[Found] = []
-    taken: set[int] = set()
     sites = list(sites)
-    sids = _sids([site.tensor for site in sites])
-    for site, sid in zip(sites, sids):
-        if sid not in among or sid in taken or sid in sources:
-            continue
-        taken.add(sid)
+    for i, sid in _written_sites(sites, among, sources):
+        site = sites[i]
         writer = lineage.writers[sid]
         srcs, chain, opaque = trace(writer[0], sources)
         if srcs:
             out.append(_new(Found, (site, srcs, chain, opaque, writer)))
+    return out
+
+
+def _written_sites(sites: list[Site], among: Set[int], skip: dict[int, Any]
+                   ) -> list[tuple[int, int]]:
+    """The index and storage identity of each site whose storage is one of `among` and no
+    key of `skip`, at its storage's first site only: one compiled call where the compiled
+    checks are built (`written_sites`, held to this loop by a property test)."""
+    native = _native.get()
+    if native is not None:
+        found = native.written_sites(sites, among, skip)
+        if found is not None:
+            return found
+    out = []
+    taken: set[int] = set()
+    for i, sid in enumerate(_sids([site.tensor for site in sites])):
+        if sid in among and sid not in taken and sid not in skip:
+            taken.add(sid)
+            out.append((i, sid))
     return out
 
 

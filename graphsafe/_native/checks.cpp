@@ -2,7 +2,8 @@
 // graphsafe/_memory/ledger.py (geometry, same_geometry, same_items, same_steps),
 // graphsafe/_lineage/entries.py's pinned numbers and handles (same_items, alive) and
 // graphsafe/_memory/snapshot.py (same_bindings), without a Python call per field; and the
-// storage reads of many tensors in one call (storage_rows, storage_ids). This file also
+// storage reads of many tensors in one call (storage_rows, storage_ids, storage_keys,
+// written_sites). This file also
 // creates the module; witnesses.cpp adds the witnesses' check and taking to it,
 // model_map.cpp the model map's check, map_rows.cpp its reading of a model, walk.cpp the
 // walk, tracker.cpp the write tracker's functions, fingerprint.cpp gs.fingerprint's
@@ -517,6 +518,83 @@ PyObject* storage_keys(PyObject* /*self*/, PyObject* tensors) {
   return rows_of(tensors, Rows::kKeys);
 }
 
+// written_sites(sites, among, skip) -> list[(index, sid)] | None: of a walk's sites
+// (`Site`s, the tensor their sixth field), those whose tensor's storage identity (as
+// `storage_ids` reads it) is in the set `among` and not a key of the dict `skip`, each
+// storage at its first site only, in order: graphsafe/_lineage/resolve.py's `find`'s
+// filter (`_written_sites`). None where a tensor is not a plain one (the Python loop
+// answers).
+PyObject* written_sites(PyObject* /*self*/, PyObject* args) {
+  PyObject *sites, *among, *skip;
+  if (!PyArg_ParseTuple(args, "O!OO!", &PyList_Type, &sites, &among, &PyDict_Type, &skip)) {
+    return nullptr;
+  }
+  if (!PyAnySet_Check(among)) {
+    PyErr_SetString(PyExc_TypeError, "written_sites: among must be a set");
+    return nullptr;
+  }
+  PyObject* out = PyList_New(0);
+  PyObject* taken = PySet_New(nullptr);
+  if (out == nullptr || taken == nullptr) {
+    Py_XDECREF(out);
+    Py_XDECREF(taken);
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(sites);
+  int rc = 0;  // 1: give way, -1: an error
+  for (Py_ssize_t i = 0; i < n && rc == 0; ++i) {
+    PyObject* site = PyList_GET_ITEM(sites, i);
+    if (!PyTuple_Check(site) || PyTuple_GET_SIZE(site) != 7) {
+      PyErr_SetString(PyExc_TypeError, "written_sites takes a list of Site");
+      rc = -1;
+      break;
+    }
+    c10::TensorImpl* impl = nullptr;
+    const c10::StorageImpl* storage = plain_storage(PyTuple_GET_ITEM(site, 5), &impl);
+    if (storage == nullptr) {
+      rc = 1;
+      break;
+    }
+    PyObject* sid = PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(storage));
+    if (sid == nullptr) {
+      rc = -1;
+      break;
+    }
+    int in = PySet_Contains(among, sid);
+    if (in == 1) {
+      const int seen = PySet_Contains(taken, sid);
+      const int skipped = seen == 0 ? PyDict_Contains(skip, sid) : seen;
+      in = seen < 0 || skipped < 0 ? -1 : !seen && !skipped;
+    }
+    if (in == 1) {
+      PyObject* row = PyTuple_New(2);
+      PyObject* index = PyLong_FromSsize_t(i);
+      if (row == nullptr || index == nullptr || PySet_Add(taken, sid) != 0) {
+        Py_XDECREF(row);
+        Py_XDECREF(index);
+        in = -1;
+      } else {
+        Py_INCREF(sid);
+        PyTuple_SET_ITEM(row, 0, index);
+        PyTuple_SET_ITEM(row, 1, sid);
+        in = PyList_Append(out, row) == 0 ? 0 : -1;
+        Py_DECREF(row);
+      }
+    }
+    Py_DECREF(sid);
+    rc = in < 0 ? -1 : 0;
+  }
+  Py_DECREF(taken);
+  if (rc != 0) {
+    Py_DECREF(out);
+    if (rc < 0) {
+      return nullptr;
+    }
+    Py_RETURN_NONE;
+  }
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
@@ -527,6 +605,7 @@ PyMethodDef methods[] = {
     {"storage_rows", storage_rows, METH_O, "(sid, key, ptr, strides) of each tensor."},
     {"storage_ids", storage_ids, METH_O, "The storage identity of each tensor."},
     {"storage_keys", storage_keys, METH_O, "The storage key of each tensor."},
+    {"written_sites", written_sites, METH_VARARGS, "The first site of each written storage."},
     {nullptr, nullptr, 0, nullptr},
 };
 

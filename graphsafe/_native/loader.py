@@ -70,7 +70,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, Protocol, cast
@@ -132,6 +132,9 @@ class Native(Protocol):
     ) -> list[tuple[int, int, int, tuple[int, ...]]] | None: ...
     def storage_ids(self, tensors: list[Any], /) -> list[int] | None: ...
     def storage_keys(self, tensors: list[Any], /) -> list[int] | None: ...
+    def written_sites(
+        self, sites: list[Any], among: Set[int], skip: dict[int, Any], /,
+    ) -> list[tuple[int, int]] | None: ...
     def same_refs(
         self, modules: list[Any], refs: list[Any], sizes: list[int], nested: list[Any],
         kinds: tuple[type, ...], /,

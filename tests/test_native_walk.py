@@ -316,30 +316,56 @@ def test_the_compiled_map_records_what_the_python_map_records(recipes: list[Any]
     assert _map_rows(model, True) == _map_rows(model, False)
 
 
+class _Altered:
+    """The compiled module with some of its functions replaced (`parts`: name -> the
+    replacement, given the compiled function), for a control: `_native.get` returns it."""
+
+    def __init__(self, parts: dict[str, Callable[..., Any]]) -> None:
+        with _native.using(True):
+            native = _native.get()
+        assert native is not None
+        self._native = native
+        self._parts = {name: functools.partial(part, getattr(native, name))
+                       for name, part in parts.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        found = self.__dict__["_parts"].get(name)
+        return found if found is not None else getattr(self.__dict__["_native"], name)
+
+    def __call__(self) -> _Altered:
+        return self
+
+
 def test_control_a_map_that_drops_a_weight_is_told_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The comparison above catches a compiled pass that differs in one row: its last
     weight dropped (a weight no load is then expected to write)."""
-    with _native.using(True):
-        native = _native.get()
-    assert native is not None
 
-    class Dropping:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(native, name)
-
-        def map_sites(self, *args: Any) -> Any:
-            found = native.map_sites(*args)
-            assert found is not None and found[2]
-            found[2].pop()
-            return found
+    def dropping(map_sites: Callable[..., Any], *args: Any) -> Any:
+        found = map_sites(*args)
+        assert found is not None and found[2]
+        found[2].pop()
+        return found
 
     model = _model([("tensor", "plain")])
     honest = _map_rows(model, True)
-    monkeypatch.setattr(model_map_module._native, "get", lambda: Dropping())
+    monkeypatch.setattr(model_map_module._native, "get", _Altered({"map_sites": dropping}))
     with pytest.raises(AssertionError):
         assert _map_rows(model, True) == honest
+
+
+def _short_one(map_modules: Callable[..., Any], *args: Any) -> Any:
+    found = map_modules(*args)
+    for column in found[3:6]:  # the last entry's holder, key and id
+        column.pop()
+    return found
+
+
+def _one_more(map_refs: Callable[..., Any], *args: Any) -> Any:
+    rows, sizes = map_refs(*args)
+    sizes[-1] += 1
+    return rows, sizes
 
 
 @pytest.mark.parametrize("part", ["map_modules", "map_refs"])
@@ -349,29 +375,10 @@ def test_control_a_map_that_misses_an_attribute_or_a_size_is_told_apart(
     """The comparison above catches a compiled pass over the module dicts that drops one
     attribute (a module's attribute rebound later would go unseen), and one over the
     objects on the way that miscounts one (a list grown later would go unseen)."""
-    with _native.using(True):
-        native = _native.get()
-    assert native is not None
-
-    class Wrong:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(native, name)
-
-        def map_modules(self, *args: Any) -> Any:
-            found = native.map_modules(*args)
-            for column in found[4:7]:
-                column.pop()
-            return found
-
-        def map_refs(self, *args: Any) -> Any:
-            rows, sizes = native.map_refs(*args)
-            sizes[-1] += 1
-            return rows, sizes
-
     model = _model([("list", [("tensor", "plain")], False)])
     honest = _map_rows(model, True)
-    monkeypatch.setattr(model_map_module._native, "get", Wrong)
-    monkeypatch.delattr(Wrong, "map_refs" if part == "map_modules" else "map_modules")
+    wrong = _short_one if part == "map_modules" else _one_more
+    monkeypatch.setattr(model_map_module._native, "get", _Altered({part: wrong}))
     with pytest.raises(AssertionError):
         assert _map_rows(model, True) == honest
 
@@ -397,22 +404,14 @@ def test_the_compiled_sources_are_the_python_sources(recipes: list[Any]) -> None
 
 
 def test_control_sources_that_drop_one_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    with _native.using(True):
-        native = _native.get()
-    assert native is not None
-
-    class Dropping:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(native, name)
-
-        def table_sources(self, *args: Any) -> Any:
-            found = native.table_sources(*args)
-            found.pop(next(iter(found)))
-            return found
+    def dropping(table_sources: Callable[..., Any], *args: Any) -> Any:
+        found = table_sources(*args)
+        found.pop(next(iter(found)))
+        return found
 
     model = _model([("tensor", "plain")])
     honest = _sources(model, True)
-    monkeypatch.setattr(resolve_module._native, "get", Dropping)
+    monkeypatch.setattr(resolve_module._native, "get", _Altered({"table_sources": dropping}))
     with pytest.raises(AssertionError):
         assert _sources(model, True) == honest
 
@@ -443,22 +442,15 @@ def test_control_a_filter_that_keeps_a_source_is_told_apart(
 ) -> None:
     """The comparison above catches a compiled filter that ignores `skip`: a weight the
     recording wrote would be taken for a tensor derived from the weights."""
-    with _native.using(True):
-        native = _native.get()
-    assert native is not None
 
-    class Keeping:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(native, name)
-
-        def written_sites(self, sites: Any, among: Any, skip: Any) -> Any:
-            return native.written_sites(sites, among, {})
+    def keeping(written_sites: Callable[..., Any], sites: Any, among: Any, skip: Any) -> Any:
+        return written_sites(sites, among, {})
 
     sites = walk(_model([("tensor", "plain")])).sites
     sids = {sid_of(site.tensor) for site in sites}
     honest = resolve_module._written_sites(sites, sids, dict.fromkeys(sids))
     assert honest == []
-    monkeypatch.setattr(resolve_module._native, "get", Keeping)
+    monkeypatch.setattr(resolve_module._native, "get", _Altered({"written_sites": keeping}))
     assert resolve_module._written_sites(sites, sids, dict.fromkeys(sids)) != honest
 
 

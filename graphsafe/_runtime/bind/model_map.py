@@ -244,13 +244,12 @@ def _map_modules(modules: list[nn.Module]) -> tuple[
         dict[int, str], tuple[list[int], list[str]], list[dict[str, Any]], list[int],
         list[Any], list[int], list[int]]:
     """`ModelMap`'s pass over the modules' own dicts: the id of each parameter and buffer
-    table -> its name (`_tables_by_id`); where each module's
-    parameter, buffer and submodule tables are, and the tables; every entry the tables'
-    rows do not read (attributes, submodules, parameter or buffer slots holding None),
-    by holder (a dict's index, a table's index after them), key and the id of what it
-    holds; and the size of each dict and table. One compiled call where the compiled
-    checks are built and every dict is a dict (`map_modules`, held to this loop by a
-    property test)."""
+    table -> its name (`_tables_by_id`); where each module's parameter, buffer and
+    submodule tables are, and the tables; every entry the tables' rows do not read
+    (attributes, submodules, parameter or buffer slots holding None), by holder (a dict's
+    index, a table's index after them), key and the id of what it holds; and the size of
+    each dict and table. One compiled call where the compiled checks are built and every
+    dict is a dict (`map_modules`, held to this loop by a property test)."""
     native = _native.get()
     if native is not None:
         found = native.map_modules(modules, _MODULE_INTERNALS)

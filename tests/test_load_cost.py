@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import gc
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -461,12 +462,16 @@ def _kernel(packed: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 
 def _counting_walks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """The list each walk of a model appends to (every walk, of tensors or of values,
-    begins with the tree's modules)."""
+    """The list each walk of a model appends to (every walk, of tensors or of values, is
+    one `_Walker`'s)."""
     walks: list[bool] = []
-    real = walk_module._each_module
-    monkeypatch.setattr(walk_module, "_each_module",
-                        lambda model: walks.append(True) or real(model))
+    real = walk_module._Walker.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        walks.append(True)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(walk_module._Walker, "__init__", counted)
     return walks
 
 

@@ -143,22 +143,27 @@ def _both(make: Callable[[], object]) -> tuple[object, object]:
     return native, python
 
 
-@settings(max_examples=90, deadline=None)
-@given(name=st.sampled_from(sorted(MUTATIONS)), layer=st.integers(0, 2), primed=st.booleans())
-def test_both_paths_give_the_known_verdict(name: str, layer: int, primed: bool) -> None:
+@settings(max_examples=120, deadline=None)
+@given(name=st.sampled_from(sorted(MUTATIONS)), layer=st.integers(0, 2),
+       primed=st.sampled_from(["no", "checked", "taken"]))
+def test_both_paths_give_the_known_verdict(name: str, layer: int, primed: str) -> None:
     """Ledger and witnesses, compiled and Python, against the known verdict; `primed`:
-    after checks that passed, which the compiled checks remember (a dict that did not
-    change since is not looked up again), so each change must show through what they
-    remember."""
+    after checks that passed (`checked`), or witnesses taken anew (`taken`, as a refresh
+    takes them), which the compiled checks remember (a dict that did not change since is
+    not looked up again), so each change must show through what they remember."""
     mutate, ledger_holds, witnesses_hold = MUTATIONS[name]
     model = Model()
     ledgers = _both(lambda: Ledger.snapshot(model))
     witnesses = _both(lambda: Witnesses(_witness_sites(model), JOURNAL))
     assert ledgers[0]._native is not None and ledgers[1]._native is None
     assert witnesses[0]._native is not None and witnesses[1]._native is None
-    for _ in range(2 if primed else 0):
+    for _ in range(2 if primed == "checked" else 0):
         assert all(ledger._unchanged() for ledger in ledgers)
         assert all(w.unchanged() for w in witnesses)
+    if primed == "taken":
+        for w in witnesses:
+            assert isinstance(w, Witnesses)
+            w.record(range(len(w)))
     # Rebind layer 0's weight by index; the other mutations take the drawn layer.
     mutate(model, layer)
     for ledger in ledgers:
@@ -207,6 +212,27 @@ def test_control_the_compiled_taking_reads_the_tensors_anew() -> None:
     holders, keys = [object(), model.layers[0]._parameters], ["w", "w"]
     got = native.take_witnesses(holders, keys, [0, 1], [0, 0], [0, 0], [0, 0], [0, 0])
     assert got == [0]
+
+
+def test_control_what_the_compiled_taking_remembers_is_what_the_check_trusts() -> None:
+    """Control for the `taken` cases above: the check trusts the rows the compiled taking
+    writes, without looking their sites up. A row remembering the version an in-place
+    write has since moved the tensor to (as a taking that read it too late would) hides
+    that write; the row the taking wrote does not."""
+    with _native.using(True):
+        model = Model()
+        w = Witnesses(_witness_sites(model), JOURNAL)
+    assert w._native is not None
+    w.record(range(len(w)))
+    honest = bytes(w._looked[:40])  # site 0: layer 0's weight
+    assert honest != bytes(40)
+    _inplace(model, 0)
+    late = bytearray(honest)
+    late[32:40] = model.layers[0].w._version.to_bytes(8, sys.byteorder)
+    w._looked[:40] = late
+    assert w.unchanged()  # trusted: the write is hidden
+    w._looked[:40] = honest
+    assert not w.unchanged()
 
 
 def test_a_declared_write_shows_in_both_paths() -> None:

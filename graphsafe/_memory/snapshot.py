@@ -192,7 +192,8 @@ class Witnesses(Sites):
         self._native = _native.get() if self.compiled else None
         # What the compiled check last passed at each dict site (the dict's version, the
         # tensor, its pointer and version, as expected): a site whose dict did not change
-        # since is not looked up again. Rows are zeroed where the expected values change.
+        # since is not looked up again. Rows are zeroed where the expected values change,
+        # or written as the compiled taking takes them.
         self._looked = bytearray(_ROW * n)
         self._take(range(n))
 
@@ -245,14 +246,11 @@ class Witnesses(Sites):
     def record(self, indices: Iterable[int]) -> None:
         """Take the witnesses of site `indices` anew, after their dependents were refreshed
         (the clock shortcut is left alone: other sites may still lag behind it)."""
-        indices = list(indices)
-        looked = self._looked
-        for i in indices:  # their expected values change: the compiled check looks again
-            looked[_ROW * i:_ROW * (i + 1)] = _NO_ROW
-        self._take(indices)
+        self._take(list(indices))
 
     def _take(self, indices: Sequence[int]) -> None:
-        """The expected values of sites `indices`, read now (their rows not reset)."""
+        """The expected values of sites `indices`, read now; the compiled check's rows of
+        those sites say so (taken compiled) or are reset (it looks again)."""
         self.journal.sync()  # writes seen before this refresh are in the epochs it records
         holders, keys, plain = self.holders, self.keys, self.plain
         ids, ptrs, versions, skeys = self._ids, self._ptrs, self._versions, self._skeys
@@ -260,7 +258,11 @@ class Witnesses(Sites):
         rest: Sequence[int] = indices
         if self._native is not None and plain:  # the dict sites holding tensors, compiled
             rest = self._native.take_witnesses(holders, keys, indices, ids, ptrs, versions,
-                                               skeys)
+                                               skeys, self._looked)
+        else:
+            looked = self._looked
+            for i in indices:  # their expected values change: the compiled check looks again
+                looked[_ROW * i:_ROW * (i + 1)] = _NO_ROW
         for i in rest:
             t = holders[i].get(keys[i]) if plain else self.read_one(i)
             if isinstance(t, torch.Tensor):

@@ -116,7 +116,8 @@ class Native(Protocol):
     ) -> bool: ...
     def take_witnesses(
         self, holders: list[Any], keys: list[Any], indices: list[int], ids: list[int],
-        ptrs: list[int], versions: list[int], storage_keys: list[int], /,
+        ptrs: list[int], versions: list[int], storage_keys: list[int],
+        cache: bytearray | None = None, /,
     ) -> list[int]: ...
     def same_bindings(
         self, containers: list[Any], keys: list[Any], ids: list[int], ptrs: list[int],

@@ -110,16 +110,22 @@ inline bool set_uint(PyObject* list, Py_ssize_t i, uint64_t value) {
   return true;
 }
 
-// take_witnesses(holders, keys, indices, ids, ptrs, versions, storage_keys: list) -> list:
+// take_witnesses(holders, keys, indices, ids, ptrs, versions, storage_keys: list,
+//                cache: bytearray | None = None) -> list:
 // graphsafe/_memory/snapshot.py's Witnesses._take for the sites of `indices` whose holder
 // is a dict holding a tensor it can read (data pointer, version, and its storage's key
 // where the tensor or its pointer changed): their expected values are written into the
 // lists. Returns the indices it left to the Python path (anything else, or unreadable).
+// With `cache` (`same_witnesses`' rows), the row of each site it took is what a check
+// passing right now would remember (the dict's tag, the tensor, its pointer and version:
+// the values just taken), and the row of each site it left is zeroed: the expected values
+// changed there.
 PyObject* take_witnesses(PyObject* /*self*/, PyObject* args) {
   PyObject* l[7] = {};
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!", &PyList_Type, &l[0], &PyList_Type, &l[1],
+  PyObject* cache = Py_None;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!|O", &PyList_Type, &l[0], &PyList_Type, &l[1],
                         &PyList_Type, &l[2], &PyList_Type, &l[3], &PyList_Type, &l[4],
-                        &PyList_Type, &l[5], &PyList_Type, &l[6])) {
+                        &PyList_Type, &l[5], &PyList_Type, &l[6], &cache)) {
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(l[0]);
@@ -128,6 +134,15 @@ PyObject* take_witnesses(PyObject* /*self*/, PyObject* args) {
       PyErr_SetString(PyExc_TypeError, "witness lists differ in length");
       return nullptr;
     }
+  }
+  Witnessed* rows = nullptr;
+  if (cache != Py_None) {
+    if (!PyByteArray_Check(cache) ||
+        PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Witnessed))) {
+      PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 40 bytes per site");
+      return nullptr;
+    }
+    rows = reinterpret_cast<Witnessed*>(PyByteArray_AS_STRING(cache));
   }
   PyObject* left = PyList_New(0);
   if (left == nullptr) {
@@ -153,9 +168,13 @@ PyObject* take_witnesses(PyObject* /*self*/, PyObject* args) {
     uint64_t ptr = kUnreadable;
     uint64_t version = kUnreadable;
     uint64_t key = kUnreadable;
+    c10::TensorImpl* impl = nullptr;
+    if (rows != nullptr) {
+      rows[i] = Witnessed{};  // written below once all is taken
+    }
     if (obj != nullptr && is_tensor(obj)) {
       const at::Tensor& t = THPVariable_Unpack(obj);
-      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      impl = t.unsafeGetTensorImpl();
       ptr = data_ptr_of(impl, t);
       version = version_of(impl);
       const bool same = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(l[3], i)) ==
@@ -192,6 +211,13 @@ PyObject* take_witnesses(PyObject* /*self*/, PyObject* args) {
         !set_uint(l[5], i, version) || !set_uint(l[6], i, key)) {
       Py_DECREF(left);
       return nullptr;
+    }
+    if (rows != nullptr) {  // the dict holds obj now, as same_witnesses' rows say
+      const uint64_t tag = dict_tag(holder);
+      const uint64_t raw = raw_ptr(impl);
+      if (tag != 0 && raw != kUnreadable) {
+        rows[i] = Witnessed{tag, obj, impl, raw, version};
+      }
     }
   }
   return left;

@@ -32,6 +32,7 @@ class Watch:
 
     __slots__ = (
         "_by_key",
+        "_consumers",
         "_covered",
         "_free_keys",
         "_identities",
@@ -52,6 +53,7 @@ class Watch:
     ) -> None:
         self.binding = binding
         self._by_key: dict[int, list[Input]] | None = None
+        self._consumers: dict[int, frozenset[int]] | None = None
         self._identities: Identities | None = None
         self._covered: tuple[Identities, Identities, bool] | None = None
         self._keys: frozenset[int] | None = None
@@ -81,13 +83,15 @@ class Watch:
         return self._by_key
 
     def consumers_of(self, keys: Iterable[int]) -> set[int]:
-        """Indices of the derivations reading any of the storages `keys` directly."""
-        by_key = self.by_storage()
-        dirty: set[int] = set()
-        for key in keys:
-            for inp in by_key.get(key, ()):
-                dirty.update(inp.consumers)
-        return dirty
+        """Indices of the derivations reading any of the storages `keys` directly (one
+        lookup per key: every load asks for what it wrote)."""
+        readers = self._consumers
+        if readers is None:
+            readers = self._consumers = {
+                key: frozenset(i for inp in inputs for i in inp.consumers)
+                for key, inputs in self.by_storage().items()
+            }
+        return set().union(*filter(None, map(readers.get, keys)))
 
     def witness_dirty(self) -> dict[int, str]:
         """Derivation index -> how its input or buffer changed since it was refreshed."""

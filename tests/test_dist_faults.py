@@ -365,9 +365,9 @@ def in_segments(rank: int, ctx: dict[str, Any]) -> Any:
                                      direct_bytes=_DIRECT)
         finally:
             dist.broadcast = real
-        # One broadcast per segment (and the fingerprints'): the last bucket of entries
-        # in several.
-        assert calls[0] == segments + 1 and segments > clean.buckets + 2
+        # One broadcast per segment (the fingerprints travel in the handshake): the last
+        # bucket of entries in several.
+        assert calls[0] == segments and segments > clean.buckets + 2
         for verify in (True, False):
             real, flipping, _ = _flipped_in(call)
             dist.broadcast = flipping

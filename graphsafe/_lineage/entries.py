@@ -69,10 +69,11 @@ class Place(NamedTuple):
         attrs = m.__dict__
         if container is attrs:  # most: an attribute, or what it holds
             return cls(weakref.ref(m), None, site.key, site.chain, None)
-        table = next((n for n in ("_parameters", "_buffers")
-                      if container is attrs.get(n)), None)
-        return cls(weakref.ref(m), table, site.key, site.chain,
-                   None if table is not None else container)
+        if container is attrs.get("_parameters"):
+            return cls(weakref.ref(m), "_parameters", site.key, site.chain, None)
+        if container is attrs.get("_buffers"):
+            return cls(weakref.ref(m), "_buffers", site.key, site.chain, None)
+        return cls(weakref.ref(m), None, site.key, site.chain, container)
 
     def container(self) -> Any:
         if self.outside is not None:

@@ -28,7 +28,6 @@ from graphsafe.distributed._protocol.layout import (
     _DATA,
     _MAGIC,
     _PROTOCOL,
-    _fingerprints_wire,
     _Plan,
     _plan,
     _slot,
@@ -209,8 +208,8 @@ def _send(
     partial: bool,
     verify: bool,
 ) -> tuple[_Plan, torch.Tensor, int, _Outcome, float]:
-    """The sync on the wire: metadata, the receivers' verdict on it, buckets,
-    fingerprints, handshake; a failure tells the receivers.
+    """The sync on the wire: metadata, the receivers' verdict on it, buckets, the
+    handshake (with the fingerprints); a failure tells the receivers.
 
     Returns the plan, the staging buffer, its second slot's offset (0: one slot), the
     receivers that did not apply the sync, and the seconds spent taking fingerprints.
@@ -234,16 +233,14 @@ def _send(
             state.refused = True
             raise refused
         staging, stride = _send_buckets(plan, items, state, src, group, device, overlap)
+        fingerprints = None
         if plan.verify and plan.entries:
             start = time.perf_counter()
-            wire = _fingerprints_wire(state.digests.done(), device)
+            fingerprints = state.digests.done()
             state.fingerprint_seconds += time.perf_counter() - start
-            state.in_collective, state.wire = True, len(plan.sizes)
-            state.join(dist.broadcast(wire, src=src, group=group, async_op=True),
-                       "sending the fingerprints")
-            state.wire = -1
         state.in_collective, state.phase = True, "the handshake"
-        outcome = _handshake(_APPLIED, group, device, channel)
+        outcome = _handshake(_APPLIED, group, device, channel, src=src,
+                             fingerprints=fingerprints, names=[e.name for e in plan.entries])
         state.in_collective = False
     except BaseException as exc:
         _drop_busy_staging(state, group)
@@ -390,15 +387,12 @@ def _collective_error(
     """The error of a collective that failed (a receiver died or timed out); the other
     receivers are told through the store, so they fail at once."""
     where = f"bucket {state.wire}" if state.wire >= 0 else state.phase
-    if state.wire >= 0 and state.plan is not None and state.wire == len(state.plan.sizes):
-        where = "the fingerprints"
     recovery = _recovery_of(exc)
     channel.abort(recovery, f"the sender's broadcast of {where} failed: {one_line(exc)}")
     return WeightSyncError(
         f"send_weights: the broadcast of {where} failed" if state.wire >= 0
         else f"send_weights: {where} failed",
-        bucket=state.wire if 0 <= state.wire < len(state.plan.sizes if state.plan else ())
-        else None,
+        bucket=state.wire if state.wire >= 0 else None,
         expected="every receiver taking part until the end of the sync",
         got=one_line(exc),
         fix="a receiver died, timed out or called something else; see its log (the other "
@@ -480,7 +474,7 @@ def _send_report(
 def _receivers_failed(outcome: _Outcome, report: SendReport) -> WeightSyncError:
     """The error naming the receivers that said at the handshake they did not apply the
     sync, and the entries that arrived other than they were given, if any."""
-    failed, mismatched = outcome
+    failed, mismatched = outcome.failed, outcome.mismatched
     got = f"{len(failed)} receiver(s) failed; each raised WeightSyncError naming why"
     if mismatched:
         got += (f"; {len(mismatched)} entr{'y' if len(mismatched) == 1 else 'ies'} arrived "

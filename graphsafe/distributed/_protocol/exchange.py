@@ -1,16 +1,24 @@
 """What both sides of a sync share: the collectives' device, the check of each rank's
-role, the receivers' verdict on the metadata, and the end-of-sync handshake.
+role, the receivers' verdict on the metadata, and the end-of-sync handshake (which
+carries the fingerprints of a verified sync).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from graphsafe._fingerprint.digest import Digest
 from graphsafe.distributed._control.channel import _Channel
-from graphsafe.distributed._protocol.layout import _Plan
+from graphsafe.distributed._protocol.layout import (
+    _FINGERPRINT_WORDS,
+    _fingerprints_read,
+    _fingerprints_wire,
+    _Plan,
+)
 from graphsafe.distributed._reports import WeightSyncError
 
 
@@ -52,35 +60,57 @@ def _check(src: int, group: dist.ProcessGroup | None, *, sending: bool) -> int:
     return rank
 
 
-_APPLIED, _FAILED, _MISMATCHED = 0, 1, 2
-"""What a rank says at the handshake: it applied the sync; it did not; it did not, as
-entries arrived other than the sender was given them (named in the store under
-`mismatched/<rank>` before the handshake)."""
+_APPLIED, _FAILED = 0, 1
+"""What a rank says at the handshake: its transfer went through (every entry loaded);
+it did not. Whether the entries arrived as they were sent is read from the fingerprints
+every rank says with it."""
 
 
 class _Outcome(NamedTuple):
     """The handshake's answer: who did not apply the sync, and which entries arrived
-    other than they were sent, as the ranks that saw them told."""
+    other than they were sent (their names, in the plan's order, wherever they did)."""
 
     failed: tuple[int, ...]
     mismatched: tuple[str, ...]
+    sent: tuple[Digest, ...] = ()
+    """The sender's fingerprints of the tensors it was given (a verified sync)."""
+    mine: tuple[int, ...] = ()
+    """The entries (plan indices) that arrived changed on this rank."""
 
 
 def _handshake(
-    status: int, group: dist.ProcessGroup | None, device: torch.device, channel: _Channel
+    status: int, group: dist.ProcessGroup | None, device: torch.device, channel: _Channel,
+    *, src: int, fingerprints: Sequence[Digest] | None = None,
+    names: Sequence[str] = (),
 ) -> _Outcome:
-    """Every rank says whether it applied the sync (`status`)."""
+    """Every rank says whether its transfer went through (`status`) and, in a verified
+    sync, the fingerprints it took of the entries (`names`, in the plan's order): the
+    sender of the tensors it was given, each receiver of the bytes it received. One
+    collective: every rank reads from the same table which receivers got an entry other
+    than it was sent, and counts them failed."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    mine = torch.tensor([status], dtype=torch.int64, device=device)
+    words = torch.tensor([status], dtype=torch.int64)
+    if fingerprints is not None:
+        words = torch.cat([words, _fingerprints_wire(fingerprints, words.device).view(-1)])
+    mine = words.to(device)
     every = [torch.empty_like(mine) for _ in ranks]
     channel.wait(dist.all_gather(every, mine, group=group, async_op=True), "at the handshake")
-    said = dict(zip(ranks, torch.cat(every).tolist()))
-    names: dict[str, None] = {}
-    for r, s in said.items():
-        if s == _MISMATCHED:  # posted before the handshake: there now
-            names.update(dict.fromkeys((channel.get(f"mismatched/{r}") or "").split("\n")))
-    names.pop("", None)
-    return _Outcome(tuple(r for r, s in said.items() if s != _APPLIED), tuple(names))
+    table = torch.stack(every).cpu()
+    said = dict(zip(ranks, table[:, 0].tolist()))
+    changed: dict[int, list[int]] = {}
+    sent: tuple[Digest, ...] = ()
+    if fingerprints is not None and names:
+        rows = table[:, 1:].view(len(ranks), len(names), _FINGERPRINT_WORDS)
+        theirs = rows[ranks.index(src)]
+        sent = tuple(_fingerprints_read(theirs))
+        differ = (rows != theirs).any(dim=2)  # [ranks, entries]
+        for r, row in zip(ranks, differ.tolist()):
+            if r != src and any(row):
+                changed[r] = [i for i, d in enumerate(row) if d]
+    mismatched = sorted({i for found in changed.values() for i in found})
+    return _Outcome(
+        tuple(r for r, s in said.items() if s != _APPLIED or r in changed),
+        tuple(names[i] for i in mismatched), sent, tuple(changed.get(channel.rank, ())))
 
 
 _SHOWN = 8  # names an error lists before it counts the rest

@@ -7,8 +7,9 @@ large entry broadcast straight from the sender's tensor, with no copy into stagi
 no trailer; the next packed bucket's trailer (the plan ends with one) says whether the
 sender held up, so a failure in a run of direct buckets is still told. A staging buffer
 holds one bucket slot, or two when the transfer overlaps the copies (`_slots`, `_slot`).
-A verified sync (the default) sends every entry's fingerprint after the last bucket
-(`_FINGERPRINT_WORDS` int64 per entry, in the plan's order).
+In a verified sync (the default) every rank says every entry's fingerprint at the
+end-of-sync handshake (`_FINGERPRINT_WORDS` int64 per entry, in the plan's order, after
+its status word): no collective of their own.
 
 The last bucket that carries entries travels in segments that halve toward its end,
 down to `segment_bytes` (`_segments`), one broadcast each, so that a receiver
@@ -28,7 +29,8 @@ import torch
 from graphsafe._fingerprint.digest import Digest
 from graphsafe.distributed._reports import WeightSyncError
 
-_PROTOCOL = 5  # 5: the last bucket travels in segments (4: one broadcast per bucket)
+_PROTOCOL = 6  # 6: the fingerprints travel in the handshake (5: in a broadcast of their
+# own, after the last bucket, whose last bucket travels in segments as here)
 _MAGIC = 0x6773_5359_4E43  # "gsSYNC"
 _ALIGN = 64
 _TRAILER = 32  # four int64: magic, sync id, bucket index, status
@@ -115,7 +117,7 @@ def _fingerprints_wire(digests: Sequence[Digest], device: torch.device) -> torch
 
 
 def _fingerprints_read(wire: torch.Tensor) -> list[Digest]:
-    """The fingerprints a receiver got, as unsigned words."""
+    """The fingerprints as `_fingerprints_wire` sent them, as unsigned words."""
     mask = (1 << 64) - 1
     return [(a & mask, b & mask) for a, b in wire.cpu().tolist()]
 

@@ -16,7 +16,6 @@ from graphsafe.distributed._control.channel import _Channel, _recovery_of, _Told
 from graphsafe.distributed._protocol.exchange import (
     _APPLIED,
     _FAILED,
-    _MISMATCHED,
     _check,
     _device,
     _handshake,
@@ -24,7 +23,12 @@ from graphsafe.distributed._protocol.exchange import (
 )
 from graphsafe.distributed._receive.metadata import _agree, _Agreed
 from graphsafe.distributed._receive.report import _receive_report
-from graphsafe.distributed._receive.transfer import _mismatch_error, _receive, _Transfer
+from graphsafe.distributed._receive.transfer import (
+    _mismatch_error,
+    _mismatches,
+    _receive,
+    _Transfer,
+)
 from graphsafe.distributed._reports import ReceiveReport, WeightSyncError
 
 __all__ = ["receive_weights"]
@@ -52,8 +56,8 @@ def receive_weights(
 
     A verified sync (the sender's default) is checked end to end: before the loader
     runs on an entry, this rank takes the fingerprint of the bytes it received for it,
-    and after the last bucket compares them with the sender's, taken from the tensors it
-    was given. An entry that arrived changed fails the sync on every rank, naming it
+    and at the end-of-sync handshake compares them with the sender's, taken from the
+    tensors it was given. An entry that arrived changed fails the sync on every rank, naming it
     (`.mismatched`); `report.verified` and `report.fingerprinted` say what was checked.
 
     Entries the loader refuses (`gs.WeightLoadError`) are collected, not fatal on the
@@ -181,12 +185,12 @@ def _apply(
                 known = True
                 raise transfer  # the sender's abort, read in a trailer
             loaded = time.perf_counter()
-            status = _APPLIED if transfer.ok else _FAILED
-            if transfer.mismatched:  # named for every rank, before the handshake says so
-                channel.put(f"mismatched/{rank}", "\n".join(m.name for m in transfer.mismatched))
-                status = _MISMATCHED
-            try:
-                outcome = _handshake(status, group, device, channel)
+            plan = agreed.plan
+            try:  # says this rank's fingerprints, and reads the sender's
+                outcome = _handshake(
+                    _FAILED if transfer.rejected else _APPLIED, group, device, channel,
+                    src=src, fingerprints=transfer.fingerprints if plan.entries else None,
+                    names=[e.name for e in plan.entries])
             except _ToldError:
                 raise
             except Exception as exc:
@@ -194,8 +198,9 @@ def _apply(
             known = True  # past the handshake every rank knows which ranks applied it
             if transfer.rejected:
                 raise _rejected_error(model, agreed, transfer, waited, rank, src)
-            if transfer.mismatched:
-                raise _mismatch_error(transfer.mismatched, rank, src,
+            if outcome.mine:
+                raise _mismatch_error(_mismatches(plan, transfer, outcome.sent, outcome.mine),
+                                      rank, src,
                                       _receive_report(rank, src, agreed, transfer, waited))
             if outcome.failed:
                 raise _others_failed(outcome.failed, outcome.mismatched, rank)

@@ -1,13 +1,14 @@
 """The transfer on the receiving side: each bucket broadcast into staging segment by
 segment, each segment's part of the entries fingerprinted as it arrives, the trailer
-checked, then the entries given to the loader; then the fingerprints against the
-sender's."""
+checked, then the entries given to the loader. The fingerprints are compared with the
+sender's at the handshake, where both are said (`_mismatches` names the entries that
+differ here)."""
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
@@ -24,11 +25,9 @@ from graphsafe.distributed._protocol.exchange import _SHOWN, _names
 from graphsafe.distributed._protocol.layout import (
     _ABORT,
     _DATA,
-    _FINGERPRINT_WORDS,
     _MAGIC,
     _dtype,
     _Entry,
-    _fingerprints_read,
     _Plan,
     _Ring,
     _trailer,
@@ -63,17 +62,16 @@ class _Transfer:
     """Names the loader reported loading."""
     rejected: tuple[RejectedEntry, ...]
     """Entries the loader refused."""
-    mismatched: tuple[_Mismatch, ...]
-    """Entries whose fingerprint differs from the sender's (a verified sync)."""
-    fingerprinted: int
-    """Entries whose fingerprint was compared with the sender's (0: not verified)."""
+    fingerprints: tuple[Digest, ...] | None
+    """The fingerprint of every entry, of the bytes that arrived here, in the plan's
+    order (None: not verified)."""
     fingerprint_seconds: float
     """Time spent taking them."""
 
     @property
-    def ok(self) -> bool:
-        """Every entry loaded and every fingerprint matched: this rank applies the sync."""
-        return not self.rejected and not self.mismatched
+    def fingerprinted(self) -> int:
+        """Entries whose fingerprint is compared with the sender's (0: not verified)."""
+        return 0 if self.fingerprints is None else len(self.fingerprints)
 
 
 def _receive(
@@ -131,28 +129,20 @@ def _receive(
     finally:
         if flight.works:  # a broadcast still writes into it: no later sync may reuse it
             _drop_busy(model, group, staging)
-    mismatched: tuple[_Mismatch, ...] = ()
-    if check is not None and plan.entries:
-        wire = torch.zeros(len(plan.entries), _FINGERPRINT_WORDS, dtype=torch.int64,
-                           device=device)
-        try:
-            channel.wait(dist.broadcast(wire, src=src, group=group, async_op=True),
-                         "receiving the fingerprints")
-        except _ToldError:
-            raise
-        except Exception as exc:
-            raise flight.lost(buckets, exc) from exc
-        got = check.done()
-        mismatched = tuple(
-            _Mismatch(e.name, e.bucket, hexdigest(mine), hexdigest(theirs))
-            for e, mine, theirs in zip(plan.entries, got, _fingerprints_read(wire))
-            if mine != theirs
-        )
     return _Transfer(staging_bytes=staging.numel(), reused=reused,
                      overlap=overlap and buckets > 1, accepted=tuple(accepted),
-                     rejected=tuple(rejected), mismatched=mismatched,
-                     fingerprinted=len(plan.entries) if check is not None else 0,
+                     rejected=tuple(rejected),
+                     fingerprints=tuple(check.done()) if check is not None else None,
                      fingerprint_seconds=check.seconds if check is not None else 0.0)
+
+
+def _mismatches(plan: _Plan, transfer: _Transfer, sent: Sequence[Digest],
+                changed: Sequence[int]) -> tuple[_Mismatch, ...]:
+    """The entries (plan indices `changed`) whose fingerprint here differs from the
+    sender's (`sent`), as the handshake found them."""
+    mine = transfer.fingerprints or ()
+    return tuple(_Mismatch(plan.entries[i].name, plan.entries[i].bucket, hexdigest(mine[i]),
+                           hexdigest(sent[i])) for i in changed)
 
 
 class _Fingerprints:
@@ -304,16 +294,13 @@ class _InFlight:
 
     def lost(self, b: int, exc: BaseException) -> WeightSyncError:
         """The error for bucket `b`, whose broadcast failed."""
-        entries = self.plan.bucket(b) if b < len(self.wires) else ()
-        what = (f"bucket {b} of {len(self.wires)}" if b < len(self.wires)
-                else "the fingerprints of the entries")
-        size = (self.wires[b] if b < len(self.wires)
-                else 8 * _FINGERPRINT_WORDS * len(self.plan.entries))
+        entries = self.plan.bucket(b)
         return WeightSyncError(
-            f"receive_weights: {what} did not arrive from rank {self.src}",
-            bucket=b if b < len(self.wires) else None,
+            f"receive_weights: bucket {b} of {len(self.wires)} did not arrive from rank "
+            f"{self.src}",
+            bucket=b,
             entry=entries[0].name if entries else None,
-            expected=f"{size} bytes within the group's timeout",
+            expected=f"{self.wires[b]} bytes within the group's timeout",
             got=one_line(exc),
             fix="the sender died or timed out; see its log (the other ranks were told to "
             "abort). The model refuses to replay until a complete sync",

@@ -17,7 +17,8 @@
    fingerprinted end to end (`verify`, the default); the same syncs with `verify=False`
    give the fingerprints' cost (the ratio of the two, and seconds per GiB), in wall
    time and in the CPU time of both processes (which the wall time follows where other
-   work keeps every core busy).
+   work keeps every core busy), and their fixed cost, which the bytes hide: a sync of
+   64 entries of 1 KiB against the same unverified, and the CPU each side adds.
 2. A trainer and two pipeline stages of DeepSeek V4 (`--preset`, flash by default): the
    stages' refresh time against their whole sync time, and the staging memory.
 3. Faults, each in a world of its own (the tiny DeepSeek V4 on a trainer and two
@@ -73,6 +74,10 @@ class Flat(nn.Module):
             for name, w in weights:
                 own[name].data.copy_(w)
         return {name for name, _ in weights}
+
+
+_SMALL_PER_REPEAT = 8
+"""Small syncs (verified, then not) per repeat of figure 1: each costs milliseconds."""
 
 
 def _timed(fn: Callable[[], Any], cpu: list[float] | None = None) -> float:
@@ -142,6 +147,19 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
     reports: list[gsd.ReceiveReport] = []
     sync(256 << 20)()  # first sync: materialize the derived buffer, allocate staging
     sync(quarter)()
+    # The fingerprints' fixed cost, which the bytes hide: a sync of 64 entries of 1 KiB.
+    tiny = [(f"w{i}", torch.randn(256, 1, generator=g)) for i in range(64)]
+    tiny_model = Flat(64, 1) if rank else None
+
+    def small(verify: bool) -> Callable[[], None]:
+        def run() -> None:
+            if rank == 0:
+                gsd.send_weights(tiny, src=0, verify=verify)
+            else:
+                gsd.receive_weights(tiny_model, src=0)  # type: ignore[arg-type]
+        return run
+
+    small(True)()
     runs = {"raw": raw, "loop": loop, "loop_async": loop_async, "copies": copies,
             "one": sync(256 << 20), "one_unverified": sync(256 << 20, verify=False),
             "one_packed": sync(256 << 20, direct=False),
@@ -150,14 +168,20 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
             "quarter_serial": sync(quarter, overlap=False), "sixteenth": sync(sixteenth)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     cpu: dict[str, list[float]] = {k: [] for k in runs}
+    smalls = {"small": small(True), "small_unverified": small(False)}
+    times.update({k: [] for k in smalls})
+    cpu.update({k: [] for k in smalls})
     for _ in range(repeats):
         for key, run in runs.items():
             times[key].append(_timed(run, cpu[key]))
+        for _ in range(_SMALL_PER_REPEAT):
+            for key, run in smalls.items():
+                times[key].append(_timed(run, cpu[key]))
     box: list[Any] = [cpu]
     dist.broadcast_object_list(box, src=0)  # the sender's CPU seconds, to the receiver
     if rank == 0:
         return None
-    both = {k: [a + b for a, b in zip(box[0][k], cpu[k])] for k in runs}
+    both = {k: [a + b for a, b in zip(box[0][k], cpu[k])] for k in times}
     med = {k: statistics.median(v) for k, v in times.items()}
     # The fingerprints' cost: per repeat, the sync over the same sync unverified (the
     # two ran next to each other), then the median of those ratios.
@@ -167,7 +191,17 @@ def _figure1(rank: int, mib: int, repeats: int, tensor_mib: int) -> dict[str, An
     # other work keeps every core busy, and what no overlap can hide there.
     cpu_ratios = {k: statistics.median(a / b for a, b in zip(both[k], both[f"{k}_unverified"]))
                   for k in ("one", "one_packed", "quarter")}
+    # Per side: the CPU a verified small sync adds to the same sync unverified, run next
+    # to it (the median of the differences).
+    added = {side: statistics.median(a - b for a, b in zip(got["small"], got["small_unverified"]))
+             for side, got in (("sender", box[0]), ("receiver", cpu))}
     return {
+        "fingerprint_fixed": {
+            "entries": len(tiny), "cpu_added_s": added,
+            "ratio": statistics.median(a / b for a, b in zip(times["small"],
+                                                              times["small_unverified"])),
+            "seconds": statistics.median(times["small"]),
+            "seconds_unverified": statistics.median(times["small_unverified"])},
         "fingerprint_ratio": ratios,
         "fingerprint_cpu_ratio": cpu_ratios,
         "cpu_seconds": {k: statistics.median(v) for k, v in both.items()},
@@ -455,6 +489,12 @@ def _table1(f1: dict[str, Any]) -> str:
                 f"{c['one']:.3f}x with one bucket, {c['one_packed']:.3f}x packed, "
                 f"{c['quarter']:.3f}x with {f1['quarter_bucket'] >> 20} MiB buckets; "
                 f"{(cs['one'] - cs['one_unverified']) / gib:+.3f} CPU s/GiB with one bucket")
+    fx = f1["fingerprint_fixed"]
+    rows.append(f"   their fixed cost, a sync of {fx['entries']} entries of 1 KiB: "
+                f"{fx['seconds'] * 1e3:.2f} ms against {fx['seconds_unverified'] * 1e3:.2f} ms "
+                f"unverified ({fx['ratio']:.2f}x); CPU added "
+                f"{fx['cpu_added_s']['sender'] * 1e3:+.2f} ms on the sender, "
+                f"{fx['cpu_added_s']['receiver'] * 1e3:+.2f} ms on the receiver")
     rows.append(f"   receiver refresh (one derived buffer) {f1['refresh_seconds'] * 1e3:.2f} ms; "
                 f"staging {f1['staging_bytes'] / 2**20:.1f} MiB (the one-bucket sync's; "
                 "the smaller buckets' two slots fit in it)")

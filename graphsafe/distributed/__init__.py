@@ -31,16 +31,16 @@ The wire protocol, in order:
    buffer would abort their processes inside gloo). A sender that fails while packing
    a bucket broadcasts that bucket with the status *abort* in its trailer; its error
    text goes to the store.
-4. **Fingerprints** (`verify=True`, the default), one `broadcast` of two int64 per
-   entry: each entry's `gs.fingerprint`, taken by the sender from the tensor it was
-   given before packing it. Each receiver took the fingerprint of the bytes it received
-   for the entry, segment by segment as they arrived, before its loader ran, and
-   compares (the fingerprint's sums are keyed by position and commute, so the
-   segments' sums add up to the entry's); a mismatch fails the sync on every rank,
-   naming the entry (the handshake says so, the store carries the names).
-5. **Handshake**, one `all_gather` of one integer per rank, still inside the
-   receivers' update blocks: every rank says whether it applied the sync, and if any did
-   not, every receiver fails closed.
+4. **Handshake**, one `all_gather`, still inside the receivers' update blocks: every
+   rank says whether its transfer went through (one int64) and, in a verified sync
+   (`verify=True`, the default), every entry's fingerprint (two int64 per entry): the
+   sender's `gs.fingerprint` of the tensor it was given, taken before packing it; each
+   receiver's of the bytes it received for the entry, segment by segment as they
+   arrived, before its loader ran (the fingerprint's sums are keyed by position and
+   commute, so the segments' sums add up to the entry's). Every rank reads the same
+   table: a receiver whose transfer failed, or that got an entry other than the sender
+   was given it, did not apply the sync, and then every receiver fails closed; the
+   entries that arrived changed are named on every rank.
 
 Every wait on a collective polls the store for an abort record: a rank whose collective
 failed (a peer died, a timeout) or that failed outside the protocol posts one, so every

@@ -142,9 +142,9 @@ def send_weights(
 
     It is checked end to end by default (`verify`): this rank takes each entry's
     fingerprint (`gs.fingerprint`) from the tensor it was given, before packing it, and
-    sends them after the last bucket; each receiver takes the fingerprint of the bytes
-    it received for the entry before its loader runs, and compares. An entry that
-    arrived other than it was given fails the sync on every rank, naming it.
+    says them at the end-of-sync handshake; each receiver takes the fingerprint of the
+    bytes it received for the entry before its loader runs, and says its own there. An
+    entry that arrived other than it was given fails the sync on every rank, naming it.
 
     Args:
         weights: `(name, tensor)` pairs in checkpoint names, or a mapping (a state dict).

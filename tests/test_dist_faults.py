@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import re
 import signal
@@ -314,6 +315,89 @@ def test_bytes_changed_after_the_fingerprint_fail_every_rank_by_entry_and_contro
     results = run_world(end_to_end).ok(0, 1, 2)
     wrong = {**results[1], **results[2]}  # each fault, on the stage that holds its entry
     assert wrong == {fault: True for fault in _FAULTS}
+
+
+class _FlippedOnArrival:
+    """A receiver's broadcast whose bytes get one bit flipped as it completes: the wire
+    to this rank alone damaged (its fingerprints are taken after the wait)."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work, self.tensor, self.flipped = work, tensor, False
+
+    def get_future(self) -> Any:
+        return self.work.get_future()
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def wait(self, *args: Any) -> Any:
+        done = self.work.wait(*args)
+        if not self.flipped:
+            self.flipped = True
+            self.tensor.view(torch.uint8)[3] ^= 0x40  # the exponent of the first value
+        return done
+
+
+@contextlib.contextmanager
+def _damaged_here(bucket: int) -> Any:
+    """This receiver's broadcast of `bucket` arrives with one bit flipped."""
+    real, calls = dist.broadcast, [0]
+
+    def broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        work = real(tensor, *args, **kwargs)
+        return _FlippedOnArrival(work, tensor) if calls[0] == bucket + 1 else work
+
+    dist.broadcast = broadcast
+    try:
+        yield
+    finally:
+        dist.broadcast = real
+
+
+def one_receiver_damaged(rank: int, ctx: dict[str, Any]) -> Any:
+    group = ctx["group"]
+    cks = {seed: checkpoint(seed) for seed in (2, 3, 4)}
+    bucket, entry = _FAULTS["staging"]  # packed, held by the first stage (rank 1)
+
+    def send(seed: int, verify: bool = True) -> Any:
+        return gsd.send_weights(cks[seed], src=0, group=group, bucket_bytes=_BUCKET,
+                                direct_bytes=_DIRECT, verify=verify)
+
+    if rank == 0:
+        err = _raises(lambda: send(2), rf"receiver rank\(s\) 1 did not apply the sync: "
+                      rf"'{entry}' arrived changed")
+        assert err.failed_ranks == (1,) and err.mismatched == (entry,)
+        send(3, verify=False)  # the control
+        send(4)
+        return None
+    stage = Stage.build(rank, checkpoint(1))
+    receive = functools.partial(gsd.receive_weights, stage.model, src=0, group=group)
+    with _damaged_here(bucket) if rank == 1 else contextlib.nullcontext():
+        if rank == 1:  # names the entry, with both fingerprints
+            err = _raises(receive, rf"rank 1: 1 entry of the sync arrived other than the "
+                          rf"sender was given it: '{entry}'")
+            assert f"the sender's {gs.fingerprint(dict(cks[2]))[entry]}" in str(err)
+        else:  # its own bytes arrived whole: fails with the rank that saw the change
+            err = _raises(receive, rf"rank 2: receiver rank\(s\) 1 did not apply the sync: "
+                          rf"'{entry}' arrived changed there")
+            assert err.failed_ranks == (1,)
+        assert err.mismatched == (entry,) and stage.refused() == "StaleError"
+    with _damaged_here(bucket) if rank == 1 else contextlib.nullcontext():
+        receive()  # the control: unverified, the damage reaches rank 1's model unseen
+    wrong = not stage.replays(cks[3])
+    got = receive()
+    assert got.verified and stage.replays(cks[4])
+    return wrong
+
+
+def test_an_entry_changed_on_one_receiver_fails_every_rank_by_name_and_control_replays():
+    """The fingerprints every rank says at the handshake tell which receiver got which
+    entry changed: that receiver and the sender name it and the receiver, the other
+    receiver (whose bytes arrived whole) fails with it; unverified, rank 1 replays
+    wrong."""
+    results = run_world(one_receiver_damaged).ok(0, 1, 2)
+    assert results[1] is True and results[2] is False
 
 
 _SEG = 1024  # the last segment of these syncs: the last bucket's entries span several

@@ -9,6 +9,7 @@ ledger's flat check); when one moves, its ImportError or AttributeError says whi
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -136,6 +137,12 @@ class Ctx:
     def timer(self, fn: Callable[[], Any], number: int = 1) -> Callable[[], float]:
         """A case for `interleave`: the synchronized time of `fn`."""
         return lambda: self.clock.time(fn, number)
+
+    def drop_shared(self) -> None:
+        """Drop the models figures keep for later ones (`cache`; a later figure builds them
+        again): what a figure measures beside them is then its own."""
+        self.cache.clear()
+        gc.collect()
 
     def wants(self, row: str) -> bool:
         """Whether row `row` ("4c") was asked for; a figure's own id ("8") always is."""

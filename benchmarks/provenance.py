@@ -128,7 +128,12 @@ def _profile(fig: str, make: Callable[[], nn.Module], ckpt: list[tuple[str, torc
 
 
 def fig11(ctx: Any) -> list[Row]:
-    """Provenance on a first load (small tensors, the flagship), and per replay."""
+    """Provenance on a first load (small tensors, the flagship), and per replay.
+
+    An engine's bring-up runs in a process of its own: the models earlier figures keep
+    bound for later ones (figure 2's 12,000 modules) are dropped first, since a recorded
+    load reads every other bound model's weights (a copy from one is a derivation)."""
+    ctx.drop_shared()
     reg = gs.Registry()
     layers = ctx.sizes.fig4_small_layers
     gen = torch.Generator().manual_seed(3)

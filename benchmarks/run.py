@@ -34,7 +34,7 @@ from audit import fig10
 from figures import FIGURES as _FIGURES
 from figures import Ctx, Sizes, warm
 from fingerprint import fig13
-from harness import Row, add_machine_args, fmt_bytes, machine, why
+from harness import MALLOC, Row, add_machine_args, fmt_bytes, machine, why
 from observer import fig8
 from provenance import fig11
 from reach import fig9
@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_per_figure": per_figure,
         # Other processes' load before / after (1-minute average; vs the core count).
         "loadavg": f"{load_before} / {_loadavg()} on {os.cpu_count()} cores",
+        "malloc": MALLOC[0],
     }
     emit(rows, meta, as_json=args.json)
     if not args.json:

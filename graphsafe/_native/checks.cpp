@@ -40,17 +40,6 @@ struct Seen {
   PyObject* obj;
 };
 
-// The rows of `cache` (a bytearray of `n` zeroed `Seen` rows at first), or nullptr with
-// TypeError set.
-Seen* seen_rows(PyObject* cache, Py_ssize_t n) {
-  if (!PyByteArray_Check(cache) ||
-      PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Seen))) {
-    PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 16 bytes per site");
-    return nullptr;
-  }
-  return reinterpret_cast<Seen*>(PyByteArray_AS_STRING(cache));
-}
-
 // One record per tensor: data pointer, dtype and device in one word, dimensions, sizes,
 // strides. Compared word by word, so the layout only has to agree with itself.
 bool append_geometry(PyObject* obj, std::vector<int64_t>& out) {
@@ -171,7 +160,7 @@ PyObject* same_items(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_TypeError, "holders, keys and objects differ in length");
     return nullptr;
   }
-  Seen* seen = seen_rows(cache, n);
+  Seen* seen = cache_rows<Seen>(cache, n, "site");
   if (seen == nullptr) {
     return nullptr;
   }
@@ -375,13 +364,8 @@ PyObject* same_bindings(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   Bound* rows = nullptr;
-  if (cache != Py_None) {
-    if (!PyByteArray_Check(cache) ||
-        PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Bound))) {
-      PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 72 bytes per site");
-      return nullptr;
-    }
-    rows = reinterpret_cast<Bound*>(PyByteArray_AS_STRING(cache));
+  if (cache != Py_None && (rows = cache_rows<Bound>(cache, n, "site")) == nullptr) {
+    return nullptr;
   }
   PyObject* out = PyList_New(n);
   if (out == nullptr) {

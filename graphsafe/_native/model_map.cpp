@@ -81,13 +81,8 @@ PyObject* same_tree(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   Tree* rows = nullptr;
-  if (cache != Py_None) {
-    if (!PyByteArray_Check(cache) ||
-        PyByteArray_GET_SIZE(cache) != (n_mod + n_tab) * static_cast<Py_ssize_t>(sizeof(Tree))) {
-      PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 24 bytes per dict");
-      return nullptr;
-    }
-    rows = reinterpret_cast<Tree*>(PyByteArray_AS_STRING(cache));
+  if (cache != Py_None && (rows = cache_rows<Tree>(cache, n_mod + n_tab, "dict")) == nullptr) {
+    return nullptr;
   }
   std::vector<PyObject*> at;  // the dicts (owned), then the tables (borrowed from them)
   at.reserve(static_cast<size_t>(n_mod + n_tab));

@@ -32,6 +32,20 @@ inline bool is_tensor(PyObject* obj) {
          PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
 }
 
+// The rows a compiled check remembers in `cache`, a bytearray the caller keeps of `n`
+// rows of `Row` (zeroed at first: a zero row remembers nothing), or nullptr with TypeError
+// set (`unit`: what one row is of, for the message).
+template <typename Row>
+Row* cache_rows(PyObject* cache, Py_ssize_t n, const char* unit) {
+  if (!PyByteArray_Check(cache) ||
+      PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Row))) {
+    PyErr_Format(PyExc_TypeError, "cache must be a bytearray of %zu bytes per %s",
+                 sizeof(Row), unit);
+    return nullptr;
+  }
+  return reinterpret_cast<Row*>(PyByteArray_AS_STRING(cache));
+}
+
 // A dict's version tag (PEP 509): every change of its items gives it a new one, unique in
 // the process, so an equal tag means the dict holds what it held when the tag was read.
 // Read up to 3.12, where every change of a dict's items goes through code that moves it;

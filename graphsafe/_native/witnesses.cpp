@@ -53,12 +53,10 @@ PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
       return nullptr;
     }
   }
-  if (!PyByteArray_Check(cache) ||
-      PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Witnessed))) {
-    PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 40 bytes per site");
+  Witnessed* rows = cache_rows<Witnessed>(cache, n, "site");
+  if (rows == nullptr) {
     return nullptr;
   }
-  auto* rows = reinterpret_cast<Witnessed*>(PyByteArray_AS_STRING(cache));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* holder = PyList_GET_ITEM(lists[0], i);
     const uint64_t tag = PyDict_Check(holder) ? dict_tag(holder) : 0;
@@ -136,13 +134,8 @@ PyObject* take_witnesses(PyObject* /*self*/, PyObject* args) {
     }
   }
   Witnessed* rows = nullptr;
-  if (cache != Py_None) {
-    if (!PyByteArray_Check(cache) ||
-        PyByteArray_GET_SIZE(cache) != n * static_cast<Py_ssize_t>(sizeof(Witnessed))) {
-      PyErr_SetString(PyExc_TypeError, "cache must be a bytearray of 40 bytes per site");
-      return nullptr;
-    }
-    rows = reinterpret_cast<Witnessed*>(PyByteArray_AS_STRING(cache));
+  if (cache != Py_None && (rows = cache_rows<Witnessed>(cache, n, "site")) == nullptr) {
+    return nullptr;
   }
   PyObject* left = PyList_New(0);
   if (left == nullptr) {

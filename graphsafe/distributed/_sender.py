@@ -239,8 +239,8 @@ def _send(
             fingerprints = state.digests.done()
             state.fingerprint_seconds += time.perf_counter() - start
         state.in_collective, state.phase = True, "the handshake"
-        outcome = _handshake(_APPLIED, group, device, channel, src=src,
-                             fingerprints=fingerprints, names=[e.name for e in plan.entries])
+        outcome = _handshake(_APPLIED, group, device, channel, src=src, plan=plan,
+                             fingerprints=fingerprints)
         state.in_collective = False
     except BaseException as exc:
         _drop_busy_staging(state, group)

@@ -80,12 +80,11 @@ class _Outcome(NamedTuple):
 
 def _handshake(
     status: int, group: dist.ProcessGroup | None, device: torch.device, channel: _Channel,
-    *, src: int, fingerprints: Sequence[Digest] | None = None,
-    names: Sequence[str] = (),
+    *, src: int, plan: _Plan, fingerprints: Sequence[Digest] | None = None,
 ) -> _Outcome:
     """Every rank says whether its transfer went through (`status`) and, in a verified
-    sync, the fingerprints it took of the entries (`names`, in the plan's order): the
-    sender of the tensors it was given, each receiver of the bytes it received. One
+    sync, the fingerprints it took of `plan`'s entries, in its order: the sender of the
+    tensors it was given, each receiver of the bytes it received. One
     collective: every rank reads from the same table which receivers got an entry other
     than it was sent, and counts them failed."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
@@ -99,6 +98,7 @@ def _handshake(
     said = dict(zip(ranks, table[:, 0].tolist()))
     changed: dict[int, list[int]] = {}
     sent: tuple[Digest, ...] = ()
+    names = [e.name for e in plan.entries]
     if fingerprints is not None and names:
         rows = table[:, 1:].view(len(ranks), len(names), _FINGERPRINT_WORDS)
         theirs = rows[ranks.index(src)]

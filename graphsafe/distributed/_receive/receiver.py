@@ -189,8 +189,7 @@ def _apply(
             try:  # says this rank's fingerprints, and reads the sender's
                 outcome = _handshake(
                     _FAILED if transfer.rejected else _APPLIED, group, device, channel,
-                    src=src, fingerprints=transfer.fingerprints if plan.entries else None,
-                    names=[e.name for e in plan.entries])
+                    src=src, plan=plan, fingerprints=transfer.fingerprints)
             except _ToldError:
                 raise
             except Exception as exc:

@@ -64,11 +64,15 @@ class Sites:
     __slots__ = ("compiled", "holders", "keys", "plain")
 
     def __init__(self, sites: Sequence[tuple[Any, Any]]) -> None:
-        self.holders = [h for h, _ in sites]
-        self.keys = [k for _, k in sites]
-        self.plain = all(type(h) is dict for h in self.holders)
+        holders, keys = _columns(sites, 2)
+        self._hold(holders, keys)
+
+    def _hold(self, holders: Sequence[Any], keys: Sequence[Any]) -> None:
+        self.holders: list[Any] = list(holders)
+        self.keys: list[Any] = list(keys)
+        self.plain = set(map(type, self.holders)) <= _DICT_ONLY
         """Every holder is a dict: read with `dict.get`, in one `map`."""
-        self.compiled = all(map(_compiled_site, self.holders, self.keys))
+        self.compiled = self.plain or all(map(_compiled_site, self.holders, self.keys))
         """Every site is one the compiled checks read (all of the kinds above)."""
 
     def __len__(self) -> int:
@@ -83,6 +87,15 @@ class Sites:
     def read_one(self, i: int) -> Any:
         """What site `i` holds now."""
         return read_site(self.holders[i], self.keys[i])
+
+
+_DICT_ONLY = frozenset({dict})
+
+
+def _columns(rows: Sequence[tuple[Any, ...]], n: int) -> list[tuple[Any, ...]]:
+    """The `n` columns of `rows`, in one pass (witnesses and identities of thousands of
+    sites are built as a first load ends)."""
+    return list(zip(*rows, strict=True)) if rows else [()] * n
 
 
 def _compiled_site(holder: Any, key: Any) -> bool:
@@ -120,11 +133,12 @@ class Identities(Sites):
     def __init__(
         self, rows: Sequence[tuple[Any, Any, object, int, tuple[int, ...]]], n_strided: int
     ) -> None:
-        super().__init__([(r[0], r[1]) for r in rows])
-        self.ids = [id(r[2]) for r in rows]
-        self.ptrs = [r[3] for r in rows]
+        holders, keys, objects, ptrs, strides = _columns(rows, 5)
+        self._hold(holders, keys)
+        self.ids = list(map(id, objects))
+        self.ptrs = list(ptrs)
         self.n_strided = n_strided
-        self.strides = [tuple(r[4]) for r in rows[:n_strided]]
+        self.strides = list(map(tuple, strides[:n_strided]))
         self._seen: SitesRead | None = None  # what the last passing check read
         self.native = _native.get() if self.compiled else None
         # What the compiled check last passed at each dict site (the dict's version, the

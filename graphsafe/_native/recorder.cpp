@@ -24,6 +24,7 @@
 // ended.
 
 #include <Python.h>
+#include <structmember.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,6 +42,7 @@
 #include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -186,8 +188,9 @@ const OpInfo* info_of(const at::RecordFunction& fn, int32_t* index) {
 struct TensorNote {
   int64_t sid = 0;
   int32_t writer = -1;
-  std::vector<int64_t> size;
-  std::vector<int64_t> stride;
+  // Inline up to five dimensions: a note is made per tensor an op touches, under the op.
+  c10::SmallVector<int64_t, 5> size;
+  c10::SmallVector<int64_t, 5> stride;
   int64_t offset = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   std::optional<WeakStorage> keep;
@@ -303,8 +306,8 @@ bool is_meta(const at::Tensor& t) {
 TensorNote note_read(Rec& rec, const at::Tensor& t) {
   TensorNote n;
   c10::StorageImpl* s = storage_of(t);
-  n.size = t.sizes().vec();
-  n.stride = t.strides().vec();
+  n.size.assign(t.sizes().begin(), t.sizes().end());
+  n.stride.assign(t.strides().begin(), t.strides().end());
   n.offset = t.storage_offset();
   n.dtype = t.scalar_type();
   if (s == nullptr) {
@@ -323,8 +326,8 @@ TensorNote note_read(Rec& rec, const at::Tensor& t) {
 TensorNote note_written(const at::Tensor& t, c10::StorageImpl* s) {
   TensorNote n;
   n.sid = reinterpret_cast<int64_t>(s);
-  n.size = t.sizes().vec();
-  n.stride = t.strides().vec();
+  n.size.assign(t.sizes().begin(), t.sizes().end());
+  n.stride.assign(t.strides().begin(), t.strides().end());
   n.offset = t.storage_offset();
   n.dtype = t.scalar_type();
   return n;
@@ -1074,6 +1077,9 @@ struct Into {
   PyObject* free_ref;       // torch.UntypedStorage._free_weak_ref (a StorageWeakRef's)
   PyObject* funcs;          // dict: op index -> (the OpOverload, its schema name)
   PyObject* func_of;        // op index -> that pair, on a miss
+  // `Call`'s slots in the order of `kCallSlots`, each written through its member (null:
+  // through `setattr`, where the class does not hold it as a plain slot).
+  PyMemberDef* call_slots[7];
 };
 
 // Interned attribute names of `Call` and `StorageWeakRef`.
@@ -1087,13 +1093,51 @@ struct Names {
   PyObject* epoch;
   PyObject* cdata;
   PyObject* free_ref;
+  PyObject* copy_op;  // a load's op, as `weight_writes` names it
 };
+// The slots of `Call` the apply writes, in order.
+enum CallSlot : int { kFunc, kArgs, kKwargs, kOuts, kMutated, kOpaque, kEpoch, kCallSlots };
+
+const Names& names();
+
+PyObject* call_slot_name(int i) {
+  const Names& n = names();
+  PyObject* all[kCallSlots] = {n.func, n.args, n.kwargs, n.outs, n.mutated, n.opaque, n.epoch};
+  return all[i];
+}
+
+// Where `type` keeps each of `Call`'s slots: its member, looked up once per apply.
+void find_call_slots(PyTypeObject* type, PyMemberDef** out) {
+  for (int i = 0; i < kCallSlots; ++i) {
+    out[i] = nullptr;
+    PyObject* d = PyObject_GetAttr(reinterpret_cast<PyObject*>(type), call_slot_name(i));
+    if (d == nullptr) {
+      PyErr_Clear();
+      continue;
+    }
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+      PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+      if (m->type == T_OBJECT_EX && (m->flags & READONLY) == 0) {
+        out[i] = m;  // the type holds the descriptor, and it its member
+      }
+    }
+    Py_DECREF(d);
+  }
+}
+
+bool set_call_slot(const Into& into, PyObject* call, int i, PyObject* value) {
+  PyMemberDef* m = into.call_slots[i];
+  return m != nullptr ? PyMember_SetOne(reinterpret_cast<char*>(call), m, value) == 0
+                      : PyObject_SetAttr(call, call_slot_name(i), value) == 0;
+}
+
 const Names& names() {
   static const Names n{PyUnicode_InternFromString("func"),    PyUnicode_InternFromString("args"),
                        PyUnicode_InternFromString("kwargs"),  PyUnicode_InternFromString("outs"),
                        PyUnicode_InternFromString("mutated"), PyUnicode_InternFromString("opaque"),
                        PyUnicode_InternFromString("epoch"),   PyUnicode_InternFromString("cdata"),
-                       PyUnicode_InternFromString("_free_weak_ref")};
+                       PyUnicode_InternFromString("_free_weak_ref"),
+                       PyUnicode_InternFromString("aten::copy_")};
   return n;
 }
 
@@ -1214,16 +1258,22 @@ bool set_writer(const Into& into, const TensorNote& n, PyObject* writer, PyObjec
   return true;
 }
 
-// weight_writes.setdefault(sid, []).append((op, loaded, call)).
-bool wrote_weight(const Into& into, int64_t sid, const char* op, bool loaded, PyObject* call) {
-  Ref key(PyLong_FromLongLong(sid));
-  Ref empty(PyList_New(0));
-  if (key.get() == nullptr || empty.get() == nullptr) {
-    return false;
+// weight_writes.setdefault(key, []).append((op, loaded, call)); `key`: the storage's
+// identity as an int, `op`: the op's name (a str).
+bool wrote_weight(const Into& into, PyObject* key, PyObject* op, bool loaded, PyObject* call) {
+  PyObject* list = PyDict_GetItemWithError(into.weight_writes, key);  // borrowed
+  if (list == nullptr) {
+    if (PyErr_Occurred()) {
+      return false;
+    }
+    Ref made(PyList_New(0));
+    if (made.get() == nullptr || PyDict_SetItem(into.weight_writes, key, made.get()) != 0) {
+      return false;
+    }
+    list = made.get();  // the dict holds it
   }
-  PyObject* list = PyDict_SetDefault(into.weight_writes, key.get(), empty.get());
-  Ref row(Py_BuildValue("(sOO)", op, loaded ? Py_True : Py_False, call));
-  return list != nullptr && row.get() != nullptr && PyList_Append(list, row.get()) == 0;
+  Ref row(PyTuple_Pack(3, op, loaded ? Py_True : Py_False, call));
+  return row.get() != nullptr && PyList_Append(list, row.get()) == 0;
 }
 
 // held.setdefault(sid, ref): the first reference to each identity is kept, the rest freed.
@@ -1248,10 +1298,14 @@ bool hold_all(const Into& into, std::vector<std::pair<int64_t, WeakStorage>>& ho
   return true;
 }
 
-bool set_int_item(PyObject* dict, int64_t key, int64_t value) {
+bool set_int_item(PyObject* dict, int64_t key, PyObject* value) {
   Ref k(PyLong_FromLongLong(key));
+  return k.get() != nullptr && PyDict_SetItem(dict, k.get(), value) == 0;
+}
+
+bool set_int_item(PyObject* dict, int64_t key, int64_t value) {
   Ref v(PyLong_FromLongLong(value));
-  return k.get() != nullptr && v.get() != nullptr && PyDict_SetItem(dict, k.get(), v.get()) == 0;
+  return v.get() != nullptr && set_int_item(dict, key, v.get());
 }
 
 bool apply_call(const Into& into, Record& r) {
@@ -1277,8 +1331,9 @@ bool apply_call(const Into& into, Record& r) {
     found = fetched.get();
   }
   PyObject* func = PyTuple_GET_ITEM(found, 0);
-  const char* name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(found, 1));
-  if (name == nullptr) {
+  PyObject* name = PyTuple_GET_ITEM(found, 1);
+  if (!PyUnicode_Check(name)) {
+    PyErr_SetString(PyExc_TypeError, "an op's name must be a str");
     return false;
   }
   Ref args(PyList_New(0));
@@ -1334,22 +1389,26 @@ bool apply_call(const Into& into, Record& r) {
   Ref arg_tuple(PyList_AsTuple(args.get()));
   Ref outs(PyDict_New());
   Ref epoch(PyLong_FromLong(r.epoch));
-  const Names& n = names();
   if (call.get() == nullptr || arg_tuple.get() == nullptr || outs.get() == nullptr ||
-      epoch.get() == nullptr || PyObject_SetAttr(call.get(), n.func, func) != 0 ||
-      PyObject_SetAttr(call.get(), n.args, arg_tuple.get()) != 0 ||
-      PyObject_SetAttr(call.get(), n.kwargs, kwargs.get()) != 0 ||
-      PyObject_SetAttr(call.get(), n.outs, outs.get()) != 0 ||
-      PyObject_SetAttr(call.get(), n.mutated, mutated.get()) != 0 ||
-      PyObject_SetAttr(call.get(), n.opaque, r.handles.empty() ? Py_False : Py_True) != 0 ||
-      PyObject_SetAttr(call.get(), n.epoch, epoch.get()) != 0 ||
+      epoch.get() == nullptr || !set_call_slot(into, call.get(), kFunc, func) ||
+      !set_call_slot(into, call.get(), kArgs, arg_tuple.get()) ||
+      !set_call_slot(into, call.get(), kKwargs, kwargs.get()) ||
+      !set_call_slot(into, call.get(), kOuts, outs.get()) ||
+      !set_call_slot(into, call.get(), kMutated, mutated.get()) ||
+      !set_call_slot(into, call.get(), kOpaque, r.handles.empty() ? Py_False : Py_True) ||
+      !set_call_slot(into, call.get(), kEpoch, epoch.get()) ||
       PyList_Append(into.calls, call.get()) != 0) {
     return false;
   }
   for (auto& w : r.written) {
-    if (!set_writer(into, w.first, call.get(), nullptr) ||
-        (w.second && !wrote_weight(into, w.first.sid, name, false, call.get()))) {
+    if (!set_writer(into, w.first, call.get(), nullptr)) {
       return false;
+    }
+    if (w.second) {
+      Ref key(PyLong_FromLongLong(w.first.sid));
+      if (key.get() == nullptr || !wrote_weight(into, key.get(), name, false, call.get())) {
+        return false;
+      }
     }
   }
   for (auto& o : r.outs) {
@@ -1387,8 +1446,8 @@ bool apply_record(const Into& into, Record& r) {
       const int has = PyDict_Contains(into.writers, dst.get());
       ok = has >= 0 && (has == 0 || PyDict_DelItem(into.writers, dst.get()) == 0);
     }
-    ok = ok && wrote_weight(into, r.dst, "aten::copy_", true, Py_None);
-    ok = ok && (!r.whole || set_int_item(into.copied, r.src, r.dst));
+    ok = ok && wrote_weight(into, dst.get(), names().copy_op, true, Py_None);
+    ok = ok && (!r.whole || set_int_item(into.copied, r.src, dst.get()));
     ok = ok && PyList_Append(into.calls, Py_None) == 0;
   } else if (r.kind == Record::kHandleTensor) {
     for (auto& h : r.handle_tensors) {
@@ -1428,6 +1487,7 @@ PyObject* recorder_apply(PyObject* /*self*/, PyObject* arg) {
     PyErr_SetString(PyExc_TypeError, "Arg must be a tuple type");
     return nullptr;
   }
+  find_call_slots(into.call_type, into.call_slots);
   std::vector<Record> records;
   if (!take_records(id, records)) {
     return nullptr;

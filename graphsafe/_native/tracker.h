@@ -200,7 +200,7 @@ void each_tensor(const c10::IValue& v, F&& f) {
 
 // A tuple of the ints `xs` (storage keys, sizes, strides; a new reference; nullptr with
 // an exception set).
-inline PyObject* int_tuple(const std::vector<int64_t>& xs) {
+inline PyObject* int_tuple(c10::ArrayRef<int64_t> xs) {
   PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(xs.size()));
   if (out == nullptr) {
     return nullptr;

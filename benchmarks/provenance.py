@@ -30,6 +30,7 @@ import graphsafe as gs
 import graphsafe.models.deepseek_v4 as dsv4
 from graphsafe._lineage.record.recorder import RECORDING
 from graphsafe._lineage.window import sweep
+from graphsafe._memory.journal import JOURNAL
 
 __all__ = ["fig11"]
 
@@ -69,6 +70,8 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
             last.clear()
             gc.collect()  # the last sample's model (the figures run with gc paused)
             sweep()  # and its recording, which the next load would free (3-5 ms on 11a)
+            JOURNAL.sweep()  # and its storages, which the next load would forget: a first
+            # load in a fresh process has none
             model = make()  # untimed
             last.append(model)
             if not track:

@@ -74,6 +74,7 @@ from graphsafe._lineage.resolve import (
     foreign_sources,
     made_sources,
     sources_of,
+    staged_sources,
     trace,
     untraced_numbers,
 )
@@ -312,10 +313,7 @@ class Discovery:
             for sid in [sid for sid in sources if sid in lineage.writers and sid in alive]:
                 if trace(lineage.writers[sid][0], foreign)[0]:
                     del sources[sid]
-        for staged, weight in lineage.copied.items():  # a staging copy stands for its weight
-            src = sources.get(weight)
-            if src is not None and staged not in sources and staged not in foreign:
-                sources[staged] = Source(src.path, src.holder, src.key, staged)
+        sources.update(staged_sources(lineage.copied, sources, foreign))
         sources = {**foreign, **sources}
         reads = unfollowed(lineage, sources)
         if reads:  # what is made of them cannot be followed: said, and listed unchecked

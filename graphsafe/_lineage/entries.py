@@ -33,6 +33,8 @@ from graphsafe._memory.compare import compare
 from graphsafe._memory.snapshot import PLAIN
 from graphsafe._memory.walk import Site, ValueSite, step, storage_key
 
+_new = tuple.__new__
+
 __all__ = ["AFTER_CAPTURE", "UNRECORDED", "UNTRACED", "AuditItem", "Entry", "PinnedValues", "Place",
            "read_place", "ref_to", "refusal", "same_number", "still_held"]
 
@@ -67,13 +69,17 @@ class Place(NamedTuple):
     def of(cls, site: Site | ValueSite) -> Place:
         m, container = site.module, site.container
         attrs = m.__dict__
+        table, outside = None, None
         if container is attrs:  # most: an attribute, or what it holds
-            return cls(weakref.ref(m), None, site.key, site.chain, None)
-        if container is attrs.get("_parameters"):
-            return cls(weakref.ref(m), "_parameters", site.key, site.chain, None)
-        if container is attrs.get("_buffers"):
-            return cls(weakref.ref(m), "_buffers", site.key, site.chain, None)
-        return cls(weakref.ref(m), None, site.key, site.chain, container)
+            pass
+        elif container is attrs.get("_parameters"):
+            table = "_parameters"
+        elif container is attrs.get("_buffers"):
+            table = "_buffers"
+        else:
+            outside = container
+        # Built as the tuple it is (a first load discovers thousands).
+        return _new(cls, (weakref.ref(m), table, site.key, site.chain, outside))
 
     def container(self) -> Any:
         if self.outside is not None:

@@ -52,6 +52,18 @@ class Source(NamedTuple):
     sid: int
 
 
+def staged_sources(copied: dict[int, int], sources: dict[int, Source],
+                   foreign: dict[int, Source]) -> dict[int, Source]:
+    """The staging copies a load copied whole into a weight (`copied`: staged -> weight),
+    each standing for its weight (a source at the weight's place), but those that are
+    sources themselves (among `sources` or `foreign`)."""
+    get = sources.get
+    return {staged: _new(Source, (src.path, src.holder, src.key, staged))
+            for staged, weight in copied.items()
+            if (src := get(weight)) is not None and staged not in sources
+            and staged not in foreign}
+
+
 class Found(NamedTuple):
     """A tensor the model holds (`site`) that the recording saw computed from `sources`
     by `chain` (op names, the first from a source), last written by `writer`; or a value

@@ -141,9 +141,11 @@ def _args(args: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[int | s
     """The tensor arguments (`Arg`s, in lists too), but those at the positions or
     keywords of `skip`."""
     out: list[Arg] = []
-    for where, a in (*enumerate(args), *kwargs.items()):
-        if where in skip:
-            continue
+    if skip:
+        values: Any = [a for where, a in (*enumerate(args), *kwargs.items()) if where not in skip]
+    else:  # most: every argument (no tuple of pairs built)
+        values = (*args, *kwargs.values()) if kwargs else args
+    for a in values:
         if type(a) is Arg:  # an `Arg` is a tuple: told apart first
             out.append(a)
         elif isinstance(a, (list, tuple)):

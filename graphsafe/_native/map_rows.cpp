@@ -93,6 +93,17 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
   };
   // A new reference to the int of `obj`'s id.
   auto id_of = [](PyObject* obj) { return PyLong_FromVoidPtr(obj); };
+  // What the last site's container and module were found to be: a module's sites come
+  // one after another, so most sites look up neither again (all borrowed: `tables_at`
+  // and `at` hold them, and the sites their keys).
+  PyObject* last_container = nullptr;
+  PyObject* last_table = nullptr;
+  PyObject* last_module = nullptr;
+  PyObject* last_index = nullptr;
+  PyObject* own_of = nullptr;  // the module and table whose own table `own` is
+  PyObject* own_table = nullptr;
+  PyObject* own = nullptr;
+  auto forget = [&]() { last_container = last_module = own_of = nullptr; };
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* site = PyList_GET_ITEM(sites, i);
     PyObject* path = PyTuple_GET_ITEM(site, 0);
@@ -112,17 +123,25 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
     }
     // The site's pointer, as `data_ptr()` reads it (`storage_rows`).
     const uintptr_t ptr = data_ptr_at(impl, bases[i]);
-    PyObject* container_id = id_of(container);
-    PyObject* module_id = id_of(module);
-    PyObject* table = container_id == nullptr ? nullptr : PyDict_GetItemWithError(
-        tables_at, container_id);  // borrowed
-    PyObject* index = module_id == nullptr ? nullptr : PyDict_GetItemWithError(at, module_id);
-    Py_XDECREF(container_id);
-    Py_XDECREF(module_id);
+    if (container != last_container) {
+      PyObject* container_id = id_of(container);
+      last_table = container_id == nullptr ? nullptr : PyDict_GetItemWithError(
+          tables_at, container_id);  // borrowed
+      Py_XDECREF(container_id);
+      last_container = PyErr_Occurred() ? nullptr : container;
+    }
+    if (module != last_module) {
+      PyObject* module_id = id_of(module);
+      last_index = module_id == nullptr ? nullptr : PyDict_GetItemWithError(at, module_id);
+      Py_XDECREF(module_id);
+      last_module = PyErr_Occurred() ? nullptr : module;
+    }
     if (PyErr_Occurred()) {
       Py_DECREF(key);
       return fail();
     }
+    PyObject* table = last_table;
+    PyObject* index = last_index;
     // `(index, key, chain, id(t), ptr, via)` of a nested site, the key and chain from
     // the site's own (`plain`) or from its module's dict (`_from_dict`).
     auto add_nested = [&](bool plain) -> bool {
@@ -138,6 +157,7 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
           row = PyTuple_Pack(6, index, name, chain, tid, ptr_obj, via);
         } else {
           PyObject* got = PyObject_CallOneArg(from_dict, site);
+          forget();  // Python ran: nothing read before is trusted
           if (got != nullptr && PyTuple_Check(got) && PyTuple_GET_SIZE(got) == 2) {
             row = PyTuple_Pack(6, index, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1),
                                tid, ptr_obj, via);
@@ -165,9 +185,13 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
     }
     bool ok = true;
     if (table != nullptr) {
-      PyObject* attrs = PyObject_GenericGetDict(module, nullptr);
-      PyObject* own = attrs == nullptr ? nullptr : PyDict_GetItemWithError(attrs, table);
-      Py_XDECREF(attrs);
+      if (module != own_of || table != own_table) {
+        PyObject* attrs = PyObject_GenericGetDict(module, nullptr);
+        own = attrs == nullptr ? nullptr : PyDict_GetItemWithError(attrs, table);
+        Py_XDECREF(attrs);  // `own`: the module's dict holds it, the site its container
+        own_of = PyErr_Occurred() ? nullptr : module;
+        own_table = table;
+      }
       if (PyErr_Occurred()) {
         Py_DECREF(key);
         return fail();
@@ -175,13 +199,15 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
       if (own == container) {  // a weight: a parameter, or a persistent buffer
         ok = PySet_Add(owned, key) == 0;
         int weight = 0;
-        const int is_parameters = ok ? PyObject_RichCompareBool(table, parameters, Py_EQ) : -1;
+        const int is_parameters = !ok ? -1 : table == parameters ? 1
+            : PyObject_RichCompareBool(table, parameters, Py_EQ);
         if (is_parameters < 0) {
           ok = false;
         } else if (is_parameters) {
           weight = 1;
         } else {
           PyObject* kept = PyObject_GetAttr(module, non_persistent);
+          forget();
           const int in = kept == nullptr ? -1 : PySequence_Contains(kept, name);
           Py_XDECREF(kept);
           ok = in >= 0;

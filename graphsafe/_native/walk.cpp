@@ -11,6 +11,9 @@
 
 #include <Python.h>
 
+#include <c10/util/flat_hash_map.h>
+
+#include <algorithm>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -103,14 +106,51 @@ PyObject* extended(PyObject* chain, PyObject* key) {
   return out;
 }
 
+// f"{path}.{text}" of two str, joined in one allocation (a walk makes a path per site).
+PyObject* joined(PyObject* path, PyObject* text) {
+  const Py_ssize_t a = PyUnicode_GET_LENGTH(path);
+  const Py_ssize_t b = PyUnicode_GET_LENGTH(text);
+  const Py_UCS4 widest =
+      std::max<Py_UCS4>(PyUnicode_MAX_CHAR_VALUE(path), PyUnicode_MAX_CHAR_VALUE(text));
+  PyObject* out = PyUnicode_New(a + 1 + b, std::max<Py_UCS4>(widest, '.'));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  if (PyUnicode_CopyCharacters(out, 0, path, 0, a) < 0 || PyUnicode_WriteChar(out, a, '.') < 0 ||
+      PyUnicode_CopyCharacters(out, a + 1, text, 0, b) < 0) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  return out;
+}
+
 // f"{path}.{name}".
 PyObject* dotted(PyObject* path, PyObject* name) {
+  if (PyUnicode_CheckExact(name) && PyUnicode_CheckExact(path)) {
+    return joined(path, name);
+  }
   static PyObject* empty = PyUnicode_FromString("");
   Ref text(PyObject_Format(name, empty));
   if (text.get() == nullptr) {
     return nullptr;
   }
   return PyUnicode_FromFormat("%U.%U", path, text.get());
+}
+
+// The (key, value) pairs of `dict` now, as new references: what `dict.items()` lists, in
+// its order, without a tuple per pair (nothing runs between the reads, so the dict cannot
+// change under them).
+void snapshot(PyObject* dict, std::vector<std::pair<Ref, Ref>>* out) {
+  out->clear();
+  out->reserve(static_cast<size_t>(PyDict_GET_SIZE(dict)));
+  Py_ssize_t pos = 0;
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  while (PyDict_Next(dict, &pos, &key, &value)) {
+    Py_INCREF(key);
+    Py_INCREF(value);
+    out->emplace_back(Ref(key), Ref(value));
+  }
 }
 
 class Walk {
@@ -247,8 +287,7 @@ class Walk {
         return false;
       }
       // `tuple(container.items())`
-      const bool ok = each_pair(PyMapping_Items(table.get()), [&](PyObject* name,
-                                                                 PyObject* value) {
+      const bool ok = each_item(table.get(), [&](PyObject* name, PyObject* value) {
         if (!is_tensor(value)) {
           return true;
         }
@@ -272,7 +311,7 @@ class Walk {
     if (attrs.get() == nullptr) {
       return false;
     }
-    return each_pair(PyDict_Items(attrs.get()), [&](PyObject* name, PyObject* value) {
+    return each_item(attrs.get(), [&](PyObject* name, PyObject* value) {
       const int internal = PySet_Contains(n_.internals, name);
       if (internal != 0) {
         return internal > 0;
@@ -292,6 +331,23 @@ class Walk {
       return want == 0 || (want > 0 && add(values_.get(), record(n_.value_site, {
           path.get(), module, attrs.get(), name, empty_chain(), value})));
     });
+  }
+
+  // `fn(name, value)` for each item of the mapping `map` as it is now (a plain dict read
+  // directly, another through its `items()`), until it returns false.
+  template <class Fn>
+  static bool each_item(PyObject* map, Fn fn) {
+    if (!PyDict_CheckExact(map)) {
+      return each_pair(PyMapping_Items(map), fn);
+    }
+    std::vector<std::pair<Ref, Ref>> items;
+    snapshot(map, &items);
+    for (const auto& item : items) {
+      if (!fn(item.first.get(), item.second.get())) {
+        return false;
+      }
+    }
+    return true;
   }
 
   // `fn(name, value)` for each `(name, value)` pair of `items` (a new reference to a
@@ -412,22 +468,18 @@ class Walk {
           continue;
         }
         if (kind == &PyDict_Type) {
-          Ref items(PyDict_Items(v));
-          if (items.get() == nullptr) {
-            return false;
-          }
-          const Py_ssize_t n = PyList_GET_SIZE(items.get());
+          std::vector<std::pair<Ref, Ref>> items;
+          snapshot(v, &items);
           bool model = false;
-          for (Py_ssize_t i = 0; i < n && !model; ++i) {
-            model = PyTuple_GET_ITEM(PyList_GET_ITEM(items.get(), i), 1) == model_;
+          for (size_t i = 0; i < items.size() && !model; ++i) {
+            model = items[i].second.get() == model_;
           }
           if (model) {
             continue;
           }
-          for (Py_ssize_t i = n - 1; i >= 0; --i) {
-            PyObject* item = PyList_GET_ITEM(items.get(), i);
-            if (!push_child(&stack, v, p, chain, PyTuple_GET_ITEM(item, 0),
-                            PyTuple_GET_ITEM(item, 1), index)) {
+          for (size_t i = items.size(); i-- > 0;) {
+            if (!push_child(&stack, v, p, chain, items[i].first.get(), items[i].second.get(),
+                            index)) {
               return false;
             }
           }
@@ -622,18 +674,14 @@ class Walk {
   }
 
   bool attr_items(PyObject* dict, std::vector<std::pair<Ref, Ref>>* out) {
-    Ref items(PyDict_Items(dict));
-    if (items.get() == nullptr) {
-      return false;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items.get()); ++i) {
-      PyObject* item = PyList_GET_ITEM(items.get(), i);
-      Ref step(record(n_.attr, {PyTuple_GET_ITEM(item, 0)}));
+    std::vector<std::pair<Ref, Ref>> items;
+    snapshot(dict, &items);
+    for (auto& item : items) {
+      Ref step(record(n_.attr, {item.first.get()}));
       if (step.get() == nullptr) {
         return false;
       }
-      Py_INCREF(PyTuple_GET_ITEM(item, 1));
-      out->emplace_back(std::move(step), Ref(PyTuple_GET_ITEM(item, 1)));
+      out->emplace_back(std::move(step), std::move(item.second));
     }
     return true;
   }
@@ -743,9 +791,10 @@ class Walk {
   Ref sites_;
   Ref refs_;
   Ref values_;
-  std::unordered_set<const void*> atoms_;
-  std::unordered_set<const void*> tree_;
-  std::unordered_set<const void*> entered_;
+  // Open addressing (no allocation per entry): looked up for every object the walk meets.
+  ska::flat_hash_set<const void*> atoms_;
+  ska::flat_hash_set<const void*> tree_;
+  ska::flat_hash_set<const void*> entered_;
   std::vector<const void*> ref_obj_;  // each ref's object, as `id(r.obj)`
   std::vector<Py_ssize_t> ref_via_;   // each ref's `via`, as recorded
   std::vector<Py_ssize_t> site_via_;  // each site's `via`, as recorded

@@ -6,6 +6,9 @@
 - 11b: the same for the first load of the flagship preset (`fig7_preset`, flash at full
   size), with a post-load step that packs a copy of every layer's attention weight, as an
   engine's would.
+  Each sample of 11a and 11b loads a model built for it, after the last sample's model,
+  its recording and the storages the journal tracked for it are dropped: what a first
+  load pays in a fresh process.
 - 11c: a guarded replay of a graph that reads the packed copies (discovered, checked at
   every replay), against the same graph over the same model whose copies were made with
   recording off (nothing discovered): the per-replay cost of discovered state.

@@ -100,7 +100,7 @@ class ModelMap:
         """Paths of the model's weights: parameters and persistent buffers (what a
         checkpoint holds), those on the meta device included (released transient
         inputs), zero-size ones left out."""
-        self.weight_keys = frozenset(self.by_path[p] for p in weights) - {0}
+        self.weight_keys = frozenset(map(by_path.__getitem__, weights)) - {0}
         """Storage keys of the weights."""
         self.table_keys = frozenset(owned) - {0}
         """Storage keys of every parameter and buffer (the weights, and buffers no

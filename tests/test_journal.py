@@ -50,6 +50,42 @@ def test_the_journal_forgets_a_storage_when_it_dies() -> None:
     assert not journal.poisoned_among(frozenset([key]))
 
 
+def _dropped_together(journal: Journal) -> tuple[list[int], list[int], int, int, int]:
+    """Forty of fifty storages a load wrote die at once (a dropped model's) and the
+    journal is swept: (the epochs of the dead keys, of the live ones, the clock before and
+    after the sweep, how many storages the journal holds then)."""
+    tensors = [torch.zeros(256) for _ in range(50)]
+    storages = {storage_key(t): t.untyped_storage() for t in tensors}
+    keys = list(storages)
+    journal.advance(set(keys), "load", storages.get)
+    before = journal.clock
+    for key in keys[:40]:
+        del storages[key]
+    del tensors[:40]
+    gc.collect()
+    journal.sweep()
+    after, held = journal.clock, len(journal)
+    return journal.epochs_of(keys[:40]), journal.epochs_of(keys[40:]), before, after, held
+
+
+def test_storages_that_die_together_are_all_forgotten_in_one_sweep_and_the_rest_kept() -> None:
+    journal = Journal()
+    dead, live, before, after, held = _dropped_together(journal)
+    assert dead == [0] * 40  # a storage made at one of their addresses starts clean
+    assert live == [before] * 10
+    assert after > before  # witnesses of the forgotten epochs look again
+    assert held == 10
+
+
+def test_control_a_sweep_that_forgets_one_of_them_leaves_stale_epochs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    forget_all = Journal._forget_all
+    monkeypatch.setattr(Journal, "_forget_all", lambda self, keys: forget_all(self, keys[:1]))
+    dead, *_ = _dropped_together(Journal())
+    assert dead.count(0) == 1  # the rest keep an epoch no live storage has
+
+
 def test_poison_follows_a_storage_whose_bytes_move_and_frees_the_old_address() -> None:
     # `share_memory_()` moves a live storage's bytes: the old address is freed for any
     # new storage, while the poisoned storage is still the one a replay would read.

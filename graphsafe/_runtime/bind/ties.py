@@ -75,16 +75,11 @@ class Ties:
         # `named_parameters` then the persistent `named_buffers`, both without removing
         # duplicates (a shared module's weights at each of its paths), in one pass; the
         # paths made only for tensors that share a storage (most models share none).
-        params: list[tuple[str, str, torch.Tensor]] = []
-        buffers: list[tuple[str, str, torch.Tensor]] = []
-        for head, m in module_prefixes(model):
-            params += [(head, name, t) for name, t in m._parameters.items() if t is not None]
-            if m._buffers:
-                skip = m._non_persistent_buffers_set
-                buffers += [(head, name, t) for name, t in m._buffers.items()
-                            if t is not None and name not in skip]
-        held = params + buffers
-        tensors = [t for *_, t in held]
+        prefixes = module_prefixes(model)
+        tensors: list[torch.Tensor] = [
+            t for _, m in prefixes for t in m._parameters.values() if t is not None]
+        tensors += [t for _, m in prefixes if m._buffers for name, t in m._buffers.items()
+                    if t is not None and name not in m._non_persistent_buffers_set]
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
             keys = storage_keys(tensors)  # one compiled call, where the checks are built
             if keys is None:
@@ -92,6 +87,13 @@ class Ties:
             some = [k for k in keys if k]
             if len(set(some)) == len(some):
                 return cls(())
+            # Some share a storage: their paths, in the same order as `tensors`.
+            held: list[tuple[str, str, torch.Tensor]] = [
+                (head, name, t) for head, m in prefixes
+                for name, t in m._parameters.items() if t is not None]
+            held += [(head, name, t) for head, m in prefixes if m._buffers
+                     for name, t in m._buffers.items()
+                     if t is not None and name not in m._non_persistent_buffers_set]
             by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
             for (head, name, t), key in zip(held, keys, strict=True):
                 if key:

@@ -352,13 +352,39 @@ bool python_key(const at::Tensor& t) {
 }
 
 // What an op recorded at its start hands to its end.
+// The storage identities of an op's tensor arguments: most ops have a few, looked
+// through in place (a set would allocate for every op recorded); an op over a long list
+// of tensors (`cat`, a `_foreach_` op) gets a set once it has more than `kFew`.
+struct Sids {
+  static constexpr size_t kFew = 16;
+  c10::SmallVector<int64_t, 8> ids;
+  std::unordered_set<int64_t> many;  // all of `ids`, once there are more than `kFew`
+  void insert(int64_t sid) {
+    if (contains(sid)) {
+      return;
+    }
+    ids.push_back(sid);
+    if (ids.size() > kFew) {
+      if (many.empty()) {
+        many.insert(ids.begin(), ids.end());
+      } else {
+        many.insert(sid);
+      }
+    }
+  }
+  bool contains(int64_t sid) const {
+    return ids.size() > kFew ? many.count(sid) != 0
+                             : std::find(ids.begin(), ids.end(), sid) != ids.end();
+  }
+};
+
 struct Pending : at::ObserverContext {
   std::vector<std::shared_ptr<Rec>> recs;
   const OpInfo* info = nullptr;
   int32_t op = -1;
   bool only_handles = false;  // a view: at most a handle's tensor
   std::vector<Record> records;  // one per rec
-  std::vector<std::unordered_set<int64_t>> in_sids;  // per rec
+  std::vector<Sids> in_sids;  // per rec
   std::vector<Rec*> rewrites;  // recs for which it copies computed values whole into a weight
   std::vector<std::pair<size_t, at::Tensor>> mutated;  // held until the op ends
   bool seen = false;
@@ -388,7 +414,7 @@ bool number_of(const at::Tensor& t, c10::IValue& out) {
   }
 }
 
-void add_slot(Rec& rec, Record& record, const c10::IValue& v, std::unordered_set<int64_t>& sids,
+void add_slot(Rec& rec, Record& record, const c10::IValue& v, Sids& sids,
               bool& seen) {
   Slot slot;
   if (v.isTensor()) {
@@ -556,7 +582,7 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
       record.holds.emplace_back(
           record.src, WeakStorage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(src_s)));
     }
-    std::unordered_set<int64_t> sids;
+    Sids sids;
     for (const c10::IValue& v : inputs) {
       add_slot(*r, record, v, sids, pending->seen);
     }
@@ -628,7 +654,7 @@ void end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     }
     Record& record = p->records[k];
     const int32_t index = rec.next;
-    const std::unordered_set<int64_t>& in_sids = p->in_sids[k];
+    const Sids& in_sids = p->in_sids[k];
     for (const auto& m : p->mutated) {
       record.mutated.push_back(m.first);
       c10::StorageImpl* s = storage_of(m.second);
@@ -653,7 +679,7 @@ void end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
         return;
       }
       const int64_t sid = reinterpret_cast<int64_t>(s);
-      if (in_sids.count(sid) != 0) {
+      if (in_sids.contains(sid)) {
         return;  // a view of (or the mutated) argument
       }
       record.outs.emplace_back(i, note_written(t, s));

@@ -240,15 +240,12 @@ class Journal:
             return frozenset(self.poisoned)
 
     def _track(self, key: int, storage: torch.UntypedStorage | None) -> None:
-        if storage is not None and storage.data_ptr() == key:
-            dead = self._dead
-            # The callback runs only while the reference is the one tracked at `key`:
-            # one replaced (its storage's bytes moved) is dropped, and never fires.
-            self._tracked[key] = weakref.ref(storage, _dropped(dead, key))
-            self._extent[key] = storage.nbytes()
+        self._track_all((key,), lambda _: storage)
 
     def _track_all(self, keys: Iterable[int], storage_of: StorageOf) -> None:
-        """`_track` of each of `keys` (a first load tracks thousands)."""
+        """Track the live storage `storage_of(key)` of each of `keys` (a first load tracks
+        thousands). The callback runs only while the reference is the one tracked at its
+        key: one replaced (its storage's bytes moved) is dropped, and never fires."""
         tracked, extent, dead, ref = self._tracked, self._extent, self._dead, weakref.ref
         for key in keys:
             storage = storage_of(key)
@@ -264,14 +261,7 @@ class Journal:
         return storage is not None and storage.data_ptr() == key and storage.nbytes() > 0
 
     def _forget(self, key: int) -> None:
-        last = self._last
-        if last is not None and key in last[0]:
-            self._settle()
-        self._tracked.pop(key, None)
-        self._extent.pop(key, None)
-        self.poisoned.pop(key, None)
-        if self._epochs.pop(key, None) is not None:
-            self.clock += 1  # witnesses of that epoch look again
+        self._forget_all([key])
 
     def _sweep(self) -> None:
         # Callbacks run wherever the garbage collector runs, this journal's own code

@@ -76,10 +76,12 @@ class Ties:
         # duplicates (a shared module's weights at each of its paths), in one pass; the
         # paths made only for tensors that share a storage (most models share none).
         prefixes = module_prefixes(model)
-        tensors: list[torch.Tensor] = [
-            t for _, m in prefixes for t in m._parameters.values() if t is not None]
-        tensors += [t for _, m in prefixes if m._buffers for name, t in m._buffers.items()
-                    if t is not None and name not in m._non_persistent_buffers_set]
+        tables: list[tuple[str, Mapping[str, torch.Tensor | None]]] = [
+            (head, m._parameters) for head, m in prefixes]
+        tables += [(head, {name: t for name, t in m._buffers.items()
+                           if name not in m._non_persistent_buffers_set})
+                   for head, m in prefixes if m._buffers]
+        tensors = [t for _, table in tables for t in table.values() if t is not None]
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
             keys = storage_keys(tensors)  # one compiled call, where the checks are built
             if keys is None:
@@ -88,12 +90,8 @@ class Ties:
             if len(set(some)) == len(some):
                 return cls(())
             # Some share a storage: their paths, in the same order as `tensors`.
-            held: list[tuple[str, str, torch.Tensor]] = [
-                (head, name, t) for head, m in prefixes
-                for name, t in m._parameters.items() if t is not None]
-            held += [(head, name, t) for head, m in prefixes if m._buffers
-                     for name, t in m._buffers.items()
-                     if t is not None and name not in m._non_persistent_buffers_set]
+            held = [(head, name, t) for head, table in tables
+                    for name, t in table.items() if t is not None]
             by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
             for (head, name, t), key in zip(held, keys, strict=True):
                 if key:

@@ -501,15 +501,16 @@ class Discovery:
     def _rebuild(self, old_rows: dict[int, list[int]]) -> None:
         self._values = [e for e in self._entries if e.kind != "tensor"]
         self._pinned_values = None
-        sites: list[tuple[dict[str, object], str]] = []
-        rows: list[int | None] = []
-        owner: list[int] = []
-        for i, e in enumerate(self._entries):
-            before = old_rows.get(id(e), [])
-            for j, src in enumerate(e.sources):
-                sites.append((src.holder, src.key))
-                rows.append(before[j] if j < len(before) else None)
-                owner.append(i)
+        sources = [e.sources for e in self._entries]
+        sites: list[tuple[dict[str, object], str]] = [
+            (src.holder, src.key) for each in sources for src in each]
+        owner = [i for i, each in enumerate(sources) for _ in each]
+        rows: list[int | None] = [None] * len(sites)  # none kept: recorded now
+        if any(old_rows.values()):  # entries kept: each keeps its own sites' rows
+            rows = []
+            for e, each in zip(self._entries, sources, strict=True):
+                before = old_rows.get(id(e), [])
+                rows += [before[j] if j < len(before) else None for j in range(len(each))]
         old = self._witnesses
         if old is None or not sites:
             self._witnesses = Witnesses(sites, self._journal) if sites else None

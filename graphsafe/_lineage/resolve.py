@@ -348,12 +348,16 @@ def find_rewrites(lineage: Lineage, sources: dict[int, Source],
     storage identities of declared derived buffers, never weights. A `copy_` of values
     computed from the weights is named `DERIVED_COPY`: the write trackers tell it from a
     load the same way."""
-    weights = {sid: s for sid, s in sources.items() if sid not in derived}
+    weights: dict[int, Source] | None = None  # made for the first weight written after its load
     out = []
     for sid, writes in lineage.weight_writes.items():
-        weight = sources.get(sid)
-        if weight is None or sid in derived or writes[-1][2] is None:
+        if writes[-1][2] is None:
             continue  # last written by a load (most): nothing after it
+        weight = sources.get(sid)
+        if weight is None or sid in derived:
+            continue
+        if weights is None:
+            weights = {sid: s for sid, s in sources.items() if sid not in derived}
         named = [_written_as(op, call, weights) for op, _, call in writes]
         after = len(named)
         while after and named[after - 1] is not None:

@@ -49,7 +49,7 @@ class Journal:
         0
     """
 
-    __slots__ = ("_dead", "_drain", "_epochs", "_extent", "_how", "_last", "_lock", "_tracked",
+    __slots__ = ("_dead", "_drain", "_epochs", "_how", "_last", "_lock", "_tracked",
                  "clock", "poisoned")
 
     def __init__(self) -> None:
@@ -68,7 +68,6 @@ class Journal:
         self._tracked: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         """Key -> the storage tracked there (its death, or its bytes moving elsewhere,
         frees the key)."""
-        self._extent: dict[int, int] = {}  # tracked key -> its storage's bytes
         self._lock = threading.Lock()
         self._dead: list[tuple[int, weakref.ref[torch.UntypedStorage]]] = []
         """(key, reference) of tracked storages that died, forgotten at the next sweep."""
@@ -228,7 +227,9 @@ class Journal:
         `torch.from_numpy` of it) is a write into them."""
         with self._lock:
             self._sweep()
-            return {k for k, n in self._extent.items() if k <= start and end <= k + n}
+            # The extents are read here, not kept (a first load tracks thousands).
+            return {k for k, ref in self._tracked.items() if k <= start
+                    and (s := ref()) is not None and s.data_ptr() == k and end <= k + s.nbytes()}
 
     def poisoned_keys(self) -> frozenset[int]:
         """The poisoned storages, each at the address its bytes are at now."""
@@ -246,12 +247,11 @@ class Journal:
         """Track the live storage `storage_of(key)` of each of `keys` (a first load tracks
         thousands). The callback runs only while the reference is the one tracked at its
         key: one replaced (its storage's bytes moved) is dropped, and never fires."""
-        tracked, extent, dead, ref = self._tracked, self._extent, self._dead, weakref.ref
+        tracked, dead, ref = self._tracked, self._dead, weakref.ref
         for key in keys:
             storage = storage_of(key)
             if storage is not None and storage.data_ptr() == key:
                 tracked[key] = ref(storage, _dropped(dead, key))
-                extent[key] = storage.nbytes()
 
     def _holds(self, key: int) -> bool:
         """Whether the storage tracked at `key` still has its bytes there (another
@@ -284,11 +284,10 @@ class Journal:
         last = self._last
         if last is not None and not last[0].isdisjoint(keys):
             self._settle()
-        tracked, extent, poisoned, epochs = self._tracked, self._extent, self.poisoned, self._epochs
+        tracked, poisoned, epochs = self._tracked, self.poisoned, self._epochs
         had = False
         for key in keys:
             tracked.pop(key, None)
-            extent.pop(key, None)
             poisoned.pop(key, None)
             had = epochs.pop(key, None) is not None or had
         if had:

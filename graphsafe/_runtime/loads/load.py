@@ -32,7 +32,7 @@ from graphsafe._lineage.record.recorder import RECORDING, Lineage
 from graphsafe._lineage.record.threads import followed
 from graphsafe._memory.journal import Journal
 from graphsafe._memory.snapshot import Identities
-from graphsafe._memory.walk import storage_key
+from graphsafe._memory.walk import storage_key, storage_keys
 from graphsafe._runtime.bind.experts import MapReads
 from graphsafe._runtime.refresh.engine import Engine
 from graphsafe._runtime.transient.transients import Transient
@@ -465,9 +465,11 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage
     calls: a first load asks for thousands); one by one where one cannot be read so."""
     tensors = list(tensors)
     try:
+        keys = storage_keys(tensors)  # one compiled call, where built
         storages = list(map(_UNTYPED, tensors))
-        keys = [ptr if size else 0 for ptr, size in
-                zip(map(_STORAGE_PTR, storages), map(_NBYTES, storages))]
+        if keys is None:
+            keys = [ptr if size else 0 for ptr, size in
+                    zip(map(_STORAGE_PTR, storages), map(_NBYTES, storages))]
     except (RuntimeError, NotImplementedError):
         return {storage_key(t): t.untyped_storage() for t in tensors}
     return dict(zip(keys, storages))

@@ -120,6 +120,21 @@ def test_a_bare_sync_leaves_the_number_stale_and_the_replay_is_refused() -> None
     assert stale["_k_scale_float"] is not None and stale["zp"] is None
 
 
+def test_a_refused_number_says_how_it_was_taken_as_the_code_wrote_it() -> None:
+    m = Scaled()
+    m.load_weights(_scaled(0.5))
+    g, _ = _capture(m, guard=True)
+    m.load_weights(_scaled(2.0, 1), post=False)
+    with pytest.raises(gs.StaleError) as info:
+        g.replay()
+    message = str(info.value)
+    assert "number(s) the model derived" in message
+    assert "expected:   every number computed from the weights" in message
+    assert "k_scale -> Tensor.item()" in message  # `self.k_scale.item()`
+    assert "zero_point -> int()" in message  # `int(self.zero_point)`
+    assert "<method" not in message  # not the method object's repr
+
+
 def test_a_number_the_new_weights_leave_as_it_was_is_no_false_alarm() -> None:
     m = Scaled()
     m.load_weights(_scaled(0.5, 3, seed=0))

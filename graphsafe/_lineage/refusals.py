@@ -59,13 +59,14 @@ def stale_error(model_class: type, stale: Sequence[tuple[Named, str]]) -> StaleE
     kinds = {e.kind for e, _ in stale}
     what = {"tensor": "tensor(s)", "scalar": "number(s)", "handle": "handle(s)"}.get(
         kinds.pop(), "value(s)") if len(kinds) == 1 else "value(s)"
+    each = what.removesuffix("(s)")
     return StaleError(
         f"{len(stale)} {what} the model derived from its weights (found without a "
         "declaration) were not recomputed after their sources were written",
         paths=paths,
         module_class=first.module_class,
         path=", ".join(paths[:8]) + (" ..." if len(paths) > 8 else ""),
-        expected="every tensor computed from the weights recomputed after they are written",
+        expected=f"every {each} computed from the weights recomputed after they are written",
         got=got,
         fix="re-run the engine's post-load processing over what was written (in vLLM, "
         "its layerwise processing of the written layers, not `reload_weights` from disk, "

@@ -131,9 +131,17 @@ _OP_NAMES: dict[Any, str] = {}
 
 def _name_of(func: Any) -> str:
     schema = getattr(func, "_schema", None)
+    if schema is None and getattr(func, "__objclass__", None) is torch._C.TensorBase:
+        # A number or an array taken in Python: named as the caller wrote it.
+        return _TAKEN_NAMES.get(func.__name__, f"Tensor.{func.__name__}()")
     name = schema.name if schema is not None else str(func)
     ns, _, op = name.partition("::")
     return f"{ns}.{op}" if op else name
+
+
+_TAKEN_NAMES = {"__float__": "float()", "__int__": "int()", "__bool__": "bool()",
+                "__index__": "operator.index()"}
+"""How messages name the Tensor methods that are called through Python's builtins."""
 
 
 def _args(args: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[int | str]

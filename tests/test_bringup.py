@@ -1688,6 +1688,43 @@ def test_a_fullgraph_compiled_function_runs_in_the_recorded_load_and_in_later_on
     assert torch.equal(m.lin.weight, _weights(1)["lin.weight"] * 2.0 + 1.0)
 
 
+def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """vLLM's `weight_packed_linear_cpu`: its output made first, then written (`out=`)."""
+    out = torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)  # [T, C]
+    return torch.mm(x, w.t(), out=out)
+
+
+@gs.graphsafe
+class DynamicForward(nn.Module):
+    """A forward compiled with the token dimension dynamic, as vLLM compiles its model
+    (the bring-up's first forwards, its profile run among them, are recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(C, C, bias=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.get_parameter(name).copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _packed_linear(x, self.lin.weight)
+
+
+def test_a_recorded_forward_traced_with_a_dynamic_dimension_keeps_it_dynamic() -> None:
+    m = DynamicForward()
+    m.load_weights(_weights(0))
+    compiled = torch.compile(m, backend="eager")
+    x = torch.ones(8, C)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():  # before: the recorder read the traced sizes and dynamo
+        y = compiled(x)  # specialized the marked dimension (ConstraintViolationError)
+    assert torch.equal(y, x @ m.lin.weight.t())
+    with torch.no_grad():
+        assert compiled(torch.ones(3, C)).shape == (3, C)
+
+
 # -- views made anew over the same memory ------------------------------------------------
 
 

@@ -42,6 +42,7 @@
 #include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/Device.h>
@@ -351,6 +352,17 @@ bool python_key(const at::Tensor& t) {
          t.key_set().has(c10::DispatchKey::PythonTLSSnapshot);
 }
 
+// Whether this thread's ops run on fake tensors now (dynamo traces, or `make_fx`): no
+// value is computed, and a traced size read as an int would specialize it (a dimension
+// marked dynamic becomes a constant, and dynamo refuses the trace).
+bool tracing() {
+  using c10::impl::TorchDispatchModeKey;
+  using c10::impl::TorchDispatchModeTLS;
+  return TorchDispatchModeTLS::any_modes_set() &&
+         (TorchDispatchModeTLS::get_mode(TorchDispatchModeKey::FAKE).has_value() ||
+          TorchDispatchModeTLS::get_mode(TorchDispatchModeKey::PROXY).has_value());
+}
+
 // What an op recorded at its start hands to its end.
 // The storage identities of an op's tensor arguments: most ops have a few, looked
 // through in place (a set would allocate for every op recorded); an op over a long list
@@ -493,6 +505,9 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
     nest.push_back(&fn);
     return nullptr;
   }
+  if (tracing()) {
+    return nullptr;  // an op without tensor arguments (`empty`) would give a fake result
+  }
   int32_t index = -1;
   const OpInfo* info = info_of(fn, &index);
   if (info->composite) {
@@ -606,8 +621,8 @@ void handle_tensor(Rec& rec, Record& record, const std::vector<c10::IValue>& out
     return;
   }
   const at::Tensor& t = outs[0].toTensor();
-  if (!t.defined() || t.scalar_type() != c10::ScalarType::Long || t.numel() > 4 ||
-      !t.device().is_cpu() || is_meta(t)) {
+  if (!t.defined() || python_key(t) || t.scalar_type() != c10::ScalarType::Long ||
+      t.numel() > 4 || !t.device().is_cpu() || is_meta(t)) {
     return;
   }
   c10::StorageImpl* s = storage_of(t);
@@ -671,8 +686,8 @@ void end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     size_t position = 0;
     auto result = [&](const at::Tensor& t) {
       const size_t i = position++;
-      if (!t.defined() || is_meta(t)) {
-        return;
+      if (!t.defined() || is_meta(t) || python_key(t)) {
+        return;  // a fake or subclass result: its sizes may be traced ones
       }
       c10::StorageImpl* s = storage_of(t);
       if (s == nullptr) {

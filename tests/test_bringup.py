@@ -1694,19 +1694,9 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t(), out=out)
 
 
-@gs.graphsafe
-class DynamicForward(nn.Module):
+class DynamicForward(Lazy):
     """A forward compiled with the token dimension dynamic, as vLLM compiles its model
     (the bring-up's first forwards, its profile run among them, are recorded)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(C, C, bias=False)
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, w in weights.items():
-                self.get_parameter(name).copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _packed_linear(x, self.lin.weight)

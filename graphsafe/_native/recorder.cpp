@@ -522,6 +522,16 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
       return nullptr;  // a tensor subclass or a fake tensor: dynamo traces, or Python runs it
     }
   }
+  const bool view = info->view || info->view_free;
+  if (view && std::none_of(recs->begin(), recs->end(), [](const auto& r) {
+        if (r->closed) {
+          return false;
+        }
+        std::lock_guard<std::mutex> g(r->mu);
+        return !r->handles.empty();
+      })) {
+    return nullptr;  // most views: no handle is recorded, nothing to note
+  }
   auto pending = std::make_unique<Pending>();
   pending->info = info;
   pending->op = index;
@@ -530,14 +540,9 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
       pending->recs.push_back(r);
     }
   }
-  if (info->view || info->view_free) {
+  if (view) {
     pending->only_handles = true;
-    bool any = false;
-    for (const auto& r : pending->recs) {
-      std::lock_guard<std::mutex> g(r->mu);
-      any = any || !r->handles.empty();
-    }
-    return any ? std::unique_ptr<at::ObserverContext>(std::move(pending)) : nullptr;
+    return pending;
   }
   // A copy into a weight: a load, unless what it copies was computed here (a rewrite) or
   // is another model's weight.

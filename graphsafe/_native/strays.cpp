@@ -29,7 +29,6 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -49,7 +48,15 @@ namespace graphsafe_native {
 
 namespace {
 
-using Keys = std::unordered_set<int64_t>;
+// The watched keys, sorted: built in one allocation (a first load hands over thousands,
+// once per recording), looked up by bisection.
+struct Keys {
+  std::vector<int64_t> sorted;
+  bool empty() const { return sorted.empty(); }
+  size_t count(int64_t key) const {
+    return std::binary_search(sorted.begin(), sorted.end(), key) ? 1 : 0;
+  }
+};
 using Sources = std::shared_ptr<const std::vector<int64_t>>;
 
 struct Taint {
@@ -288,6 +295,11 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
 // strays_watch(keys: iterable of int): the storages of the weights being recorded.
 PyObject* strays_watch(PyObject* /*self*/, PyObject* arg) {
   auto next = std::make_shared<Keys>();
+  const Py_ssize_t size = PyObject_Length(arg);
+  if (size > 0) {
+    next->sorted.reserve(static_cast<size_t>(size));
+  }
+  PyErr_Clear();  // an iterable without a length: grown as it is read
   PyObject* it = PyObject_GetIter(arg);
   if (it == nullptr) {
     return nullptr;
@@ -299,13 +311,15 @@ PyObject* strays_watch(PyObject* /*self*/, PyObject* arg) {
       break;
     }
     if (key != 0) {
-      next->insert(key);
+      next->sorted.push_back(key);
     }
   }
   Py_DECREF(it);
   if (PyErr_Occurred()) {
     return nullptr;
   }
+  std::sort(next->sorted.begin(), next->sorted.end());
+  next->sorted.erase(std::unique(next->sorted.begin(), next->sorted.end()), next->sorted.end());
   std::lock_guard<std::mutex> g(mu);
   watched = std::move(next);
   watched_generation.fetch_add(1, std::memory_order_acq_rel);

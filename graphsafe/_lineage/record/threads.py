@@ -157,6 +157,10 @@ class Strays:
         """id(lineage) -> (the lineage, its weights' keys, recorders entered, not left)."""
         self._live: weakref.WeakSet[Any] = weakref.WeakSet()
         """The lineages that watched and are not released."""
+        self._watched: frozenset[int] = frozenset()
+        """The keys the compiled callback watches (kept while it is stopped: a load's
+        recording and then its tail's watch the same weights, and a first load's
+        thousands are not handed over again)."""
 
     def enter(self, lineage: Any, weights: frozenset[int]) -> _native.Native | None:
         """A recorder of `lineage` (recording the weights `weights`) begins in this thread:
@@ -225,13 +229,15 @@ class Strays:
 
     def _apply(self, native: _native.Native) -> None:
         """Watch the weights of the open recordings, or stop (under the lock)."""
-        keys = frozenset().union(*(e[1] for e in self._open.values()))
-        if keys:
-            native.strays_watch(keys)
-            native.strays_start()
-        else:
+        open_ = list(self._open.values())
+        keys = open_[0][1] if len(open_) == 1 else frozenset().union(*(e[1] for e in open_))
+        if not keys:
             native.strays_stop()
-            native.strays_watch(())
+            return
+        if keys is not self._watched and keys != self._watched:
+            native.strays_watch(keys)
+        self._watched = keys
+        native.strays_start()
 
 
 STRAYS = Strays()

@@ -390,15 +390,18 @@ struct Sids {
   }
 };
 
+// The recordings an op is noted into: most ops, one (no allocation for it).
+using Noted = c10::SmallVector<std::shared_ptr<Rec>, 2>;
+
 struct Pending : at::ObserverContext {
-  std::vector<std::shared_ptr<Rec>> recs;
+  Noted recs;
   const OpInfo* info = nullptr;
   int32_t op = -1;
   bool only_handles = false;  // a view: at most a handle's tensor
-  std::vector<Record> records;  // one per rec
-  std::vector<Sids> in_sids;  // per rec
-  std::vector<Rec*> rewrites;  // recs for which it copies computed values whole into a weight
-  std::vector<std::pair<size_t, at::Tensor>> mutated;  // held until the op ends
+  c10::SmallVector<Record, 1> records;  // one per rec
+  c10::SmallVector<Sids, 1> in_sids;  // per rec
+  c10::SmallVector<Rec*, 2> rewrites;  // recs for which it copies computed values whole into a weight
+  c10::SmallVector<std::pair<size_t, at::Tensor>, 2> mutated;  // held until the op ends
   bool seen = false;
 };
 
@@ -532,27 +535,23 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
       })) {
     return nullptr;  // most views: no handle is recorded, nothing to note
   }
-  auto pending = std::make_unique<Pending>();
-  pending->info = info;
-  pending->op = index;
+  Noted live;
   for (const auto& r : *recs) {
-    if (!r->closed && std::find(pending->recs.begin(), pending->recs.end(), r) == pending->recs.end()) {
-      pending->recs.push_back(r);
+    if (!r->closed && std::find(live.begin(), live.end(), r) == live.end()) {
+      live.push_back(r);
     }
   }
-  if (view) {
-    pending->only_handles = true;
-    return pending;
-  }
+  c10::SmallVector<Rec*, 2> rewrites;
   // A copy into a weight: a load, unless what it copies was computed here (a rewrite) or
-  // is another model's weight.
-  if (info->copy && inputs.size() >= 2 && inputs[0].isTensor() && inputs[1].isTensor()) {
+  // is another model's weight. A load is noted here, and nothing is pending for it.
+  if (!view && info->copy && inputs.size() >= 2 && inputs[0].isTensor() &&
+      inputs[1].isTensor()) {
     const at::Tensor& dst = inputs[0].toTensor();
     const at::Tensor& src = inputs[1].toTensor();
     const int64_t dst_key = graphsafe_native::storage_key(dst);
     c10::StorageImpl* dst_s = storage_of(dst);
-    std::vector<std::shared_ptr<Rec>> rest;
-    for (const auto& r : pending->recs) {
+    Noted rest;
+    for (const auto& r : live) {
       std::lock_guard<std::mutex> g(r->mu);
       if (dst_key == 0 || dst_s == nullptr || !r->weights->contains(dst_key)) {
         rest.push_back(r);
@@ -565,7 +564,7 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
            (!r->foreign->empty() && r->foreign->contains(graphsafe_native::storage_key(src))))) {
         rest.push_back(r);
         if (src.sizes() == dst.sizes()) {
-          pending->rewrites.push_back(r.get());
+          rewrites.push_back(r.get());
         }
         continue;
       }
@@ -582,11 +581,20 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
       kept_one(*r);
       r->records.push_back(std::move(load));
     }
-    pending->recs = std::move(rest);
-    if (pending->recs.empty()) {
+    live = std::move(rest);
+    if (live.empty()) {
       return nullptr;
     }
   }
+  auto pending = std::make_unique<Pending>();
+  pending->info = info;
+  pending->op = index;
+  pending->recs = std::move(live);
+  if (view) {
+    pending->only_handles = true;
+    return pending;
+  }
+  pending->rewrites = std::move(rewrites);
   for (const auto& r : pending->recs) {
     std::lock_guard<std::mutex> g(r->mu);
     Record record;

@@ -16,7 +16,7 @@ from graphsafe._fingerprint.digest import fingerprint
 from graphsafe._graphs.graph import Graph
 from graphsafe._lineage.discovery import Discovered
 from graphsafe._lineage.probes import register_probe
-from graphsafe._lineage.record.native import record as record_lineage
+from graphsafe._lineage.record.native import record_lineage
 from graphsafe._memory.journal import mark_written
 from graphsafe._memory.ledger import Ledger
 from graphsafe._runtime.load_into import load_into

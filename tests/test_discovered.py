@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import graphsafe as gs
-from graphsafe._lineage import record
+from graphsafe._lineage import record_lineage
 
 C = 4
 _PACKED: dict[int, torch.Tensor] = {}  # the custom ops' kernel state: handle -> packed
@@ -368,7 +368,7 @@ def test_an_impure_chain_is_refused_for_adoption() -> None:
 
 
 def test_the_first_load_of_an_engine_recorded_before_the_model_was_known() -> None:
-    with record() as lineage:  # an engine builds and loads before graphsafe sees it
+    with record_lineage() as lineage:  # an engine builds and loads before graphsafe sees it
         m = Engine(_post_kernel, _run_kernel)
         with torch.no_grad():
             m.lin.weight.copy_(_weights(0)["lin.weight"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
-from graphsafe._lineage import record
+from graphsafe._lineage import record_lineage
 from graphsafe._lineage.record.hooks import Hooks
 from graphsafe._lineage.record.recorder import sid_of
 
@@ -34,7 +34,7 @@ def _taken(lineage: object, value: object) -> bool:
 
 def test_a_recording_runs_no_function_mode_and_sees_the_numbers_its_thread_takes() -> None:
     w = torch.full((2,), 3.5)
-    with record() as lin:
+    with record_lineage() as lin:
         assert not torch.overrides._get_current_function_mode_stack()
         scale = w[0].item()
         firsts = w.tolist()
@@ -47,7 +47,7 @@ def test_a_recording_runs_no_function_mode_and_sees_the_numbers_its_thread_takes
 def test_control_a_number_taken_outside_the_recording_is_not_in_it() -> None:
     w = torch.full((2,), 3.5)
     before = w[0].item()
-    with record() as lin:
+    with record_lineage() as lin:
         pass
     after = w[1].item()
     assert not _taken(lin, before) and not _taken(lin, after)
@@ -67,7 +67,7 @@ def test_a_thread_that_does_not_record_takes_numbers_unseen_while_another_record
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     try:
-        with record() as lin:
+        with record_lineage() as lin:
             assert Hooks.installed() and Hooks.recording()
             asks.put(w[0])
             theirs = answers.get(timeout=10)
@@ -83,14 +83,14 @@ def test_a_thread_that_does_not_record_takes_numbers_unseen_while_another_record
 def test_the_hooked_methods_are_put_back_when_the_last_recording_ends() -> None:
     untouched = _sites()
     w = torch.ones(())
-    with record():
-        with record():
+    with record_lineage():
+        with record_lineage():
             hooked = _sites()
         still = _sites()  # the inner one's end keeps them for the outer
     assert still == hooked
     assert all(hooked[k] is not untouched[k] for k in untouched)
     assert _sites() == untouched
-    with pytest.raises(RuntimeError, match="boom"), record():
+    with pytest.raises(RuntimeError, match="boom"), record_lineage():
         w.item()
         raise RuntimeError("boom")
     assert _sites() == untouched
@@ -100,7 +100,7 @@ def test_the_hooked_methods_are_put_back_when_the_last_recording_ends() -> None:
 def test_a_hook_another_library_set_over_one_while_recording_is_left_in_place() -> None:
     untouched = torch.Tensor.__dict__.get("item")
     theirs_seen: list[object] = []
-    with record() as lin:
+    with record_lineage() as lin:
         ours = torch.Tensor.item
 
         def theirs(self: torch.Tensor) -> object:

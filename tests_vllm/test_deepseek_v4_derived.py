@@ -1,5 +1,5 @@
 """The seed bug caught with no registry: vLLM's own DeepSeek V4 class, its first load
-recorded (`graphsafe._lineage.record()`, as the plugin records an engine's), and
+recorded (`graphsafe._lineage.record_lineage()`, as the plugin records an engine's), and
 graphsafe attached with nothing declared (no `deepseek_v4_registry()`).
 
 `finalize_mhc_broadcast_weights` computes the first layer's `hc_attn_fn_broadcast` from
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import graphsafe as gs
-from graphsafe._lineage import record
+from graphsafe._lineage import record_lineage
 from graphsafe.integrations import vllm as gsv
 
 PATH = "model.layers.0.hc_attn_fn_broadcast"
@@ -33,7 +33,7 @@ def loaded(*, recorded: bool) -> tuple[torch.nn.Module, gsv.Attachment]:
     registry (given that load's lineage if `recorded`) and pinned, as after an engine's
     warm-up."""
     model = dsv4.build_tiny()
-    with record() as lineage:
+    with record_lineage() as lineage:
         dsv4.load(model, dsv4.random_checkpoint(model, 0))
     att = gsv.attach(model, lineage=lineage if recorded else None)
     att.pin()

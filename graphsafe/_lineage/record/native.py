@@ -32,7 +32,7 @@ from graphsafe._errors import GraphSafetyWarning
 from graphsafe._lineage.record.hooks import NUMPY
 from graphsafe._lineage.record.recorder import RECORDING, Arg, Call, Lineage, Recorder, Scopes
 
-__all__ = ["NATIVE_RECORDER", "NativeRecorder", "record", "recorder", "recording"]
+__all__ = ["NATIVE_RECORDER", "NativeRecorder", "record_lineage", "recorder", "recording"]
 
 NATIVE_RECORDER = [True]
 """Whether a recording runs the compiled recorder where the compiled checks are built
@@ -256,7 +256,7 @@ def recording(
 
 
 @contextlib.contextmanager
-def record(lineage: Lineage | None = None) -> Iterator[Lineage]:
+def record_lineage(lineage: Lineage | None = None) -> Iterator[Lineage]:
     """Record the lineage of every op run in the block (this thread), for a model not
     known yet: an engine's first load and post-load step. Hand the result to
     `gs.runtime(model).adopt_lineage(lineage)` once the model exists.
@@ -264,7 +264,7 @@ def record(lineage: Lineage | None = None) -> Iterator[Lineage]:
     Examples:
         >>> from graphsafe._lineage.record.recorder import sid_of
         >>> w = torch.ones(2, 2)
-        >>> with record() as lin:
+        >>> with record_lineage() as lin:
         ...     packed = w.t().contiguous()
         >>> sid_of(packed) in lin.writers
         True

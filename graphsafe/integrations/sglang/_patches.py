@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from graphsafe._declare.registry import Registry
-from graphsafe._lineage import Lineage, record
+from graphsafe._lineage import Lineage, record_lineage
 from graphsafe.integrations._engine import Once, attach_once
 from graphsafe.integrations.sglang._attachment import _ATTACHED, Attachment, attachment
 from graphsafe.integrations.sglang._registries import ENV, registries_from
@@ -164,7 +164,7 @@ def _patch_runner(cls: type, registries: str) -> None:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             # SGLang's first load and post_load_weights run before the model is known:
             # their lineage is recorded now and resolved once it exists.
-            with record() as lineage:
+            with record_lineage() as lineage:
                 ret = fn(self, *args, **kwargs)
             if getattr(self, "startup_weight_load", None) is not None:
                 pending[id(self)] = lineage  # weights still to commit (overlapped load)
@@ -177,7 +177,7 @@ def _patch_runner(cls: type, registries: str) -> None:
     def finalize_startup_weight_load(fn: _Fn) -> _Fn:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             lineage = pending.pop(id(self), None)
-            with record(lineage) as lineage:
+            with record_lineage(lineage) as lineage:
                 ret = fn(self, *args, **kwargs)
             attach(self.model, named(), lineage=lineage)
             return ret

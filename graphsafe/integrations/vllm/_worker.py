@@ -14,7 +14,7 @@ from torch import nn
 from graphsafe._declare.registry import Registry
 from graphsafe._errors import RegistrationError
 from graphsafe._fingerprint.digest import fingerprint
-from graphsafe._lineage import Lineage, record
+from graphsafe._lineage import Lineage, record_lineage
 from graphsafe.integrations._engine import attach_once
 from graphsafe.integrations.vllm._attachment import _ATTACHED, Attachment
 from graphsafe.integrations.vllm._patches import _abort_refused_steps, _on, _patch_layerwise
@@ -50,7 +50,7 @@ def attach(
         The attachment (the same one on a second call).
 
     Example:
-        >>> with record() as lineage:                      # doctest: +SKIP
+        >>> with record_lineage() as lineage:              # doctest: +SKIP
         ...     model = load_and_post_process()            # vLLM's first load
         >>> attach(model, lineage=lineage).status()["discovered"]  # doctest: +SKIP
         {'lm_head.cpu_linear.<closure handler>.handler_tensor': ['lm_head.weight'], ...}
@@ -135,7 +135,7 @@ class _Hooks:
         def load_model(*args: Any, **kwargs: Any) -> Any:
             # vLLM's first load and post-load step run before the model is known: their
             # lineage is recorded now and resolved against the model once it exists.
-            with record() as lineage:
+            with record_lineage() as lineage:
                 ret = fn(*args, **kwargs)
             model = self.worker.model_runner.get_model()
             self.state["model"] = attach(model, *self.registries, lineage=lineage)

@@ -750,7 +750,7 @@ _COPY_NAME = "aten::copy_"
 
 @contextlib.contextmanager
 def record(lineage: Lineage | None = None) -> Iterator[Lineage]:
-    """`native.record` with the Python recorder always (the reference the compiled one is
+    """`native.record_lineage` with the Python recorder always (the reference the compiled one is
     held to)."""
     with Recorder(lineage) as rec:
         yield rec.lineage

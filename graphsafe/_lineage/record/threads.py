@@ -157,10 +157,10 @@ class Strays:
         """id(lineage) -> (the lineage, its weights' keys, recorders entered, not left)."""
         self._live: weakref.WeakSet[Any] = weakref.WeakSet()
         """The lineages that watched and are not released."""
-        self._watched: frozenset[int] = frozenset()
-        """The keys the compiled callback watches (kept while it is stopped: a load's
-        recording and then its tail's watch the same weights, and a first load's
-        thousands are not handed over again)."""
+        self._watched: tuple[Any, frozenset[int]] = (None, frozenset())
+        """The compiled module last handed keys, and those keys: it keeps them while its
+        callback is stopped (a load's recording and then its tail's watch the same
+        weights: a first load's thousands are not handed over again)."""
 
     def enter(self, lineage: Any, weights: frozenset[int]) -> _native.Native | None:
         """A recorder of `lineage` (recording the weights `weights`) begins in this thread:
@@ -234,9 +234,10 @@ class Strays:
         if not keys:
             native.strays_stop()
             return
-        if keys is not self._watched and keys != self._watched:
+        by, watched = self._watched
+        if by is not native or (keys is not watched and keys != watched):
             native.strays_watch(keys)
-        self._watched = keys
+            self._watched = (native, keys)
         native.strays_start()
 
 

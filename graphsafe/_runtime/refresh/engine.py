@@ -238,6 +238,10 @@ class Engine:
         bound = self.bound
         clock = time.perf_counter
         start = clock()
+        if not plan:  # most loads of a large model: no grad modes entered, no model walked
+            self._reallocated.clear()
+            self._settle(plan, set(), False)
+            return self._report((), clock() - start)
         raw: list[RawEntry] = []
         append = raw.append
         failed: set[int] = set()
@@ -302,9 +306,14 @@ class Engine:
         if first_error is not None:
             self.mark_stale(failed, one_line(first_error))
             raise first_error
+        return self._report(tuple(raw), clock() - start)
+
+    def _report(self, raw: tuple[RawEntry, ...], seconds: float) -> RefreshReport:
+        """The report of a run (`raw`: an entry per derivation that ran), kept as the
+        last one."""
         if self._frozen_identities is None:
             self._frozen_identities = tuple(self._identities)
-        report = RefreshReport.from_raw(self._frozen_identities, tuple(raw), clock() - start)
+        report = RefreshReport.from_raw(self._frozen_identities, raw, seconds)
         self.last_report = report
         return report
 

@@ -6,6 +6,7 @@ so it is the guard that catches it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -135,6 +136,55 @@ def test_stale_derived_buffers_raise_at_replay() -> None:
     g.replay()
     with torch.no_grad():
         assert torch.equal(out, layer.w_scaled.sum(0) + layer.col_sum)
+
+
+def _load_in_thread(layer: nn.Module, timeout: float) -> tuple[bool, threading.Thread]:
+    """Whether a complete load of `layer` from another thread ends within `timeout`
+    seconds (a load takes the model's lock, which a replay holds), and the thread."""
+    done = threading.Event()
+
+    def load() -> None:
+        layer.load_weights([("w", torch.full((2, 3), 3.0)), ("bias", layer.bias.clone())])
+        done.set()
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    return done.wait(timeout), thread
+
+
+def _refused_stale_replay() -> tuple[nn.Module, Graph]:
+    layer = scaled_layer_class()()
+    layer.load_weights([])
+    g = Graph(backend="cpu", guard=layer)
+    with torch.no_grad(), g.capture():
+        layer.w_scaled.sum(0) + layer.col_sum
+    with pytest.raises(KeyError):
+        layer.load_weights([("w", torch.full((2, 3), 2.0)), ("nope", 1.0)])
+    with pytest.raises(StaleError):
+        g.replay()
+    return layer, g
+
+
+def test_a_refused_replay_leaves_the_model_free_for_the_next_load() -> None:
+    layer, g = _refused_stale_replay()
+    ended, _ = _load_in_thread(layer, timeout=10.0)
+    assert ended  # the refusal released the model's lock
+    g.replay()  # and the load made it fresh
+
+
+def test_control_a_replay_check_that_kept_the_lock_blocks_the_next_load() -> None:
+    # What the test above would see if a refused replay kept the model's lock: the
+    # load from another thread waits on it.
+    layer, _ = _refused_stale_replay()
+    lock = gs.runtime(layer)._lock
+    lock.acquire()
+    try:
+        ended, thread = _load_in_thread(layer, timeout=0.5)
+        assert not ended
+    finally:
+        lock.release()
+    thread.join(10.0)  # once the lock is free, the load ends
+    assert not thread.is_alive()
 
 
 def test_a_capture_that_fails_leaves_a_graph_that_refuses_to_replay() -> None:

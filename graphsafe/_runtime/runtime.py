@@ -364,21 +364,24 @@ class Runtime(metaclass=_OnePerModel):
                 self._discovery.rehome(self.model)
             self._discovery.check(type(self.model), reads, repair=repair)
 
-    @contextlib.contextmanager
     def replaying(
         self, check: Callable[[], None], *, repair: bool, reads: frozenset[int] | None = None
-    ) -> Iterator[None]:
+    ) -> contextlib.AbstractContextManager[None]:
         """Hold the model still for one replay: `check()` (a graph's ledger) and the
         numbers and handles the graph holds, then what loads left stale under
         `lazy_refresh` refreshed once, then `assert_fresh(repair=repair, reads=reads)`,
         under the lock that loads of the model take. What moves refuses before anything
         is refreshed."""
-        with self._lock:
-            check()
-            self._check_values()
-            self._loads.refresh_deferred()
-            self._assert_fresh(repair, reads)
-            yield
+        return _Replaying(self, check, repair, reads)
+
+    def _checked_for_replay(
+        self, check: Callable[[], None], repair: bool, reads: frozenset[int] | None
+    ) -> None:
+        """`replaying`'s checks, in its order (the caller holds the lock)."""
+        check()
+        self._check_values()
+        self._loads.refresh_deferred()
+        self._assert_fresh(repair, reads)
 
     def _check_values(self) -> None:
         """Refuse (`StorageMovedError`) a discovered number or handle a graph holds that
@@ -622,6 +625,30 @@ def runtime(
     if strict is not None:
         rt.strict = strict
     return rt
+
+
+class _Replaying:
+    """`Runtime.replaying`'s context: the model's lock held from the checks through the
+    replay, released if a check raises. A plain class, not a generator: a guarded replay
+    enters one per step, and a generator's context costs several times as much."""
+
+    __slots__ = ("_check", "_reads", "_repair", "_rt")
+
+    def __init__(self, rt: Runtime, check: Callable[[], None], repair: bool,
+                 reads: frozenset[int] | None) -> None:
+        self._rt, self._check, self._repair, self._reads = rt, check, repair, reads
+
+    def __enter__(self) -> None:
+        rt = self._rt
+        rt._lock.acquire()
+        try:
+            rt._checked_for_replay(self._check, self._repair, self._reads)
+        except BaseException:
+            rt._lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._rt._lock.release()
 
 
 def _others_weights(model: nn.Module) -> list[Foreign]:

@@ -21,6 +21,9 @@
 from __future__ import annotations
 
 import gc
+import itertools
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,12 +66,21 @@ def _kernels(model: nn.Module) -> list[Callable[[], torch.Tensor]]:
     return [v for m in model.modules() for k, v in vars(m).items() if k.endswith("_kernel")]
 
 
+_PHASES = ("enter", "loader", "post_load", "exit")
+"""A sample's parts (`phases_ms`): `gs.weight_update`'s entry, the loader, the post-load
+step and the block's exit (where the load ends: the refresh, and what the recording
+found settled); the untracked case has no entry or exit (0)."""
+
+
 def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
               ckpt: list[tuple[str, torch.Tensor]], target: float) -> Row:
     """A first load and post-load step of a model built anew for each sample."""
     last: list[nn.Module] = []
+    phases: dict[str, list[tuple[float, ...]]] = {}
 
-    def first_load(track: bool) -> Callable[[], float]:
+    def first_load(track: bool, name: str) -> Callable[[], float]:
+        marks = phases.setdefault(name, [])
+
         def case() -> float:
             last.clear()
             gc.collect()  # the last sample's model (the figures run with gc paused)
@@ -77,22 +89,42 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
             # load in a fresh process has none
             model = make()  # untimed
             last.append(model)
+            at: list[float] = []
+            mark = at.append
+            now = time.perf_counter
             if not track:
-                return ctx.clock.time(lambda: (untracked_load(model, ckpt), _post_load(model)))
+
+                def bare() -> None:
+                    mark(now())
+                    untracked_load(model, ckpt)
+                    mark(now())
+                    _post_load(model)
+                    mark(now())
+
+                took = ctx.clock.time(bare)
+                marks.append((0.0, at[1] - at[0], at[2] - at[1], 0.0))
+                return took
 
             def load() -> None:  # one observed load: the loader, then the post-load step
+                mark(now())
                 with gs.weight_update(model):
+                    mark(now())
                     model.load_weights(ckpt)
+                    mark(now())
                     _post_load(model)
+                    mark(now())
+                mark(now())
 
-            return ctx.clock.time(load)
+            took = ctx.clock.time(load)
+            marks.append(tuple(b - a for a, b in itertools.pairwise(at)))
+            return took
 
         return case
 
     stats = interleave({
-        "recorded": first_load(True),
-        "not_recorded": _without_recording(first_load(True)),
-        "untracked": first_load(False),
+        "recorded": first_load(True, "recorded"),
+        "not_recorded": _without_recording(first_load(True, "not_recorded")),
+        "untracked": first_load(False, "untracked"),
     }, ctx.sizes.repeats)
     r, n, u = stats["recorded"], stats["not_recorded"], stats["untracked"]
     last.clear()
@@ -105,7 +137,10 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
     details: dict[str, Any] = {
         "tensors": len(ckpt), "discovered": found,
         "not_recorded_ratio": round(paired(n, u), 3),
-        "recorded_over_not_recorded": round(paired(r, n), 3)}
+        "recorded_over_not_recorded": round(paired(r, n), 3),
+        "phases_ms": {case: dict(zip(_PHASES, (round(statistics.median(p) * 1e3, 2)
+                                              for p in zip(*samples)), strict=True))
+                      for case, samples in phases.items()}}
     del probe
     if ratio > target or ctx.profile:
         text, top = _profile(fig, make, ckpt)

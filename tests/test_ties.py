@@ -11,11 +11,14 @@ target's submodules).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 import graphsafe as gs
+from graphsafe._runtime.bind import ties as ties_module
 from graphsafe._runtime.bind.ties import Ties
 
 V, C = 6, 4  # vocabulary, width
@@ -85,6 +88,61 @@ def test_weights_that_share_a_flat_buffer_at_other_offsets_are_no_tie() -> None:
     flat = torch.zeros(8)
     m.a = nn.Parameter(flat[:4])
     m.b = nn.Parameter(flat[4:])
+    assert Ties.record(m).groups == ()
+
+
+def _shared_module() -> nn.Module:
+    shared = nn.Linear(2, 2)
+    return nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared))
+
+
+def _same_parameter() -> nn.Module:
+    return TiedLM()
+
+
+def _views_of_one_region() -> nn.Module:
+    m = nn.Module()
+    flat = torch.zeros(8)
+    m.a = nn.Parameter(flat[:4])
+    m.b = nn.Parameter(flat[:6][:4])  # another view object of the same region
+    m.c = nn.Parameter(flat[4:])
+    return m
+
+
+def _persistent_buffer_and_parameter() -> nn.Module:
+    m = nn.Linear(2, 2)
+    m.register_buffer("kept", m.weight.detach())  # persistent: a weight too
+    m.register_buffer("scratch", m.bias.detach(), persistent=False)  # no weight
+    return m
+
+
+def _untied() -> nn.Module:
+    return nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+
+
+_MODELS = [_shared_module, _same_parameter, _views_of_one_region,
+           _persistent_buffer_and_parameter, _untied]
+
+
+@pytest.mark.parametrize("build", _MODELS, ids=lambda f: f.__name__.strip("_"))
+def test_the_quick_check_gives_what_the_full_pass_gives(
+        build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most models share no storage, and the ties are recorded without making a path;
+    where they do (or a module is bound twice), the paths are read as before."""
+    m = build()
+    quick = Ties.record(m).groups
+    monkeypatch.setattr(ties_module, "_shares_storage", lambda modules: True)
+    assert Ties.record(m).groups == quick
+    assert (quick != ()) == (build is not _untied)
+
+
+def test_control_a_quick_check_that_counted_a_shared_module_once_misses_its_tie(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module bound at two paths holds its weights at both: a check over each module
+    once sees no storage twice. The quick check refuses to answer for such a tree."""
+    m = _shared_module()
+    assert Ties.record(m).groups == (("0.weight", "2.0.weight"), ("0.bias", "2.0.bias"))
+    monkeypatch.setattr(ties_module, "_unshared", lambda model: list(model.modules()))
     assert Ties.record(m).groups == ()
 
 

@@ -72,6 +72,8 @@ class Ties:
         over the same memory (the same object, or views of one region); weights that only
         share a storage at other offsets (a flat buffer of many weights) are no tie."""
         found: dict[_Region, list[str]] = {}
+        if not _shares_storage(_unshared(model)):
+            return cls(())  # most models: no two weights over one storage, no path made
         # `named_parameters` then the persistent `named_buffers`, both without removing
         # duplicates (a shared module's weights at each of its paths), in one pass; the
         # paths made only for tensors that share a storage (most models share none).
@@ -218,3 +220,35 @@ def _apart(tensors: Mapping[str, torch.Tensor | None]) -> str:
         else:
             parts.append(f"{path} at storage 0x{storage_key(t):x} offset {t.storage_offset()}")
     return ", ".join(parts)
+
+
+def _unshared(model: nn.Module) -> list[nn.Module] | None:
+    """Every module of the tree, or None where one is bound at more than one place (a
+    shared module: its weights are at each of its paths) or inside itself."""
+    modules = [model]
+    seen = {id(model)}
+    for module in modules:  # grows as it is read
+        for child in module._modules.values():
+            if child is not None:
+                if id(child) in seen:
+                    return None
+                seen.add(id(child))
+                modules.append(child)
+    return modules
+
+
+def _shares_storage(modules: list[nn.Module] | None) -> bool:
+    """Whether two of the parameters and persistent buffers of `modules` (each bound
+    once) share a storage; True where that is not known (`modules` None: shared ones)."""
+    if modules is None:
+        return True
+    tensors: list[torch.Tensor] = [
+        t for m in modules for t in m._parameters.values() if t is not None]
+    tensors += [t for m in modules if m._buffers for name, t in m._buffers.items()
+                if t is not None and name not in m._non_persistent_buffers_set]
+    with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
+        keys = storage_keys(tensors)  # one compiled call, where the checks are built
+        if keys is None:
+            keys = list(map(storage_key, tensors))
+    some = [k for k in keys if k]
+    return len(set(some)) != len(some)

@@ -946,6 +946,29 @@ def test_when_false_registers_the_none_buffer_as_torch_does() -> None:
     assert off._buffers["w_scale"] is None and "w_scale" in off._non_persistent_buffers_set
 
 
+def test_when_false_without_hooks_leaves_what_register_buffer_leaves() -> None:
+    """With no registration hook, the `None` buffer is put in place without calling
+    `register_buffer` (a first load binds thousands of layers): the module ends as torch's
+    call leaves it; a class with its own `register_buffer` still gets the call."""
+    Gated = _gated_class(Counter())
+    off, by_torch = Gated(False), Gated(False)
+    off.load_weights()
+    by_torch.register_buffer("w_scale", None, persistent=False)
+    assert off._buffers == by_torch._buffers
+    assert off._non_persistent_buffers_set == by_torch._non_persistent_buffers_set
+    assert off.state_dict().keys() == by_torch.state_dict().keys()
+
+    called: list[str] = []
+
+    class Own(Gated):  # type: ignore[valid-type,misc]
+        def register_buffer(self, name: str, tensor: object, persistent: bool = True) -> None:
+            called.append(name)
+            super().register_buffer(name, tensor, persistent)
+
+    Own(False).load_weights()
+    assert called == ["w_scale"]
+
+
 def test_control_a_name_taken_by_a_parameter_is_refused_by_torch() -> None:
     """Control: the slot is taken ahead of `register_buffer` only where nothing has the name;
     a parameter named as the output still gets torch's refusal."""

@@ -245,7 +245,21 @@ def _register_absent(module: nn.Module, name: str) -> None:
     if name not in module._parameters and name not in module._modules and not hasattr(
             type(module), name):
         module._buffers[name] = None
+        if (_BUFFER_HOOKS is not None and not _BUFFER_HOOKS and name and "." not in name
+                and type(module).register_buffer is _REGISTER_BUFFER
+                and not isinstance(module, torch.jit.ScriptModule)):
+            # All that `register_buffer` does here: its checks pass (the slot is taken, the
+            # name a plain one) and no registration hook is there to call.
+            module._non_persistent_buffers_set.add(name)
+            return
     module.register_buffer(name, None, persistent=False)  # torch's checks, hooks, table
+
+
+_BUFFER_HOOKS: Any = getattr(torch.nn.modules.module, "_global_buffer_registration_hooks",
+                             None)
+"""torch's buffer registration hooks (`register_module_buffer_registration_hook`): where
+there are any, or torch keeps none there, `register_buffer` runs."""
+_REGISTER_BUFFER = nn.Module.register_buffer
 
 
 def _resolve_inputs(

@@ -55,6 +55,8 @@ REPLICAS = "logical_replica_count"
 """`[E]`: how many slots of each row of `L2P` are valid (vLLM's)."""
 EP_MAPS = ("_expert_map", "expert_map")
 """`[P]`: the local slot of each global physical slot on this rank, -1 (vLLM's)."""
+_MAP_NAMES = (P2L, L2P, REPLICAS, *EP_MAPS)
+"""The names a layout's maps are found under (a path ending in one may hold one)."""
 
 MapRef = str | Callable[[], torch.Tensor]
 """Where a declared map is: an attribute path under the module, or a callable giving it."""
@@ -222,7 +224,7 @@ class ExpertLayouts:
             return
         self._walk = walk
         found: dict[str, dict[str, str]] = {}
-        for path in paths:
+        for path in [p for p in paths if p.endswith(_MAP_NAMES)]:  # most paths: none
             prefix, _, name = path.rpartition(".")
             if name in (P2L, L2P, REPLICAS, *EP_MAPS):
                 found.setdefault(prefix, {})["expert_map" if name in EP_MAPS else name] = name

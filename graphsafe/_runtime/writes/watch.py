@@ -140,7 +140,9 @@ class Watch:
         kept = self._covered
         if kept is not None and kept[0] is mine and kept[1] is rows:
             return kept[2]
-        at = {(id(h), k): i for i, (h, k) in enumerate(zip(rows.holders, rows.keys))}
+        wanted = set(map(id, mine.holders))  # a few holders among a model's thousands
+        at = {(h, k): i for i, (h, k) in enumerate(zip(map(id, rows.holders), rows.keys))
+              if h in wanted}
         covered = True
         for j, (h, k) in enumerate(zip(mine.holders, mine.keys)):
             i = at.get((id(h), k))

@@ -84,7 +84,9 @@ uint64_t op_index_generation = UINT64_MAX;
 
 struct ThreadOps {
   uint64_t generation = UINT64_MAX;
-  std::unordered_map<const void*, int32_t> by_name;  // address of the schema's name -> index
+  // Address of the schema's name -> the op's index and its info (an `OpInfo` is never
+  // freed nor moved: the table holds it by pointer), read without the table's lock.
+  std::unordered_map<const void*, std::pair<int32_t, const OpInfo*>> by_name;
 };
 thread_local ThreadOps thread_ops;
 
@@ -176,11 +178,10 @@ const OpInfo* info_of(const at::RecordFunction& fn, int32_t* index) {
       }
       op_table.push_back(std::move(info));
     }
-    it = here.by_name.emplace(key, i).first;
+    it = here.by_name.emplace(key, std::make_pair(i, op_table[i].get())).first;
   }
-  *index = it->second;
-  std::lock_guard<std::mutex> g(ops_mu);  // the table may grow meanwhile
-  return op_table[it->second].get();
+  *index = it->second.first;
+  return it->second.second;
 }
 
 // A tensor as a record keeps it: its storage's identity, the record that last wrote the
@@ -239,6 +240,9 @@ struct Rec {
   std::unordered_map<int64_t, Writer> writers;
   std::unordered_set<int64_t> kept;  // identities handed out with a `keep`
   std::unordered_map<int64_t, int32_t> handles;  // an int an op returned -> its record
+  // Whether `handles` holds any (it only grows): a view, which is noted only where a
+  // handle may have come back as its tensor, reads it without the lock.
+  std::atomic<bool> any_handles{false};
   bool blind = false;
   // Closed (`recorder_close`, or `limit` records kept): it records nothing more, and the
   // thread that pushed it drops it at its next push or pop.
@@ -527,11 +531,7 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
   }
   const bool view = info->view || info->view_free;
   if (view && std::none_of(recs->begin(), recs->end(), [](const auto& r) {
-        if (r->closed) {
-          return false;
-        }
-        std::lock_guard<std::mutex> g(r->mu);
-        return !r->handles.empty();
+        return !r->closed && r->any_handles.load(std::memory_order_acquire);
       })) {
     return nullptr;  // most views: no handle is recorded, nothing to note
   }
@@ -727,6 +727,7 @@ void end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
           if (!p->info->aten && p->seen && v.isInt()) {
             record.handles.push_back(v.toInt());
             rec.handles[v.toInt()] = index;
+            rec.any_handles.store(true, std::memory_order_release);
           }
         }
       }
@@ -903,6 +904,7 @@ PyObject* recorder_handle(PyObject* /*self*/, PyObject* arg) {
   }
   std::lock_guard<std::mutex> g(rec->mu);
   rec->handles[value] = writer;
+  rec->any_handles.store(true, std::memory_order_release);
   Py_RETURN_NONE;
 }
 

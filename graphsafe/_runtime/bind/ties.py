@@ -71,9 +71,9 @@ class Ties:
         """The ties of `model` now: parameters and persistent buffers at several paths
         over the same memory (the same object, or views of one region); weights that only
         share a storage at other offsets (a flat buffer of many weights) are no tie."""
-        found: dict[_Region, list[str]] = {}
         if not _shares_storage(_unshared(model)):
             return cls(())  # most models: no two weights over one storage, no path made
+        found: dict[_Region, list[str]] = {}
         # `named_parameters` then the persistent `named_buffers`, both without removing
         # duplicates (a shared module's weights at each of its paths), in one pass; the
         # paths made only for tensors that share a storage (most models share none).
@@ -84,13 +84,10 @@ class Ties:
                            if name not in m._non_persistent_buffers_set})
                    for head, m in prefixes if m._buffers]
         tensors = [t for _, table in tables for t in table.values() if t is not None]
+        keys = _keys(tensors)
+        if _distinct(keys):
+            return cls(())
         with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
-            keys = storage_keys(tensors)  # one compiled call, where the checks are built
-            if keys is None:
-                keys = list(map(storage_key, tensors))
-            some = [k for k in keys if k]
-            if len(set(some)) == len(some):
-                return cls(())
             # Some share a storage: their paths, in the same order as `tensors`.
             held = [(head, name, t) for head, table in tables
                     for name, t in table.items() if t is not None]
@@ -246,9 +243,17 @@ def _shares_storage(modules: list[nn.Module] | None) -> bool:
         t for m in modules for t in m._parameters.values() if t is not None]
     tensors += [t for m in modules if m._buffers for name, t in m._buffers.items()
                 if t is not None and name not in m._non_persistent_buffers_set]
+    return not _distinct(_keys(tensors))
+
+
+def _keys(tensors: list[torch.Tensor]) -> list[int]:
+    """The storage key of each of `tensors` (0: no bytes)."""
     with PLAIN():  # metadata reads: no subclass __torch_function__ (vLLM's)
         keys = storage_keys(tensors)  # one compiled call, where the checks are built
-        if keys is None:
-            keys = list(map(storage_key, tensors))
+        return list(map(storage_key, tensors)) if keys is None else keys
+
+
+def _distinct(keys: list[int]) -> bool:
+    """Whether no two of `keys` with bytes are the same storage."""
     some = [k for k in keys if k]
-    return len(set(some)) != len(some)
+    return len(set(some)) == len(some)

@@ -78,8 +78,8 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
     last: list[nn.Module] = []
     phases: dict[str, list[tuple[float, ...]]] = {}
 
-    def first_load(track: bool, name: str) -> Callable[[], float]:
-        marks = phases.setdefault(name, [])
+    def first_load(track: bool, case_name: str) -> Callable[[], float]:
+        marks = phases.setdefault(case_name, [])
 
         def case() -> float:
             last.clear()
@@ -127,6 +127,7 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
         "untracked": first_load(False, "untracked"),
     }, ctx.sizes.repeats)
     r, n, u = stats["recorded"], stats["not_recorded"], stats["untracked"]
+    repeats = ctx.sizes.repeats
     last.clear()
     probe = make()
     with gs.weight_update(probe):
@@ -139,8 +140,8 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
         "not_recorded_ratio": round(paired(n, u), 3),
         "recorded_over_not_recorded": round(paired(r, n), 3),
         "phases_ms": {case: dict(zip(_PHASES, (round(statistics.median(p) * 1e3, 2)
-                                              for p in zip(*samples)), strict=True))
-                      for case, samples in phases.items()}}
+                                              for p in zip(*samples[-repeats:])), strict=True))
+                      for case, samples in phases.items()}}  # the timed samples, no warm-up
     del probe
     if ratio > target or ctx.profile:
         text, top = _profile(fig, make, ckpt)

@@ -49,8 +49,8 @@ class Journal:
         0
     """
 
-    __slots__ = ("_dead", "_drain", "_epochs", "_how", "_last", "_lock", "_tracked",
-                 "clock", "poisoned")
+    __slots__ = ("_dead", "_drain", "_epochs", "_how", "_key_of", "_last", "_lock",
+                 "_tracked", "clock", "poisoned")
 
     def __init__(self) -> None:
         self.clock = 0
@@ -69,8 +69,13 @@ class Journal:
         """Key -> the storage tracked there (its death, or its bytes moving elsewhere,
         frees the key)."""
         self._lock = threading.Lock()
-        self._dead: list[tuple[int, weakref.ref[torch.UntypedStorage]]] = []
-        """(key, reference) of tracked storages that died, forgotten at the next sweep."""
+        self._dead: list[weakref.ref[torch.UntypedStorage]] = []
+        """The references of tracked storages that died, forgotten at the next sweep: each
+        reference's callback is this list's `append` (one callback for all: a first load
+        tracks thousands)."""
+        self._key_of: dict[int, int] = {}
+        """`id` of each reference in `_tracked` -> its key (the references live while they
+        are tracked or dead, so an id is not reused while it is here)."""
         self._drain: Callable[[], None] = _nothing  # the write observer's, while it runs
 
     def sync(self) -> None:
@@ -247,11 +252,15 @@ class Journal:
         """Track the live storage `storage_of(key)` of each of `keys` (a first load tracks
         thousands). The callback runs only while the reference is the one tracked at its
         key: one replaced (its storage's bytes moved) is dropped, and never fires."""
-        tracked, dead, ref = self._tracked, self._dead, weakref.ref
+        tracked, key_of, ref, died = self._tracked, self._key_of, weakref.ref, self._dead.append
         for key in keys:
             storage = storage_of(key)
             if storage is not None and storage.data_ptr() == key:
-                tracked[key] = ref(storage, _dropped(dead, key))
+                old = tracked.get(key)
+                if old is not None:
+                    key_of.pop(id(old), None)
+                r = tracked[key] = ref(storage, died)
+                key_of[id(r)] = key
 
     def _holds(self, key: int) -> bool:
         """Whether the storage tracked at `key` still has its bytes there (another
@@ -270,11 +279,12 @@ class Journal:
         dead = self._dead
         if not dead:
             return
-        tracked = self._tracked
+        tracked, key_of = self._tracked, self._key_of
         keys = []
         while dead:
-            key, ref = dead.pop()
-            if tracked.get(key) is ref:
+            ref = dead.pop()
+            key = key_of.get(id(ref))
+            if key is not None and tracked.get(key) is ref:
                 keys.append(key)
         self._forget_all(keys)
 
@@ -284,10 +294,12 @@ class Journal:
         last = self._last
         if last is not None and not last[0].isdisjoint(keys):
             self._settle()
-        tracked, poisoned, epochs = self._tracked, self.poisoned, self._epochs
+        tracked, key_of, poisoned, epochs = self._tracked, self._key_of, self.poisoned, self._epochs
         had = False
         for key in keys:
-            tracked.pop(key, None)
+            ref = tracked.pop(key, None)
+            if ref is not None:
+                key_of.pop(id(ref), None)
             poisoned.pop(key, None)
             had = epochs.pop(key, None) is not None or had
         if had:
@@ -313,12 +325,6 @@ class Journal:
                     self._epochs[now] = max(epoch, self._epochs.get(now, 0))
                 if not self._holds(now):
                     self._track(now, storage)
-
-
-def _dropped(dead: list[tuple[int, Any]], key: int) -> Callable[[Any], None]:
-    """The callback of the weak reference to the storage tracked at `key`: it notes the
-    death (an append, atomic) for the next `_sweep`."""
-    return lambda ref: dead.append((key, ref))
 
 
 def _nothing() -> None:

@@ -14,7 +14,6 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <algorithm>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -219,7 +218,8 @@ class Walk {
   // renumbered, and the sites' `via` with them.
   bool keep_needed() {
     const size_t n = ref_obj_.size();
-    std::unordered_set<const void*> full;  // objects with a tensor below
+    ska::flat_hash_set<const void*> full;  // objects with a tensor below
+    full.reserve(n);
     for (Py_ssize_t via : site_via_) {
       while (via >= 0 && full.insert(ref_obj_[via]).second) {
         via = ref_via_[via];
@@ -230,7 +230,10 @@ class Walk {
     }
     // An object entered once may sit below a ref recorded later (an object reached by
     // several refs): mark to a fixpoint.
-    bool changed = std::unordered_set<const void*>(ref_obj_.begin(), ref_obj_.end()).size() != n;
+    ska::flat_hash_set<const void*> distinct;
+    distinct.reserve(n);
+    distinct.insert(ref_obj_.begin(), ref_obj_.end());
+    bool changed = distinct.size() != n;
     while (changed) {
       changed = false;
       for (size_t i = 0; i < n; ++i) {

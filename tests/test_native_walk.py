@@ -3,7 +3,8 @@ the model map's compiled passes over its sites, its modules' dicts and the objec
 way (`map_sites`, `map_modules`, `map_refs`) record what its Python loops record; and the
 compiled reading of every parameter and buffer by storage (`table_sources`) finds what
 `sources_of`'s loop finds, and the compiled filter of the sites a recording wrote
-(`written_sites`) keeps what `find`'s loop keeps.
+(`written_sites`) keeps what `find`'s loop keeps; with each site's sources where one step
+decides them (`traced_sites`), `find` finds what its Python loop finds.
 
 Every place graphsafe looks for tensors walks the model (`graphsafe._memory.walk`); where
 the compiled checks are built, the walk runs in one C++ call. Discovery, the model map
@@ -33,6 +34,7 @@ from torch import nn
 
 from graphsafe import _native
 from graphsafe._lineage import resolve as resolve_module
+from graphsafe._lineage.record.native import record_lineage
 from graphsafe._lineage.record.recorder import sid_of
 from graphsafe._lineage.resolve import sources_of
 from graphsafe._memory import walk as walk_module
@@ -521,3 +523,68 @@ def test_control_a_rebound_tensor_behind_a_closure_is_seen_by_both() -> None:
                                     found._nested, model_map_module._STEPS)
         assert not found._off_modules_hold(found._lens[n:])
         assert not found.holds()
+
+
+def _derived_model() -> tuple[nn.Module, Any]:
+    """A model whose post-load step, recorded, derives state from its weights in each of
+    the ways `find` tells apart: one op over a weight (a packed copy, a cat of two
+    weights, a weight read twice, a keyword argument), ops chained through a temporary,
+    an op that writes in place, and a tensor no weight feeds."""
+    model = nn.Module()
+    model.a = nn.Linear(4, 4)
+    model.b = nn.Linear(4, 4)
+    wa, wb = model.a.weight, model.b.weight
+    with torch.no_grad(), record_lineage() as lineage:
+        model.packed = wa.t().contiguous()
+        model.joined = torch.cat([wa, wb])
+        model.twice = torch.add(wa, wa)
+        model.scaled = torch.add(wa, wb, alpha=2.0)
+        model.chained = (wa * 2 + 1).relu()
+        folded = wb.clone()
+        folded.mul_(3)
+        model.folded = folded
+        model.plain = torch.ones(4)
+    return model, lineage
+
+
+def _found(model: nn.Module, lineage: Any, compiled: bool) -> list[tuple[Any, ...]]:
+    """What `find` finds in `lineage` over a walk of `model`, each by its path, its
+    sources' paths, its chain, whether it is opaque and its writer's call."""
+    sources = sources_of(model)
+    among = lineage.alive() - sources.keys()
+    with _native.using(compiled):
+        found = resolve_module.find(lineage, walk(model).sites, sources, among)
+    return [(f.site.path, tuple(s.path for s in f.sources), f.chain, f.opaque, id(f.writer[0]))
+            for f in found]
+
+
+def test_the_compiled_first_step_of_find_finds_what_trace_finds() -> None:
+    """Every derived tensor of the recording, with its sources, chain and writer, on
+    both paths; those one step decides and those `trace` follows."""
+    model, lineage = _derived_model()
+    compiled = _found(model, lineage, True)
+    assert compiled == _found(model, lineage, False)
+    paths = {row[0] for row in compiled}
+    assert {"packed", "joined", "twice", "scaled", "chained", "folded"} <= paths
+    assert "plain" not in paths
+    assert dict((row[0], row[1]) for row in compiled)["joined"] == ("a.weight", "b.weight")
+
+
+def test_control_a_first_step_that_drops_a_source_is_told_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The comparison above catches a compiled first step that keeps only the first
+    source it read: the cat of two weights would be guarded against one of them."""
+
+    def first_only(traced_sites: Callable[..., Any], *args: Any) -> Any:
+        return [(i, sid, writer, None if srcs is None else srcs[:1])
+                for i, sid, writer, srcs in traced_sites(*args)]
+
+    model, lineage = _derived_model()
+    honest = _found(model, lineage, False)
+    monkeypatch.setattr(resolve_module._native, "get", _Altered({"traced_sites": first_only}))
+    sources = sources_of(model)
+    found = resolve_module.find(lineage, walk(model).sites, sources,
+                                lineage.alive() - sources.keys())
+    assert [(f.site.path, tuple(s.path for s in f.sources), f.chain, f.opaque,
+             id(f.writer[0])) for f in found] != honest

@@ -262,12 +262,21 @@ def find(
     first path."""
     out: list[Found] = []
     sites = list(sites)
-    for i, sid in _written_sites(sites, among, sources):
-        site = sites[i]
-        writer = lineage.writers[sid]
-        srcs, chain, opaque = trace(writer[0], sources)
+    native = _native.get()
+    traced = None if native is None else native.traced_sites(
+        sites, among, sources, lineage.writers, Arg)
+    if traced is None:  # the same, one site at a time
+        writers = lineage.writers
+        traced = [(i, sid, writers[sid], None) for i, sid in _written_sites(sites, among, sources)]
+    for i, _, writer, srcs in traced:
+        call = writer[0]
+        if srcs is None:  # the first step did not decide: followed
+            srcs, chain, opaque = trace(call, sources)
+        else:  # decided in one step, as `trace` decides it
+            chain = (srcs[0].path, call.name) if srcs else ()
+            opaque = call.opaque
         if srcs:
-            out.append(_new(Found, (site, srcs, chain, opaque, writer)))
+            out.append(_new(Found, (sites[i], srcs, chain, opaque, writer)))
     return out
 
 

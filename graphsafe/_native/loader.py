@@ -90,7 +90,7 @@ _SOURCES = (_HERE / "checks.cpp", _HERE / "witnesses.cpp", _HERE / "tracker.cpp"
             _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp",
             _HERE / "recorder.cpp", _HERE / "walk.cpp", _HERE / "model_map.cpp",
             _HERE / "map_rows.cpp")
-_HEADERS = (_HERE / "sites.h", _HERE / "tracker.h")
+_HEADERS = (_HERE / "ref.h", _HERE / "sites.h", _HERE / "tracker.h")
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
 _COMPILE_FLAGS = ("-O2", "-DNDEBUG", "-std=c++17", "-fPIC", "-Wall")
@@ -136,6 +136,10 @@ class Native(Protocol):
     def written_sites(
         self, sites: list[Any], among: Set[int], skip: dict[int, Any], /,
     ) -> list[tuple[int, int]] | None: ...
+    def traced_sites(
+        self, sites: list[Any], among: Set[int], sources: dict[int, Any],
+        writers: dict[int, Any], arg_type: type, /,
+    ) -> list[tuple[int, int, Any, tuple[Any, ...] | None]] | None: ...
     def same_refs(
         self, modules: list[Any], refs: list[Any], sizes: list[int], nested: list[Any],
         kinds: tuple[type, ...], /,

@@ -10,6 +10,8 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "ref.h"
+
 namespace graphsafe_native {
 
 // same_witnesses and take_witnesses (witnesses.cpp), ended by a null entry as

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "ref.h"
+
 namespace {
 
 // What the Python walk names and decides, handed over on each call (`walk_run`'s
@@ -42,26 +44,7 @@ struct Names {
   PyObject* wanted;      // Wanted
 };
 
-// A strong reference released at scope end.
-struct Ref {
-  PyObject* p = nullptr;
-  Ref() = default;
-  explicit Ref(PyObject* o) : p(o) {}
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
-  Ref(Ref&& o) noexcept : p(o.p) { o.p = nullptr; }
-  Ref& operator=(Ref&& o) noexcept {
-    std::swap(p, o.p);
-    return *this;
-  }
-  ~Ref() { Py_XDECREF(p); }
-  PyObject* get() const { return p; }
-  PyObject* release() {
-    PyObject* o = p;
-    p = nullptr;
-    return o;
-  }
-};
+using graphsafe_native::Ref;
 
 // One object still to visit: its value, path and chain (strong), and the index of the
 // ref of the object holding it.

@@ -22,7 +22,6 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import torch
 

@@ -27,6 +27,8 @@
 - `map_rows.cpp`: the model map's reading of a walk, of the modules' dicts and of the
   objects on the way into its rows, and every parameter and buffer by storage
   (`_lineage.resolve.sources_of`).
+- `found.cpp`: the sites a recording wrote, each with the sources its writer read where
+  one step decides them (`_lineage.resolve.find`).
 
 A built library is trusted only once it passes its self-check (`selfcheck`).
 
@@ -89,7 +91,7 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "checks.cpp", _HERE / "witnesses.cpp", _HERE / "tracker.cpp",
             _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp",
             _HERE / "recorder.cpp", _HERE / "walk.cpp", _HERE / "model_map.cpp",
-            _HERE / "map_rows.cpp")
+            _HERE / "map_rows.cpp", _HERE / "found.cpp")
 _HEADERS = (_HERE / "ref.h", _HERE / "sites.h", _HERE / "tracker.h")
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
@@ -101,7 +103,7 @@ _LIBS = ("-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python")
 class Native(Protocol):
     """The compiled module's functions (see `checks.cpp`, `witnesses.cpp`, `tracker.cpp`,
     `observer.cpp`, `strays.cpp`, `recorder.cpp`, `fingerprint.cpp`, `walk.cpp`,
-    `model_map.cpp`, `map_rows.cpp`)."""
+    `model_map.cpp`, `map_rows.cpp`, `found.cpp`)."""
 
     def geometry(self, tensors: list[Any], /) -> bytes | None: ...
     def same_geometry(self, tensors: list[Any], expected: bytes, /) -> bool: ...

@@ -27,6 +27,9 @@ extern PyMethodDef model_map_methods[];
 // map_sites, map_modules, map_refs and table_sources (map_rows.cpp), likewise.
 extern PyMethodDef map_rows_methods[];
 
+// written_sites and traced_sites (found.cpp), likewise.
+extern PyMethodDef found_methods[];
+
 // A real tensor object (torch.Tensor or a subclass), without `isinstance`'s
 // `__instancecheck__` lookups: only such an object can be unpacked.
 inline bool is_tensor(PyObject* obj) {

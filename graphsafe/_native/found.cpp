@@ -20,17 +20,14 @@ namespace {
 
 using namespace graphsafe_native;
 
-// written_sites(sites, among, skip) -> list[(index, sid)] | None: of a walk's sites
+// written_sites(sites, among, skip) -> list[(index, sid)] | None (`written`, which
+// traced_sites calls too): of a walk's sites
 // (`Site`s, the tensor their sixth field), those whose tensor's storage identity (as
 // `storage_ids` reads it) is in the set `among` and not a key of the dict `skip`, each
 // storage at its first site only, in order: graphsafe/_lineage/resolve.py's `find`'s
 // filter (`_written_sites`). None where a tensor is not a plain one (the Python loop
 // answers).
-PyObject* written_sites(PyObject* /*self*/, PyObject* args) {
-  PyObject *sites, *among, *skip;
-  if (!PyArg_ParseTuple(args, "O!OO!", &PyList_Type, &sites, &among, &PyDict_Type, &skip)) {
-    return nullptr;
-  }
+PyObject* written(PyObject* sites, PyObject* among, PyObject* skip) {
   if (!PyAnySet_Check(among)) {
     PyErr_SetString(PyExc_TypeError, "written_sites: among must be a set");
     return nullptr;
@@ -95,6 +92,14 @@ PyObject* written_sites(PyObject* /*self*/, PyObject* args) {
     Py_RETURN_NONE;
   }
   return out;
+}
+
+PyObject* written_sites(PyObject* /*self*/, PyObject* args) {
+  PyObject *sites, *among, *skip;
+  if (!PyArg_ParseTuple(args, "O!OO!", &PyList_Type, &sites, &among, &PyDict_Type, &skip)) {
+    return nullptr;
+  }
+  return written(sites, among, skip);
 }
 
 // The sources an op's tensor arguments are, read from one recorded `Call` (`call`) as
@@ -196,8 +201,7 @@ PyObject* traced_sites(PyObject* /*self*/, PyObject* args) {
                         &sources, &PyDict_Type, &writers, &PyType_Type, &arg_type)) {
     return nullptr;
   }
-  Ref filter_args(Py_BuildValue("(OOO)", sites, among, sources));
-  Ref rows(filter_args.get() == nullptr ? nullptr : written_sites(nullptr, filter_args.get()));
+  Ref rows(written(sites, among, sources));
   if (rows.get() == nullptr || rows.get() == Py_None) {
     return rows.release();
   }

@@ -222,8 +222,8 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
     if (!ok) {
       return fail();
     }
-    if (table == nullptr) {
-      if (!add_nested(false)) {
+    if (table == nullptr) {  // an attribute: `_from_dict` would give its own key and chain
+      if (!add_nested(true)) {
         return fail();
       }
       continue;

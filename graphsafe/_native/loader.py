@@ -91,8 +91,8 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "checks.cpp", _HERE / "witnesses.cpp", _HERE / "tracker.cpp",
             _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp",
             _HERE / "recorder.cpp", _HERE / "walk.cpp", _HERE / "model_map.cpp",
-            _HERE / "map_rows.cpp", _HERE / "found.cpp")
-_HEADERS = (_HERE / "ref.h", _HERE / "sites.h", _HERE / "tracker.h")
+            _HERE / "map_rows.cpp", _HERE / "found.cpp", _HERE / "records.cpp")
+_HEADERS = (_HERE / "records.h", _HERE / "ref.h", _HERE / "sites.h", _HERE / "tracker.h")
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
 _COMPILE_FLAGS = ("-O2", "-DNDEBUG", "-std=c++17", "-fPIC", "-Wall")

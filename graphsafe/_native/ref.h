@@ -1,5 +1,6 @@
 // A strong reference to a Python object, released at scope end: what the compiled
-// checks and the walk hold while they build their results (sites.h, walk.cpp).
+// checks, the walk and the records hold while they build their results (sites.h, walk.cpp,
+// records.cpp).
 
 #pragma once
 

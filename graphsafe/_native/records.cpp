@@ -29,7 +29,6 @@ namespace {
 PyObject* unrecordable = nullptr;
 
 // Python objects of what records hold: new references, nullptr with an exception set.
-
 PyObject* py_of(const c10::IValue& v, uint8_t kind) {
   if (v.isNone()) {
     Py_RETURN_NONE;

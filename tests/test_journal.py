@@ -174,7 +174,7 @@ def test_loads_of_models_that_die_leave_the_process_journal_as_it_was() -> None:
 
 def test_the_storages_of_a_first_load_are_found_in_the_tables_and_walked_for_only_off_them(
 ) -> None:
-    from graphsafe._runtime.loads.load import _storage_finder
+    from graphsafe._runtime.loads.load import _StorageFinder
 
     model = nn.Linear(4, 4)
     model.cache = {"k": torch.zeros(8)}  # held off the tables: only a walk reaches it
@@ -184,10 +184,7 @@ def test_the_storages_of_a_first_load_are_found_in_the_tables_and_walked_for_onl
         walks.append(1)
         return [*model.parameters(), model.cache["k"]]
 
-    def own() -> list[torch.Tensor]:
-        return list(model.parameters())
-
-    storage_of = _storage_finder(walk, own)
+    storage_of = _StorageFinder(walk, lambda: [model])
     w = storage_of(storage_key(model.weight))
     assert w is not None and w.data_ptr() == storage_key(model.weight) and not walks
     k = storage_of(storage_key(model.cache["k"]))  # not a parameter: one walk finds it
@@ -195,7 +192,42 @@ def test_the_storages_of_a_first_load_are_found_in_the_tables_and_walked_for_onl
     assert storage_of(12345) is None and walks == [1]  # walked once at most
     # Control: without the tables, the first question walks the model.
     walks.clear()
-    assert _storage_finder(walk, None)(storage_key(model.weight)) is not None and walks == [1]
+    assert _StorageFinder(walk, None)(storage_key(model.weight)) is not None and walks == [1]
+
+
+@pytest.mark.parametrize("native", [False, True] if _native.get() is not None else [False],
+                         ids=lambda n: "compiled" if n else "python")
+def test_the_journal_tracks_a_first_loads_storages_from_the_tables_in_one_pass(
+        native: bool) -> None:
+    from graphsafe._runtime.loads.load import _StorageFinder
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight  # tied: one storage, found once
+    model.register_buffer("absent", None)
+    model.cache = {"k": torch.zeros(8)}  # off the tables: looked up one by one (a walk)
+    tensors = [*model.parameters(), model.cache["k"]]
+    keys = {storage_key(t) for t in tensors}
+    walks: list[int] = []
+
+    def walk() -> list[torch.Tensor]:
+        walks.append(1)
+        return [*model.parameters(), *vars(model).get("cache", {}).values()]
+
+    journal = Journal()
+    with _native.using(native):
+        journal.advance(keys, "a first load", _StorageFinder(walk, lambda: list(model.modules())))
+    assert walks == [1]  # the cache alone was looked for
+    for t in tensors:
+        key = storage_key(t)
+        assert journal.containing(key, key + t.nbytes) == {key}
+    gone = storage_key(model.cache["k"])
+    del model.cache, tensors, t
+    gc.collect()
+    assert journal.containing(gone, gone + 32) == set()  # forgotten as it died
+    # Control: a finder that finds nothing tracks nothing.
+    lost = Journal()
+    lost.advance({storage_key(model[0].weight)}, "a load", _StorageFinder(lambda: [], lambda: []))
+    assert lost.containing(storage_key(model[0].weight), storage_key(model[0].weight) + 1) == set()
 
 
 def test_a_first_load_makes_the_journal_know_every_storage_it_wrote() -> None:

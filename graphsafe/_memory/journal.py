@@ -252,6 +252,9 @@ class Journal:
         thousands). The callback runs only while the reference is the one tracked at its
         key: one replaced (its storage's bytes moved) is dropped, and never fires."""
         tracked, key_of, ref, died = self._tracked, self._key_of, weakref.ref, self._dead.append
+        bulk = getattr(storage_of, "track", None)  # most of a first load's, in one call
+        if bulk is not None:
+            keys = bulk(keys, tracked, key_of, died)
         for key in keys:
             storage = storage_of(key)
             if storage is not None and storage.data_ptr() == key:

@@ -2,7 +2,8 @@
 // graphsafe/_memory/ledger.py (geometry, same_geometry, same_items, same_steps),
 // graphsafe/_lineage/entries.py's pinned numbers and handles (same_items, alive) and
 // graphsafe/_memory/snapshot.py (same_bindings), without a Python call per field; and the
-// storage reads of many tensors in one call (storage_rows, storage_ids, storage_keys).
+// storage reads of many tensors in one call (storage_rows, storage_ids, storage_keys), and
+// the journal's weak references to the storages a first load wrote (track_storages).
 // This file also creates the module; witnesses.cpp adds the witnesses' check and taking
 // to it, found.cpp discovery's reading of the sites a recording wrote, model_map.cpp the
 // model map's check, map_rows.cpp its reading of a model, walk.cpp the
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "sites.h"
@@ -502,6 +504,124 @@ PyObject* storage_keys(PyObject* /*self*/, PyObject* tensors) {
   return rows_of(tensors, Rows::kKeys);
 }
 
+// track_storages(modules: list, keys: set, tracked: dict, key_of: dict, died) -> set | None:
+// graphsafe/_memory/journal.py's Journal._track_all for the storages of the tensors the
+// modules' `_parameters` and `_buffers` hold (a first load writes thousands), in one
+// call: each storage whose key (its bytes' address) is one of `keys` gets
+// `tracked[key] = weakref.ref(storage, died)` and `key_of[id(ref)] = key`, the storage as
+// `t.untyped_storage()` gives it (where two storages share a key, the last one in the
+// tables, as `dict(zip(keys, storages))` keeps it). Returns the keys it did not find, for
+// the caller's lookup one by one; None, having changed nothing, where a table is no dict
+// or holds a tensor it cannot read (a wrapper subclass): the caller's Python path.
+PyObject* track_storages(PyObject* /*self*/, PyObject* args) {
+  PyObject *modules, *keys, *tracked, *key_of, *died;
+  if (!PyArg_ParseTuple(args, "O!OO!O!O", &PyList_Type, &modules, &keys, &PyDict_Type,
+                        &tracked, &PyDict_Type, &key_of, &died)) {
+    return nullptr;
+  }
+  if (!PyAnySet_Check(keys)) {
+    PyErr_SetString(PyExc_TypeError, "track_storages: keys must be a set");
+    return nullptr;
+  }
+  static PyObject* table_names[2] = {PyUnicode_InternFromString("_parameters"),
+                                     PyUnicode_InternFromString("_buffers")};
+  // First every table is read, and nothing changed: what cannot be read gives way whole.
+  std::vector<std::pair<uintptr_t, c10::StorageImpl*>> found;
+  const Py_ssize_t n = PyList_GET_SIZE(modules);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    for (PyObject* table_name : table_names) {
+      PyObject* table = PyObject_GetAttr(PyList_GET_ITEM(modules, i), table_name);
+      if (table == nullptr) {
+        return nullptr;
+      }
+      if (!PyDict_Check(table)) {
+        Py_DECREF(table);
+        Py_RETURN_NONE;
+      }
+      Py_ssize_t pos = 0;
+      PyObject *name, *t;
+      bool plain = true;
+      while (PyDict_Next(table, &pos, &name, &t)) {
+        if (!is_tensor(t)) {
+          continue;  // an absent buffer (None)
+        }
+        c10::TensorImpl* impl = nullptr;
+        const c10::StorageImpl* storage = plain_storage(t, &impl);
+        uintptr_t key = 0;
+        if (storage != nullptr) {
+          try {
+            key = storage->nbytes() != 0
+                ? reinterpret_cast<uintptr_t>(storage->data_ptr().get()) : 0;
+          } catch (...) {
+            storage = nullptr;
+          }
+        }
+        if (storage == nullptr) {
+          plain = false;
+          break;
+        }
+        if (key != 0) {
+          found.emplace_back(key, const_cast<c10::StorageImpl*>(storage));
+        }
+      }
+      Py_DECREF(table);
+      if (!plain) {
+        Py_RETURN_NONE;
+      }
+    }
+  }
+  PyObject* left = PySet_New(keys);
+  if (left == nullptr) {
+    return nullptr;
+  }
+  // From the last: the first seen of a key here is the one `dict(zip(...))` keeps.
+  for (auto it = found.rbegin(); it != found.rend(); ++it) {
+    PyObject* key = PyLong_FromUnsignedLongLong(it->first);
+    const int wanted = key == nullptr ? -1 : PySet_Discard(left, key);
+    if (wanted != 1) {  // not wanted, or tracked already by a later row
+      Py_XDECREF(key);
+      if (wanted < 0) {
+        Py_DECREF(left);
+        return nullptr;
+      }
+      continue;
+    }
+    PyObject* storage =
+        THPStorage_Wrap(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(it->second)));
+    PyObject* ref = storage == nullptr ? nullptr : PyWeakref_NewRef(storage, died);
+    Py_XDECREF(storage);  // kept alive by its tensors: torch preserves the object
+    PyObject* old = ref == nullptr ? nullptr : PyDict_GetItemWithError(tracked, key);
+    int rc = ref == nullptr || (old == nullptr && PyErr_Occurred()) ? -1 : 0;
+    if (rc == 0 && old != nullptr) {
+      PyObject* old_id = PyLong_FromVoidPtr(old);
+      rc = old_id == nullptr ? -1 : 0;
+      if (rc == 0 && PyDict_DelItem(key_of, old_id) != 0) {
+        if (PyErr_ExceptionMatches(PyExc_KeyError)) {
+          PyErr_Clear();
+        } else {
+          rc = -1;
+        }
+      }
+      Py_XDECREF(old_id);
+    }
+    if (rc == 0) {
+      rc = PyDict_SetItem(tracked, key, ref);
+    }
+    if (rc == 0) {
+      PyObject* ref_id = PyLong_FromVoidPtr(ref);
+      rc = ref_id == nullptr ? -1 : PyDict_SetItem(key_of, ref_id, key);
+      Py_XDECREF(ref_id);
+    }
+    Py_XDECREF(ref);
+    Py_DECREF(key);
+    if (rc != 0) {
+      Py_DECREF(left);
+      return nullptr;
+    }
+  }
+  return left;
+}
+
 PyMethodDef methods[] = {
     {"geometry", geometry, METH_O, "Geometry records of a list of tensors (None: unreadable)."},
     {"same_geometry", same_geometry, METH_VARARGS, "Whether tensors match their records."},
@@ -512,6 +632,7 @@ PyMethodDef methods[] = {
     {"storage_rows", storage_rows, METH_O, "(sid, key, ptr, strides) of each tensor."},
     {"storage_ids", storage_ids, METH_O, "The storage identity of each tensor."},
     {"storage_keys", storage_keys, METH_O, "The storage key of each tensor."},
+    {"track_storages", track_storages, METH_VARARGS, "Weak references to the tables' storages."},
     {nullptr, nullptr, 0, nullptr},
 };
 

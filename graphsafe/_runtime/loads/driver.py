@@ -280,7 +280,7 @@ class LoadDriver:
         try:
             written = load.end(what, exc, pinned=self._pinned(),
                                model_tensors=self._binder.tensors,
-                               own_tensors=self._binder.own_tensors, witnesses=witnesses,
+                               modules=self._binder.modules, witnesses=witnesses,
                                lazy=self._deferred.lazy)
             ended = True
             self._deferred.take(load)

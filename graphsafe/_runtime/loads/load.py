@@ -24,7 +24,9 @@ from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, 
 from typing import Any, Final
 
 import torch
+from torch import nn
 
+from graphsafe import _native
 from graphsafe._declare.spec import RefreshReport
 from graphsafe._errors import one_line
 from graphsafe._lineage.record.native import recording
@@ -337,7 +339,7 @@ class Load:
         *,
         pinned: bool,
         model_tensors: Callable[[], Iterable[torch.Tensor]],
-        own_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
+        modules: Callable[[], list[nn.Module]] | None = None,
         witnesses: bool = False,
         lazy: bool = False,
     ) -> Set[int]:
@@ -346,9 +348,10 @@ class Load:
 
         Args:
             model_tensors: Every tensor of the model (a walk).
-            own_tensors: Its parameters and buffers, looked in first (the journal asks
-                for the storage of each storage it has not seen: a first load asks for
-                all it wrote, and walks the model only for one not found there).
+            modules: Its modules, whose parameters and buffers are looked in first (the
+                journal asks for the storage of each storage it has not seen: a first
+                load asks for all it wrote, and walks the model only for one not found
+                there).
             witnesses: Also refresh what the witnesses see changed (update blocks, where
                 `gs.mark_written` and in-place writes count).
             lazy: Leave what it made dirty stale (`deferred`) for the next replay to
@@ -360,7 +363,7 @@ class Load:
             Exception: Whatever a derivation raised (the rest is marked stale).
         """
         written = self._close()
-        self.journal.advance(written, what, _storage_finder(model_tensors, own_tensors))
+        self.journal.advance(written, what, _StorageFinder(model_tensors, modules))
         # Those refreshed and released in the middle of the load are done with.
         touched = {tr for tr in self.transients_written() if tr.held}
         if exc is not None:
@@ -435,29 +438,50 @@ def _consumers(engine: Engine, written: Set[int]) -> set[int]:
     return engine.consumers_of([key for key in inputs if key in written])
 
 
-def _storage_finder(
-    model_tensors: Callable[[], Iterable[torch.Tensor]],
-    own_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
-) -> Callable[[int], torch.UntypedStorage | None]:
+class _StorageFinder:
     """Key -> the model's live storage there, looked for only if asked (the journal asks
-    once per storage it has not seen): among `own_tensors` first, then, for a key not
-    found there, in a walk of the model (once)."""
-    found: dict[int, torch.UntypedStorage] | None = None
-    walked = own_tensors is None
+    once per storage it has not seen): among the parameters and buffers of `modules()`
+    first, then, for a key not found there, in a walk of the model (once). `track` is the
+    journal's bulk lookup of a first load's thousands (`Journal._track_all`)."""
 
-    def storage_of(key: int) -> torch.UntypedStorage | None:
-        nonlocal found, walked
+    __slots__ = ("_found", "_model_tensors", "_modules", "_walked")
+
+    def __init__(self, model_tensors: Callable[[], Iterable[torch.Tensor]],
+                 modules: Callable[[], list[nn.Module]] | None = None) -> None:
+        self._model_tensors = model_tensors
+        self._modules = modules
+        self._found: dict[int, torch.UntypedStorage] | None = None
+        self._walked = modules is None
+
+    def __call__(self, key: int) -> torch.UntypedStorage | None:
+        found = self._found
         if found is None:
-            found = _storages((model_tensors if own_tensors is None else own_tensors)())
+            found = self._found = _storages(self._model_tensors() if self._modules is None
+                                            else _table_tensors(self._modules()))
         storage = found.get(key)
-        if storage is None and not walked:
-            walked = True
-            for t in model_tensors():
+        if storage is None and not self._walked:
+            self._walked = True
+            for t in self._model_tensors():
                 found.setdefault(storage_key(t), t.untyped_storage())
             storage = found.get(key)
         return storage
 
-    return storage_of
+    def track(self, keys: Set[int], tracked: dict[int, Any], key_of: dict[int, int],
+              died: Callable[[Any], object]) -> Set[int]:
+        """Track the storage of each of `keys` the modules' tables hold, in one compiled
+        call where the compiled checks are built (`track_storages`, as the journal's
+        loop does it); returns the keys left to look up one by one."""
+        native = _native.get()
+        if native is None or self._modules is None or self._found is not None:
+            return keys
+        left = native.track_storages(self._modules(), keys, tracked, key_of, died)
+        return keys if left is None else left
+
+
+def _table_tensors(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """Every tensor the modules' parameter and buffer tables hold."""
+    return [t for m in modules for table in (m._parameters, m._buffers)
+            for t in table.values() if isinstance(t, torch.Tensor)]
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:

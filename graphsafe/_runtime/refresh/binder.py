@@ -219,10 +219,9 @@ class Binder:
         """Every tensor of the model."""
         return (site.tensor for site in walk_tensors(self.model))
 
-    def own_tensors(self) -> Iterator[torch.Tensor]:
-        """Every parameter and buffer of the model (its modules' tables, not a walk)."""
-        return (t for m in self.model.modules() for table in (m._parameters, m._buffers)
-                for t in table.values() if isinstance(t, torch.Tensor))
+    def modules(self) -> list[nn.Module]:
+        """Every module of the model, in tree order."""
+        return list(self.model.modules())
 
     def _derivations_for(self, cls: type) -> list[Derivation]:
         return derivations_for(self.registries, cls)

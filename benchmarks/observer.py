@@ -17,10 +17,14 @@ the synchronized wall time, the models and their data on the GPU.
 - 8e: CUDA only: a guarded CUDA graph replay of 8c's pinned MLP's inference forward. A
   replay dispatches no op, so the callback never runs: the ratio should be 1.
 
-Rows 8a-8d also time two floors, alternated with the rest: a global callback of the
+Rows 8a-8d also time three floors, alternated with the rest: a global callback of the
 observer's kind that does nothing, with every op's inputs (`floor_ratio`: the observer
 needs them, to see which storages an op writes) and without (`bare_floor_ratio`: what
-RecordFunction alone costs every op); `on_over_floor` is the observer's own work.
+RecordFunction alone costs every op); `on_over_floor` is the observer's own work. The
+third is the floor of another way to see writes (`kernel_floor_ratio`): no callback, but
+a kernel at ADInplaceOrView (where torch bumps the version of what an op writes) for each
+aten op that writes an argument, doing what torch's does there and reading each written
+storage (`observer_kernel_floor`): only the ops that write pay it.
 
 Without the compiled build there is no observer: the figure is one SKIP row saying so.
 """
@@ -123,20 +127,25 @@ def _on_off(
     native = _native.get()
     assert native is not None
 
-    def timed(enabled: bool, floor: bool | None = None) -> Callable[[], float]:
+    def timed(enabled: bool, floor: bool | None = None, kernels: bool = False
+              ) -> Callable[[], float]:
         def case() -> float:
             gs.observe_writes(enabled)  # outside the timed loop
             assert OBSERVER.running == enabled
             native.observer_floor(floor is not None, bool(floor))
+            covered = native.observer_kernel_floor(kernels)
+            assert bool(covered) == kernels
             try:
                 return sample(step, number)
             finally:
                 native.observer_floor(False, False)
+                native.observer_kernel_floor(False)
         return case
 
     cases = {"on": timed(True), "off": timed(False)}
     if floors:
-        cases |= {"floor": timed(False, True), "bare": timed(False, False)}
+        cases |= {"floor": timed(False, True), "bare": timed(False, False),
+                  "kernels": timed(False, kernels=True)}
     try:
         stats = interleave(cases, 2 * ctx.sizes.repeats)
     finally:
@@ -147,6 +156,7 @@ def _on_off(
             "floor_ratio": round(paired(stats["floor"], stats["off"]), 3),
             "bare_floor_ratio": round(paired(stats["bare"], stats["off"]), 3),
             "on_over_floor": round(paired(stats["on"], stats["floor"]), 3),
+            "kernel_floor_ratio": round(paired(stats["kernels"], stats["off"]), 3),
         }
     return stats["on"], stats["off"], paired(stats["on"], stats["off"]), number, found
 

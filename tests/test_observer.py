@@ -552,3 +552,37 @@ def test_unpinning_stops_the_callback() -> None:
     # A dropped graph releases its pin in a finalizer: the callback stops there too, and
     # what it saw before is still recorded.
     assert dropped == "False True"
+
+
+@needs_native
+def test_the_benchmarks_kernel_floor_does_what_torchs_kernels_do_and_goes_away() -> None:
+    """`observer_kernel_floor` (figure 8's floor of an observer that is no callback)
+    replaces torch's ADInplaceOrView kernels of the ops that write: with it on, in-place
+    and `out=` ops still write, bump the versions autograd checks (an in-place write of
+    a tensor saved for backward is still refused), and note nothing; off, torch's own
+    kernels are back. Control: a version that did not move would fail the check below."""
+    native = _native.get()
+    assert native is not None
+    was = gs.observe_writes(False)
+    try:
+        assert native.observer_kernel_floor(True) > 100  # every aten op that writes
+        t = torch.zeros(4)
+        before = t._version
+        t.add_(1.0)
+        torch.mul(t, 2.0, out=t)
+        torch._foreach_add_([t], 1.0)
+        assert t.tolist() == [3.0] * 4 and t._version == before + 3
+        x = torch.ones(3, requires_grad=True)
+        y = x * 2
+        z = y.exp()  # saves its result for backward
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.add_(1.0)
+            z.sum().backward()
+        assert not native.observer_pending()  # a floor notes nothing
+    finally:
+        assert native.observer_kernel_floor(False) == 0
+        gs.observe_writes(was)
+    t = torch.zeros(2)
+    before = t._version
+    t.add_(1.0)  # torch's own kernel again
+    assert t.tolist() == [1.0, 1.0] and t._version == before + 1

@@ -1,7 +1,7 @@
 // The process-wide write observer: writes into watched storages made outside any tracked
 // load, in any thread (graphsafe/_runtime/writes/observer.py drives it: observer_watch,
 // observer_start, observer_stop, observer_running, observer_pending, observer_drain,
-// observer_quiet; observer_floor is the benchmarks'; tracker.cpp lists them in the
+// observer_quiet; observer_floor and observer_kernel_floor are the benchmarks'; tracker.cpp lists them in the
 // module's method table).
 //
 // A global RecordFunction callback sees every dispatcher op of every thread before it
@@ -19,6 +19,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -30,9 +31,11 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
+#include <torch/library.h>
 
 #include "tracker.h"
 
@@ -379,6 +382,106 @@ PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
     floor_callback = at::addGlobalCallback(cb);
   }
   Py_RETURN_NONE;
+}
+
+namespace {
+
+// What `observer_kernel_floor` registers: torch's own kernels at ADInplaceOrView (the
+// version bump of what an op writes) replaced, for every aten op that writes an argument,
+// by one that reads each written tensor's storage, as an observer would, then does what
+// they do.
+std::unique_ptr<torch::Library> kernel_floor;
+
+void written_then_below(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                        torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t base = stack->size() - args.size();
+  c10::SmallVector<c10::TensorImpl*, 4> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::AliasInfo* alias = args[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) {
+      continue;
+    }
+    const c10::IValue& value = (*stack)[base + i];
+    if (value.isTensor()) {
+      written.push_back(value.toTensor().unsafeGetTensorImpl());
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList().vec()) {
+        written.push_back(t.unsafeGetTensorImpl());
+      }
+    }
+  }
+  for (c10::TensorImpl* impl : written) {  // what an observer reads of each
+    if (impl != c10::UndefinedTensorImpl::singleton() && impl->has_storage()) {
+      volatile const void* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+      (void)storage;
+    }
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (c10::TensorImpl* impl : written) {
+    if (impl != c10::UndefinedTensorImpl::singleton() && !impl->is_inference()) {
+      impl->bump_version();
+    }
+  }
+}
+
+class Silent : public c10::WarningHandler {
+  void process(const c10::Warning& /*warning*/) override {}
+};
+
+}  // namespace
+
+// observer_kernel_floor(on: bool) -> int: the floor of another way to see writes (figure
+// 8 times it beside the callback's): no RecordFunction callback, which every op pays,
+// but a kernel at ADInplaceOrView, where torch bumps the version of what an op writes,
+// for each aten op that writes an argument (not the in-place views), which only those
+// ops pay. It does what torch's kernels there do, and reads each written storage. On:
+// the number of ops it covers; off: 0, torch's own kernels back.
+PyObject* observer_kernel_floor(PyObject* /*self*/, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(callback_mu);
+  kernel_floor.reset();
+  if (on == 0) {
+    return PyLong_FromLong(0);
+  }
+  long count = 0;
+  try {
+    Silent silent;  // torch warns once that a kernel is replaced: this is what it does
+    c10::WarningUtils::WarningHandlerGuard quiet(&silent);
+    auto made = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "aten", c10::DispatchKey::ADInplaceOrView, __FILE__, __LINE__);
+    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+      if (name.name.rfind("aten::", 0) != 0) {
+        continue;
+      }
+      const std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(name);
+      if (!op || !op->hasSchema() || op->hasTag(at::Tag::inplace_view) ||
+          !op->hasKernelForDispatchKey(c10::DispatchKey::ADInplaceOrView)) {
+        continue;
+      }
+      const auto& args = op->schema().arguments();
+      if (std::none_of(args.begin(), args.end(), [](const c10::Argument& a) {
+            return a.alias_info() != nullptr && a.alias_info()->isWrite();
+          })) {
+        continue;
+      }
+      const std::string own = name.name.substr(6) +
+                              (name.overload_name.empty() ? "" : "." + name.overload_name);
+      made->impl(own.c_str(), torch::CppFunction::makeFromBoxedFunction<&written_then_below>());
+      ++count;
+    }
+    kernel_floor = std::move(made);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  return PyLong_FromLong(count);
 }
 
 // observer_running() -> bool: whether the callback is on.

@@ -734,6 +734,7 @@ PyMethodDef tracker_methods[] = {
     {"observer_drain", observer_drain, METH_NOARGS, "(key -> first op, blind), cleared."},
     {"observer_quiet", observer_quiet, METH_O, "Enter (True) or leave a quiet scope."},
     {"observer_floor", observer_floor, METH_VARARGS, "A do-nothing callback (on, inputs, outputs, local)."},
+    {"observer_kernel_floor", observer_kernel_floor, METH_O, "Kernels where versions are bumped (on)."},
     {"strays_watch", strays_watch, METH_O, "Storage keys of the weights being recorded."},
     {"strays_start", strays_start, METH_NOARGS, "See every thread's ops."},
     {"strays_stop", strays_stop, METH_NOARGS, "Stop seeing them."},

@@ -145,6 +145,7 @@ PyObject* observer_pending(PyObject* self, PyObject* unused);
 PyObject* observer_drain(PyObject* self, PyObject* unused);
 PyObject* observer_quiet(PyObject* self, PyObject* enter);
 PyObject* observer_floor(PyObject* self, PyObject* args);
+PyObject* observer_kernel_floor(PyObject* self, PyObject* arg);
 
 // strays.cpp's functions, listed in tracker_methods.
 PyObject* strays_watch(PyObject* self, PyObject* keys);

@@ -475,7 +475,10 @@ class _StorageFinder:
         if native is None or self._modules is None or self._found is not None:
             return keys
         left = native.track_storages(self._modules(), keys, tracked, key_of, died)
-        return keys if left is None else left
+        if left is None:
+            return keys
+        self._found = {}  # the tables hold none of the rest: a walk looks for them
+        return left
 
 
 def _table_tensors(modules: list[nn.Module]) -> list[torch.Tensor]:

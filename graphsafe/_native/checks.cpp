@@ -447,14 +447,7 @@ PyObject* rows_of(PyObject* tensors, Rows what) {
     c10::TensorImpl* impl = nullptr;
     const c10::StorageImpl* storage = plain_storage(PyList_GET_ITEM(tensors, i), &impl);
     uintptr_t base = 0;
-    bool read = storage != nullptr;
-    if (read && full) {
-      try {
-        base = reinterpret_cast<uintptr_t>(storage->data_ptr().get());
-      } catch (...) {
-        read = false;
-      }
-    }
+    const bool read = storage != nullptr && (!full || storage_base(storage, &base));
     if (!read) {
       Py_DECREF(out);
       Py_RETURN_NONE;
@@ -547,21 +540,13 @@ PyObject* track_storages(PyObject* /*self*/, PyObject* args) {
         }
         c10::TensorImpl* impl = nullptr;
         const c10::StorageImpl* storage = plain_storage(t, &impl);
-        uintptr_t key = 0;
-        if (storage != nullptr) {
-          try {
-            key = storage->nbytes() != 0
-                ? reinterpret_cast<uintptr_t>(storage->data_ptr().get()) : 0;
-          } catch (...) {
-            storage = nullptr;
-          }
-        }
-        if (storage == nullptr) {
+        uintptr_t base = 0;
+        if (storage == nullptr || !storage_base(storage, &base)) {
           plain = false;
           break;
         }
-        if (key != 0) {
-          found.emplace_back(key, const_cast<c10::StorageImpl*>(storage));
+        if (storage->nbytes() != 0 && base != 0) {  // the key: 0 for no bytes
+          found.emplace_back(base, const_cast<c10::StorageImpl*>(storage));
         }
       }
       Py_DECREF(table);

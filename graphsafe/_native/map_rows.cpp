@@ -54,9 +54,7 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
       Py_RETURN_NONE;
     }
     uintptr_t base = 0;
-    try {
-      base = reinterpret_cast<uintptr_t>(storage->data_ptr().get());
-    } catch (...) {
+    if (!storage_base(storage, &base)) {
       Py_RETURN_NONE;
     }
     impls[i] = impl;

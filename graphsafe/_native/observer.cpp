@@ -1,8 +1,8 @@
 // The process-wide write observer: writes into watched storages made outside any tracked
 // load, in any thread (graphsafe/_runtime/writes/observer.py drives it: observer_watch,
 // observer_start, observer_stop, observer_running, observer_pending, observer_drain,
-// observer_quiet; observer_floor and observer_kernel_floor are the benchmarks'; tracker.cpp lists them in the
-// module's method table).
+// observer_quiet; observer_floor and observer_kernel_floor are the benchmarks';
+// tracker.cpp lists them in the module's method table).
 //
 // A global RecordFunction callback sees every dispatcher op of every thread before it
 // runs. For each argument the op's schema marks written (as the load tracker reads it:

@@ -86,6 +86,17 @@ inline const c10::StorageImpl* plain_storage(PyObject* obj, c10::TensorImpl** im
   }
 }
 
+// The address of a storage's bytes (`untyped_storage().data_ptr()`) into `base`; false
+// where the storage refuses access (Python would raise).
+inline bool storage_base(const c10::StorageImpl* storage, uintptr_t* base) {
+  try {
+    *base = reinterpret_cast<uintptr_t>(storage->data_ptr().get());
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 // `data_ptr()` of a plain tensor whose storage's bytes begin at `base`: 0 without
 // elements, as Python reads it.
 inline uintptr_t data_ptr_at(const c10::TensorImpl* impl, uintptr_t base) {

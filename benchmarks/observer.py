@@ -1,11 +1,11 @@
 """Figure 8: what the process-wide write observer costs eager code while a model is pinned.
 
-While any model is pinned, the compiled observer's RecordFunction callback runs for
-every dispatcher op of every thread (`graphsafe/_native/observer.cpp`). Each row times
-the same step with the observer on and off (`gs.observe_writes`), alternated in one run:
-the median of the paired ratios (see harness.py) is its cost. On the CPU a sample is the
-CPU time of the thread (other processes' load does not count); on `--device cuda` it is
-the synchronized wall time, the models and their data on the GPU.
+While any model is pinned, the compiled observer's kernels at ADInplaceOrView run for
+every dispatcher op that writes, in every thread (`graphsafe/_native/observer.cpp`). Each
+row times the same step with the observer on and off (`gs.observe_writes`), alternated in
+one run: the median of the paired ratios (see harness.py) is its cost. On the CPU a
+sample is the CPU time of the thread (other processes' load does not count); on
+`--device cuda` it is the synchronized wall time, the models and their data on the GPU.
 
 - 8a-8c: a training step (forward, backward, AdamW step) of an MLP of 3 layers of hidden
   size 64, 256 and 1024, batch 32. The MLP is the pinned model: a guarded graph captured
@@ -15,16 +15,13 @@ the synchronized wall time, the models and their data on the GPU.
 - 8d: a vLLM-style step: an eager forward, without grad, of 16 decode tokens through a
   small Llama (4 layers, hidden 256), pinned by a guarded graph of the same forward.
 - 8e: CUDA only: a guarded CUDA graph replay of 8c's pinned MLP's inference forward. A
-  replay dispatches no op, so the callback never runs: the ratio should be 1.
+  replay dispatches no op, so the observer never runs: the ratio should be 1.
 
-Rows 8a-8d also time three floors, alternated with the rest: a global callback of the
-observer's kind that does nothing, with every op's inputs (`floor_ratio`: the observer
-needs them, to see which storages an op writes) and without (`bare_floor_ratio`: what
-RecordFunction alone costs every op); `on_over_floor` is the observer's own work. The
-third is the floor of another way to see writes (`kernel_floor_ratio`): no callback, but
-a kernel at ADInplaceOrView (where torch bumps the version of what an op writes) for each
-aten op that writes an argument, doing what torch's does there and reading each written
-storage (`observer_kernel_floor`): only the ops that write pay it.
+Rows 8a-8d also time, alternated with the rest, the observer through its other door,
+the global RecordFunction callback every op pays (`callback_ratio`: what a process pays
+while a watched tensor was made in inference mode, or with `GRAPHSAFE_OBSERVER=callback`),
+and a callback of that kind that does nothing but take every op's inputs
+(`floor_ratio`: the floor of any observer built on RecordFunction).
 
 Without the compiled build there is no observer: the figure is one SKIP row saying so.
 """
@@ -127,36 +124,33 @@ def _on_off(
     native = _native.get()
     assert native is not None
 
-    def timed(enabled: bool, floor: bool | None = None, kernels: bool = False
+    def timed(enabled: bool, callback: bool = False, floor: bool = False
               ) -> Callable[[], float]:
         def case() -> float:
-            gs.observe_writes(enabled)  # outside the timed loop
-            assert OBSERVER.running == enabled
-            native.observer_floor(floor is not None, bool(floor))
-            covered = native.observer_kernel_floor(kernels)
-            assert bool(covered) == kernels
+            OBSERVER.by_callback = callback  # outside the timed loop
+            gs.observe_writes(enabled)
+            assert OBSERVER.door == ("callback" if callback else "kernels" if enabled else None)
+            native.observer_floor(floor, True)
             try:
                 return sample(step, number)
             finally:
                 native.observer_floor(False, False)
-                native.observer_kernel_floor(False)
         return case
 
     cases = {"on": timed(True), "off": timed(False)}
     if floors:
-        cases |= {"floor": timed(False, True), "bare": timed(False, False),
-                  "kernels": timed(False, kernels=True)}
+        cases |= {"callback": timed(True, callback=True), "floor": timed(False, floor=True)}
+    by_callback = OBSERVER.by_callback
     try:
         stats = interleave(cases, 2 * ctx.sizes.repeats)
     finally:
+        OBSERVER.by_callback = by_callback
         gs.observe_writes(was)
     found = {}
     if floors:
         found = {
+            "callback_ratio": round(paired(stats["callback"], stats["off"]), 3),
             "floor_ratio": round(paired(stats["floor"], stats["off"]), 3),
-            "bare_floor_ratio": round(paired(stats["bare"], stats["off"]), 3),
-            "on_over_floor": round(paired(stats["on"], stats["floor"]), 3),
-            "kernel_floor_ratio": round(paired(stats["kernels"], stats["off"]), 3),
         }
     return stats["on"], stats["off"], paired(stats["on"], stats["off"]), number, found
 

@@ -9,12 +9,17 @@ silently stale, under an unguarded graph (the write really bypasses the graph) a
 under a guarded one with the observer off (what the guard did before it existed). A
 healthy sequence of loads, refreshes and unwatched writes is never refused.
 
+It sees writes through one of two doors: kernels at ADInplaceOrView (the default) and a
+RecordFunction callback (where a watched tensor was made in inference mode, or with
+`GRAPHSAFE_OBSERVER=callback`); the writes above are refused through either (`door`).
+
 The observer exists only in the compiled build: without it (`GRAPHSAFE_NATIVE=0`) the
 controls run, and so does the test of the warning that says there is none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -156,12 +161,32 @@ def observer_off() -> Iterator[None]:
         gs.observe_writes(was)
 
 
+@contextlib.contextmanager
+def _through(door: str) -> Iterator[None]:
+    """The observer sees writes through `door` ("kernels" or "callback") meanwhile."""
+    was = OBSERVER.by_callback
+    OBSERVER.by_callback = door == "callback"
+    OBSERVER.set_enabled(OBSERVER.enabled)  # applies it to what is watched now
+    try:
+        yield
+    finally:
+        OBSERVER.by_callback = was
+        OBSERVER.set_enabled(OBSERVER.enabled)
+
+
+@pytest.fixture(params=["kernels", "callback"])
+def door(request: pytest.FixtureRequest) -> Iterator[str]:
+    with _through(request.param):
+        yield request.param
+
+
 @needs_native
 @pytest.mark.parametrize("name", list(WRITES))
-def test_a_write_outside_any_load_is_refused_by_name(name: str) -> None:
+def test_a_write_outside_any_load_is_refused_by_name(name: str, door: str) -> None:
     write, op = WRITES[name]
     layer, x = _loaded()
     graph, out = _captured(layer, x)
+    assert _native.get().observer_doors() == (door,)  # type: ignore[union-attr]
     graph.replay()
     out.fill_(123.0)  # a replay would overwrite this
     write(layer)
@@ -320,11 +345,12 @@ def test_the_observer_stays_on_while_another_model_is_pinned() -> None:
 
 
 @needs_native
-def test_ops_seen_to_write_nothing_hide_no_write() -> None:
+def test_ops_seen_to_write_nothing_hide_no_write(door: str) -> None:
     """The callback rejects an op it has seen write nothing before reading anything else,
-    from a table every thread shares: the overload of the same op that writes (`out=`),
-    the same ops in another thread, and an op that writes registered after the table
-    filled are still seen. Control: the ops that write nothing are never noted."""
+    from a table every thread shares; the kernels never see such an op. Either way the
+    overload of the same op that writes (`out=`), the same ops in another thread, and an
+    op that writes registered after the table filled (the kernels: after they covered
+    every op) are still seen. Control: the ops that write nothing are never noted."""
     layer, x = _loaded()
     graph, _ = _captured(layer, x)
     native = _native.get()
@@ -370,7 +396,7 @@ def test_ops_seen_to_write_nothing_hide_no_write() -> None:
 
 
 @needs_native
-def test_each_of_many_watched_storages_is_seen_and_no_other() -> None:
+def test_each_of_many_watched_storages_is_seen_and_no_other(door: str) -> None:
     """The watched storages are a flat hash set, probed once per written storage: with
     many of them watched, a write into any one is seen. Control: writes into the storages
     beside them, which no derivation reads, are not."""
@@ -421,19 +447,197 @@ def test_the_benchmarks_floor_callback_notes_nothing_and_leaves_the_observer_be(
 
 
 @needs_native
-def test_writes_record_function_cannot_see_fail_closed() -> None:
+def test_the_kernels_see_writes_with_record_function_off() -> None:
     layer, x = _loaded()
     graph, out = _captured(layer, x)
+    assert _native.get().observer_doors() == ("kernels",)  # type: ignore[union-attr]
     torch.autograd._enable_record_function(False)
     try:
-        layer.w.data.copy_(torch.randn(4, 6))  # no op is seen now
-        with pytest.raises(gs.StaleError, match="RecordFunction was turned off"):
+        layer.w.data.copy_(torch.randn(4, 6))
+        with pytest.raises(gs.StaleError, match=rf"w written by aten::copy_ {SEEN}"):
             graph.replay()
     finally:
         torch.autograd._enable_record_function(True)
     gs.runtime(layer).refresh()
     graph.replay()
     assert torch.equal(out, _expected(layer, x))
+
+
+@needs_native
+def test_writes_the_callback_cannot_see_fail_closed() -> None:
+    """Control of the above: through the callback, RecordFunction off hides every op,
+    and the observer says it may have missed writes rather than name one."""
+    layer, x = _loaded()
+    graph, out = _captured(layer, x)
+    with _through("callback"):
+        torch.autograd._enable_record_function(False)
+        try:
+            layer.w.data.copy_(torch.randn(4, 6))  # no op is seen now
+            with pytest.raises(gs.StaleError, match="RecordFunction was turned off"):
+                graph.replay()
+        finally:
+            torch.autograd._enable_record_function(True)
+    gs.runtime(layer).refresh()
+    graph.replay()
+    assert torch.equal(out, _expected(layer, x))
+
+
+@gs.graphsafe
+class Packed(nn.Module):
+    """Nothing declared: its load packs `w` (found by the recorded bring-up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6), requires_grad=False)
+
+    def load_weights(self, w: torch.Tensor) -> None:
+        self.w.copy_(w)
+        if "packed" in vars(self):
+            self.packed.copy_(self.w.t())  # in place: a graph may read it
+        else:
+            self.packed = self.w.t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.packed
+
+
+@needs_native
+def test_a_watched_tensor_made_in_inference_mode_is_observed_through_the_callback() -> None:
+    """Tensors made in inference mode skip ADInplaceOrView, so the kernels cannot see them
+    written (in inference mode): while one is watched, the callback observes instead. It
+    is the first use of graphsafe in a fresh process (`test_native`), in inference mode."""
+    code = textwrap.dedent(
+        """
+        import torch
+        import graphsafe as gs
+        from graphsafe import _native
+        from graphsafe._memory.journal import JOURNAL
+        from test_observer import Packed
+
+        with torch.inference_mode():
+            m = Packed()
+            m.load_weights(torch.randn(4, 6))
+            native = _native.get()
+            print(native is not None, m.w.is_inference())
+            graph = gs.Graph(backend="cpu", guard=m)
+            x = torch.randn(2, 6)
+            with graph.capture():
+                out = m(x)
+            print(*native.observer_doors())
+            m.w.copy_(torch.randn(4, 6))
+            try:
+                graph.replay()
+                print("replayed")
+            except gs.StaleError as e:
+                print("refused", "aten::copy_ outside any tracked load" in str(e))
+            m.load_weights(torch.randn(4, 6))
+            graph.replay()
+            print(torch.equal(out, x @ m.w.t().contiguous()))
+            JOURNAL.sync()
+            print(native.observer_start(False))  # control: the kernels alone
+            m.w.copy_(torch.randn(4, 6))
+            print(native.observer_pending())
+        """
+    )
+    loaded, door, refused, fresh, kernels, pending = _run({}, code)
+    assert loaded == "True True" and door == "callback"
+    assert refused == "refused True" and fresh == "True"
+    assert kernels == "kernels" and pending == "False"  # the kernels do not see it
+
+
+@torch.library.custom_op("graphsafe_test_kernels::twice_", mutates_args=["t"])
+def _twice_(t: torch.Tensor) -> None:
+    t.mul_(2.0)
+
+
+def _writes_and_versions() -> tuple[list[float], int, list[float], int]:
+    """In-place, `out=`, foreach and custom-op writes of one tensor, and a fused AdamW
+    step: the values written and the versions they moved."""
+    t = torch.ones(4)
+    before = t._version
+    t.add_(1.0)
+    torch.mul(t, 2.0, out=t)
+    torch._foreach_add_([t], 1.0)
+    _twice_(t)
+    p = torch.ones(4)
+    version = p._version
+    torch._fused_adamw_([p], [torch.ones(4)], [torch.zeros(4)], [torch.zeros(4)], [],
+                        [torch.tensor(1.0)], lr=0.1, beta1=0.9, beta2=0.999,
+                        weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    return t.tolist(), t._version - before, p.tolist(), p._version - version
+
+
+@needs_native
+def test_the_kernels_call_the_kernels_they_replaced_and_go_away() -> None:
+    """Each op that writes gets a kernel at ADInplaceOrView, which notes what it writes and
+    calls the kernel the op had there, or goes below where it had none: every write
+    moves the versions torch's own kernels move (autograd still refuses an in-place
+    write of a tensor saved for backward), a custom op's own kernel there included.
+    Unpinned, torch's own kernels are back. Control: torch's counts, taken first; a
+    kernel that bumped a version twice, or not at all, would differ."""
+    native = _native.get()
+    assert native is not None
+    pinned_before = OBSERVER.running
+    torchs = _writes_and_versions() if not pinned_before else None
+    layer, x = _loaded()
+    graph, _ = _captured(layer, x)
+    try:
+        assert native.observer_doors() == ("kernels",)
+        ours = _writes_and_versions()
+        assert torchs is None or ours == torchs
+        assert ours[1] >= 4 and ours[3] == 0  # `_fused_adamw_` moves none
+        y = torch.ones(3, requires_grad=True) * 2
+        z = y.exp()  # saves its result for backward
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.add_(1.0)
+            z.sum().backward()
+        JOURNAL.sync()
+        layer.w.data.add_(1.0)
+        assert native.observer_pending()  # what they note
+    finally:
+        graph.reset()
+    if not pinned_before:  # no other test's model is pinned: torch's own kernels
+        assert native.observer_doors() == ()
+        assert _writes_and_versions() == torchs
+
+
+@needs_native
+def test_an_op_defined_again_while_observed_is_covered_again() -> None:
+    """An op registered while the kernels observe is seen by the callback (the bridge)
+    until the next call from Python covers it; one deregistered loses its kernel, and
+    defined again (another schema, the same name) gets a new one: no kernel of the old
+    op is called."""
+    native = _native.get()
+    assert native is not None
+    layer, x = _loaded()
+    graph, _ = _captured(layer, x)
+    JOURNAL.sync()
+    for schema, at in (("put_(Tensor(a!) x, float s) -> ()", 0),
+                       ("put_(float s, Tensor(a!) x) -> ()", 1)):
+        lib = torch.library.Library("graphsafe_test_again", "FRAGMENT")
+        lib.define(schema)
+
+        def put_(*args: object, _at: int = at) -> None:
+            t = args[_at]
+            assert isinstance(t, torch.Tensor)
+            t.fill_(7.0)
+
+        lib.impl("put_", put_, "CompositeExplicitAutograd")
+        try:
+            assert native.observer_doors() == ("kernels", "bridge")
+            args: list[object] = [3.0, 3.0]
+            args[at] = layer.w.data
+            torch.ops.graphsafe_test_again.put_(*args)
+            assert torch.equal(layer.w, torch.full((4, 6), 7.0))
+            with pytest.raises(gs.StaleError, match=rf"graphsafe_test_again::put_ {SEEN}"):
+                graph.replay()  # its drain covered it
+            assert native.observer_doors() == ("kernels",)
+            torch.ops.graphsafe_test_again.put_(*args)  # through its kernel now
+            assert native.observer_pending()
+            gs.runtime(layer).refresh()
+        finally:
+            lib._destroy()
+    graph.reset()
 
 
 _SCRIPT = textwrap.dedent(
@@ -552,37 +756,3 @@ def test_unpinning_stops_the_callback() -> None:
     # A dropped graph releases its pin in a finalizer: the callback stops there too, and
     # what it saw before is still recorded.
     assert dropped == "False True"
-
-
-@needs_native
-def test_the_benchmarks_kernel_floor_does_what_torchs_kernels_do_and_goes_away() -> None:
-    """`observer_kernel_floor` (figure 8's floor of an observer that is no callback)
-    replaces torch's ADInplaceOrView kernels of the ops that write: with it on, in-place
-    and `out=` ops still write, bump the versions autograd checks (an in-place write of
-    a tensor saved for backward is still refused), and note nothing; off, torch's own
-    kernels are back. Control: a version that did not move would fail the check below."""
-    native = _native.get()
-    assert native is not None
-    was = gs.observe_writes(False)
-    try:
-        assert native.observer_kernel_floor(True) > 100  # every aten op that writes
-        t = torch.zeros(4)
-        before = t._version
-        t.add_(1.0)
-        torch.mul(t, 2.0, out=t)
-        torch._foreach_add_([t], 1.0)
-        assert t.tolist() == [3.0] * 4 and t._version == before + 3
-        x = torch.ones(3, requires_grad=True)
-        y = x * 2
-        z = y.exp()  # saves its result for backward
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            z.add_(1.0)
-            z.sum().backward()
-        assert not native.observer_pending()  # a floor notes nothing
-    finally:
-        assert native.observer_kernel_floor(False) == 0
-        gs.observe_writes(was)
-    t = torch.zeros(2)
-    before = t._version
-    t.add_(1.0)  # torch's own kernel again
-    assert t.tolist() == [1.0, 1.0] and t._version == before + 1

@@ -1,25 +1,38 @@
 // The process-wide write observer: writes into watched storages made outside any tracked
 // load, in any thread (graphsafe/_runtime/writes/observer.py drives it: observer_watch,
 // observer_start, observer_stop, observer_running, observer_pending, observer_drain,
-// observer_quiet; observer_floor and observer_kernel_floor are the benchmarks';
+// observer_quiet, observer_doors; observer_floor is the benchmarks';
 // tracker.cpp lists them in the module's method table).
 //
-// A global RecordFunction callback sees every dispatcher op of every thread before it
-// runs. For each argument the op's schema marks written (as the load tracker reads it:
-// `writes_of`), it notes the storage if it is watched, with the op's name, into one
-// pending set that `observer_drain` empties. Ops of a thread inside a tracked load
-// (their load records them) or a quiet scope (graphsafe's own writes) are skipped.
+// It sees an op through one of two doors, and notes each storage the op writes (the
+// arguments its schema marks written, as the load tracker reads them: `writes_of`) if it
+// is watched, with the op's name, into one pending set that `observer_drain` empties.
+// Ops of a thread inside a tracked load (their load records them) or a quiet scope
+// (graphsafe's own writes) are skipped.
 //
-// The callback runs for every op while it is on, and most ops write nothing, so it
-// rejects those first with one load from a table every thread shares (`quiet_ops`:
-// the ops seen to write nothing, by address), before any thread-local state is read.
-// An op that writes takes the thread's cache of what it writes, one atomic load to see
-// whether the watched set changed, and one probe of a flat hash set per written storage
-// (`KeySet`). Ops that write nothing watched take no lock and allocate nothing.
+// Kernels (the default where torch has `getComputedKernelForDispatchKey`, 2.10 on): a
+// kernel at ADInplaceOrView, where torch bumps the version of what an op writes, for
+// every op that writes an argument. It notes, then calls the kernel it replaced there
+// (torch's version bump, or a custom op's), or goes below where there was none
+// (`_foreach_*`, `_fused_*`, c10d's collectives, ops a `TORCH_LIBRARY` defines). Only
+// ops that write pay, and RecordFunction being off hides nothing. An op registered
+// while they observe has no kernel until the next call from Python (registering from
+// the dispatcher's listener would deadlock); meanwhile the callback below sees it (the
+// bridge). Tensors made in inference mode carry no ADInplaceOrView key: where one is
+// watched, the callback observes instead.
+//
+// The callback: a global RecordFunction callback sees every dispatcher op of every
+// thread before it runs. It runs for every op while it is on, and most ops write
+// nothing, so it rejects those first with one load from a table every thread shares
+// (`quiet_ops`: the ops seen to write nothing, by address), before any thread-local
+// state is read. An op that writes takes the thread's cache of what it writes.
+//
+// Either way, a write takes one atomic load to see whether the watched set changed, and
+// one probe of a flat hash set per written storage (`KeySet`). Ops that write nothing
+// watched take no lock and allocate nothing.
 
 #include <Python.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -31,13 +44,16 @@
 #include <utility>
 #include <vector>
 
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
-#include <torch/library.h>
+#include <torch/version.h>
 
 #include "tracker.h"
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 10)
+#define GRAPHSAFE_OBSERVER_KERNELS 1  // c10::SafeKernelFunction: the kernel an op had
+#endif
 
 namespace graphsafe_native {
 
@@ -92,15 +108,21 @@ void remember_quiet(const void* key, uint64_t generation) {
   }
 }
 
+// What the kernels do when an op is registered or deregistered (below), under the
+// dispatcher's lock.
+void kernels_heard(const c10::OperatorHandle& op, bool registered);
+
 class Registrations final : public c10::OpRegistrationListener {
  public:
-  void onOperatorRegistered(const c10::OperatorHandle& /*op*/) override {
+  void onOperatorRegistered(const c10::OperatorHandle& op) override {
     op_generation.fetch_add(1, std::memory_order_acq_rel);
     forget_quiet_ops();
+    kernels_heard(op, true);
   }
-  void onOperatorDeregistered(const c10::OperatorHandle& /*op*/) override {
+  void onOperatorDeregistered(const c10::OperatorHandle& op) override {
     op_generation.fetch_add(1, std::memory_order_acq_rel);
     forget_quiet_ops();
+    kernels_heard(op, false);
   }
 };
 
@@ -138,37 +160,44 @@ std::atomic<bool> any_pending{false};
 // RecordFunction was off at some point while observing: writes may have gone unseen.
 std::atomic<bool> blind{false};
 
+// Taken with the GIL by what starts, stops or refreshes the observer (and the floors);
+// held while calling into the dispatcher.
 std::mutex callback_mu;
-at::CallbackHandle callback = 0;  // guarded by callback_mu
+at::CallbackHandle callback = 0;  // guarded by callback_mu: the callback observing
+std::atomic<bool> called_back{false};  // callback != 0, for readers without the mutex
 at::CallbackHandle floor_callback = 0;  // guarded by callback_mu
 std::atomic<bool> running{false};
 
-OpWrites compute_writes(const at::RecordFunction& fn) {
+OpWrites schema_writes(const c10::FunctionSchema& schema) {
   OpWrites found;
-  std::optional<c10::FunctionSchema> schema = fn.operator_schema();
-  if (!schema.has_value()) {
-    return found;  // not a dispatcher op: no schema, no arguments it writes
-  }
-  const auto& args = schema->arguments();
+  const auto& args = schema.arguments();
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::AliasInfo* alias = args[i].alias_info();
     if (alias != nullptr && alias->isWrite()) {
       found.args.push_back(i);
     }
   }
-  const std::string& qualified = schema->name();
+  const std::string& qualified = schema.name();
   if (found.args.empty() && qualified.rfind("c10d::", 0) == 0 && qualified.back() == '_' &&
       !args.empty()) {
     found.args.push_back(0);
   }
   found.name = qualified;
-  if (!schema->overload_name().empty()) {
+  if (!schema.overload_name().empty()) {
     found.name += '.';
-    found.name += schema->overload_name();
+    found.name += schema.overload_name();
   }
   found.overwrites = found.name == "aten::copy_" || found.name == "aten::fill_.Scalar" ||
                      found.name == "aten::fill_.Tensor" || found.name == "aten::zero_";
   return found;
+}
+
+OpWrites compute_writes(const at::RecordFunction& fn) {
+  std::optional<c10::FunctionSchema> schema = fn.operator_schema();
+  if (!schema.has_value()) {
+    return OpWrites{};  // not a dispatcher op: no schema, no arguments it writes
+  }
+  return schema_writes(*schema);
 }
 
 void note(int64_t key, const KeySet& keys, const std::string& op) {
@@ -204,6 +233,29 @@ const OpWrites& writes_in(ThreadState& state, const at::RecordFunction& fn) {
   return it->second;
 }
 
+// Notes what an op writes of the watched storages: `writes` of its arguments `args`.
+void note_written(ThreadState& state, const OpWrites& writes,
+                  c10::ArrayRef<const c10::IValue> args) {
+  if (state.unobserved != 0) {
+    return;
+  }
+  if (state.keys_generation != watched_generation.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> g(watched_mu);
+    state.keys = watched;
+    state.keys_generation = watched_generation.load(std::memory_order_relaxed);
+  }
+  const KeySet* keys = state.keys.get();
+  if (keys == nullptr || keys->empty()) {
+    return;
+  }
+  for (size_t i : writes.args) {
+    if (i < args.size()) {
+      each_key(args[i], [&](int64_t key) { note(key, *keys, writes.name); });
+    }
+  }
+}
+
+// The callback.
 std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& fn) {
   const void* op = fn.name();
   if (op != nullptr && quiet_ops[quiet_slot(op)].load(std::memory_order_relaxed) == op) {
@@ -215,26 +267,188 @@ std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& fn) {
     remember_quiet(op, state.op_generation);
     return nullptr;
   }
-  if (state.unobserved != 0) {
-    return nullptr;
-  }
-  if (state.keys_generation != watched_generation.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> g(watched_mu);
-    state.keys = watched;
-    state.keys_generation = watched_generation.load(std::memory_order_relaxed);
-  }
-  const KeySet* keys = state.keys.get();
-  if (keys == nullptr || keys->empty()) {
-    return nullptr;
-  }
-  const c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
-  for (size_t i : writes.args) {
-    if (i < inputs.size()) {
-      each_key(inputs[i], [&](int64_t key) { note(key, *keys, writes.name); });
-    }
-  }
+  note_written(state, writes, fn.inputs());
   return nullptr;
 }
+
+at::RecordFunctionCallback observing() {
+  return at::RecordFunctionCallback(observe).needsInputs(true).scopes(
+      {at::RecordScope::FUNCTION});
+}
+
+// The bridge: the callback, on from a registration of an op that writes (while the
+// kernels observe) until that op has a kernel. Its mutex is taken under the dispatcher's
+// lock (by the listener) and nothing is called into while it is held.
+std::mutex bridge_mu;
+at::CallbackHandle bridge = 0;  // guarded by bridge_mu
+
+// Whether the kernels observe now, and whether an op was registered or deregistered
+// since they were last matched to the ops (`cover_ops` then runs at the next call from
+// Python: `refresh_kernels`).
+std::atomic<bool> kernels_on{false};
+std::atomic<bool> kernels_stale{false};
+
+class Silent : public c10::WarningHandler {
+  void process(const c10::Warning& /*warning*/) override {}
+};
+
+#ifdef GRAPHSAFE_OBSERVER_KERNELS
+
+// The kernel of one op at ADInplaceOrView: notes what it writes, then calls the kernel
+// the op had there, or goes below (a fallthrough's effect) where it had none. Once the
+// op is deregistered (`forget`), the kernel it had may be gone: it only goes below.
+class Covering final : public c10::OperatorKernel {
+ public:
+  Covering(OpWrites writes, size_t arity, std::optional<c10::SafeKernelFunction> had)
+      : writes_(std::move(writes)), arity_(arity), had_(std::move(had)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                  torch::jit::Stack* stack) {
+    if (!gone_.load(std::memory_order_acquire)) {
+      if (stack->size() >= arity_) {
+        note_written(here, writes_,
+                     c10::ArrayRef<const c10::IValue>(stack->data() + stack->size() - arity_,
+                                                      arity_));
+      }
+      if (had_.has_value()) {
+        had_->callBoxed(op, keys, stack);
+        return;
+      }
+    }
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+
+  void forget() {
+    gone_.store(true, std::memory_order_release);
+  }
+  bool gone() const {
+    return gone_.load(std::memory_order_acquire);
+  }
+
+ private:
+  const OpWrites writes_;
+  const size_t arity_;
+  const std::optional<c10::SafeKernelFunction> had_;
+  std::atomic<bool> gone_{false};
+};
+
+struct Cover {
+  Covering* kernel;  // owned by the dispatcher's entry that `registration` holds
+  c10::RegistrationHandleRAII registration;
+};
+
+// The ops the kernels cover. `covers_mu` is taken with the GIL and held while calling
+// into the dispatcher; `covering_mu` (the listener's, under the dispatcher's lock) is
+// held around nothing else.
+std::mutex covers_mu;
+std::unordered_map<c10::OperatorName, Cover> covers;  // guarded by covers_mu
+std::mutex covering_mu;
+std::unordered_map<c10::OperatorName, Covering*> covering;  // guarded by covering_mu
+
+// Gives every op that writes and has none a kernel, and takes back the kernels of ops
+// deregistered since (under covers_mu, with the GIL). False, with a Python error set,
+// where the dispatcher refused one.
+bool cover_ops() {
+  kernels_stale.store(false, std::memory_order_seq_cst);
+  try {
+    Silent silent;  // torch warns that a kernel is replaced: it is called from ours
+    c10::WarningUtils::WarningHandlerGuard quiet(&silent);
+    for (auto it = covers.begin(); it != covers.end();) {
+      if (it->second.kernel->gone()) {
+        {
+          std::lock_guard<std::mutex> g(covering_mu);
+          covering.erase(it->first);
+        }
+        it = covers.erase(it);  // its registration ends here
+      } else {
+        ++it;
+      }
+    }
+    c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+      if (covers.count(name) != 0) {
+        continue;
+      }
+      const std::optional<c10::OperatorHandle> op = dispatcher.findOp(name);
+      if (!op || !op->hasSchema()) {
+        continue;
+      }
+      OpWrites writes = schema_writes(op->schema());
+      if (writes.args.empty()) {
+        continue;
+      }
+      std::optional<c10::SafeKernelFunction> had;
+      if (op->hasKernelForDispatchKey(c10::DispatchKey::ADInplaceOrView) &&
+          !op->isKernelFallthroughKernel(c10::DispatchKey::ADInplaceOrView)) {
+        had.emplace(op->getComputedKernelForDispatchKey(c10::DispatchKey::ADInplaceOrView));
+      }
+      auto kernel = std::make_unique<Covering>(std::move(writes),
+                                               op->schema().arguments().size(), std::move(had));
+      Covering* raw = kernel.get();
+      c10::RegistrationHandleRAII registration = dispatcher.registerImpl(
+          name, c10::DispatchKey::ADInplaceOrView,
+          c10::KernelFunction::makeFromBoxedFunctor(std::move(kernel)), std::nullopt, nullptr,
+          "graphsafe's process-wide write observer");
+      covers.emplace(name, Cover{raw, std::move(registration)});
+      std::lock_guard<std::mutex> g(covering_mu);
+      covering[name] = raw;
+    }
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_RuntimeError, "graphsafe's write observer could not cover an op: %s",
+                 e.what());
+    return false;
+  }
+  std::lock_guard<std::mutex> g(bridge_mu);
+  if (bridge != 0 && !kernels_stale.load(std::memory_order_seq_cst)) {
+    at::removeCallback(bridge);  // every op that writes has a kernel now
+    bridge = 0;
+  }
+  return true;
+}
+
+void uncover_ops() {
+  {
+    std::lock_guard<std::mutex> g(covering_mu);
+    covering.clear();
+  }
+  covers.clear();  // torch's kernels are back
+  std::lock_guard<std::mutex> g(bridge_mu);
+  if (bridge != 0) {
+    at::removeCallback(bridge);
+    bridge = 0;
+  }
+}
+
+#endif  // GRAPHSAFE_OBSERVER_KERNELS
+
+void kernels_heard(const c10::OperatorHandle& op, bool registered) {
+  if (!kernels_on.load(std::memory_order_acquire)) {
+    return;
+  }
+  if (!registered) {
+#ifdef GRAPHSAFE_OBSERVER_KERNELS
+    std::lock_guard<std::mutex> g(covering_mu);
+    auto it = covering.find(op.operator_name());
+    if (it != covering.end()) {
+      it->second->forget();  // the kernel it had may be destroyed next
+    }
+#endif
+    kernels_stale.store(true, std::memory_order_seq_cst);
+    return;
+  }
+  if (!op.hasSchema() || schema_writes(op.schema()).args.empty()) {
+    return;
+  }
+  kernels_stale.store(true, std::memory_order_seq_cst);
+  std::lock_guard<std::mutex> g(bridge_mu);
+  if (bridge == 0 && kernels_on.load(std::memory_order_acquire)) {  // not stopped meanwhile
+    bridge = at::addGlobalCallback(observing());
+  }
+}
+
+// Matches the kernels to the ops if one was registered or deregistered since they last
+// were (with the GIL; false with a Python error set where that failed).
+bool refresh_kernels();
 
 }  // namespace
 
@@ -306,29 +520,96 @@ PyObject* observer_watch(PyObject* /*self*/, PyObject* keys) {
   Py_RETURN_NONE;
 }
 
-// observer_start(): observe every thread's ops from now on (a second start does nothing).
-PyObject* observer_start(PyObject* /*self*/, PyObject* /*unused*/) {
-  track_registrations();
-  if (!at::isRecordFunctionEnabled()) {
-    blind.store(true, std::memory_order_release);
-  }
-  std::lock_guard<std::mutex> g(callback_mu);
-  if (callback == 0) {
-    callback = at::addGlobalCallback(
-        at::RecordFunctionCallback(observe).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
-    running.store(true, std::memory_order_release);
-  }
-  Py_RETURN_NONE;
-}
+namespace {
 
-// observer_stop(): remove the callback (what is pending stays, for a last drain).
-PyObject* observer_stop(PyObject* /*self*/, PyObject* /*unused*/) {
-  std::lock_guard<std::mutex> g(callback_mu);
+void stop_observing() {  // under callback_mu
+  if (kernels_on.exchange(false, std::memory_order_acq_rel)) {
+#ifdef GRAPHSAFE_OBSERVER_KERNELS
+    std::lock_guard<std::mutex> g(covers_mu);
+    uncover_ops();
+#endif
+  }
   if (callback != 0) {
     at::removeCallback(callback);
     callback = 0;
-    running.store(false, std::memory_order_release);
+    called_back.store(false, std::memory_order_release);
   }
+  running.store(false, std::memory_order_release);
+}
+
+bool refresh_kernels() {
+#ifdef GRAPHSAFE_OBSERVER_KERNELS
+  if (!kernels_stale.load(std::memory_order_acquire)) {
+    return true;
+  }
+  std::lock_guard<std::mutex> g(callback_mu);
+  if (!kernels_on.load(std::memory_order_acquire)) {
+    return true;
+  }
+  std::lock_guard<std::mutex> c(covers_mu);
+  return cover_ops();
+#else
+  return true;
+#endif
+}
+
+}  // namespace
+
+// observer_start(callback: bool = False) -> str: observe every thread's ops from now on,
+// through kernels where torch allows it and `callback` is false, else through the
+// callback (a tensor made in inference mode is watched); a start through the other door
+// moves to it, seeing every op meanwhile. Returns "kernels" or "callback".
+PyObject* observer_start(PyObject* /*self*/, PyObject* args) {
+  int want_callback = 0;
+  if (!PyArg_ParseTuple(args, "|p", &want_callback)) {
+    return nullptr;
+  }
+  track_registrations();
+#ifndef GRAPHSAFE_OBSERVER_KERNELS
+  want_callback = 1;
+#endif
+  std::lock_guard<std::mutex> g(callback_mu);
+  if (want_callback != 0) {
+    if (callback == 0) {
+      if (!at::isRecordFunctionEnabled()) {
+        blind.store(true, std::memory_order_release);
+      }
+      callback = at::addGlobalCallback(observing());
+      called_back.store(true, std::memory_order_release);
+    }
+    if (kernels_on.exchange(false, std::memory_order_acq_rel)) {
+#ifdef GRAPHSAFE_OBSERVER_KERNELS
+      std::lock_guard<std::mutex> c(covers_mu);
+      uncover_ops();
+#endif
+    }
+    running.store(true, std::memory_order_release);
+    return PyUnicode_FromString("callback");
+  }
+#ifdef GRAPHSAFE_OBSERVER_KERNELS
+  if (!kernels_on.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> c(covers_mu);
+    kernels_on.store(true, std::memory_order_release);  // before the ops are read
+    if (!cover_ops()) {
+      kernels_on.store(false, std::memory_order_release);
+      uncover_ops();
+      return nullptr;
+    }
+  }
+  if (callback != 0) {  // every op that writes has a kernel now
+    at::removeCallback(callback);
+    callback = 0;
+    called_back.store(false, std::memory_order_release);
+  }
+  running.store(true, std::memory_order_release);
+#endif
+  return PyUnicode_FromString("kernels");
+}
+
+// observer_stop(): stop observing (what is pending stays, for a last drain).
+PyObject* observer_stop(PyObject* /*self*/, PyObject* /*unused*/) {
+  std::lock_guard<std::mutex> g(callback_mu);
+  stop_observing();
   Py_RETURN_NONE;
 }
 
@@ -384,104 +665,30 @@ PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-namespace {
-
-// What `observer_kernel_floor` registers: torch's own kernels at ADInplaceOrView (the
-// version bump of what an op writes) replaced, for every aten op that writes an argument,
-// by one that reads each written tensor's storage, as an observer would, then does what
-// they do.
-std::unique_ptr<torch::Library> kernel_floor;
-
-void written_then_below(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
-                        torch::jit::Stack* stack) {
-  const auto& args = op.schema().arguments();
-  const size_t base = stack->size() - args.size();
-  c10::SmallVector<c10::TensorImpl*, 4> written;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const c10::AliasInfo* alias = args[i].alias_info();
-    if (alias == nullptr || !alias->isWrite()) {
-      continue;
-    }
-    const c10::IValue& value = (*stack)[base + i];
-    if (value.isTensor()) {
-      written.push_back(value.toTensor().unsafeGetTensorImpl());
-    } else if (value.isTensorList()) {
-      for (const at::Tensor& t : value.toTensorList().vec()) {
-        written.push_back(t.unsafeGetTensorImpl());
-      }
+// observer_doors() -> tuple[str, ...]: how it observes now: ("kernels",), ("kernels",
+// "bridge") while an op registered since has no kernel yet, ("callback",), or ().
+PyObject* observer_doors(PyObject* /*self*/, PyObject* /*unused*/) {
+  std::vector<const char*> doors;
+  if (kernels_on.load(std::memory_order_acquire)) {
+    doors.push_back("kernels");
+    std::lock_guard<std::mutex> g(bridge_mu);
+    if (bridge != 0) {
+      doors.push_back("bridge");
     }
   }
-  for (c10::TensorImpl* impl : written) {  // what an observer reads of each
-    if (impl != c10::UndefinedTensorImpl::singleton() && impl->has_storage()) {
-      volatile const void* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-      (void)storage;
+  if (called_back.load(std::memory_order_acquire)) {
+    doors.push_back("callback");
+  }
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(doors.size()));
+  for (size_t i = 0; out != nullptr && i < doors.size(); ++i) {
+    PyObject* door = PyUnicode_FromString(doors[i]);
+    if (door == nullptr) {
+      Py_CLEAR(out);
+      break;
     }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), door);
   }
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
-  }
-  for (c10::TensorImpl* impl : written) {
-    if (impl != c10::UndefinedTensorImpl::singleton() && !impl->is_inference()) {
-      impl->bump_version();
-    }
-  }
-}
-
-class Silent : public c10::WarningHandler {
-  void process(const c10::Warning& /*warning*/) override {}
-};
-
-}  // namespace
-
-// observer_kernel_floor(on: bool) -> int: the floor of another way to see writes (figure
-// 8 times it beside the callback's): no RecordFunction callback, which every op pays,
-// but a kernel at ADInplaceOrView, where torch bumps the version of what an op writes,
-// for each aten op that writes an argument (not the in-place views), which only those
-// ops pay. It does what torch's kernels there do, and reads each written storage. On:
-// the number of ops it covers; off: 0, torch's own kernels back.
-PyObject* observer_kernel_floor(PyObject* /*self*/, PyObject* arg) {
-  const int on = PyObject_IsTrue(arg);
-  if (on < 0) {
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> g(callback_mu);
-  kernel_floor.reset();
-  if (on == 0) {
-    return PyLong_FromLong(0);
-  }
-  long count = 0;
-  try {
-    Silent silent;  // torch warns once that a kernel is replaced: this is what it does
-    c10::WarningUtils::WarningHandlerGuard quiet(&silent);
-    auto made = std::make_unique<torch::Library>(
-        torch::Library::IMPL, "aten", c10::DispatchKey::ADInplaceOrView, __FILE__, __LINE__);
-    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
-      if (name.name.rfind("aten::", 0) != 0) {
-        continue;
-      }
-      const std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(name);
-      if (!op || !op->hasSchema() || op->hasTag(at::Tag::inplace_view) ||
-          !op->hasKernelForDispatchKey(c10::DispatchKey::ADInplaceOrView)) {
-        continue;
-      }
-      const auto& args = op->schema().arguments();
-      if (std::none_of(args.begin(), args.end(), [](const c10::Argument& a) {
-            return a.alias_info() != nullptr && a.alias_info()->isWrite();
-          })) {
-        continue;
-      }
-      const std::string own = name.name.substr(6) +
-                              (name.overload_name.empty() ? "" : "." + name.overload_name);
-      made->impl(own.c_str(), torch::CppFunction::makeFromBoxedFunction<&written_then_below>());
-      ++count;
-    }
-    kernel_floor = std::move(made);
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  return PyLong_FromLong(count);
+  return out;
 }
 
 // observer_running() -> bool: whether the callback is on.
@@ -489,10 +696,29 @@ PyObject* observer_running(PyObject* /*self*/, PyObject* /*unused*/) {
   return PyBool_FromLong(running.load(std::memory_order_acquire));
 }
 
-// observer_pending() -> bool: whether a drain would return anything. RecordFunction off
-// in the calling thread while observing makes the observer blind.
+namespace {
+
+// Whether a callback observes (the observer's, or the bridge), which RecordFunction off
+// blinds.
+bool calling_back() {
+  if (called_back.load(std::memory_order_acquire)) {
+    return true;
+  }
+  std::lock_guard<std::mutex> g(bridge_mu);
+  return bridge != 0;
+}
+
+}  // namespace
+
+// observer_pending() -> bool: whether a drain would return anything (matching the kernels
+// to the ops first, if any was registered since). RecordFunction off in the calling
+// thread while a callback observes makes the observer blind.
 PyObject* observer_pending(PyObject* /*self*/, PyObject* /*unused*/) {
-  if (running.load(std::memory_order_acquire) && !at::isRecordFunctionEnabled()) {
+  if (!refresh_kernels()) {
+    return nullptr;
+  }
+  if (running.load(std::memory_order_acquire) && !at::isRecordFunctionEnabled() &&
+      calling_back()) {
     blind.store(true, std::memory_order_release);
   }
   return PyBool_FromLong(any_pending.load(std::memory_order_acquire) ||
@@ -502,6 +728,9 @@ PyObject* observer_pending(PyObject* /*self*/, PyObject* /*unused*/) {
 // observer_drain() -> (dict[int, str], bool): the keys written since the last drain, each
 // with the first op that wrote it, and whether writes may have gone unseen since then.
 PyObject* observer_drain(PyObject* /*self*/, PyObject* /*unused*/) {
+  if (!refresh_kernels()) {
+    return nullptr;
+  }
   std::unordered_map<int64_t, std::string> taken;
   {
     std::lock_guard<std::mutex> g(pending_mu);

@@ -19,7 +19,13 @@ __all__ = ["check"]
 
 
 def check(module: Any) -> bool:
-    """Whether the library gives the answers the Python path gives (else it is refused)."""
+    """Whether the library gives the answers the Python path gives (else it is refused).
+    Outside inference mode, wherever the first use is: its tensors need versions."""
+    with torch.inference_mode(False):
+        return _check(module)
+
+
+def _check(module: Any) -> bool:
     a, b = torch.zeros(2, 3), torch.zeros(3)
     geo = module.geometry([a, b])
     ok = isinstance(geo, bytes) and module.same_geometry([a, b], geo)
@@ -234,12 +240,19 @@ def _recorder_check(module: Any, weight: torch.Tensor) -> bool:
 
 
 def _observer_check(module: Any, watched: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether the observer of a library not yet in use sees a write into `watched` by
-    any thread, and nothing else: not `other`, not a quiet scope's, not a tracked one's."""
+    """Whether the observer of a library not yet in use, through either door, sees a
+    write into `watched` by any thread, and nothing else: not `other`, not a quiet
+    scope's, not a tracked one's."""
+    return all(_observer_door_check(module, watched, other, callback) for callback in (False, True))
+
+
+def _observer_door_check(
+    module: Any, watched: torch.Tensor, other: torch.Tensor, callback: bool
+) -> bool:
     key = watched.untyped_storage().data_ptr()
     tracker = module.tracker_new([key])
     module.observer_watch([key])
-    module.observer_start()
+    module.observer_start(callback)
     try:
         with torch.no_grad():
             other.add_(1)  # not watched

@@ -138,14 +138,14 @@ void unobserved_exit();
 
 // observer.cpp's functions, listed in tracker_methods.
 PyObject* observer_watch(PyObject* self, PyObject* keys);
-PyObject* observer_start(PyObject* self, PyObject* unused);
+PyObject* observer_start(PyObject* self, PyObject* args);
 PyObject* observer_stop(PyObject* self, PyObject* unused);
 PyObject* observer_running(PyObject* self, PyObject* unused);
 PyObject* observer_pending(PyObject* self, PyObject* unused);
 PyObject* observer_drain(PyObject* self, PyObject* unused);
 PyObject* observer_quiet(PyObject* self, PyObject* enter);
 PyObject* observer_floor(PyObject* self, PyObject* args);
-PyObject* observer_kernel_floor(PyObject* self, PyObject* arg);
+PyObject* observer_doors(PyObject* self, PyObject* unused);
 
 // strays.cpp's functions, listed in tracker_methods.
 PyObject* strays_watch(PyObject* self, PyObject* keys);

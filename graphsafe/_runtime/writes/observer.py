@@ -4,15 +4,18 @@ A tracked load sees the writes of its own thread, and version counters see write
 through the tensor a derivation reads. What neither sees still reaches the dispatcher:
 `p.data.copy_(w)` in a script, the steps of fused optimizers (`AdamW(..., fused=True)`
 writes the parameters without moving their versions), writes in threads a loader
-starts. While any model is pinned, a global RecordFunction callback of the compiled
-build (`observer.cpp`) notes every write into a storage its derivations read or write,
-in every thread, except in tracked loads (which record their own writes) and in
-graphsafe's own refreshes (`quiet`). The journal takes them in (`Journal.sync`, which
-the witnesses call before they compare or record epochs) as written by "<op> outside
-any tracked load (seen by the process-wide write observer)": a guarded replay then
-raises `StaleError` naming the input and the op, or repairs with `on_stale="refresh"`.
-Since the drain runs before a refresh records its witnesses, a write seen before a
-refresh is one that refresh read.
+starts. While any model is pinned, the compiled build (`observer.cpp`) notes every write
+into a storage its derivations read or write, in every thread, except in tracked loads
+(which record their own writes) and in graphsafe's own refreshes (`quiet`). It sees
+them through kernels at ADInplaceOrView, where torch bumps versions, which only the ops
+that write pay; where a watched tensor was made in inference mode (such tensors skip
+that key), on torch before 2.10, or with `GRAPHSAFE_OBSERVER=callback`, through a
+global RecordFunction callback, which every op pays. The journal takes them in
+(`Journal.sync`, which the witnesses call before they compare or record epochs) as
+written by "<op> outside any tracked load (seen by the process-wide write observer)":
+a guarded replay then raises `StaleError` naming the input and the op, or repairs with
+`on_stale="refresh"`. Since the drain runs before a refresh records its witnesses, a
+write seen before a refresh is one that refresh read.
 
 `GRAPHSAFE_OBSERVER=0` (or `gs.observe_writes(False)`) turns it off. Without the compiled
 build there is none, since dispatch modes are per thread: with `GRAPHSAFE_NATIVE=0` the
@@ -42,7 +45,7 @@ HOW = "{op} outside any tracked load (seen by the process-wide write observer)"
 
 BLIND = (
     "writes the process-wide write observer may have missed (torch's RecordFunction was "
-    "turned off while it observed)"
+    "turned off while it observed through its callback)"
 )
 
 _UNAVAILABLE = (
@@ -58,7 +61,7 @@ _UNAVAILABLE = (
 
 
 class Observer:
-    """The storages pinned runtimes watch, and the compiled callback that observes them.
+    """The storages pinned runtimes watch, and the compiled observer that watches them.
 
     A pin's release may run in a garbage-collection finalizer (a dropped graph), at any
     allocation of any thread, the journal's own code included: `unwatch` therefore never
@@ -77,6 +80,11 @@ class Observer:
         self._watched: dict[int, dict[int, torch.UntypedStorage]] = {}
         """Per watching runtime (by id): storage key -> its storage, held while watched
         (so that no other tensor takes its address)."""
+        self._inference: set[int] = set()
+        """The watching runtimes (by id) that watch a tensor made in inference mode, which
+        the kernels cannot see written: the callback observes while there is one."""
+        self.door: str | None = None
+        """How it observes now: "kernels", "callback", or None (it does not)."""
         self._finalizers: dict[int, weakref.finalize[[int], object]] = {}
         self._gone: list[int] = []  # watchers unpinned or collected, dropped at `_settle`
         # (written, blind, storages watched then) drained from the callback, not yet
@@ -86,7 +94,9 @@ class Observer:
         self._native: _native.Native | None = None  # the module observing, while it does
         self.lib: _native.Native | None = None
         """The module the observer first ran in (quiet scopes count there), or None."""
-        self.enabled = _enabled_by_env()
+        self.enabled, self.by_callback = _from_env()
+        """Whether it observes while a model is pinned; whether through the callback
+        alone (`GRAPHSAFE_OBSERVER=callback`), not the kernels."""
         self._warned = False
 
     @property
@@ -100,10 +110,12 @@ class Observer:
         """Watch the storages `keys` for `owner` (a pinned runtime), replacing what it
         watched; `tensors()` gives them (the model's tensors; others are skipped)."""
         storages = {}
+        inference = False
         for t in tensors():
             key = storage_key(t)
             if key in keys:
                 storages[key] = t.untyped_storage()
+                inference = inference or t.is_inference()
         token = id(owner)
         with self._lock:
             self._take()
@@ -111,6 +123,10 @@ class Observer:
             if token not in self._finalizers:
                 self._finalizers[token] = weakref.finalize(owner, self._gone.append, token)
             self._watched[token] = storages
+            if inference:
+                self._inference.add(token)
+            else:
+                self._inference.discard(token)
             self._apply()
             self._flush()
         self._settle()
@@ -162,9 +178,11 @@ class Observer:
             token = self._gone.pop()
             self._finalizers.pop(token, None)
             self._watched.pop(token, None)
+            self._inference.discard(token)
 
     def _apply(self) -> None:
-        """Start, update or stop the callback for what is watched now (under the lock)."""
+        """Start, update or stop observing what is watched now (under the lock): through
+        the kernels, or the callback while a tensor made in inference mode is watched."""
         keys = {key for storages in self._watched.values() for key in storages}
         native = self._native
         if not keys or not self.enabled:
@@ -173,6 +191,7 @@ class Observer:
                 self._take()  # what it saw up to the stop
                 native.observer_watch(())
                 self._native = None
+                self.door = None
                 if not self._taken:
                     self._journal.set_drain(None)
             return
@@ -182,8 +201,9 @@ class Observer:
                 self._warn()
                 return
         native.observer_watch(keys)
-        if self._native is None:
-            native.observer_start()
+        callback = self.by_callback or bool(self._inference)
+        if self._native is None or (self.door == "callback") != callback:
+            self.door = native.observer_start(callback)
             self._native = self.lib = native
             self._journal.set_drain(self.sync)
 
@@ -231,10 +251,11 @@ class Observer:
             warnings.warn(_UNAVAILABLE, GraphSafetyWarning, stacklevel=5)
 
 
-def _enabled_by_env() -> bool:
-    """`GRAPHSAFE_OBSERVER`: off for 0, off, false or no; on otherwise (the default)."""
+def _from_env() -> tuple[bool, bool]:
+    """`GRAPHSAFE_OBSERVER`: off for 0, off, false or no; through the callback alone for
+    callback; on otherwise (the default). Returns (on, through the callback)."""
     value = os.environ.get("GRAPHSAFE_OBSERVER", "1").strip().lower()
-    return value not in ("0", "off", "false", "no")
+    return value not in ("0", "off", "false", "no"), value == "callback"
 
 
 OBSERVER = Observer(JOURNAL)

@@ -10,10 +10,10 @@
 - `tracker.cpp`: the load-time write tracker (`_runtime.writes.tracking.NativeWriteTracker`), a
   RecordFunction callback instead of a Python dispatch mode, a fraction of a microsecond
   per op instead of about ten.
-- `observer.cpp`: the process-wide write observer (`_runtime.writes.observer`), a global
-  RecordFunction callback noting writes into pinned models' storages made outside any
-  tracked load, in every thread. No Python dispatch mode can do that: modes are per
-  thread.
+- `observer.cpp`, `kernels.cpp`: the process-wide write observer (`_runtime.writes.observer`),
+  kernels at ADInplaceOrView (or a global RecordFunction callback) noting writes into
+  pinned models' storages made outside any tracked load, in every thread. No Python
+  dispatch mode can do that: modes are per thread.
 - `strays.cpp`: while a recording runs, the ops of threads it does not follow that touch
   the recorded weights (`_lineage.record.threads`).
 - `recorder.cpp`: the provenance recorder (`_lineage.record.native`), a thread-local
@@ -91,8 +91,10 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "checks.cpp", _HERE / "witnesses.cpp", _HERE / "tracker.cpp",
             _HERE / "observer.cpp", _HERE / "strays.cpp", _HERE / "fingerprint.cpp",
             _HERE / "recorder.cpp", _HERE / "walk.cpp", _HERE / "model_map.cpp",
-            _HERE / "map_rows.cpp", _HERE / "found.cpp", _HERE / "records.cpp")
-_HEADERS = (_HERE / "records.h", _HERE / "ref.h", _HERE / "sites.h", _HERE / "tracker.h")
+            _HERE / "map_rows.cpp", _HERE / "found.cpp", _HERE / "records.cpp",
+            _HERE / "kernels.cpp")
+_HEADERS = (_HERE / "records.h", _HERE / "ref.h", _HERE / "sites.h", _HERE / "tracker.h",
+            _HERE / "observer.h")
 # NDEBUG as torch was built: its headers' debug-only members and asserts must match the
 # library's. -Wall is for our sources: torch's and Python's headers come in with -isystem.
 _COMPILE_FLAGS = ("-O2", "-DNDEBUG", "-std=c++17", "-fPIC", "-Wall")

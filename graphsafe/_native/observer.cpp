@@ -10,16 +10,10 @@
 // Ops of a thread inside a tracked load (their load records them) or a quiet scope
 // (graphsafe's own writes) are skipped.
 //
-// Kernels (the default where torch has `getComputedKernelForDispatchKey`, 2.10 on): a
-// kernel at ADInplaceOrView, where torch bumps the version of what an op writes, for
-// every op that writes an argument. It notes, then calls the kernel it replaced there
-// (torch's version bump, or a custom op's), or goes below where there was none
-// (`_foreach_*`, `_fused_*`, c10d's collectives, ops a `TORCH_LIBRARY` defines). Only
-// ops that write pay, and RecordFunction being off hides nothing. An op registered
-// while they observe has no kernel until the next call from Python (registering from
-// the dispatcher's listener would deadlock); meanwhile the callback below sees it (the
-// bridge). Tensors made in inference mode carry no ADInplaceOrView key: where one is
-// watched, the callback observes instead.
+// Kernels (kernels.cpp, the default where torch allows it): a kernel at ADInplaceOrView
+// for every op that writes an argument, which only those ops pay. Tensors made in
+// inference mode carry no ADInplaceOrView key: where one is watched, the callback
+// observes instead; and it bridges while an op registered since has no kernel yet.
 //
 // The callback: a global RecordFunction callback sees every dispatcher op of every
 // thread before it runs. It runs for every op while it is on, and most ops write
@@ -47,13 +41,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
-#include <torch/version.h>
 
+#include "observer.h"
 #include "tracker.h"
-
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 10)
-#define GRAPHSAFE_OBSERVER_KERNELS 1  // c10::SafeKernelFunction: the kernel an op had
-#endif
 
 namespace graphsafe_native {
 
@@ -108,10 +98,6 @@ void remember_quiet(const void* key, uint64_t generation) {
   }
 }
 
-// What the kernels do when an op is registered or deregistered (below), under the
-// dispatcher's lock.
-void kernels_heard(const c10::OperatorHandle& op, bool registered);
-
 class Registrations final : public c10::OpRegistrationListener {
  public:
   void onOperatorRegistered(const c10::OperatorHandle& op) override {
@@ -160,13 +146,14 @@ std::atomic<bool> any_pending{false};
 // RecordFunction was off at some point while observing: writes may have gone unseen.
 std::atomic<bool> blind{false};
 
-// Taken with the GIL by what starts, stops or refreshes the observer (and the floors);
-// held while calling into the dispatcher.
+// Taken with the GIL by what starts or stops the observer (and the floors).
 std::mutex callback_mu;
 at::CallbackHandle callback = 0;  // guarded by callback_mu: the callback observing
 std::atomic<bool> called_back{false};  // callback != 0, for readers without the mutex
 at::CallbackHandle floor_callback = 0;  // guarded by callback_mu
 std::atomic<bool> running{false};
+
+}  // namespace
 
 OpWrites schema_writes(const c10::FunctionSchema& schema) {
   OpWrites found;
@@ -191,6 +178,8 @@ OpWrites schema_writes(const c10::FunctionSchema& schema) {
                      found.name == "aten::fill_.Tensor" || found.name == "aten::zero_";
   return found;
 }
+
+namespace {
 
 OpWrites compute_writes(const at::RecordFunction& fn) {
   std::optional<c10::FunctionSchema> schema = fn.operator_schema();
@@ -234,8 +223,7 @@ const OpWrites& writes_in(ThreadState& state, const at::RecordFunction& fn) {
 }
 
 // Notes what an op writes of the watched storages: `writes` of its arguments `args`.
-void note_written(ThreadState& state, const OpWrites& writes,
-                  c10::ArrayRef<const c10::IValue> args) {
+void note_in(ThreadState& state, const OpWrites& writes, c10::ArrayRef<const c10::IValue> args) {
   if (state.unobserved != 0) {
     return;
   }
@@ -267,190 +255,20 @@ std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& fn) {
     remember_quiet(op, state.op_generation);
     return nullptr;
   }
-  note_written(state, writes, fn.inputs());
+  note_in(state, writes, fn.inputs());
   return nullptr;
+}
+
+}  // namespace
+
+void note_written(const OpWrites& writes, c10::ArrayRef<const c10::IValue> args) {
+  note_in(here, writes, args);
 }
 
 at::RecordFunctionCallback observing() {
   return at::RecordFunctionCallback(observe).needsInputs(true).scopes(
       {at::RecordScope::FUNCTION});
 }
-
-// The bridge: the callback, on from a registration of an op that writes (while the
-// kernels observe) until that op has a kernel. Its mutex is taken under the dispatcher's
-// lock (by the listener) and nothing is called into while it is held.
-std::mutex bridge_mu;
-at::CallbackHandle bridge = 0;  // guarded by bridge_mu
-
-// Whether the kernels observe now, and whether an op was registered or deregistered
-// since they were last matched to the ops (`cover_ops` then runs at the next call from
-// Python: `refresh_kernels`).
-std::atomic<bool> kernels_on{false};
-std::atomic<bool> kernels_stale{false};
-
-class Silent : public c10::WarningHandler {
-  void process(const c10::Warning& /*warning*/) override {}
-};
-
-#ifdef GRAPHSAFE_OBSERVER_KERNELS
-
-// The kernel of one op at ADInplaceOrView: notes what it writes, then calls the kernel
-// the op had there, or goes below (a fallthrough's effect) where it had none. Once the
-// op is deregistered (`forget`), the kernel it had may be gone: it only goes below.
-class Covering final : public c10::OperatorKernel {
- public:
-  Covering(OpWrites writes, size_t arity, std::optional<c10::SafeKernelFunction> had)
-      : writes_(std::move(writes)), arity_(arity), had_(std::move(had)) {}
-
-  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
-                  torch::jit::Stack* stack) {
-    if (!gone_.load(std::memory_order_acquire)) {
-      if (stack->size() >= arity_) {
-        note_written(here, writes_,
-                     c10::ArrayRef<const c10::IValue>(stack->data() + stack->size() - arity_,
-                                                      arity_));
-      }
-      if (had_.has_value()) {
-        had_->callBoxed(op, keys, stack);
-        return;
-      }
-    }
-    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
-  }
-
-  void forget() {
-    gone_.store(true, std::memory_order_release);
-  }
-  bool gone() const {
-    return gone_.load(std::memory_order_acquire);
-  }
-
- private:
-  const OpWrites writes_;
-  const size_t arity_;
-  const std::optional<c10::SafeKernelFunction> had_;
-  std::atomic<bool> gone_{false};
-};
-
-struct Cover {
-  Covering* kernel;  // owned by the dispatcher's entry that `registration` holds
-  c10::RegistrationHandleRAII registration;
-};
-
-// The ops the kernels cover. `covers_mu` is taken with the GIL and held while calling
-// into the dispatcher; `covering_mu` (the listener's, under the dispatcher's lock) is
-// held around nothing else.
-std::mutex covers_mu;
-std::unordered_map<c10::OperatorName, Cover> covers;  // guarded by covers_mu
-std::mutex covering_mu;
-std::unordered_map<c10::OperatorName, Covering*> covering;  // guarded by covering_mu
-
-// Gives every op that writes and has none a kernel, and takes back the kernels of ops
-// deregistered since (under covers_mu, with the GIL). False, with a Python error set,
-// where the dispatcher refused one.
-bool cover_ops() {
-  kernels_stale.store(false, std::memory_order_seq_cst);
-  try {
-    Silent silent;  // torch warns that a kernel is replaced: it is called from ours
-    c10::WarningUtils::WarningHandlerGuard quiet(&silent);
-    for (auto it = covers.begin(); it != covers.end();) {
-      if (it->second.kernel->gone()) {
-        {
-          std::lock_guard<std::mutex> g(covering_mu);
-          covering.erase(it->first);
-        }
-        it = covers.erase(it);  // its registration ends here
-      } else {
-        ++it;
-      }
-    }
-    c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
-    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-      if (covers.count(name) != 0) {
-        continue;
-      }
-      const std::optional<c10::OperatorHandle> op = dispatcher.findOp(name);
-      if (!op || !op->hasSchema()) {
-        continue;
-      }
-      OpWrites writes = schema_writes(op->schema());
-      if (writes.args.empty()) {
-        continue;
-      }
-      std::optional<c10::SafeKernelFunction> had;
-      if (op->hasKernelForDispatchKey(c10::DispatchKey::ADInplaceOrView) &&
-          !op->isKernelFallthroughKernel(c10::DispatchKey::ADInplaceOrView)) {
-        had.emplace(op->getComputedKernelForDispatchKey(c10::DispatchKey::ADInplaceOrView));
-      }
-      auto kernel = std::make_unique<Covering>(std::move(writes),
-                                               op->schema().arguments().size(), std::move(had));
-      Covering* raw = kernel.get();
-      c10::RegistrationHandleRAII registration = dispatcher.registerImpl(
-          name, c10::DispatchKey::ADInplaceOrView,
-          c10::KernelFunction::makeFromBoxedFunctor(std::move(kernel)), std::nullopt, nullptr,
-          "graphsafe's process-wide write observer");
-      covers.emplace(name, Cover{raw, std::move(registration)});
-      std::lock_guard<std::mutex> g(covering_mu);
-      covering[name] = raw;
-    }
-  } catch (const std::exception& e) {
-    PyErr_Format(PyExc_RuntimeError, "graphsafe's write observer could not cover an op: %s",
-                 e.what());
-    return false;
-  }
-  std::lock_guard<std::mutex> g(bridge_mu);
-  if (bridge != 0 && !kernels_stale.load(std::memory_order_seq_cst)) {
-    at::removeCallback(bridge);  // every op that writes has a kernel now
-    bridge = 0;
-  }
-  return true;
-}
-
-void uncover_ops() {
-  {
-    std::lock_guard<std::mutex> g(covering_mu);
-    covering.clear();
-  }
-  covers.clear();  // torch's kernels are back
-  std::lock_guard<std::mutex> g(bridge_mu);
-  if (bridge != 0) {
-    at::removeCallback(bridge);
-    bridge = 0;
-  }
-}
-
-#endif  // GRAPHSAFE_OBSERVER_KERNELS
-
-void kernels_heard(const c10::OperatorHandle& op, bool registered) {
-  if (!kernels_on.load(std::memory_order_acquire)) {
-    return;
-  }
-  if (!registered) {
-#ifdef GRAPHSAFE_OBSERVER_KERNELS
-    std::lock_guard<std::mutex> g(covering_mu);
-    auto it = covering.find(op.operator_name());
-    if (it != covering.end()) {
-      it->second->forget();  // the kernel it had may be destroyed next
-    }
-#endif
-    kernels_stale.store(true, std::memory_order_seq_cst);
-    return;
-  }
-  if (!op.hasSchema() || schema_writes(op.schema()).args.empty()) {
-    return;
-  }
-  kernels_stale.store(true, std::memory_order_seq_cst);
-  std::lock_guard<std::mutex> g(bridge_mu);
-  if (bridge == 0 && kernels_on.load(std::memory_order_acquire)) {  // not stopped meanwhile
-    bridge = at::addGlobalCallback(observing());
-  }
-}
-
-// Matches the kernels to the ops if one was registered or deregistered since they last
-// were (with the GIL; false with a Python error set where that failed).
-bool refresh_kernels();
-
-}  // namespace
 
 void track_registrations() {
   static std::once_flag once;
@@ -522,35 +340,13 @@ PyObject* observer_watch(PyObject* /*self*/, PyObject* keys) {
 
 namespace {
 
-void stop_observing() {  // under callback_mu
-  if (kernels_on.exchange(false, std::memory_order_acq_rel)) {
-#ifdef GRAPHSAFE_OBSERVER_KERNELS
-    std::lock_guard<std::mutex> g(covers_mu);
-    uncover_ops();
-#endif
-  }
+// Takes the callback off (under callback_mu).
+void callback_off() {
   if (callback != 0) {
     at::removeCallback(callback);
     callback = 0;
     called_back.store(false, std::memory_order_release);
   }
-  running.store(false, std::memory_order_release);
-}
-
-bool refresh_kernels() {
-#ifdef GRAPHSAFE_OBSERVER_KERNELS
-  if (!kernels_stale.load(std::memory_order_acquire)) {
-    return true;
-  }
-  std::lock_guard<std::mutex> g(callback_mu);
-  if (!kernels_on.load(std::memory_order_acquire)) {
-    return true;
-  }
-  std::lock_guard<std::mutex> c(covers_mu);
-  return cover_ops();
-#else
-  return true;
-#endif
 }
 
 }  // namespace
@@ -565,11 +361,8 @@ PyObject* observer_start(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   track_registrations();
-#ifndef GRAPHSAFE_OBSERVER_KERNELS
-  want_callback = 1;
-#endif
   std::lock_guard<std::mutex> g(callback_mu);
-  if (want_callback != 0) {
+  if (want_callback != 0 || !kernels_possible()) {
     if (callback == 0) {
       if (!at::isRecordFunctionEnabled()) {
         blind.store(true, std::memory_order_release);
@@ -577,39 +370,24 @@ PyObject* observer_start(PyObject* /*self*/, PyObject* args) {
       callback = at::addGlobalCallback(observing());
       called_back.store(true, std::memory_order_release);
     }
-    if (kernels_on.exchange(false, std::memory_order_acq_rel)) {
-#ifdef GRAPHSAFE_OBSERVER_KERNELS
-      std::lock_guard<std::mutex> c(covers_mu);
-      uncover_ops();
-#endif
-    }
+    kernels_stop();
     running.store(true, std::memory_order_release);
     return PyUnicode_FromString("callback");
   }
-#ifdef GRAPHSAFE_OBSERVER_KERNELS
-  if (!kernels_on.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> c(covers_mu);
-    kernels_on.store(true, std::memory_order_release);  // before the ops are read
-    if (!cover_ops()) {
-      kernels_on.store(false, std::memory_order_release);
-      uncover_ops();
-      return nullptr;
-    }
+  if (!kernels_start()) {
+    return nullptr;
   }
-  if (callback != 0) {  // every op that writes has a kernel now
-    at::removeCallback(callback);
-    callback = 0;
-    called_back.store(false, std::memory_order_release);
-  }
+  callback_off();  // every op that writes has a kernel now
   running.store(true, std::memory_order_release);
-#endif
   return PyUnicode_FromString("kernels");
 }
 
 // observer_stop(): stop observing (what is pending stays, for a last drain).
 PyObject* observer_stop(PyObject* /*self*/, PyObject* /*unused*/) {
   std::lock_guard<std::mutex> g(callback_mu);
-  stop_observing();
+  kernels_stop();
+  callback_off();
+  running.store(false, std::memory_order_release);
   Py_RETURN_NONE;
 }
 
@@ -669,10 +447,9 @@ PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
 // "bridge") while an op registered since has no kernel yet, ("callback",), or ().
 PyObject* observer_doors(PyObject* /*self*/, PyObject* /*unused*/) {
   std::vector<const char*> doors;
-  if (kernels_on.load(std::memory_order_acquire)) {
+  if (kernels_running()) {
     doors.push_back("kernels");
-    std::lock_guard<std::mutex> g(bridge_mu);
-    if (bridge != 0) {
+    if (bridging()) {
       doors.push_back("bridge");
     }
   }
@@ -701,11 +478,7 @@ namespace {
 // Whether a callback observes (the observer's, or the bridge), which RecordFunction off
 // blinds.
 bool calling_back() {
-  if (called_back.load(std::memory_order_acquire)) {
-    return true;
-  }
-  std::lock_guard<std::mutex> g(bridge_mu);
-  return bridge != 0;
+  return called_back.load(std::memory_order_acquire) || bridging();
 }
 
 }  // namespace
@@ -714,7 +487,7 @@ bool calling_back() {
 // to the ops first, if any was registered since). RecordFunction off in the calling
 // thread while a callback observes makes the observer blind.
 PyObject* observer_pending(PyObject* /*self*/, PyObject* /*unused*/) {
-  if (!refresh_kernels()) {
+  if (!kernels_refresh()) {
     return nullptr;
   }
   if (running.load(std::memory_order_acquire) && !at::isRecordFunctionEnabled() &&
@@ -728,7 +501,7 @@ PyObject* observer_pending(PyObject* /*self*/, PyObject* /*unused*/) {
 // observer_drain() -> (dict[int, str], bool): the keys written since the last drain, each
 // with the first op that wrote it, and whether writes may have gone unseen since then.
 PyObject* observer_drain(PyObject* /*self*/, PyObject* /*unused*/) {
-  if (!refresh_kernels()) {
+  if (!kernels_refresh()) {
     return nullptr;
   }
   std::unordered_map<int64_t, std::string> taken;

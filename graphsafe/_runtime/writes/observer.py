@@ -48,6 +48,12 @@ BLIND = (
     "turned off while it observed through its callback)"
 )
 
+_NO_KERNELS = (
+    "graphsafe's process-wide write observer could not place its kernels ({why}): it "
+    "observes through a RecordFunction callback instead, which sees the same writes but "
+    "costs every op of the process while a model is pinned, not only the ops that write"
+)
+
 _UNAVAILABLE = (
     "graphsafe's process-wide write observer needs the compiled build, which is not "
     "loaded here: writes into pinned models outside tracked loads that move no version "
@@ -203,7 +209,11 @@ class Observer:
         native.observer_watch(keys)
         callback = self.by_callback or bool(self._inference)
         if self._native is None or (self.door == "callback") != callback:
-            self.door = native.observer_start(callback)
+            try:
+                self.door = native.observer_start(callback)
+            except RuntimeError as exc:  # the dispatcher refused a kernel: the callback
+                warnings.warn(_NO_KERNELS.format(why=exc), GraphSafetyWarning, stacklevel=5)
+                self.door = native.observer_start(True)
             self._native = self.lib = native
             self._journal.set_drain(self.sync)
 

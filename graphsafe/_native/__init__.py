@@ -11,6 +11,7 @@ from graphsafe._native.loader import (
     timed_build,
     using,
 )
+from graphsafe._native.selfcheck import only_thread
 
 __all__ = [
     "Native",
@@ -19,6 +20,7 @@ __all__ = [
     "build",
     "describe",
     "get",
+    "only_thread",
     "path",
     "timed_build",
     "using",

@@ -11,6 +11,13 @@
 // meanwhile the bridge, the observer's callback, sees every op. An op deregistered loses
 // its kernel there too; until then its kernel calls nothing it had (that may be gone).
 //
+// Taking a kernel back while another thread dispatches the op is not safe: torch rewrites
+// the dispatch table's entry, then whether it is a fallthrough, and a thread between the
+// two runs a fallthrough kernel (an internal assert) or a kernel being freed. So the
+// kernels are taken back only where the caller knows no other thread runs ops
+// (`kernels_stop(true)`); else they stay, idle (passing each op on, noting nothing).
+// Placing one is safe: the old kernel stays registered below it.
+//
 // Locks: `covers_mu` is taken with the GIL and held while calling into the dispatcher;
 // `covering_mu` and `bridge_mu` are taken by the listener, under the dispatcher's lock,
 // and are held around nothing that locks.
@@ -46,10 +53,11 @@ namespace {
 std::mutex bridge_mu;
 at::CallbackHandle bridge = 0;  // guarded by bridge_mu
 
-// Whether the kernels observe now, and whether an op was registered or deregistered
-// since they were last matched to the ops (`cover_ops` then runs at the next call from
-// Python: `kernels_refresh`).
+// Whether the kernels observe now; whether any is placed (observing or idle); whether an
+// op was registered or deregistered since they were last matched to the ops (`cover_ops`
+// then runs at the next call from Python: `kernels_refresh`).
 std::atomic<bool> kernels_on{false};
+std::atomic<size_t> kernels_placed{0};
 std::atomic<bool> kernels_stale{false};
 
 class Silent : public c10::WarningHandler {
@@ -58,9 +66,10 @@ class Silent : public c10::WarningHandler {
 
 #ifdef GRAPHSAFE_OBSERVER_KERNELS
 
-// The kernel of one op at ADInplaceOrView: notes what it writes, then calls the kernel
-// the op had there, or goes below (a fallthrough's effect) where it had none. Once the
-// op is deregistered (`forget`), the kernel it had may be gone: it only goes below.
+// The kernel of one op at ADInplaceOrView: notes what it writes (while the kernels
+// observe: idle, it only passes the op on), then calls the kernel the op had there, or
+// goes below (a fallthrough's effect) where it had none. Once the op is deregistered
+// (`forget`), the kernel it had may be gone: it only goes below.
 class Covering final : public c10::OperatorKernel {
  public:
   Covering(OpWrites writes, size_t arity, std::optional<c10::SafeKernelFunction> had)
@@ -69,7 +78,7 @@ class Covering final : public c10::OperatorKernel {
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack) {
     if (!gone_.load(std::memory_order_acquire)) {
-      if (stack->size() >= arity_) {
+      if (kernels_on.load(std::memory_order_acquire) && stack->size() >= arity_) {
         note_written(writes_, c10::ArrayRef<const c10::IValue>(
                                   stack->data() + stack->size() - arity_, arity_));
       }
@@ -120,7 +129,8 @@ bool cover_ops() {
           std::lock_guard<std::mutex> g(covering_mu);
           covering.erase(it->first);
         }
-        it = covers.erase(it);  // its registration ends here
+        it = covers.erase(it);  // its registration ends here (no one can call the op)
+        kernels_placed.store(covers.size(), std::memory_order_release);
       } else {
         ++it;
       }
@@ -151,6 +161,7 @@ bool cover_ops() {
           c10::KernelFunction::makeFromBoxedFunctor(std::move(kernel)), std::nullopt, nullptr,
           "graphsafe's process-wide write observer");
       covers.emplace(name, Cover{raw, std::move(registration)});
+      kernels_placed.store(covers.size(), std::memory_order_release);
       std::lock_guard<std::mutex> g(covering_mu);
       covering[name] = raw;
     }
@@ -167,12 +178,7 @@ bool cover_ops() {
   return true;
 }
 
-void uncover_ops() {
-  {
-    std::lock_guard<std::mutex> g(covering_mu);
-    covering.clear();
-  }
-  covers.clear();  // torch's kernels are back
+void bridge_off() {
   std::lock_guard<std::mutex> g(bridge_mu);
   if (bridge != 0) {
     at::removeCallback(bridge);
@@ -180,15 +186,24 @@ void uncover_ops() {
   }
 }
 
+void uncover_ops() {
+  {
+    std::lock_guard<std::mutex> g(covering_mu);
+    covering.clear();
+  }
+  covers.clear();  // torch's kernels are back
+  kernels_placed.store(0, std::memory_order_release);
+}
+
 #endif  // GRAPHSAFE_OBSERVER_KERNELS
 
 }  // namespace
 
 void kernels_heard(const c10::OperatorHandle& op, bool registered) {
-  if (!kernels_on.load(std::memory_order_acquire)) {
-    return;
-  }
-  if (!registered) {
+  if (!registered) {  // placed kernels, idle ones too, forget what it had
+    if (kernels_placed.load(std::memory_order_acquire) == 0) {
+      return;
+    }
 #ifdef GRAPHSAFE_OBSERVER_KERNELS
     std::lock_guard<std::mutex> g(covering_mu);
     auto it = covering.find(op.operator_name());
@@ -198,6 +213,9 @@ void kernels_heard(const c10::OperatorHandle& op, bool registered) {
 #endif
     kernels_stale.store(true, std::memory_order_seq_cst);
     return;
+  }
+  if (!kernels_on.load(std::memory_order_acquire)) {
+    return;  // idle: the next start covers it
   }
   if (!op.hasSchema() || schema_writes(op.schema()).args.empty()) {
     return;
@@ -224,9 +242,9 @@ bool kernels_start() {
     return true;
   }
   kernels_on.store(true, std::memory_order_release);  // before the ops are read
-  if (!cover_ops()) {
+  if (!cover_ops()) {  // those placed stay, idle (see `kernels_stop`)
     kernels_on.store(false, std::memory_order_release);
-    uncover_ops();
+    bridge_off();
     return false;
   }
   return true;
@@ -237,13 +255,19 @@ bool kernels_start() {
 #endif
 }
 
-void kernels_stop() {
+void kernels_stop(bool take_back) {
 #ifdef GRAPHSAFE_OBSERVER_KERNELS
   std::lock_guard<std::mutex> g(covers_mu);
-  if (kernels_on.exchange(false, std::memory_order_acq_rel)) {
+  kernels_on.store(false, std::memory_order_release);
+  bridge_off();
+  if (take_back) {
     uncover_ops();
   }
 #endif
+}
+
+size_t kernels_count() {
+  return kernels_placed.load(std::memory_order_acquire);
 }
 
 bool kernels_running() {

@@ -1,7 +1,7 @@
 // The process-wide write observer: writes into watched storages made outside any tracked
 // load, in any thread (graphsafe/_runtime/writes/observer.py drives it: observer_watch,
 // observer_start, observer_stop, observer_running, observer_pending, observer_drain,
-// observer_quiet, observer_doors; observer_floor is the benchmarks';
+// observer_quiet, observer_doors, observer_kernels; observer_floor is the benchmarks';
 // tracker.cpp lists them in the module's method table).
 //
 // It sees an op through one of two doors, and notes each storage the op writes (the
@@ -351,13 +351,16 @@ void callback_off() {
 
 }  // namespace
 
-// observer_start(callback: bool = False) -> str: observe every thread's ops from now on,
-// through kernels where torch allows it and `callback` is false, else through the
-// callback (a tensor made in inference mode is watched); a start through the other door
-// moves to it, seeing every op meanwhile. Returns "kernels" or "callback".
+// observer_start(callback: bool = False, alone: bool = False) -> str: observe every
+// thread's ops from now on, through kernels where torch allows it and `callback` is
+// false, else through the callback (a tensor made in inference mode is watched); a start
+// through the other door moves to it, seeing every op meanwhile (leaving the kernels
+// idle, or taking them back where the caller is `alone`: see `observer_stop`). Returns
+// "kernels" or "callback".
 PyObject* observer_start(PyObject* /*self*/, PyObject* args) {
   int want_callback = 0;
-  if (!PyArg_ParseTuple(args, "|p", &want_callback)) {
+  int alone = 0;
+  if (!PyArg_ParseTuple(args, "|pp", &want_callback, &alone)) {
     return nullptr;
   }
   track_registrations();
@@ -370,7 +373,7 @@ PyObject* observer_start(PyObject* /*self*/, PyObject* args) {
       callback = at::addGlobalCallback(observing());
       called_back.store(true, std::memory_order_release);
     }
-    kernels_stop();
+    kernels_stop(alone != 0);
     running.store(true, std::memory_order_release);
     return PyUnicode_FromString("callback");
   }
@@ -382,10 +385,17 @@ PyObject* observer_start(PyObject* /*self*/, PyObject* args) {
   return PyUnicode_FromString("kernels");
 }
 
-// observer_stop(): stop observing (what is pending stays, for a last drain).
-PyObject* observer_stop(PyObject* /*self*/, PyObject* /*unused*/) {
+// observer_stop(alone: bool = False): stop observing (what is pending stays, for a last
+// drain). The kernels are taken back only where the caller is `alone` (no other thread
+// runs ops: taking a kernel back under a thread that dispatches the op is not safe),
+// else they stay, idle: each op that writes still passes through one, noting nothing.
+PyObject* observer_stop(PyObject* /*self*/, PyObject* args) {
+  int alone = 0;
+  if (!PyArg_ParseTuple(args, "|p", &alone)) {
+    return nullptr;
+  }
   std::lock_guard<std::mutex> g(callback_mu);
-  kernels_stop();
+  kernels_stop(alone != 0);
   callback_off();
   running.store(false, std::memory_order_release);
   Py_RETURN_NONE;
@@ -466,6 +476,11 @@ PyObject* observer_doors(PyObject* /*self*/, PyObject* /*unused*/) {
     PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), door);
   }
   return out;
+}
+
+// observer_kernels() -> int: how many kernels are placed, observing or idle.
+PyObject* observer_kernels(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyLong_FromSize_t(kernels_count());
 }
 
 // observer_running() -> bool: whether the callback is on.

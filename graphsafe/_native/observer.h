@@ -35,8 +35,13 @@ bool kernels_possible();
 // Gives every op that writes a kernel (a second start does nothing).
 bool kernels_start();
 
-// Takes every kernel back: torch's are back (and the bridge is off).
-void kernels_stop();
+// The kernels stop observing (and the bridge goes off); with `take_back` (no other thread
+// runs ops: see kernels.cpp) they are taken back and torch's are back, else they stay,
+// idle.
+void kernels_stop(bool take_back);
+
+// How many kernels are placed, observing or idle.
+size_t kernels_count();
 
 // Whether the kernels observe now.
 bool kernels_running();

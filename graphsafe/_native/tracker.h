@@ -139,7 +139,8 @@ void unobserved_exit();
 // observer.cpp's functions, listed in tracker_methods.
 PyObject* observer_watch(PyObject* self, PyObject* keys);
 PyObject* observer_start(PyObject* self, PyObject* args);
-PyObject* observer_stop(PyObject* self, PyObject* unused);
+PyObject* observer_stop(PyObject* self, PyObject* args);
+PyObject* observer_kernels(PyObject* self, PyObject* unused);
 PyObject* observer_running(PyObject* self, PyObject* unused);
 PyObject* observer_pending(PyObject* self, PyObject* unused);
 PyObject* observer_drain(PyObject* self, PyObject* unused);

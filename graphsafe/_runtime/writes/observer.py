@@ -10,12 +10,14 @@ into a storage its derivations read or write, in every thread, except in tracked
 them through kernels at ADInplaceOrView, where torch bumps versions, which only the ops
 that write pay; where a watched tensor was made in inference mode (such tensors skip
 that key), on torch before 2.10, or with `GRAPHSAFE_OBSERVER=callback`, through a
-global RecordFunction callback, which every op pays. The journal takes them in
-(`Journal.sync`, which the witnesses call before they compare or record epochs) as
-written by "<op> outside any tracked load (seen by the process-wide write observer)":
-a guarded replay then raises `StaleError` naming the input and the op, or repairs with
-`on_stale="refresh"`. Since the drain runs before a refresh records its witnesses, a
-write seen before a refresh is one that refresh read.
+global RecordFunction callback, which every op pays. The last unpin takes the kernels
+back where no other thread runs (`_native.only_thread`); else they stay, idle, since
+taking one back under a thread that dispatches its op is not safe. The journal takes
+the writes in (`Journal.sync`, which the witnesses call before they compare or record
+epochs) as written by "<op> outside any tracked load (seen by the process-wide write
+observer)": a guarded replay then raises `StaleError` naming the input and the op, or
+repairs with `on_stale="refresh"`. Since the drain runs before a refresh records its
+witnesses, a write seen before a refresh is one that refresh read.
 
 `GRAPHSAFE_OBSERVER=0` (or `gs.observe_writes(False)`) turns it off. Without the compiled
 build there is none, since dispatch modes are per thread: with `GRAPHSAFE_NATIVE=0` the
@@ -193,7 +195,7 @@ class Observer:
         native = self._native
         if not keys or not self.enabled:
             if native is not None:
-                native.observer_stop()
+                native.observer_stop(_native.only_thread())
                 self._take()  # what it saw up to the stop
                 native.observer_watch(())
                 self._native = None
@@ -210,10 +212,10 @@ class Observer:
         callback = self.by_callback or bool(self._inference)
         if self._native is None or (self.door == "callback") != callback:
             try:
-                self.door = native.observer_start(callback)
+                self.door = native.observer_start(callback, _native.only_thread())
             except RuntimeError as exc:  # the dispatcher refused a kernel: the callback
                 warnings.warn(_NO_KERNELS.format(why=exc), GraphSafetyWarning, stacklevel=5)
-                self.door = native.observer_start(True)
+                self.door = native.observer_start(True, _native.only_thread())
             self._native = self.lib = native
             self._journal.set_drain(self.sync)
 

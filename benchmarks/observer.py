@@ -1,7 +1,7 @@
 """Figure 8: what the process-wide write observer costs eager code while a model is pinned.
 
 While any model is pinned, the compiled observer's kernels at ADInplaceOrView run for
-every dispatcher op that writes, in every thread (`graphsafe/_native/observer.cpp`). Each
+every dispatcher op that writes, in every thread (`graphsafe/_native/kernels.cpp`). Each
 row times the same step with the observer on and off (`gs.observe_writes`), alternated in
 one run: the median of the paired ratios (see harness.py) is its cost. On the CPU a
 sample is the CPU time of the thread (other processes' load does not count); on
@@ -117,7 +117,8 @@ def _on_off(
 ) -> tuple[Any, Any, float, int, dict[str, float]]:
     """Stats of `step` with the observer on and off, alternated (twice the usual repeats:
     the effect is small next to the noise); their paired ratio; and with `floors`, the
-    paired ratios of the floors (see `_floors`)."""
+    paired ratios of the observer through its callback and of a do-nothing callback (see
+    the module's docstring)."""
     number = _per_sample(ctx, step, seconds)
     was = OBSERVER.enabled
     sample = _sampler(ctx)

@@ -416,10 +416,11 @@ thread_local at::CallbackHandle local_floor_callback = 0;
 // observer_floor(on: bool, inputs: bool, outputs: bool = False, local: bool = False): add
 // (on) or remove a callback that does nothing, with every op's inputs or without, and
 // with its results (a callback at its end too) or without: what a callback of its kind
-// costs before it does any work. Global, like the observer's (figure 8 of the benchmarks
-// times the observer against it), or (`local`) of this thread, like a load tracker's
-// (figure 4b times the tracker against that). A second add of either kind replaces the
-// first of that kind; removing one (of this thread, when `local`) leaves the other.
+// costs before it does any work. Global, like the observer's callback (figure 8 of the
+// benchmarks times the observer against it), or (`local`) of this thread, like a load
+// tracker's (figure 4b times the tracker against that). A second add of either kind
+// replaces the first of that kind; removing one (of this thread, when `local`) leaves the
+// other.
 PyObject* observer_floor(PyObject* /*self*/, PyObject* args) {
   int on = 0;
   int inputs = 0;

@@ -265,7 +265,7 @@ class Discovery:
             self._add(self._later.found(model, taken, known))
         if tainted and reach is not None:
             found = find_tainted(reach().sites, sources_of(model), tainted, known)
-            self._add([Entry(f) for f in found])
+            self._add(Entry.many(found))
 
     def settle(
         self, lineage: Lineage, model: nn.Module, reach: Callable[[], Reach], *,
@@ -368,7 +368,7 @@ class Discovery:
                 warn_untraced({f.site.path: tuple(s.path for s in f.sources)
                                for f in untraced}, type(model).__name__)
         kept = [e for e in self._entries if e.path not in found and still_held(e)]
-        fresh = [Entry(f) for f in found.values()]
+        fresh = Entry.many(found.values())
         if self._later.pinned:  # found at the capture's end: the graph holds them now
             for e in fresh:
                 if e.kind != "tensor":
@@ -394,8 +394,8 @@ class Discovery:
         sources = sources_of(model)
         sources = {**self._foreign(model, sources), **sources}
         known = {e.path for e in self._entries}
-        fresh = [Entry(f) for f in find_outside(window.lineage, model, tensors, sources)
-                 if f.site.path not in known]
+        fresh = Entry.many(f for f in find_outside(window.lineage, model, tensors, sources)
+                           if f.site.path not in known)
         self._add(fresh)
 
     def outside_keys(self) -> dict[int, str]:

@@ -12,7 +12,7 @@ replay, that the numbers and handles a graph holds did not move, in one compiled
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -31,7 +31,7 @@ from graphsafe._lineage.resolve import (
 )
 from graphsafe._memory.compare import compare
 from graphsafe._memory.snapshot import PLAIN
-from graphsafe._memory.walk import Site, ValueSite, step, storage_key
+from graphsafe._memory.walk import Site, step, storage_key
 
 _new = tuple.__new__
 
@@ -64,22 +64,6 @@ class Place(NamedTuple):
     """For what no model holds (`graphsafe._lineage.outside`): the container that holds
     it, at `key` (for a tensor a graph reads, the entry's own list; for a number, the
     module global or dict that keeps it)."""
-
-    @classmethod
-    def of(cls, site: Site | ValueSite) -> Place:
-        m, container = site.module, site.container
-        attrs = m.__dict__
-        table, outside = None, None
-        if container is attrs:  # most: an attribute, or what it holds
-            pass
-        elif container is attrs.get("_parameters"):
-            table = "_parameters"
-        elif container is attrs.get("_buffers"):
-            table = "_buffers"
-        else:
-            outside = container
-        # Built as the tuple it is (a first load discovers thousands).
-        return _new(cls, (weakref.ref(m), table, site.key, site.chain, outside))
 
     def container(self) -> Any:
         if self.outside is not None:
@@ -127,32 +111,65 @@ class Entry:
     __slots__ = ("adopted", "chain", "kind", "module_class", "opaque", "path", "pinned",
                  "refused", "seen", "site", "sources", "tensor", "writer")
 
-    def __init__(self, found: Found) -> None:
-        site = found.site
-        self.path = site.path
-        self.site = Place.of(site)
-        self.module_class = type(site.module).__name__
-        if isinstance(site, Site):
-            held: object = site.tensor
-            self.kind = "tensor"
-        else:
-            held = site.value
-            self.kind = "handle" if found.opaque else "scalar"
-        self.tensor = ref_to(held)
-        """What was last witnessed computed from the sources (what is held may be
-        another: rebuilt by a load that failed)."""
-        self.seen = self.tensor
-        """What the last load that ended (or failed) left at the place."""
-        self.pinned: Callable[[], object] | None = None
-        """A scalar's value or a handle's object when the model was pinned (a graph
-        holds it from then on); None: not pinned."""
-        self.sources: tuple[Source, ...] = found.sources
-        self.chain = " -> ".join(found.chain)
-        self.opaque = found.opaque
-        self.writer: tuple[Call, Arg | None] | None = found.writer
-        """The call that last wrote it; None: made by a load that was not recorded."""
-        self.adopted = False
-        self.refused: str | None = None
+    path: str
+    site: Place
+    module_class: str
+    kind: str
+    """"tensor", "scalar" or "handle"."""
+    tensor: Callable[[], object]
+    """What was last witnessed computed from the sources (what is held may be another:
+    rebuilt by a load that failed)."""
+    seen: Callable[[], object]
+    """What the last load that ended (or failed) left at the place."""
+    pinned: Callable[[], object] | None
+    """A scalar's value or a handle's object when the model was pinned (a graph holds it
+    from then on); None: not pinned."""
+    sources: tuple[Source, ...]
+    chain: str
+    opaque: bool
+    writer: tuple[Call, Arg | None] | None
+    """The call that last wrote it; None: made by a load that was not recorded."""
+    adopted: bool
+    refused: str | None
+
+    @classmethod
+    def many(cls, found: Iterable[Found]) -> list[Entry]:
+        """An entry for each of `found`, in one pass (a first load discovers thousands:
+        no call per entry)."""
+        out: list[Entry] = []
+        new, place, ref, join = cls.__new__, Place, weakref.ref, " -> ".join
+        for f in found:
+            site = f.site
+            m, container = site.module, site.container
+            attrs = m.__dict__
+            table, outside = None, None
+            if container is attrs:  # most: an attribute, or what it holds
+                pass
+            elif container is attrs.get("_parameters"):
+                table = "_parameters"
+            elif container is attrs.get("_buffers"):
+                table = "_buffers"
+            else:
+                outside = container
+            e = new(cls)
+            e.path = site.path
+            e.site = _new(place, (ref(m), table, site.key, site.chain, outside))
+            e.module_class = type(m).__name__
+            if isinstance(site, Site):
+                e.kind = "tensor"
+                e.tensor = e.seen = ref(site.tensor)
+            else:
+                e.kind = "handle" if f.opaque else "scalar"
+                e.tensor = e.seen = ref_to(site.value)
+            e.pinned = None
+            e.sources = f.sources
+            e.chain = join(f.chain)
+            e.opaque = f.opaque
+            e.writer = f.writer
+            e.adopted = False
+            e.refused = None
+            out.append(e)
+        return out
 
     def held(self) -> torch.Tensor | None:
         """The tensor the model holds at the entry's place now (None for a scalar or a

@@ -149,8 +149,7 @@ class LaterValues:
         Found while a graph holds the model, each is held at what its place held at the
         capture (a place that held no number then: not what the graph read)."""
         self._model = weakref.ref(model)
-        fresh = [Entry(f) for f in find_taken(model, sources_of(model), taken, known,
-                                              self._numbers)]
+        fresh = Entry.many(find_taken(model, sources_of(model), taken, known, self._numbers))
         if self._pinned:
             for e in fresh:
                 was = self._numbers.get(e.path, AFTER_CAPTURE) if e.kind == "scalar" \

@@ -41,6 +41,7 @@
 #include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/PythonDispatcherTLS.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
@@ -240,6 +241,26 @@ std::shared_ptr<const Recs> carried_here() {
 }
 thread_local std::vector<const at::RecordFunction*> nest;  // ops being recorded, and inside
 thread_local int quiet = 0;  // the recorder's own Python code runs ops
+// The aten op under which RecordFunction is off in this thread (`quiet_below`), or null.
+thread_local const at::RecordFunction* off_below = nullptr;
+
+// An aten op noted whole (recorded, or a view that records nothing): the ops its kernel
+// runs (`clone`'s `empty_like` and `copy_`, `transpose`'s `as_strided`) are its own,
+// which no callback of this thread needs: the recording skips them (`nest`), and what
+// they write, the op's schema and results say. RecordFunction is off in this thread
+// until the op ends (`on_end`): they are not even boxed. Not under an op of another
+// namespace (a kernel of a custom op may write what its schema does not say), one over
+// a tensor subclass (its Python code runs ops over the tensors it holds; `start` returns
+// before), nor where Python may run under it: a dispatch mode (graphsafe's own Python
+// tracker, which may refresh derivations there) or the Python dispatcher.
+void quiet_below(const at::RecordFunction& fn, const OpInfo& info) {
+  if (info.aten && off_below == nullptr && at::isRecordFunctionEnabled() &&
+      !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+      c10::impl::PythonDispatcherTLS::get_state() == nullptr) {
+    at::enableRecordFunction(false);
+    off_below = &fn;
+  }
+}
 
 c10::StorageImpl* storage_of(const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -479,6 +500,7 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
   if (view && std::none_of(recs->begin(), recs->end(), [](const auto& r) {
         return !r->closed && r->any_handles.load(std::memory_order_acquire);
       })) {
+    quiet_below(fn, *info);
     return nullptr;  // most views: no handle is recorded, nothing to note
   }
   Noted live;
@@ -571,6 +593,7 @@ std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
       }
     }
   }
+  quiet_below(fn, *info);
   return pending;
 }
 
@@ -710,6 +733,10 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
 }
 
 void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  if (off_below == &fn) {
+    at::enableRecordFunction(true);
+    off_below = nullptr;
+  }
   if (!nest.empty() && nest.back() == &fn) {
     nest.pop_back();
   }

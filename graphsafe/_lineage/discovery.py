@@ -296,11 +296,13 @@ class Discovery:
         derived = frozenset(
             sid for m in modules for name in m._non_persistent_buffers_set
             if isinstance(b := m._buffers.get(name), torch.Tensor) and (sid := _sid(b)))
-        classes = {id(m._parameters): type(m).__name__ for m in modules}
-        classes.update((id(m._buffers), type(m).__name__) for m in modules)
-        for rewrite in find_rewrites(lineage, sources, derived) if not (tail or lazily) else ():
-            self._rewritten[rewrite.weight.path] = Rewritten(
-                rewrite, classes.get(id(rewrite.weight.holder), type(model).__name__))
+        rewrites = find_rewrites(lineage, sources, derived) if not (tail or lazily) else ()
+        if rewrites:  # few loads rewrite weights: their modules' classes named for them
+            classes = {id(m._parameters): type(m).__name__ for m in modules}
+            classes.update((id(m._buffers), type(m).__name__) for m in modules)
+            for rewrite in rewrites:
+                self._rewritten[rewrite.weight.path] = Rewritten(
+                    rewrite, classes.get(id(rewrite.weight.holder), type(model).__name__))
         if not (tail or lazily) and self._rewritten:
             self._rewritten.witness()
             self.generation += 1

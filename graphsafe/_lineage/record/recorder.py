@@ -102,10 +102,10 @@ class Call:
         """The op's name for messages (`aten.t`, `_C.convert_weight_packed`)."""
         func = self.func
         if type(func) is _OpOverload:  # most: named once per op
-            name = _OP_NAMES.get(func)
-            if name is None:
-                name = _OP_NAMES[func] = _name_of(func)
-            return name
+            named = _OP_NAMES.get(id(func))
+            if named is None:
+                named = _OP_NAMES[id(func)] = (func, _name_of(func))
+            return named[1]
         return _name_of(func)
 
     def inputs(self) -> list[Arg]:
@@ -125,8 +125,9 @@ class Call:
 
 _NONE: frozenset[int | str] = frozenset()
 _OpOverload = torch._ops.OpOverload
-_OP_NAMES: dict[Any, str] = {}
-"""`Call.name` of each op (torch's ops live as long as the process)."""
+_OP_NAMES: dict[int, tuple[Any, str]] = {}
+"""`Call.name` of each op, by the op's `id` (an `OpOverload` hashes in Python), with the
+op held so that its id is never another's (torch's ops live as long as the process)."""
 
 
 def _name_of(func: Any) -> str:

@@ -2,7 +2,8 @@
 the model map's compiled passes over its sites, its modules' dicts and the objects on the
 way (`map_sites`, `map_modules`, `map_refs`) record what its Python loops record; and the
 compiled reading of every parameter and buffer by storage (`table_sources`) finds what
-`sources_of`'s loop finds, and the compiled filter of the sites a recording wrote
+`sources_of`'s loop finds (and `staged_sources`, the staging copies a load copied whole
+into them, what its comprehension makes), and the compiled filter of the sites a recording wrote
 (`written_sites`) keeps what `find`'s loop keeps; with each site's sources where one step
 decides them (`traced_sites`), `find` finds what its Python loop finds.
 
@@ -416,6 +417,53 @@ def test_control_sources_that_drop_one_are_told_apart(monkeypatch: pytest.Monkey
     monkeypatch.setattr(resolve_module._native, "get", _Altered({"table_sources": dropping}))
     with pytest.raises(AssertionError):
         assert _sources(model, True) == honest
+
+
+def _staged(copied: dict[int, int], sources: dict[int, Any], foreign: dict[int, Any],
+            compiled: bool) -> list[tuple[Any, ...]]:
+    """What `staged_sources` makes, each holder by identity, in its order."""
+    with _native.using(compiled):
+        made = resolve_module.staged_sources(copied, sources, foreign)
+    return [(sid, type(src), src.path, id(src.holder), src.key, src.sid)
+            for sid, src in made.items()]
+
+
+_SIDS = st.integers(min_value=1, max_value=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(copied=st.dictionaries(_SIDS, _SIDS), own=st.sets(_SIDS), foreign=st.sets(_SIDS))
+def test_the_compiled_staged_sources_are_the_python_ones(
+    copied: dict[int, int], own: set[int], foreign: set[int],
+) -> None:
+    """Each staging copy of a weight (`copied`: staged -> weight) stands for its weight, at
+    the weight's place, in `copied`'s order; not one whose weight is no source, nor one
+    that is a source itself (its own model's or another's), nor a copy of itself."""
+    tables = [{"w": torch.zeros(1)}, {"b": torch.zeros(1)}]
+    sources = {sid: resolve_module.Source(f"m{sid}.w", tables[sid % 2], "w", sid)
+               for sid in own}
+    others = {sid: resolve_module.Source(f"other.m{sid}.w", tables[0], "w", sid)
+              for sid in foreign}
+    assert _staged(copied, sources, others, True) == _staged(copied, sources, others, False)
+
+
+def test_control_staged_sources_that_ignore_another_models_weights_are_told_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The comparison above catches a compiled pass that forgets `foreign`: a draft's
+    weight copied whole from its target's would be taken for the target's staging copy."""
+
+    def forgetting(staged_sources: Callable[..., Any], copied: Any, sources: Any,
+                   foreign: Any, source: Any) -> Any:
+        return staged_sources(copied, sources, {}, source)
+
+    table = {"w": torch.zeros(1)}
+    sources = {1: resolve_module.Source("w", table, "w", 1)}
+    foreign = {2: resolve_module.Source("other.w", table, "w", 2)}
+    honest = _staged({2: 1}, sources, foreign, True)
+    assert honest == [] == _staged({2: 1}, sources, foreign, False)
+    monkeypatch.setattr(resolve_module._native, "get", _Altered({"staged_sources": forgetting}))
+    assert _staged({2: 1}, sources, foreign, True) != honest
 
 
 @settings(max_examples=100, deadline=None)

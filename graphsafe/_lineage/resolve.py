@@ -56,7 +56,14 @@ def staged_sources(copied: dict[int, int], sources: dict[int, Source],
                    foreign: dict[int, Source]) -> dict[int, Source]:
     """The staging copies a load copied whole into a weight (`copied`: staged -> weight),
     each standing for its weight (a source at the weight's place), but those that are
-    sources themselves (among `sources` or `foreign`)."""
+    sources themselves (among `sources` or `foreign`). One compiled call where the compiled
+    checks are built (`staged_sources`, held to this comprehension by a property test):
+    a load of every weight from a checkpoint in memory copies thousands."""
+    native = _native.get()
+    if native is not None:
+        done = native.staged_sources(copied, sources, foreign, Source)
+        if done is not None:
+            return done
     get = sources.get
     return {staged: _new(Source, (src.path, src.holder, src.key, staged))
             for staged, weight in copied.items()

@@ -168,6 +168,10 @@ class Native(Protocol):
     def table_sources(
         self, prefixes: list[tuple[str, Any]], source: type, /,
     ) -> dict[int, Any] | None: ...
+    def staged_sources(
+        self, copied: dict[int, int], sources: dict[int, Any], foreign: dict[int, Any],
+        source: type, /,
+    ) -> dict[int, Any] | None: ...
     def walk_run(
         self, model: Any, modules: list[Any], each: list[tuple[str, Any]], wanted: Any,
         consts: tuple[Any, ...], needed: bool, /,

@@ -2,9 +2,10 @@
 // walk's sites (map_sites, `_map_sites`), the modules' own dicts (map_modules,
 // `_map_modules`) and the objects on the way to tensors (map_refs, `_map_refs`) read into
 // the rows model_map.cpp's checks compare; and every parameter and buffer of a model by
-// storage (table_sources, graphsafe/_lineage/resolve.py's `sources_of`), each as its
-// Python loop makes it, without a Python call per field. checks.cpp's module init adds
-// them.
+// storage (table_sources, graphsafe/_lineage/resolve.py's `sources_of`), and the staging
+// copies a load copied whole into them (staged_sources, resolve.py's `staged_sources`),
+// each as its Python loop makes it, without a Python call per field. checks.cpp's module
+// init adds them.
 //
 // Each answers None where it meets what it does not read itself (a tensor that is not a
 // plain one, a dict that is no dict): its Python loop then answers.
@@ -570,6 +571,71 @@ PyObject* table_sources(PyObject* /*self*/, PyObject* args) {
   return out;
 }
 
+// staged_sources(copied, sources, foreign, source) -> dict | None:
+// graphsafe/_lineage/resolve.py's `staged_sources` as its comprehension makes it: for each
+// `staged -> weight` of `copied` (in order) whose weight is among `sources`, and which is
+// itself no key of `sources` or `foreign`, `{staged: source(path, holder, key, staged)}`
+// with the weight's source's first three fields; `source` a tuple type of four fields,
+// built as `tuple.__new__` builds it. None where a source found is no tuple of four (the
+// comprehension answers).
+PyObject* staged_sources(PyObject* /*self*/, PyObject* args) {
+  PyObject *copied, *sources, *foreign;
+  PyTypeObject* source;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyDict_Type, &copied, &PyDict_Type, &sources,
+                        &PyDict_Type, &foreign, &PyType_Type, &source)) {
+    return nullptr;
+  }
+  if (!PyType_IsSubtype(source, &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "staged_sources: source must be a tuple type");
+    return nullptr;
+  }
+  PyObject* out = PyDict_New();
+  if (out == nullptr) {
+    return nullptr;
+  }
+  Py_ssize_t pos = 0;
+  PyObject *staged, *weight;
+  while (PyDict_Next(copied, &pos, &staged, &weight)) {
+    PyObject* src = PyDict_GetItemWithError(sources, weight);  // borrowed
+    if (src == nullptr) {
+      if (PyErr_Occurred()) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      continue;
+    }
+    if (!PyTuple_Check(src) || PyTuple_GET_SIZE(src) != 4) {
+      Py_DECREF(out);
+      Py_RETURN_NONE;
+    }
+    const int own = PyDict_Contains(sources, staged);
+    const int other = own == 0 ? PyDict_Contains(foreign, staged) : own;
+    if (own < 0 || other < 0) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    if (own != 0 || other != 0) {
+      continue;
+    }
+    PyObject* made = source->tp_alloc(source, 4);
+    if (made == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    for (Py_ssize_t i = 0; i < 3; ++i) {
+      PyTuple_SET_ITEM(made, i, Py_NewRef(PyTuple_GET_ITEM(src, i)));
+    }
+    PyTuple_SET_ITEM(made, 3, Py_NewRef(staged));
+    const int rc = PyDict_SetItem(out, staged, made);
+    Py_DECREF(made);
+    if (rc != 0) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace graphsafe_native {
@@ -579,6 +645,7 @@ PyMethodDef map_rows_methods[] = {
     {"map_modules", map_modules, METH_VARARGS, "A model map's pass over the module dicts."},
     {"map_refs", map_refs, METH_VARARGS, "A model map's pass over the objects on the way."},
     {"table_sources", table_sources, METH_VARARGS, "Every parameter and buffer, by storage."},
+    {"staged_sources", staged_sources, METH_VARARGS, "The staging copies a load copied whole."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -235,7 +236,28 @@ struct Into {
   // `Call`'s slots in the order of `kCallSlots`, each written through its member (null:
   // through `setattr`, where the class does not hold it as a plain slot).
   PyMemberDef* call_slots[7];
+  // The size and stride tuples made so far, by their values: one tuple per distinct
+  // shape, shared by every `Arg` of the apply (a model's weights have few shapes; tuples
+  // are immutable). Owned, released when the apply ends.
+  std::unordered_map<std::string, PyObject*>* shapes;
 };
+
+// The tuple of `xs` (new reference), the one made before for the same values if any.
+PyObject* shape_tuple(const Into& into, c10::ArrayRef<int64_t> xs) {
+  if (into.shapes == nullptr) {
+    return int_tuple(xs);
+  }
+  std::string key(reinterpret_cast<const char*>(xs.data()), xs.size() * sizeof(int64_t));
+  auto found = into.shapes->find(key);
+  if (found != into.shapes->end()) {
+    return Py_NewRef(found->second);
+  }
+  PyObject* made = int_tuple(xs);
+  if (made != nullptr) {
+    into.shapes->emplace(std::move(key), Py_NewRef(made));
+  }
+  return made;
+}
 
 // Interned attribute names of `Call` and `StorageWeakRef`.
 struct Names {
@@ -310,17 +332,20 @@ PyObject* writer_of(const Into& into, int32_t w) {
   return PyList_GET_ITEM(list, i);
 }
 
-// `Arg(sid, writer, size, stride, offset, dtype, keep)` (new reference; null on error).
-PyObject* make_arg(const Into& into, const TensorNote& n, PyObject* writer, PyObject* keep) {
+// `Arg(sid, writer, size, stride, offset, dtype, keep)` (new reference; null on error);
+// `sid`: the int of `n.sid` made already (borrowed), or null.
+PyObject* make_arg(const Into& into, const TensorNote& n, PyObject* writer, PyObject* keep,
+                   PyObject* sid = nullptr) {
   PyObject* dtype = n.dtype == c10::ScalarType::Undefined
                         ? nullptr
                         : reinterpret_cast<PyObject*>(torch::getTHPDtype(n.dtype));
   if (dtype == nullptr) {
     dtype = Py_None;
   }
-  PyObject* fields[7] = {PyLong_FromLongLong(n.sid), Py_NewRef(writer), int_tuple(n.size),
-                         int_tuple(n.stride), PyLong_FromLongLong(n.offset), Py_NewRef(dtype),
-                         Py_NewRef(keep)};
+  PyObject* fields[7] = {sid != nullptr ? Py_NewRef(sid) : PyLong_FromLongLong(n.sid),
+                         Py_NewRef(writer), shape_tuple(into, n.size),
+                         shape_tuple(into, n.stride), PyLong_FromLongLong(n.offset),
+                         Py_NewRef(dtype), Py_NewRef(keep)};
   PyObject* arg = into.arg_type->tp_alloc(into.arg_type, 7);
   bool ok = arg != nullptr;
   for (int i = 0; i < 7; ++i) {
@@ -349,8 +374,9 @@ PyObject* read_arg(const Into& into, TensorNote& n) {
   }
   PyObject* keep = Py_None;
   Ref made(nullptr);
+  Ref sid(nullptr);
   if (n.writer == -1 && n.sid != 0) {
-    Ref sid(PyLong_FromLongLong(n.sid));
+    sid.p = PyLong_FromLongLong(n.sid);
     if (sid.get() == nullptr) {
       return nullptr;
     }
@@ -374,14 +400,17 @@ PyObject* read_arg(const Into& into, TensorNote& n) {
       keep = Py_None;
     }
   }
-  return make_arg(into, n, writer, keep);
+  return make_arg(into, n, writer, keep, sid.get());
 }
 
 // writers[sid] = (writer, Arg of what it wrote).
 bool set_writer(const Into& into, const TensorNote& n, PyObject* writer, PyObject** arg_out) {
-  Ref arg(make_arg(into, n, Py_None, Py_None));
   Ref sid(PyLong_FromLongLong(n.sid));
-  if (arg.get() == nullptr || sid.get() == nullptr) {
+  if (sid.get() == nullptr) {
+    return false;
+  }
+  Ref arg(make_arg(into, n, Py_None, Py_None, sid.get()));
+  if (arg.get() == nullptr) {
     return false;
   }
   Ref pair(PyTuple_Pack(2, writer, arg.get()));
@@ -626,10 +655,19 @@ PyObject* recorder_apply(PyObject* /*self*/, PyObject* arg) {
   if (!take_records(id, records)) {
     return nullptr;
   }
+  std::unordered_map<std::string, PyObject*> shapes;
+  into.shapes = &shapes;
+  bool ok = true;
   for (Record& r : records) {
-    if (!apply_record(into, r)) {
-      return nullptr;
+    if (!(ok = apply_record(into, r))) {
+      break;
     }
+  }
+  for (auto& made : shapes) {
+    Py_DECREF(made.second);
+  }
+  if (!ok) {
+    return nullptr;
   }
   Py_RETURN_NONE;
 }

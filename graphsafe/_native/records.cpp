@@ -238,15 +238,12 @@ struct Into {
   PyMemberDef* call_slots[7];
   // The size and stride tuples made so far, by their values: one tuple per distinct
   // shape, shared by every `Arg` of the apply (a model's weights have few shapes; tuples
-  // are immutable). Owned, released when the apply ends.
+  // are immutable). Owned by `recorder_apply`, which sets it and releases them.
   std::unordered_map<std::string, PyObject*>* shapes;
 };
 
 // The tuple of `xs` (new reference), the one made before for the same values if any.
 PyObject* shape_tuple(const Into& into, c10::ArrayRef<int64_t> xs) {
-  if (into.shapes == nullptr) {
-    return int_tuple(xs);
-  }
   std::string key(reinterpret_cast<const char*>(xs.data()), xs.size() * sizeof(int64_t));
   auto found = into.shapes->find(key);
   if (found != into.shapes->end()) {

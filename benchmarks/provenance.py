@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import itertools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from torch import nn
 import graphsafe as gs
 import graphsafe.models.deepseek_v4 as dsv4
 from graphsafe._lineage.record.recorder import RECORDING
-from graphsafe._lineage.window import sweep
+from graphsafe._lineage.window import end_here, sweep
 from graphsafe._memory.journal import JOURNAL
 
 __all__ = ["fig11"]
@@ -129,16 +130,23 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
     r, n, u = stats["recorded"], stats["not_recorded"], stats["untracked"]
     repeats = ctx.sizes.repeats
     last.clear()
+    blocks = {"untracked": _blocks_kept(lambda m: (untracked_load(m, ckpt), _post_load(m)),
+                                        make)}
     probe = make()
-    with gs.weight_update(probe):
-        probe.load_weights(ckpt)
-        _post_load(probe)
+
+    def recorded(model: nn.Module) -> None:
+        with gs.weight_update(model):
+            model.load_weights(ckpt)
+            _post_load(model)
+
+    blocks["recorded"] = _blocks_kept(recorded, make, probe)
     found = len(gs.runtime(probe).discovered)
     ratio = paired(r, u)
     details: dict[str, Any] = {
         "tensors": len(ckpt), "discovered": found,
         "not_recorded_ratio": round(paired(n, u), 3),
         "recorded_over_not_recorded": round(paired(r, n), 3),
+        "python_blocks_kept": blocks,
         "phases_ms": {case: dict(zip(_PHASES, (round(statistics.median(p) * 1e3, 2)
                                               for p in zip(*samples[-repeats:])), strict=True))
                       for case, samples in phases.items()}}  # the timed samples, no warm-up
@@ -150,6 +158,23 @@ def _load_row(ctx: Any, fig: str, name: str, make: Callable[[], nn.Module],
     return Row(fig, f"{name}: first load + post-load, recorded", r.median, u.median,
                "untracked load + post-load", ratio=ratio,
                ratio_def="recorded / untracked", op="<=", target=target, details=details)
+
+
+def _blocks_kept(load: Callable[[nn.Module], Any], make: Callable[[], nn.Module],
+                 model: nn.Module | None = None) -> int:
+    """The Python heap's blocks that one first load and post-load step (`load`) of a model
+    (`model`, or one `make` builds first) leave allocated, the model's new ones included:
+    how many objects a sample makes to keep. Untimed, and free of the machine's noise: in
+    a process whose heap earlier work left used, each such object costs about a cache miss
+    to make (`benchmarks/README.md`), which is what separates 11a run alone from 11a in a
+    full run."""
+    model = make() if model is None else model
+    gc.collect()
+    before = sys.getallocatedblocks()
+    load(model)
+    end_here()  # the bring-up's tail: not left recording
+    gc.collect()
+    return sys.getallocatedblocks() - before
 
 
 def _profile(fig: str, make: Callable[[], nn.Module], ckpt: list[tuple[str, torch.Tensor]],

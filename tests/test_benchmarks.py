@@ -55,6 +55,10 @@ def test_quick_run_reports_every_figure_as_json():
     assert ("13a" in rows) == hasattr(gs, "fingerprint") != ("13" in rows)
     measured = [row for row in report["rows"] if not row["skipped"]]
     assert all(row["value"] is not None and row["value"] >= 0 for row in measured)
+    # A recorded first load keeps its lineage and entries: many more Python objects than
+    # the same load untracked, which keeps the post-load step's copies alone.
+    kept = rows["11a"]["details"]["python_blocks_kept"]
+    assert kept["recorded"] > 2 * kept["untracked"] > 0, kept
     # The Python checks' guarded replay of the preset runs everywhere; the compiled one
     # where it is built, and says why not elsewhere.
     assert not rows["5e"]["skipped"] and rows["5e"]["details"]["checks"]["ledger"] == "python"

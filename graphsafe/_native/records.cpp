@@ -315,6 +315,16 @@ const Names& names() {
   return n;
 }
 
+// `("aten::copy_", True, None)`: the row `weight_writes` gets for every load, one tuple
+// for all (null where it could not be made: one is made per row).
+PyObject* load_row() {
+  static PyObject* const row = PyTuple_Pack(3, names().copy_op, Py_True, Py_None);
+  if (row == nullptr) {
+    PyErr_Clear();
+  }
+  return row;
+}
+
 // A record's writer (borrowed; None for none), or null with an exception set.
 PyObject* writer_of(const Into& into, int32_t w) {
   if (w == -1) {
@@ -400,12 +410,28 @@ PyObject* read_arg(const Into& into, TensorNote& n) {
   return make_arg(into, n, writer, keep, sid.get());
 }
 
-// writers[sid] = (writer, Arg of what it wrote).
-bool set_writer(const Into& into, const TensorNote& n, PyObject* writer, PyObject** arg_out) {
-  Ref sid(PyLong_FromLongLong(n.sid));
+// The ints a record's apply made for storage identities, by value: what its holds take
+// again (a record names few storages: looked through in order).
+using Made = std::vector<std::pair<int64_t, Ref>>;
+
+// The int of `sid` (new reference): the one `made` has, or a new one.
+PyObject* int_of(const Made& made, int64_t sid) {
+  for (const auto& m : made) {
+    if (m.first == sid) {
+      return Py_NewRef(m.second.get());
+    }
+  }
+  return PyLong_FromLongLong(sid);
+}
+
+// writers[sid] = (writer, Arg of what it wrote); the int of `sid` kept in `made`.
+bool set_writer(const Into& into, const TensorNote& n, PyObject* writer, PyObject** arg_out,
+                Made& made) {
+  Ref sid(int_of(made, n.sid));
   if (sid.get() == nullptr) {
     return false;
   }
+  made.emplace_back(n.sid, Ref(Py_NewRef(sid.get())));
   Ref arg(make_arg(into, n, Py_None, Py_None, sid.get()));
   if (arg.get() == nullptr) {
     return false;
@@ -434,14 +460,19 @@ bool wrote_weight(const Into& into, PyObject* key, PyObject* op, bool loaded, Py
     }
     list = made.get();  // the dict holds it
   }
+  if (loaded && call == Py_None && op == names().copy_op && load_row() != nullptr) {
+    return PyList_Append(list, load_row()) == 0;
+  }
   Ref row(PyTuple_Pack(3, op, loaded ? Py_True : Py_False, call));
   return row.get() != nullptr && PyList_Append(list, row.get()) == 0;
 }
 
-// held.setdefault(sid, ref): the first reference to each identity is kept, the rest freed.
-bool hold_all(const Into& into, std::vector<std::pair<int64_t, WeakStorage>>& holds) {
+// held.setdefault(sid, ref): the first reference to each identity is kept, the rest freed;
+// the key the int `made` has for it, if any.
+bool hold_all(const Into& into, std::vector<std::pair<int64_t, WeakStorage>>& holds,
+              const Made& made) {
   for (auto& h : holds) {
-    Ref key(PyLong_FromLongLong(h.first));
+    Ref key(int_of(made, h.first));
     if (key.get() == nullptr) {
       return false;
     }
@@ -470,7 +501,7 @@ bool set_int_item(PyObject* dict, int64_t key, int64_t value) {
   return v.get() != nullptr && set_int_item(dict, key, v.get());
 }
 
-bool apply_call(const Into& into, Record& r) {
+bool apply_call(const Into& into, Record& r, Made& made) {
   const OpInfo* info = &op_info(r.op);
   Ref index(PyLong_FromLong(r.op));
   if (index.get() == nullptr) {
@@ -559,11 +590,11 @@ bool apply_call(const Into& into, Record& r) {
     return false;
   }
   for (auto& w : r.written) {
-    if (!set_writer(into, w.first, call.get(), nullptr)) {
+    if (!set_writer(into, w.first, call.get(), nullptr, made)) {
       return false;
     }
     if (w.second) {
-      Ref key(PyLong_FromLongLong(w.first.sid));
+      Ref key(int_of(made, w.first.sid));
       if (key.get() == nullptr || !wrote_weight(into, key.get(), name, false, call.get())) {
         return false;
       }
@@ -571,7 +602,7 @@ bool apply_call(const Into& into, Record& r) {
   }
   for (auto& o : r.outs) {
     PyObject* arg = nullptr;
-    if (!set_writer(into, o.second, call.get(), &arg)) {
+    if (!set_writer(into, o.second, call.get(), &arg, made)) {
       return false;
     }
     Ref owned(arg);
@@ -588,7 +619,7 @@ bool apply_call(const Into& into, Record& r) {
   }
   for (auto& h : r.handle_tensors) {
     PyObject* writer = writer_of(into, h.second);
-    if (writer == nullptr || !set_writer(into, h.first, writer, nullptr)) {
+    if (writer == nullptr || !set_writer(into, h.first, writer, nullptr, made)) {
       return false;
     }
   }
@@ -597,6 +628,7 @@ bool apply_call(const Into& into, Record& r) {
 
 bool apply_record(const Into& into, Record& r) {
   bool ok = true;
+  Made made;
   if (r.kind == Record::kLoad) {
     Ref dst(PyLong_FromLongLong(r.dst));
     ok = dst.get() != nullptr;
@@ -605,18 +637,24 @@ bool apply_record(const Into& into, Record& r) {
       ok = has >= 0 && (has == 0 || PyDict_DelItem(into.writers, dst.get()) == 0);
     }
     ok = ok && wrote_weight(into, dst.get(), names().copy_op, true, Py_None);
-    ok = ok && (!r.whole || set_int_item(into.copied, r.src, dst.get()));
+    if (ok && r.whole) {
+      Ref src(PyLong_FromLongLong(r.src));
+      ok = src.get() != nullptr && PyDict_SetItem(into.copied, src.get(), dst.get()) == 0;
+      if (ok) {
+        made.emplace_back(r.src, std::move(src));  // its hold's key
+      }
+    }
     ok = ok && PyList_Append(into.calls, Py_None) == 0;
   } else if (r.kind == Record::kHandleTensor) {
     for (auto& h : r.handle_tensors) {
       PyObject* writer = writer_of(into, h.second);
-      ok = ok && writer != nullptr && set_writer(into, h.first, writer, nullptr);
+      ok = ok && writer != nullptr && set_writer(into, h.first, writer, nullptr, made);
     }
     ok = ok && PyList_Append(into.calls, Py_None) == 0;
   } else {
-    ok = apply_call(into, r);
+    ok = apply_call(into, r, made);
   }
-  return ok && hold_all(into, r.holds);
+  return ok && hold_all(into, r.holds, made);
 }
 
 }  // namespace

@@ -103,6 +103,32 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
   PyObject* own_table = nullptr;
   PyObject* own = nullptr;
   auto forget = [&]() { last_container = last_module = own_of = nullptr; };
+  // The last few stride tuples made (replaced in turn): a model's tables hold few shapes, one
+  // after another, and one tuple serves every row of a shape (tuples are immutable).
+  constexpr size_t kStrides = 4;
+  Ref strides_made[kStrides];
+  size_t strides_next = 0;
+  auto stride_of = [&](const c10::TensorImpl* impl) -> PyObject* {
+    const c10::IntArrayRef want = impl->strides();
+    for (const Ref& made : strides_made) {
+      PyObject* t = made.get();
+      if (t == nullptr || PyTuple_GET_SIZE(t) != static_cast<Py_ssize_t>(want.size())) {
+        continue;
+      }
+      bool same = true;
+      for (size_t d = 0; same && d < want.size(); ++d) {
+        same = PyLong_AsLongLong(PyTuple_GET_ITEM(t, static_cast<Py_ssize_t>(d))) == want[d];
+      }
+      if (same) {
+        return Py_NewRef(t);
+      }
+    }
+    PyObject* made = strides_tuple(impl);
+    if (made != nullptr) {
+      strides_made[strides_next++ % kStrides] = Ref(Py_NewRef(made));
+    }
+    return made;
+  };
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* site = PyList_GET_ITEM(sites, i);
     PyObject* path = PyTuple_GET_ITEM(site, 0);
@@ -120,8 +146,13 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
       Py_XDECREF(key);
       return fail();
     }
-    // The site's pointer, as `data_ptr()` reads it (`storage_rows`).
+    // The site's pointer, as `data_ptr()` reads it (`storage_rows`); its int the key's
+    // where they are equal (a tensor at its storage's start: most).
     const uintptr_t ptr = data_ptr_at(impl, bases[i]);
+    Ref key_held(Py_NewRef(key));  // `key` is let go below, before the rows are made
+    auto ptr_int = [&]() -> PyObject* {
+      return ptr == base_key ? Py_NewRef(key_held.get()) : PyLong_FromUnsignedLongLong(ptr);
+    };
     if (container != last_container) {
       PyObject* container_id = id_of(container);
       last_table = container_id == nullptr ? nullptr : PyDict_GetItemWithError(
@@ -149,7 +180,7 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
         return false;
       }
       PyObject* row = nullptr;
-      PyObject* ptr_obj = PyLong_FromUnsignedLongLong(ptr);
+      PyObject* ptr_obj = ptr_int();
       PyObject* tid = id_of(t);
       if (ptr_obj != nullptr && tid != nullptr) {
         if (plain) {
@@ -228,8 +259,8 @@ PyObject* map_sites(PyObject* /*self*/, PyObject* args) {
       continue;
     }
     // A module's parameters or buffers: `(container, name, t, ptr, stride)`.
-    PyObject* stride = strides_tuple(impl);
-    PyObject* ptr_obj = PyLong_FromUnsignedLongLong(ptr);
+    PyObject* stride = stride_of(impl);
+    PyObject* ptr_obj = ptr_int();
     PyObject* row = stride != nullptr && ptr_obj != nullptr
         ? PyTuple_Pack(5, container, name, t, ptr_obj, stride) : nullptr;
     Py_XDECREF(stride);

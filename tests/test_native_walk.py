@@ -70,8 +70,9 @@ class _Kernel:
 
 # A recipe: what to build, drawn by hypothesis; built into real objects by `_build`.
 _LEAVES = st.one_of(
-    st.tuples(st.just("tensor"), st.sampled_from(["plain", "param", "param_attr", "attr",
-                                                  "view", "transposed", "empty"])),
+    st.tuples(st.just("tensor"), st.sampled_from([
+        "plain", "param", "param_attr", "attr", "view", "transposed", "empty", "param_view",
+        "param_transposed"])),
     st.tuples(st.just("atom"), st.one_of(st.integers(-3, 3), st.floats(allow_nan=False),
                                          st.text(max_size=2), st.none(), st.booleans())),
     st.tuples(st.just("model")),
@@ -103,12 +104,13 @@ _RECIPES = st.recursive(_LEAVES, _nodes, max_leaves=25)
 def _build(recipe: Any, model: nn.Module, pool: list[Any]) -> Any:
     kind = recipe[0]
     if kind == "tensor":
-        # Views too: a pointer past its storage's start, strides of other shapes, no bytes.
+        # Views too, held and registered: a pointer past its storage's start, strides of
+        # other shapes (rows of one stride share its tuple), no bytes.
         made = {"view": lambda: torch.randn(3, 4)[1:], "transposed": lambda: torch.randn(3, 4).t(),
                 "empty": lambda: torch.empty(0)}
-        t = made.get(recipe[1], lambda: torch.randn(2))()
-        if recipe[1] in ("param", "param_attr", "attr"):
-            t = nn.Parameter(t, requires_grad=False) if recipe[1].startswith("param") else t
+        t = made.get(recipe[1].removeprefix("param_"), lambda: torch.randn(2))()
+        if recipe[1].startswith("param"):
+            t = nn.Parameter(t, requires_grad=False)
         if recipe[1].endswith("attr"):
             t.packed = torch.ones(1)  # type: ignore[attr-defined]
             t.scale = 0.5  # type: ignore[attr-defined]

@@ -99,8 +99,19 @@ PyObject* same_witnesses(PyObject* /*self*/, PyObject* args) {
 
 // Sets `list[i]` to `value` (an unsigned integer); false with an error set if no int
 // could be made.
-inline bool set_uint(PyObject* list, Py_ssize_t i, uint64_t value) {
-  PyObject* number = PyLong_FromUnsignedLongLong(value);
+// list[i] = value, unless it holds that int already (a witness taken again over a tensor
+// that kept its identity and pointer: nothing made), or `same` does (another list's int of
+// the same value: a storage key equal to its tensor's pointer).
+inline bool set_uint(PyObject* list, Py_ssize_t i, uint64_t value, PyObject* same = nullptr) {
+  PyObject* held = PyList_GET_ITEM(list, i);
+  if (PyLong_CheckExact(held)) {
+    const uint64_t was = PyLong_AsUnsignedLongLong(held);  // a negative int: an error
+    if (was == value && !PyErr_Occurred()) {
+      return true;
+    }
+    PyErr_Clear();
+  }
+  PyObject* number = same != nullptr ? Py_NewRef(same) : PyLong_FromUnsignedLongLong(value);
   if (number == nullptr) {
     return false;
   }
@@ -201,7 +212,8 @@ PyObject* take_witnesses(PyObject* /*self*/, PyObject* args) {
       continue;
     }
     if (!set_uint(l[3], i, reinterpret_cast<uintptr_t>(obj)) || !set_uint(l[4], i, ptr) ||
-        !set_uint(l[5], i, version) || !set_uint(l[6], i, key)) {
+        !set_uint(l[5], i, version) ||
+        !set_uint(l[6], i, key, key == ptr ? PyList_GET_ITEM(l[4], i) : nullptr)) {
       Py_DECREF(left);
       return nullptr;
     }
